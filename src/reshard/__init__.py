@@ -1,0 +1,47 @@
+"""reshard: distributed training checkpoints that reshard.
+
+Save the full training state of a model trained with TP/PP/DP/FSDP, commit it
+so that a half-written checkpoint never passes for a good one, and load it
+into a different parallel layout. See DESIGN.md for the contract.
+"""
+
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    ManifestError,
+    RankFailure,
+    ShardingError,
+    StorageError,
+)
+from .load import LoadResult, load
+from .manifest import Manifest
+from .options import LoadOptions, SaveOptions
+from .save import SaveResult, save
+from .sharding import ShardedObject, ShardedTensor
+from .verify import VerifyReport, inspect, latest, verify
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "IntegrityError",
+    "LoadOptions",
+    "LoadResult",
+    "Manifest",
+    "ManifestError",
+    "RankFailure",
+    "SaveOptions",
+    "SaveResult",
+    "ShardedObject",
+    "ShardedTensor",
+    "ShardingError",
+    "StorageError",
+    "VerifyReport",
+    "inspect",
+    "latest",
+    "load",
+    "save",
+    "verify",
+]

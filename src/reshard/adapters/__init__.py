@@ -1,0 +1,1 @@
+"""Adapters from the usual parts of a training state to the state tree."""

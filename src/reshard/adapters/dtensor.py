@@ -1,0 +1,46 @@
+"""DTensor leaves: a DTensor is sharded as its placements say.
+
+``Shard(d)`` (even or uneven) and ``Replicate()`` placements on any mesh map
+to one ShardedTensor per rank: the local tensor with its global offset
+(``compute_local_shape_and_global_offset``, as DCP does) and a replica_id
+counting the rank's position along the replicated mesh dimensions. ``Partial``
+is refused (reduce it first).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ShardingError
+from ..sharding import ShardedTensor
+
+
+def dtensor_shards(fqn: str, dt: Any) -> list[ShardedTensor]:
+    """The ShardedTensor(s) describing this rank's part of DTensor ``dt``.
+
+    Raises:
+        ShardingError: a ``Partial`` or otherwise unsupported placement.
+    """
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = dt.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:  # this rank is not in the mesh: it holds nothing
+        return []
+    replica = 0
+    for d, p in enumerate(dt.placements):
+        if isinstance(p, Partial):
+            raise ShardingError(f"{fqn}: DTensor with a Partial placement on mesh dim {d} cannot be "
+                                "saved; reduce it (redistribute to Replicate/Shard) first")
+        if isinstance(p, Replicate):
+            replica = replica * mesh.size(d) + coord[d]
+        elif type(p) is not Shard:
+            raise ShardingError(f"{fqn}: DTensor placement {p!r} is not supported yet")
+    shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
+    local = dt.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise ShardingError(f"{fqn}: DTensor local shape {tuple(local.shape)} differs from the "
+                            f"shape {tuple(shape)} its placements imply")
+    return [ShardedTensor(fqn, local, global_shape=tuple(dt.shape), global_offset=tuple(offset),
+                          replica_id=replica)]

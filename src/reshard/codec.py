@@ -1,0 +1,154 @@
+"""Typed, pickle-free encoding of plain Python values (common state).
+
+Values round-trip with their Python types: ``None``, ``bool``, ``int`` (any
+size), ``float`` (NaN and +-inf included), ``str``, ``bytes``, ``list``,
+``tuple``, ``dict`` (any encodable keys, e.g. ints, insertion order kept),
+``collections.Counter``, ``collections.OrderedDict``, ``set``, ``frozenset``,
+``slice``, NumPy arrays and scalars (e.g. ``numpy.random.get_state()``), and
+small torch tensors and dtypes appearing inside values.
+
+Encoded form: JSON in which every JSON object is a tag ``{"$tag": payload}``,
+so user data can never be confused with a tag. Decoding only builds the types
+listed above: nothing is imported or called by name.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import math
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from .errors import ManifestError
+
+_INT64 = 2**63
+
+
+def _enc_float(x: float) -> Any:
+    if math.isnan(x):
+        return {"$float": "nan"}
+    if math.isinf(x):
+        return {"$float": "inf" if x > 0 else "-inf"}
+    return x
+
+
+def to_json(value: Any, *, path: str = "") -> Any:
+    """Encode ``value`` into JSON-compatible data; TypeError names the path of an
+    unsupported value."""
+    t = type(value)
+    if value is None or t is bool or t is str:
+        return value
+    if t is int:
+        return value if -_INT64 <= value < _INT64 else {"$bigint": str(value)}
+    if t is float:
+        return _enc_float(value)
+    if t is list:
+        return [to_json(v, path=f"{path}[{i}]") for i, v in enumerate(value)]
+    if t is tuple:
+        return {"$tuple": [to_json(v, path=f"{path}[{i}]") for i, v in enumerate(value)]}
+    if t is dict or t is collections.OrderedDict or t is collections.Counter:
+        tag = {dict: "$dict", collections.OrderedDict: "$odict", collections.Counter: "$counter"}[t]
+        return {tag: [[to_json(k, path=f"{path}.<key>"), to_json(v, path=f"{path}.{k}")]
+                      for k, v in value.items()]}
+    if t is bytes or t is bytearray:
+        return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
+    if t is set or t is frozenset:
+        items = [to_json(v, path=f"{path}.<item>") for v in value]
+        items.sort(key=lambda e: msgspec.json.encode(e))
+        return {"$set" if t is set else "$frozenset": items}
+    if t is slice:
+        return {"$slice": [to_json(value.start), to_json(value.stop), to_json(value.step)]}
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            raise TypeError(f"{path or 'value'}: NumPy object arrays are not supported")
+        arr = np.ascontiguousarray(value)
+        return {"$ndarray": [arr.dtype.str, list(arr.shape), base64.b64encode(arr.tobytes()).decode("ascii")]}
+    if isinstance(value, np.generic):
+        arr = np.asarray(value)
+        return {"$npscalar": [arr.dtype.str, base64.b64encode(arr.tobytes()).decode("ascii")]}
+    if isinstance(value, torch.dtype):
+        return {"$torch_dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.Tensor):
+        from .sharding import dtype_name
+
+        cpu = value.detach().to("cpu").contiguous()
+        raw = cpu.reshape(-1).view(torch.uint8).numpy().tobytes() if cpu.numel() else b""
+        return {"$tensor": [dtype_name(cpu.dtype), list(cpu.shape), base64.b64encode(raw).decode("ascii")]}
+    if isinstance(value, int) and not isinstance(value, bool):  # IntEnum and friends: store the int
+        return to_json(int(value), path=path)
+    if isinstance(value, float):
+        return _enc_float(float(value))
+    if isinstance(value, str):
+        return str(value)
+    raise TypeError(f"{path or 'value'}: cannot store a value of type {t.__module__}.{t.__qualname__} "
+                    "in reshard's pickle-free encoding")
+
+
+def from_json(data: Any) -> Any:
+    """Decode data produced by :func:`to_json`; ManifestError on an unknown tag."""
+    if isinstance(data, list):
+        return [from_json(v) for v in data]
+    if not isinstance(data, dict):
+        return data
+    if len(data) != 1:
+        raise ManifestError(f"encoded value: expected a single-tag object, got keys {sorted(data)}")
+    tag, p = next(iter(data.items()))
+    if tag == "$float":
+        return float(p)
+    if tag == "$bigint":
+        return int(p)
+    if tag == "$tuple":
+        return tuple(from_json(v) for v in p)
+    if tag in ("$dict", "$odict", "$counter"):
+        cls = {"$dict": dict, "$odict": collections.OrderedDict, "$counter": collections.Counter}[tag]
+        out = cls()
+        for k, v in p:
+            out[from_json(k)] = from_json(v)
+        return out
+    if tag == "$bytes":
+        return base64.b64decode(p)
+    if tag == "$set":
+        return {from_json(v) for v in p}
+    if tag == "$frozenset":
+        return frozenset(from_json(v) for v in p)
+    if tag == "$slice":
+        return slice(*(from_json(v) for v in p))
+    if tag == "$ndarray":
+        dt, shape, b64 = p
+        return np.frombuffer(base64.b64decode(b64), dtype=np.dtype(dt)).reshape(shape).copy()
+    if tag == "$npscalar":
+        dt, b64 = p
+        return np.frombuffer(base64.b64decode(b64), dtype=np.dtype(dt))[0]
+    if tag == "$torch_dtype":
+        dtype = getattr(torch, str(p), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ManifestError(f"encoded value: unknown torch dtype {p!r}")
+        return dtype
+    if tag == "$tensor":
+        from .sharding import torch_dtype
+
+        name, shape, b64 = p
+        raw = bytearray(base64.b64decode(b64))
+        dtype = torch_dtype(name)
+        if not raw:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape).clone()
+    raise ManifestError(f"encoded value: unknown tag {tag!r}")
+
+
+def encode(value: Any, *, path: str = "") -> bytes:
+    """Value -> canonical bytes (JSON); equal values give equal bytes."""
+    return msgspec.json.encode(to_json(value, path=path))
+
+
+def decode(raw: bytes | memoryview) -> Any:
+    """Bytes from :func:`encode` -> value; ManifestError if malformed."""
+    try:
+        data = msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
+        raise ManifestError(f"encoded value is not valid JSON: {e}") from None
+    return from_json(data)

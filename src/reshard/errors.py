@@ -1,0 +1,120 @@
+"""One error hierarchy for every failure reshard reports.
+
+All classes derive from :class:`CheckpointError` (itself an ``Exception``, never
+``BaseException``), so ``except reshard.CheckpointError`` catches every fault
+reshard raises. A failure on one rank of a distributed save or load is raised on
+every rank; the error then carries ``failures``: for each failing rank, the
+exception's type name, message and traceback text (carried between ranks as
+text, never pickled).
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankFailure:
+    """What one rank reported when it failed.
+
+    Attributes:
+        rank: the rank in the process group of the call.
+        type_name: ``type(exc).__name__`` of the exception raised there.
+        message: ``str(exc)``.
+        traceback: the formatted traceback text.
+    """
+
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+
+    @classmethod
+    def from_exception(cls, rank: int, exc: BaseException) -> RankFailure:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        return cls(rank=rank, type_name=type(exc).__name__, message=str(exc), traceback=tb)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "rank": self.rank,
+            "type_name": self.type_name,
+            "message": self.message,
+            "traceback": self.traceback,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, object]) -> RankFailure:
+        return cls(
+            rank=int(obj["rank"]),  # type: ignore[call-overload]
+            type_name=str(obj["type_name"]),
+            message=str(obj["message"]),
+            traceback=str(obj["traceback"]),
+        )
+
+
+class CheckpointError(Exception):
+    """Root of reshard's errors.
+
+    Attributes:
+        failures: ``{rank: RankFailure}`` when the error was agreed across the
+            ranks of a collective save or load; empty for a local error.
+    """
+
+    def __init__(self, message: str, *, failures: dict[int, RankFailure] | None = None):
+        super().__init__(message)
+        self.failures: dict[int, RankFailure] = dict(failures or {})
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint at the path, or no valid manifest there."""
+
+
+class ManifestError(CheckpointError):
+    """Manifest unreadable, fails its schema, names a file outside the checkpoint,
+    or requires a feature this version does not know."""
+
+
+class ShardingError(CheckpointError, ValueError):
+    """Overlap, hole, conflicting shape or dtype, mismatch with the target,
+    or replicas that differ."""
+
+
+class IntegrityError(CheckpointError):
+    """Checksum mismatch, file shorter than declared, or declared sizes that
+    are inconsistent with the files."""
+
+
+class StorageError(CheckpointError):
+    """The store failed: I/O error, no space, throttled past retries, listing failed."""
+
+
+_BY_NAME: dict[str, type[CheckpointError]] = {
+    c.__name__: c
+    for c in (
+        CheckpointError,
+        CheckpointNotFoundError,
+        ManifestError,
+        ShardingError,
+        IntegrityError,
+        StorageError,
+    )
+}
+
+
+def agreed_error(what: str, failures: dict[int, RankFailure]) -> CheckpointError:
+    """Build the error every rank raises after an all-ranks agreement step.
+
+    The class is the common reshard class of all failures when they agree
+    (e.g. every failing rank raised ``ShardingError``), else ``CheckpointError``.
+    The message lists each failing rank, its exception type and message.
+    """
+    names = {f.type_name for f in failures.values()}
+    cls: type[CheckpointError] = CheckpointError
+    if len(names) == 1:
+        cls = _BY_NAME.get(next(iter(names)), CheckpointError)
+    lines = [f"{what} failed on {len(failures)} rank(s):"]
+    for rank in sorted(failures):
+        f = failures[rank]
+        lines.append(f"  rank {rank}: {f.type_name}: {f.message}")
+    return cls("\n".join(lines), failures=failures)

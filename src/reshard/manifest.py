@@ -1,0 +1,239 @@
+"""The manifest: versioned JSON schema, codec and validation.
+
+``manifest.json`` is the only proof that a checkpoint was committed. It is
+plain JSON (never pickle), decoded into frozen ``msgspec.Struct`` records and
+validated before any of it is used. Unknown optional fields are tolerated;
+unknown entries of ``required_features`` are refused.
+
+Units: shapes and offsets in elements (row-major, half-open); ``offset`` and
+``length`` of a chunk in bytes from the start of its file; ``size`` of a file
+in bytes. ``checksums`` of a chunk hold one ``xxh3_64`` hex digest per block of
+``checksum_block_bytes`` bytes of the chunk's data (the last block may be
+shorter), so a reader can verify exactly the blocks it reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from .errors import IntegrityError, ManifestError
+from .sharding import DTYPE_NAMES, itemsize, numel
+
+FORMAT = "reshard"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+KNOWN_FEATURES: frozenset[str] = frozenset()
+# A declared dimension above this is refused before anything is allocated.
+MAX_DIM = 2**48
+
+
+class Chunk(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
+    """One saved piece of a tensor: a box (and optional flat range) in one file."""
+
+    global_offset: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+    checksums: tuple[str, ...] = ()
+    flattened_range: tuple[int, int] | None = None
+
+    @property
+    def numel(self) -> int:
+        fr = self.flattened_range
+        return numel(self.local_shape) if fr is None else fr[1] - fr[0]
+
+
+class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    dtype: str
+    global_shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+
+class ObjectChunk(msgspec.Struct, frozen=True, forbid_unknown_fields=False, omit_defaults=True):
+    """One element of an object grid, encoded with :mod:`reshard.codec`."""
+
+    global_offset: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+    checksums: tuple[str, ...] = ()
+
+
+class ObjectEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    global_shape: tuple[int, ...]
+    chunks: tuple[ObjectChunk, ...]
+
+
+class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    size: int
+    checksum: str = ""
+
+
+class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """A committed checkpoint's description.
+
+    Attributes:
+        format / format_version: the storage format ("reshard", 1).
+        required_features: features a reader must understand to load this.
+        schema_version: the user's model/training schema version (opaque str).
+        step: training step recorded by ``save(..., step=N)``.
+        attempt_id: the save attempt that produced this checkpoint.
+        created_at: commit time, seconds since the epoch.
+        world_size: ranks of the save; ``mesh``: the save-time device mesh, if given.
+        tensors: fqn -> dtype, global_shape and the chunks of its primaries.
+        objects: key -> object grid shape and its elements.
+        values: common state (replicated plain values) in the codec's encoding.
+        aliases: fqn -> fqn of the tensor it shares storage with (tied weights).
+        files: file name -> size (bytes) and whole-file checksum.
+        extra: free-form, JSON only (user metadata).
+    """
+
+    attempt_id: str
+    created_at: float
+    world_size: int
+    checksum_block_bytes: int
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+    required_features: tuple[str, ...] = ()
+    checksum_algorithm: str = "xxh3_64"
+    schema_version: str | None = None
+    step: int | None = None
+    mesh: dict[str, Any] | None = None
+    tensors: dict[str, TensorEntry] = {}
+    objects: dict[str, ObjectEntry] = {}
+    values: Any = None
+    aliases: dict[str, str] = {}
+    files: dict[str, FileEntry] = {}
+    extra: dict[str, Any] = {}
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all data files."""
+        return sum(f.size for f in self.files.values())
+
+
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder(Manifest)
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    return _ENCODER.encode(m)
+
+
+def check_file_name(name: str, *, where: str) -> None:
+    """Refuse names that are not plain file names inside the checkpoint."""
+    if (
+        not name
+        or name in (".", "..", MANIFEST_NAME)
+        or "/" in name
+        or "\\" in name
+        or "\x00" in name
+        or name.startswith(".")
+    ):
+        raise ManifestError(f"{where}: file name {name!r} is not a plain file inside the checkpoint")
+
+
+def decode_manifest(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
+    """Parse and validate manifest bytes.
+
+    Raises:
+        ManifestError: not JSON, fails the schema, unsupported format or
+            version, unknown required feature, bad dtype/shape, a file name
+            outside the checkpoint, or a chunk naming an undeclared file.
+        IntegrityError: a chunk's declared byte length disagrees with its
+            shape and dtype, or reaches past the declared size of its file.
+    """
+    try:
+        m = _DECODER.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ManifestError(f"{where}: invalid manifest: {e}") from None
+    validate_manifest(m, where=where)
+    return m
+
+
+def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
+    if m.format != FORMAT:
+        raise ManifestError(f"{where}: format is {m.format!r}, expected {FORMAT!r}")
+    if m.format_version > FORMAT_VERSION or m.format_version < 1:
+        raise ManifestError(
+            f"{where}: format_version {m.format_version} is not supported (this reader: {FORMAT_VERSION})"
+        )
+    unknown = set(m.required_features) - KNOWN_FEATURES
+    if unknown:
+        raise ManifestError(f"{where}: requires unknown feature(s) {sorted(unknown)}")
+    if m.checksum_algorithm != "xxh3_64":
+        raise ManifestError(f"{where}: unknown checksum_algorithm {m.checksum_algorithm!r}")
+    if m.checksum_block_bytes <= 0:
+        raise ManifestError(f"{where}: checksum_block_bytes must be positive")
+    block = m.checksum_block_bytes
+    sizes: dict[str, int] = {}
+    for name, fe in m.files.items():
+        check_file_name(name, where=where)
+        if fe.size < 0:
+            raise ManifestError(f"{where}: file {name!r} has negative size")
+        sizes[name] = fe.size
+
+    def check_range(key: str, file: str, offset: int, length: int, checksums: tuple[str, ...]) -> None:
+        size = sizes.get(file)
+        if size is None:
+            check_file_name(file, where=f"{where}: {key}")
+            raise ManifestError(f"{where}: {key}: names file {file!r} that the manifest does not list")
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IntegrityError(
+                f"{where}: {key}: bytes [{offset}, {offset + length}) reach past the declared "
+                f"size {size} of file {file!r}"
+            )
+        if checksums and len(checksums) != -(-length // block):
+            raise ManifestError(
+                f"{where}: {key}: {len(checksums)} checksums for {length} bytes in blocks of {block}"
+            )
+
+    for fqn, te in m.tensors.items():
+        if te.dtype not in DTYPE_NAMES:
+            raise ManifestError(f"{where}: tensor {fqn!r}: dtype {te.dtype!r} is not on the allow-list")
+        gshape = te.global_shape
+        if any(d < 0 or d > MAX_DIM for d in gshape):
+            raise ManifestError(f"{where}: tensor {fqn!r}: global_shape {list(gshape)} out of range")
+        isz = itemsize(te.dtype)
+        volume = 0
+        for c in te.chunks:
+            key = f"tensor {fqn!r} chunk at {list(c.global_offset)}"
+            if len(c.global_offset) != len(gshape) or len(c.local_shape) != len(gshape):
+                raise ManifestError(f"{where}: {key}: rank differs from global_shape {list(gshape)}")
+            for o, s, g in zip(c.global_offset, c.local_shape, gshape, strict=True):
+                if o < 0 or s < 0 or o + s > g:
+                    raise ManifestError(
+                        f"{where}: {key}: box {list(c.local_shape)} lies outside global_shape {list(gshape)}"
+                    )
+            n = c.numel
+            if c.flattened_range is not None:
+                a, b = c.flattened_range
+                if not 0 <= a <= b <= numel(c.local_shape):
+                    raise ManifestError(f"{where}: {key}: flattened_range {a}:{b} outside its box")
+            if c.length != n * isz:
+                raise IntegrityError(
+                    f"{where}: {key}: declared length {c.length} bytes, but {n} elements of "
+                    f"{te.dtype} need {n * isz}"
+                )
+            check_range(key, c.file, c.offset, c.length, c.checksums)
+            volume += n
+        if volume != numel(gshape):
+            raise IntegrityError(
+                f"{where}: tensor {fqn!r}: chunks hold {volume} elements, global_shape "
+                f"{list(gshape)} needs {numel(gshape)}"
+            )
+    for key, oe in m.objects.items():
+        for oc in oe.chunks:
+            if len(oc.global_offset) != len(oe.global_shape) or any(
+                o < 0 or o >= g for o, g in zip(oc.global_offset, oe.global_shape, strict=True)
+            ):
+                raise ManifestError(f"{where}: object {key!r}: element {list(oc.global_offset)} "
+                                    f"outside its grid {list(oe.global_shape)}")
+            check_range(f"object {key!r} element {list(oc.global_offset)}", oc.file, oc.offset,
+                        oc.length, oc.checksums)
+    for alias, target in m.aliases.items():
+        if target not in m.tensors:
+            raise ManifestError(f"{where}: alias {alias!r} points to unknown tensor {target!r}")

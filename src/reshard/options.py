@@ -1,0 +1,73 @@
+"""Options records for save and load."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveOptions:
+    """How a save runs.
+
+    Attributes:
+        checksums: record an xxh3_64 checksum per block of every chunk.
+        checksum_block_bytes: block size of chunk checksums, in bytes; a reader
+            verifies whole blocks, so a ranged read reads at most one block
+            more on each side than it needs.
+        files_per_rank: data files each writer spreads its bytes over, one
+            writer thread per file.
+        overwrite: replace a committed checkpoint at ``path`` (local file
+            system only; the new one is published before the old is retired).
+        durable: fsync files and directories before publishing.
+        schema_version: the user's model/training schema version, recorded in
+            the manifest and checked at load.
+        mesh: a description of the save-time device mesh, recorded as is
+            (JSON-safe dict, e.g. ``{"dp": 2, "tp": 2}``).
+        extra: free-form JSON-safe metadata recorded in the manifest.
+        hmac_key: when set, the manifest carries an HMAC-SHA256 over its
+            contents; a load given the same key refuses a manifest that fails it.
+        verify_replicas: compare checksums of every replica of every chunk
+            across ranks (a mismatch is a ShardingError). Plain tensors and
+            common values are always compared.
+    """
+
+    checksums: bool = True
+    checksum_block_bytes: int = 1 << 20
+    files_per_rank: int = 1
+    overwrite: bool = False
+    durable: bool = True
+    schema_version: str | None = None
+    mesh: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    hmac_key: bytes | None = None
+    verify_replicas: bool = True
+
+    def __post_init__(self) -> None:
+        if self.checksum_block_bytes <= 0:
+            raise ValueError("checksum_block_bytes must be positive")
+        if self.files_per_rank < 1:
+            raise ValueError("files_per_rank must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How a load runs.
+
+    Attributes:
+        checksums: verify the checksum of every block read (default on; the
+            "never a wrong tensor" guarantee holds only with it on).
+        threads: reader threads per rank.
+        direct_read_min_bytes: chunks at least this large (bytes) are read
+            straight into their destination when its layout allows; smaller
+            neighbouring reads are coalesced into one.
+        schema_version: the schema the caller expects; a checkpoint recorded
+            with another one raises unless a transform migrates it.
+        hmac_key: verify the manifest's HMAC with this key (refuse unsigned).
+    """
+
+    checksums: bool = True
+    threads: int = 4
+    direct_read_min_bytes: int = 1 << 20
+    schema_version: str | None = None
+    hmac_key: bytes | None = None

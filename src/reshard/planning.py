@@ -1,0 +1,433 @@
+"""Save plan and load plan: pure functions, no I/O and no torch.distributed.
+
+Save planning (runs identically on every rank over the gathered local plans,
+so no scatter is needed):
+
+1. every fqn has one dtype and one global_shape across ranks;
+2. holders of the same chunk (same global_offset, local_shape and
+   flattened_range) are replicas: their digests must agree, and exactly one is
+   chosen to write it, balancing written bytes across ranks (greedy, largest
+   chunk first, onto the least-loaded holder; after Megatron Core's
+   ``distribute_shards_to_ranks``);
+3. the distinct chunks of each fqn must tile its global shape: no two overlap
+   and their volumes add up to the whole (so there is no hole);
+4. each writer's chunks are spread over ``files_per_rank`` files by bytes.
+
+Load planning intersects each requested box (or flat range of a box) with the
+saved chunks of its fqn and yields read items with the exact byte range of the
+chunk that each needs.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from .errors import ShardingError
+from .manifest import Chunk, TensorEntry
+from .sharding import box_intersection, itemsize, numel
+
+Shape = tuple[int, ...]
+Replica = int | tuple[int, ...]
+
+
+class LocalTensorItem(msgspec.Struct, frozen=True):
+    """One rank's description of one tensor shard (gathered to every rank).
+
+    ``nbytes`` in bytes; ``digest`` is a checksum of the shard's bytes used to
+    compare replicas ("" when not computed).
+    """
+
+    fqn: str
+    dtype: str
+    global_shape: Shape
+    global_offset: Shape
+    local_shape: Shape
+    flattened_range: tuple[int, int] | None
+    replica_id: Replica
+    nbytes: int
+    digest: str = ""
+
+    @property
+    def chunk_key(self) -> tuple[Shape, Shape, tuple[int, int] | None]:
+        return (self.global_offset, self.local_shape, self.flattened_range)
+
+
+class LocalObjectItem(msgspec.Struct, frozen=True):
+    """One rank's element of an object grid; ``digest`` of its encoded bytes."""
+
+    key: str
+    global_shape: Shape
+    global_offset: Shape
+    replica_id: Replica
+    nbytes: int
+    digest: str
+
+
+class LocalPlan(msgspec.Struct, frozen=True):
+    """Everything one rank contributes to planning (JSON-safe, no pickle).
+
+    ``values_digest``: checksum of the rank's encoded common values, compared
+    across ranks. ``error``: a failure this rank met before planning (as text),
+    so every rank can fail together instead of hanging.
+    """
+
+    rank: int
+    tensors: tuple[LocalTensorItem, ...] = ()
+    objects: tuple[LocalObjectItem, ...] = ()
+    values_digest: str = ""
+    aliases: dict[str, str] = {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteItem:
+    """``index`` into the writing rank's local tensors (kind "tensor") or
+    objects (kind "object"), written to ``file``."""
+
+    kind: str
+    index: int
+    file: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavePlan:
+    """Result of :func:`plan_save`.
+
+    Attributes:
+        writes: rank -> the items that rank writes, in file order.
+        files: rank -> the file names that rank writes.
+        bytes_per_rank: rank -> bytes of data it writes.
+    """
+
+    writes: dict[int, tuple[WriteItem, ...]]
+    files: dict[int, tuple[str, ...]]
+    bytes_per_rank: dict[int, int]
+
+
+def data_file_name(rank: int, index: int) -> str:
+    return f"data-r{rank:05d}-{index}.safetensors"
+
+
+def _ranks(holders: Iterable[tuple[int, int]]) -> list[int]:
+    return sorted({r for r, _ in holders})
+
+
+def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePlan:
+    """Deduplicate replicas, validate coverage, balance and assign files.
+
+    Args:
+        plans: one LocalPlan per rank, in rank order.
+        files_per_rank: how many data files each writer spreads its bytes over.
+
+    Raises:
+        ShardingError: conflicting dtype or global_shape for one fqn, replicas
+            whose digests differ, overlapping chunks, holes, conflicting object
+            grids or missing grid elements; the message names the fqn/key and
+            the ranks involved.
+    """
+    if files_per_rank < 1:
+        raise ValueError("files_per_rank must be >= 1")
+    # ---- tensors: consistency per fqn, holders per chunk
+    meta: dict[str, tuple[str, Shape, int]] = {}
+    holders: dict[str, dict[tuple, list[tuple[int, int]]]] = defaultdict(lambda: defaultdict(list))
+    for p in plans:
+        for i, it in enumerate(p.tensors):
+            prev = meta.get(it.fqn)
+            if prev is None:
+                meta[it.fqn] = (it.dtype, it.global_shape, p.rank)
+            elif prev[0] != it.dtype or prev[1] != it.global_shape:
+                raise ShardingError(
+                    f"{it.fqn}: rank {prev[2]} declares dtype {prev[0]} global_shape {list(prev[1])}, "
+                    f"rank {p.rank} declares dtype {it.dtype} global_shape {list(it.global_shape)}"
+                )
+            holders[it.fqn][it.chunk_key].append((p.rank, i))
+    by_rank = {p.rank: p for p in plans}
+    for fqn, chunks in holders.items():
+        for key, hs in chunks.items():
+            digests = {by_rank[r].tensors[i].digest for r, i in hs}
+            if len(digests) > 1:
+                raise ShardingError(
+                    f"{fqn}: replicas of chunk at offset {list(key[0])} shape {list(key[1])} differ "
+                    f"between ranks {_ranks(hs)} (replicated data must be identical on every holder)"
+                )
+        _check_coverage(fqn, meta[fqn][1], chunks)
+    # ---- objects
+    omap: dict[str, tuple[Shape, int]] = {}
+    oholders: dict[str, dict[Shape, list[tuple[int, int]]]] = defaultdict(lambda: defaultdict(list))
+    for p in plans:
+        for i, ob in enumerate(p.objects):
+            prev_o = omap.get(ob.key)
+            if prev_o is None:
+                omap[ob.key] = (ob.global_shape, p.rank)
+            elif prev_o[0] != ob.global_shape:
+                raise ShardingError(
+                    f"object {ob.key}: rank {prev_o[1]} declares grid {list(prev_o[0])}, "
+                    f"rank {p.rank} declares {list(ob.global_shape)}"
+                )
+            if ob.key in meta:
+                raise ShardingError(f"{ob.key}: used both as a tensor fqn and an object key")
+            oholders[ob.key][ob.global_offset].append((p.rank, i))
+    for key, elems in oholders.items():
+        grid = omap[key][0]
+        if len(elems) != numel(grid):
+            missing = numel(grid) - len(elems)
+            raise ShardingError(
+                f"object {key}: grid {list(grid)} has {missing} element(s) that no rank holds "
+                f"(held by ranks {sorted({r for hs in elems.values() for r, _ in hs})})"
+            )
+        for off, hs in elems.items():
+            if len({by_rank[r].objects[i].digest for r, i in hs}) > 1:
+                raise ShardingError(
+                    f"object {key}: element {list(off)} is held by ranks {_ranks(hs)} with "
+                    "different values (per-rank values need distinct global_offsets)"
+                )
+    # ---- choose writers, balancing bytes
+    load: dict[int, int] = {p.rank: 0 for p in plans}
+    chosen: dict[int, list[tuple[str, int, int]]] = defaultdict(list)  # rank -> (kind, index, nbytes)
+    multi: list[tuple[int, str, list[tuple[int, int]]]] = []
+
+    def nbytes_of(kind: str, r: int, i: int) -> int:
+        return by_rank[r].tensors[i].nbytes if kind == "tensor" else by_rank[r].objects[i].nbytes
+
+    groups: list[tuple[str, list[tuple[int, int]]]] = [
+        ("tensor", hs) for chunks in holders.values() for hs in chunks.values()
+    ] + [("object", hs) for elems in oholders.values() for hs in elems.values()]
+    for kind, hs in groups:
+        if len(hs) == 1:
+            r, i = hs[0]
+            n = nbytes_of(kind, r, i)
+            chosen[r].append((kind, i, n))
+            load[r] += n
+        else:
+            multi.append((nbytes_of(kind, *hs[0]), kind, hs))
+    multi.sort(key=lambda t: -t[0])  # stable: ties keep gather order
+    for n, kind, hs in multi:
+        r, i = min(hs, key=lambda h: (load[h[0]], h[0]))
+        chosen[r].append((kind, i, n))
+        load[r] += n
+    # ---- files: spread each rank's items over files_per_rank files by bytes
+    writes: dict[int, tuple[WriteItem, ...]] = {}
+    files: dict[int, tuple[str, ...]] = {}
+    for r in sorted(load):
+        items = sorted(chosen.get(r, []), key=lambda t: -t[2])
+        nfiles = max(1, min(files_per_rank, len(items)))
+        heap = [(0, k) for k in range(nfiles)]
+        per_file: dict[int, list[tuple[str, int]]] = defaultdict(list)
+        for kind, i, n in items:
+            b, k = heapq.heappop(heap)
+            per_file[k].append((kind, i))
+            heapq.heappush(heap, (b + n, k))
+        out: list[WriteItem] = []
+        names: list[str] = []
+        for k in range(nfiles):
+            if not per_file.get(k):
+                continue
+            name = data_file_name(r, k)
+            names.append(name)
+            # keep each file in the rank's local order (deterministic, cache friendly)
+            for kind, i in sorted(per_file[k], key=lambda t: (t[0] != "tensor", t[1])):
+                out.append(WriteItem(kind=kind, index=i, file=name))
+        writes[r] = tuple(out)
+        files[r] = tuple(names)
+    return SavePlan(writes=writes, files=files, bytes_per_rank=dict(load))
+
+
+def _check_coverage(fqn: str, gshape: Shape, chunks: dict[tuple, list[tuple[int, int]]]) -> None:
+    """Distinct chunks of one fqn must tile ``gshape`` exactly."""
+    boxes: dict[tuple[Shape, Shape], list[tuple[tuple[int, int] | None, list[tuple[int, int]]]]] = (
+        defaultdict(list)
+    )
+    for (off, shape, fr), hs in chunks.items():
+        boxes[(off, shape)].append((fr, hs))
+    volume = 0
+    for (off, shape), entries in boxes.items():
+        n = numel(shape)
+        volume += n
+        if len(entries) == 1 and entries[0][0] is None:
+            continue
+        if any(fr is None for fr, _ in entries):
+            ranks = sorted({r for _, hs in entries for r, _ in hs})
+            raise ShardingError(
+                f"{fqn}: chunk at offset {list(off)} shape {list(shape)} is saved both whole and as "
+                f"flattened ranges (ranks {ranks}): overlapping primaries"
+            )
+        pos = 0
+        for fr, hs in sorted(entries, key=lambda e: e[0]):  # type: ignore[arg-type,return-value]
+            assert fr is not None
+            if fr[0] < pos:
+                raise ShardingError(
+                    f"{fqn}: flattened ranges overlap at element {fr[0]} of the chunk at offset "
+                    f"{list(off)} (ranks {_ranks(hs)})"
+                )
+            if fr[0] > pos:
+                raise ShardingError(
+                    f"{fqn}: hole: elements [{pos}, {fr[0]}) of the chunk at offset {list(off)} shape "
+                    f"{list(shape)} are held by no rank"
+                )
+            pos = fr[1]
+        if pos != n:
+            raise ShardingError(
+                f"{fqn}: hole: elements [{pos}, {n}) of the chunk at offset {list(off)} shape "
+                f"{list(shape)} are held by no rank"
+            )
+    # pairwise overlap of distinct non-empty boxes, swept along dim 0
+    nonempty = [(off, shape) for off, shape in boxes if numel(shape) > 0]
+    if len(gshape) == 0:
+        if len(nonempty) > 1:
+            raise ShardingError(f"{fqn}: 0-dim tensor saved as more than one chunk")
+    else:
+        nonempty.sort()
+        active: list[tuple[Shape, Shape]] = []
+        for off, shape in nonempty:
+            active = [a for a in active if a[0][0] + a[1][0] > off[0]]
+            for aoff, ashape in active:
+                if box_intersection(aoff, ashape, off, shape) is not None:
+                    ranks = sorted(
+                        {r for key in chunks if key[0] in (aoff, off) and key[1] in (ashape, shape)
+                         for r, _ in chunks[key]}
+                    )
+                    raise ShardingError(
+                        f"{fqn}: overlapping chunks at offsets {list(aoff)} shape {list(ashape)} and "
+                        f"{list(off)} shape {list(shape)} (ranks {ranks})"
+                    )
+            active.append((off, shape))
+    if volume != numel(gshape):
+        raise ShardingError(
+            f"{fqn}: hole: chunks cover {volume} of the {numel(gshape)} elements of global_shape "
+            f"{list(gshape)}"
+        )
+
+
+# ----------------------------------------------------------------------------- load plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """What one target shard needs: a box of the logical tensor, optionally
+    only ``flattened_range`` of its row-major flattening (then the destination
+    is 1-D)."""
+
+    fqn: str
+    global_offset: Shape
+    local_shape: Shape
+    flattened_range: tuple[int, int] | None = None
+
+    @property
+    def numel(self) -> int:
+        fr = self.flattened_range
+        return numel(self.local_shape) if fr is None else fr[1] - fr[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadItem:
+    """Copy part of one saved chunk into part of one request's destination.
+
+    ``kind`` is
+
+    * ``"box"``: neither side flattened. ``box_offset``/``box_shape`` is the
+      overlap in global coordinates; the source is that box inside the chunk
+      and the destination that box inside the request.
+    * ``"flat"``: same box on both sides: elements ``[flat_start, flat_stop)``
+      of the box's flattening are copied (1-D).
+    * ``"gather"``: boxes differ and a side is flattened: element-wise index
+      mapping over the overlap box (computed at execution).
+
+    ``byte_start``/``byte_stop``: the bytes of the chunk's data (relative to
+    the chunk's first byte, half-open) that hold every element this item needs.
+    """
+
+    kind: str
+    chunk_index: int
+    box_offset: Shape
+    box_shape: Shape
+    flat_start: int = 0
+    flat_stop: int = 0
+    byte_start: int = 0
+    byte_stop: int = 0
+
+
+def _strides(shape: Shape) -> list[int]:
+    out = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        out[d] = out[d + 1] * shape[d + 1]
+    return out
+
+
+def _flat_span(box_off: Shape, box_shape: Shape, sub_off: Shape, sub_shape: Shape) -> tuple[int, int]:
+    """Row-major flat index range ``[first, last + 1)`` of sub-box inside box."""
+    st = _strides(box_shape)
+    first = sum((o - b) * s for o, b, s in zip(sub_off, box_off, st, strict=True))
+    last = sum((o + n - 1 - b) * s for o, n, b, s in zip(sub_off, sub_shape, box_off, st, strict=True))
+    return first, last + 1
+
+
+def plan_reads(entry: TensorEntry, req: Request) -> list[ReadItem]:
+    """Read items that together fill ``req`` from the saved chunks of ``entry``.
+
+    Raises:
+        ShardingError: the request lies outside ``entry.global_shape``.
+    """
+    gshape = entry.global_shape
+    if len(req.global_offset) != len(gshape) or any(
+        o + s > g for o, s, g in zip(req.global_offset, req.local_shape, gshape, strict=True)
+    ):
+        raise ShardingError(
+            f"{req.fqn}: requested box at {list(req.global_offset)} shape {list(req.local_shape)} "
+            f"lies outside the saved global_shape {list(gshape)}"
+        )
+    isz = itemsize(entry.dtype)
+    out: list[ReadItem] = []
+    if req.numel == 0:
+        return out
+    for ci, c in enumerate(entry.chunks):
+        if c.numel == 0:
+            continue
+        if len(gshape) == 0:
+            inter: tuple[Shape, Shape] | None = ((), ())
+        else:
+            inter = box_intersection(c.global_offset, c.local_shape, req.global_offset, req.local_shape)
+        if inter is None:
+            continue
+        ioff, ishape = inter
+        cfr, rfr = c.flattened_range, req.flattened_range
+        if cfr is None and rfr is None:
+            a, b = _flat_span(c.global_offset, c.local_shape, ioff, ishape)
+            out.append(ReadItem(kind="box", chunk_index=ci, box_offset=ioff, box_shape=ishape,
+                                byte_start=a * isz, byte_stop=b * isz))
+            continue
+        if c.global_offset == req.global_offset and c.local_shape == req.local_shape:
+            n = numel(c.local_shape)
+            ca, cb = cfr if cfr is not None else (0, n)
+            ra, rb = rfr if rfr is not None else (0, n)
+            lo, hi = max(ca, ra), min(cb, rb)
+            if lo < hi:
+                out.append(ReadItem(kind="flat", chunk_index=ci, box_offset=ioff, box_shape=ishape,
+                                    flat_start=lo, flat_stop=hi,
+                                    byte_start=(lo - ca) * isz, byte_stop=(hi - ca) * isz))
+            continue
+        # general case: the overlap box, restricted to both flat ranges
+        a, b = _flat_span(c.global_offset, c.local_shape, ioff, ishape)
+        if cfr is not None:
+            a, b = max(a, cfr[0]), min(b, cfr[1])
+            if a >= b:
+                continue
+            base = cfr[0]
+        else:
+            base = 0
+        if rfr is not None:
+            ra, rb = _flat_span(req.global_offset, req.local_shape, ioff, ishape)
+            if max(ra, rfr[0]) >= min(rb, rfr[1]):
+                continue
+        out.append(ReadItem(kind="gather", chunk_index=ci, box_offset=ioff, box_shape=ishape,
+                            byte_start=(a - base) * isz, byte_stop=(b - base) * isz))
+    return out
+
+
+def chunk_request(c: Chunk, fqn: str) -> Request:
+    """The request that reads a saved chunk exactly (used by verify and export)."""
+    return Request(fqn=fqn, global_offset=c.global_offset, local_shape=c.local_shape,
+                   flattened_range=c.flattened_range)

@@ -1,0 +1,433 @@
+"""Synchronous save: snapshot -> plan -> persist -> validate -> publish manifest last."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import xxhash
+
+from . import codec
+from .collectives import Collectives, get_collectives
+from .commit import attempt_path, new_attempt_id, publish, sign_manifest
+from .errors import CheckpointError, ShardingError
+from .manifest import (
+    MANIFEST_NAME,
+    Chunk,
+    FileEntry,
+    Manifest,
+    ObjectChunk,
+    ObjectEntry,
+    TensorEntry,
+)
+from .options import SaveOptions
+from .planning import LocalObjectItem, LocalPlan, LocalTensorItem, SavePlan, plan_save
+from .shardfile import FileItem, block_digests, digest_of, tensor_bytes, write_shard_file
+from .sharding import ShardedTensor, dtype_name
+from .storage import Storage, resolve
+from .tree import flatten
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveResult:
+    """What a save did (identical fields on every rank, except ``bytes_written``
+    and ``manifest``, which only the coordinator holds).
+
+    Attributes:
+        path: the committed checkpoint.
+        step: the step recorded in its manifest.
+        attempt_id: the attempt that was published.
+        bytes_written: data bytes this rank wrote.
+        total_bytes: data bytes of the whole checkpoint.
+        num_files: data files of the whole checkpoint.
+        timings: seconds spent per phase on this rank ("stage", "plan", "write", "commit").
+        manifest: the published manifest (coordinator only, else None).
+    """
+
+    path: str
+    step: int | None
+    attempt_id: str
+    bytes_written: int
+    total_bytes: int
+    num_files: int
+    timings: dict[str, float] = field(default_factory=dict)
+    manifest: Manifest | None = None
+
+
+@dataclass
+class Snapshot:
+    """The state to write, flattened and held in memory the save owns (or, for
+    a synchronous save, that the caller promises not to mutate until return)."""
+
+    tensors: list[tuple[LocalTensorItem, memoryview, tuple[str, ...] | None]]
+    objects: list[tuple[LocalObjectItem, bytes]]
+    values: dict[str, Any]
+    values_json: Any
+    aliases: dict[str, str]
+    value_digests: dict[str, str]
+
+
+def _storage_key(item: LocalTensorItem) -> str:
+    name = item.fqn
+    if item.global_offset:
+        name += "@" + ",".join(map(str, item.global_offset))
+    if item.flattened_range is not None:
+        name += "#{}:{}".format(*item.flattened_range)
+    return name
+
+
+def _alias_key(st: ShardedTensor) -> tuple[Any, ...] | None:
+    d = st.data
+    if d.numel() == 0:
+        return None
+    return (d.untyped_storage().data_ptr(), d.storage_offset(), tuple(d.shape), tuple(d.stride()),
+            d.dtype, d.device, st.global_shape, st.global_offset, st.local_shape,
+            st.flat_bounds)
+
+
+def collect(
+    state: Mapping[str, Any],
+    rank: int,
+    options: SaveOptions,
+    *,
+    copy: Any = None,
+) -> Snapshot:
+    """Flatten ``state`` and describe every local item.
+
+    ``copy`` (``tensor -> tensor``): used by async save to copy each tensor
+    into library-owned staging memory; None keeps views of the caller's memory.
+    """
+    from .adapters.dtensor import dtensor_shards
+
+    leaves = flatten(state)
+    sts: list[ShardedTensor] = list(leaves.tensors)
+    for path, t in leaves.plain.items():
+        sts.append(ShardedTensor(path, t, global_shape=tuple(t.shape), global_offset=(0,) * t.dim(),
+                                 replica_id=rank))
+    for path, dt in leaves.dtensors.items():
+        sts.extend(dtensor_shards(path, dt))
+    plain_fqns = set(leaves.plain)
+    block = options.checksum_block_bytes
+    tensors: list[tuple[LocalTensorItem, memoryview, tuple[str, ...] | None]] = []
+    seen: dict[tuple[Any, ...], int] = {}
+    by_view: dict[tuple[Any, ...], str] = {}
+    aliases: dict[str, str] = {}
+    for st in sts:
+        fqn = st.fqn
+        ak = _alias_key(st)
+        if ak is not None and by_view.get(ak, fqn) != fqn:
+            # the same memory, viewed the same way, under another fqn: tied weights
+            aliases[fqn] = by_view[ak]
+            continue
+        if ak is not None:
+            by_view[ak] = fqn
+        key = (fqn, st.global_offset, st.local_shape, st.flat_bounds)
+        if key in seen:
+            raise ShardingError(f"{fqn}: the same chunk at offset {list(st.global_offset)} appears "
+                                f"twice in rank {rank}'s state")
+        seen[key] = len(tensors)
+        data = st.data if copy is None else copy(st.data)
+        mv = tensor_bytes(data)
+        replicated = fqn in plain_fqns or st.replica_id != 0
+        sums: tuple[str, ...] | None = None
+        digest = ""
+        if options.checksums or replicated and options.verify_replicas or fqn in plain_fqns:
+            sums = block_digests(mv, block)
+            digest = digest_of(sums, len(mv))
+        item = LocalTensorItem(
+            fqn=fqn, dtype=dtype_name(st.data.dtype), global_shape=st.global_shape,
+            global_offset=st.global_offset, local_shape=st.local_shape,
+            flattened_range=st.flat_bounds, replica_id=st.replica_id, nbytes=len(mv), digest=digest,
+        )
+        tensors.append((item, mv, sums if options.checksums else None))
+    objects: list[tuple[LocalObjectItem, bytes]] = []
+    for ob in leaves.objects:
+        raw = codec.encode(ob.value, path=ob.key)
+        objects.append((LocalObjectItem(key=ob.key, global_shape=ob.global_shape,
+                                        global_offset=ob.global_offset, replica_id=ob.replica_id,
+                                        nbytes=len(raw), digest=xxhash.xxh3_64_hexdigest(raw)), raw))
+    values_json = {}
+    value_digests = {}
+    for path, v in leaves.values.items():
+        try:
+            j = codec.to_json(v, path=path)
+        except TypeError as e:
+            raise ShardingError(str(e)) from None
+        values_json[path] = j
+        value_digests[path] = xxhash.xxh3_64_hexdigest(msgspec.json.encode(j))
+    clash = (set(values_json) | {o.key for o, _ in objects}) & {t.fqn for t, _, _ in tensors}
+    if clash:
+        raise ShardingError(f"names used both for a tensor and a value/object: {sorted(clash)[:5]}")
+    return Snapshot(tensors=tensors, objects=objects, values=leaves.values, values_json=values_json,
+                    aliases=aliases, value_digests=value_digests)
+
+
+def _check_values(plans: list[dict[str, Any]]) -> None:
+    ref = plans[0]["value_digests"]
+    for r, p in enumerate(plans[1:], start=1):
+        d = p["value_digests"]
+        if d != ref:
+            keys = sorted(k for k in set(d) | set(ref) if d.get(k) != ref.get(k))
+            raise ShardingError(
+                f"common values differ between rank 0 and rank {r} at {keys[:10]} "
+                "(plain values must be equal on all ranks; per-rank values are ShardedObjects)"
+            )
+
+
+def _merge_aliases(plans: list[LocalPlan]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for p in plans:
+        for a, t in p.aliases.items():
+            if out.setdefault(a, t) != t:
+                raise ShardingError(f"{a}: aliased to {out[a]!r} on one rank and {t!r} on rank {p.rank}")
+    return out
+
+
+def persist(storage: Storage, attempt: str, snap: Snapshot, plan: SavePlan, rank: int,
+            options: SaveOptions) -> dict[str, Any]:
+    """Write this rank's files of ``plan``; returns what the coordinator needs
+    for the manifest (JSON-safe)."""
+    files: dict[str, list[tuple[str, int]]] = {}
+    for w in plan.writes.get(rank, ()):
+        files.setdefault(w.file, []).append((w.kind, w.index))
+
+    def write_one(name: str) -> dict[str, Any]:
+        entries = files[name]
+        items: list[FileItem] = []
+        for kind, i in entries:
+            if kind == "tensor":
+                it, mv, sums = snap.tensors[i]
+                from .sharding import itemsize as isz
+
+                shape = (it.flattened_range[1] - it.flattened_range[0],) if it.flattened_range else it.local_shape
+                items.append(FileItem(name=_storage_key(it), dtype=it.dtype, shape=tuple(shape), data=mv,
+                                      itemsize=isz(it.dtype), checksums=sums))
+            else:
+                ob, raw = snap.objects[i]
+                key = "__object__/" + ob.key + "@" + ",".join(map(str, ob.global_offset))
+                items.append(FileItem(name=key, dtype="uint8", shape=(len(raw),),
+                                      data=memoryview(raw), itemsize=1))
+        size, checksum, written = write_shard_file(
+            storage, storage.join(attempt, name), items, block_bytes=options.checksum_block_bytes,
+            checksums=options.checksums, durable=options.durable)
+        return {"name": name, "size": size, "checksum": checksum,
+                "items": [[kind, i, w.offset, w.length, list(w.checksums)]
+                          for (kind, i), w in zip(entries, written, strict=True)]}
+
+    names = list(files)
+    if len(names) <= 1:
+        results = [write_one(n) for n in names]
+    else:
+        with ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="reshard-write") as ex:
+            results = list(ex.map(write_one, names))
+    return {"files": results}
+
+
+def build_manifest(
+    plans: list[LocalPlan], written: list[dict[str, Any]], *, attempt_id: str, step: int | None,
+    options: SaveOptions, values_json: Any, aliases: dict[str, str], world_size: int,
+) -> Manifest:
+    tensors: dict[str, dict[str, Any]] = {}
+    objects: dict[str, dict[str, Any]] = {}
+    files: dict[str, FileEntry] = {}
+    for rank, rep in enumerate(written):
+        lp = plans[rank]
+        for f in rep["files"]:
+            files[f["name"]] = FileEntry(size=f["size"], checksum=f["checksum"])
+            for kind, i, off, length, sums in f["items"]:
+                if kind == "tensor":
+                    it = lp.tensors[i]
+                    e = tensors.setdefault(it.fqn, {"dtype": it.dtype, "global_shape": it.global_shape,
+                                                    "chunks": []})
+                    e["chunks"].append(Chunk(global_offset=it.global_offset, local_shape=it.local_shape,
+                                             flattened_range=it.flattened_range, file=f["name"],
+                                             offset=off, length=length, checksums=tuple(sums)))
+                else:
+                    ob = lp.objects[i]
+                    oe = objects.setdefault(ob.key, {"global_shape": ob.global_shape, "chunks": []})
+                    oe["chunks"].append(ObjectChunk(global_offset=ob.global_offset, file=f["name"],
+                                                    offset=off, length=length, checksums=tuple(sums)))
+    m = Manifest(
+        attempt_id=attempt_id, created_at=round(time.time(), 3), world_size=world_size,
+        checksum_block_bytes=options.checksum_block_bytes, schema_version=options.schema_version,
+        step=step, mesh=options.mesh,
+        tensors={k: TensorEntry(dtype=v["dtype"], global_shape=v["global_shape"],
+                                chunks=tuple(sorted(v["chunks"], key=lambda c: (c.global_offset, c.flattened_range or (0, 0)))))
+                 for k, v in sorted(tensors.items())},
+        objects={k: ObjectEntry(global_shape=v["global_shape"],
+                                chunks=tuple(sorted(v["chunks"], key=lambda c: c.global_offset)))
+                 for k, v in sorted(objects.items())},
+        values=values_json, aliases=dict(sorted(aliases.items())),
+        files=dict(sorted(files.items())), extra=dict(options.extra),
+    )
+    if options.hmac_key is not None:
+        m = sign_manifest(m, options.hmac_key)
+    return m
+
+
+def save(
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    group: Any = None,
+    options: SaveOptions | None = None,
+    storage: Storage | None = None,
+) -> SaveResult:
+    """Save ``state`` as one committed checkpoint at ``path``.
+
+    Every rank of ``group`` calls it with its own local state. Each rank writes
+    its own shard files; one writer per logical element (replicas deduplicated,
+    written bytes balanced); the coordinator (rank 0) writes ``manifest.json``
+    last and publishes the attempt.
+
+    Args:
+        state: the state tree (see DESIGN.md section 2); not mutated.
+        path: the checkpoint (local path, ``file://`` or ``memory://`` URL).
+            Missing parent directories are created.
+        step: recorded in the manifest; ``latest`` orders by it.
+        group: process group (default: the default group, or single-process).
+        options: :class:`SaveOptions`.
+        storage: a backend to use instead of resolving ``path``.
+
+    Returns:
+        SaveResult on every rank.
+
+    Raises:
+        CheckpointError (or the common subclass of every rank's failure, e.g.
+        ShardingError): on every rank when any rank failed; nothing is
+        published and no older checkpoint is touched.
+    """
+    coll = get_collectives(group)
+    opts = options or SaveOptions()
+    st, key = resolve(path, storage)
+    t0 = time.perf_counter()
+    snap = None
+    err: BaseException | None = None
+    try:
+        snap = collect(state, coll.rank, opts)
+    except Exception as e:  # noqa: BLE001 - reported to every rank
+        err = e
+    return run_save(coll, st, key, snap, err, step=step, options=opts, t0=t0)
+
+
+def run_save(
+    coll: Collectives, st: Storage, key: str, snap: Snapshot | None, err: BaseException | None, *,
+    step: int | None, options: SaveOptions, t0: float, on_attempt: Any = None,
+) -> SaveResult:
+    """Plan, persist, validate and publish a collected snapshot (shared by
+    ``save`` and the background thread of ``async_save``)."""
+    timings: dict[str, float] = {"stage": time.perf_counter() - t0}
+    rank = coll.rank
+    local: dict[str, Any] = {"error": None}
+    try:
+        if err is not None:
+            raise err
+        assert snap is not None
+        if rank == 0:
+            local["attempt"] = new_attempt_id()
+            if st.exists(st.join(key, MANIFEST_NAME)):
+                if not options.overwrite:
+                    raise FileExistsError(f"{key}: a committed checkpoint is already there "
+                                          "(pass SaveOptions(overwrite=True) to replace it)")
+                if not st.capabilities.atomic_rename:
+                    raise CheckpointError(f"{key}: overwrite is refused on a store without atomic "
+                                          "rename; publish under a new step instead")
+        lp = LocalPlan(rank=rank, tensors=tuple(t for t, _, _ in snap.tensors),
+                       objects=tuple(o for o, _ in snap.objects), aliases=snap.aliases)
+        local["plan"] = msgspec.to_builtins(lp)
+        local["value_digests"] = snap.value_digests
+    except Exception as e:  # noqa: BLE001
+        from .errors import RankFailure
+
+        local = {"error": RankFailure.from_exception(rank, e).to_json()}
+        err = e
+    t1 = time.perf_counter()
+    gathered = coll.all_gather_json(local)
+    _raise_gathered("save", gathered, err)
+    assert snap is not None
+    attempt_id = gathered[0]["attempt"]
+    attempt = attempt_path(st, key, attempt_id)
+    # deterministic over the gathered plans: every rank computes (or fails) the same
+    plans = [msgspec.convert(g["plan"], LocalPlan) for g in gathered]
+    _check_values(gathered)
+    aliases = _merge_aliases(plans)
+    plan = plan_save(plans, files_per_rank=options.files_per_rank)
+    timings["plan"] = time.perf_counter() - t1
+    if on_attempt is not None:
+        on_attempt(attempt)
+    t2 = time.perf_counter()
+    written: dict[str, Any] | None = None
+    err = None
+    try:
+        st.makedirs(attempt)
+        written = persist(st, attempt, snap, plan, rank, options)
+    except Exception as e:  # noqa: BLE001
+        err = e
+    timings["write"] = time.perf_counter() - t2
+    reports = coll.all_gather_json(_report(rank, written, err))
+    try:
+        _raise_gathered("save", reports, err)
+    except CheckpointError:
+        _cleanup(coll, st, attempt)
+        raise
+    t3 = time.perf_counter()
+    manifest = None
+    err = None
+    if rank == 0:
+        try:
+            manifest = build_manifest(plans, [r["written"] for r in reports], attempt_id=attempt_id,
+                                      step=step, options=options, values_json=snap.values_json,
+                                      aliases=aliases, world_size=coll.world_size)
+            publish(st, attempt, key, manifest, overwrite=options.overwrite, durable=options.durable)
+        except Exception as e:  # noqa: BLE001
+            err = e
+    final = coll.all_gather_json(_report(rank, None, err))
+    try:
+        _raise_gathered("save (publish)", final, err)
+    except CheckpointError:
+        _cleanup(coll, st, attempt)
+        raise
+    timings["commit"] = time.perf_counter() - t3
+    total = sum(f["size"] for r in reports for f in r["written"]["files"])
+    nfiles = sum(len(r["written"]["files"]) for r in reports)
+    mine = sum(f["size"] for f in reports[rank]["written"]["files"])
+    return SaveResult(path=key, step=step, attempt_id=attempt_id, bytes_written=mine,
+                      total_bytes=total, num_files=nfiles, timings=timings, manifest=manifest)
+
+
+def _report(rank: int, written: Any, err: BaseException | None) -> dict[str, Any]:
+    from .errors import RankFailure
+
+    if err is not None:
+        return {"error": RankFailure.from_exception(rank, err).to_json()}
+    return {"error": None, "written": written}
+
+
+def _raise_gathered(what: str, gathered: list[dict[str, Any]], mine: BaseException | None) -> None:
+    from .errors import RankFailure, agreed_error
+
+    failures = {r: RankFailure.from_json(g["error"]) for r, g in enumerate(gathered) if g.get("error")}
+    if failures:
+        e = agreed_error(what, failures)
+        if mine is not None:
+            raise e from mine
+        raise e
+
+
+def _cleanup(coll: Collectives, st: Storage, attempt: str) -> None:
+    """Remove a failed attempt (coordinator only, after every rank stopped
+    writing). Never touches a committed checkpoint: on rename-capable stores
+    the attempt is its own directory; on others nothing was published."""
+    if coll.rank != 0:
+        return
+    try:
+        if st.capabilities.atomic_rename or not st.exists(st.join(attempt, MANIFEST_NAME)):
+            st.delete_tree(attempt)
+    except Exception:  # noqa: BLE001 - best effort; abandoned attempts are ignored anyway
+        pass

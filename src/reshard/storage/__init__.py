@@ -1,0 +1,43 @@
+"""Storage backends and URL resolution."""
+
+from __future__ import annotations
+
+import os
+
+from .base import Capabilities, Storage, WriteStream
+from .local import LocalStorage
+from .memory import MemoryStorage, clear_memory_storage
+
+__all__ = [
+    "Capabilities",
+    "LocalStorage",
+    "MemoryStorage",
+    "Storage",
+    "WriteStream",
+    "clear_memory_storage",
+    "resolve",
+]
+
+
+def resolve(url: str | os.PathLike[str], storage: Storage | None = None) -> tuple[Storage, str]:
+    """Map a checkpoint path or URL to ``(backend, key)``.
+
+    ``/a/b``, ``a/b`` and ``file:///a/b`` -> local file system (absolute path);
+    ``memory://name/prefix`` -> the in-process store. An explicit ``storage``
+    takes the path as is.
+
+    Raises:
+        ValueError: an unsupported URL scheme.
+    """
+    s = os.fspath(url)
+    if storage is not None:
+        return storage, s.rstrip("/")
+    if s.startswith("memory://"):
+        rest = s[len("memory://"):].strip("/")
+        return MemoryStorage(), rest
+    if s.startswith("file://"):
+        s = s[len("file://"):]
+    elif "://" in s:
+        scheme = s.split("://", 1)[0]
+        raise ValueError(f"unsupported checkpoint URL scheme {scheme!r} in {s!r}")
+    return LocalStorage(), os.path.abspath(s).rstrip("/") or "/"

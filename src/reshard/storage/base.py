@@ -1,0 +1,149 @@
+"""Storage writer/reader protocol.
+
+A :class:`Storage` is a byte store addressed by ``/``-separated keys under a
+root. It knows nothing of tensors. Backends declare :class:`Capabilities`; the
+commit protocol picks atomic-rename publish or manifest-marker publish from
+them. Every backend passes the shared conformance suite in
+``tests/test_storage.py``.
+
+Call order during a save (every rank unless noted):
+``makedirs(attempt)`` -> ``open_write(file)``/``write``/``close`` (fsync'd
+when ``durable``) -> [coordinator] ``write_bytes(manifest)`` ->
+[coordinator] ``rename_dir`` (atomic-rename stores only) -> ``fsync_dir``.
+During a load: ``read_bytes(manifest)`` -> ``size``/``is_link`` of files ->
+``read_into`` of byte ranges, from several threads at once.
+
+Errors: a missing key raises ``FileNotFoundError`` (callers turn it into
+``CheckpointNotFoundError``); any other failure of the store raises
+:class:`~reshard.errors.StorageError`; a read past the end of a file raises
+:class:`~reshard.errors.IntegrityError`.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What a backend can do.
+
+    Attributes:
+        atomic_rename: a directory can be renamed atomically (local FS).
+        listing: children of a prefix can be listed.
+        ranged_reads: a byte range can be read without reading the whole object.
+        durable_sync: writes can be made durable explicitly (fsync).
+    """
+
+    atomic_rename: bool
+    listing: bool
+    ranged_reads: bool
+    durable_sync: bool
+
+
+class WriteStream(ABC):
+    """A file being written sequentially. ``close()`` makes it durable (if the
+    stream was opened ``durable``) and visible; ``abort()`` discards it."""
+
+    @abstractmethod
+    def write(self, data: bytes | memoryview) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @abstractmethod
+    def abort(self) -> None: ...
+
+
+class Storage(ABC):
+    """One backend. Keys are ``/``-joined strings as returned by :meth:`join`.
+
+    Attributes:
+        bytes_read: total bytes returned by reads since creation (counted
+            across threads), for tests and benchmarks.
+    """
+
+    capabilities: Capabilities
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def _count_read(self, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
+
+    def _count_write(self, n: int) -> None:
+        with self._lock:
+            self.bytes_written += n
+
+    @staticmethod
+    def join(*parts: str) -> str:
+        return "/".join(p.rstrip("/") for p in parts if p)
+
+    @staticmethod
+    def parent(path: str) -> str:
+        return path.rstrip("/").rpartition("/")[0]
+
+    @staticmethod
+    def basename(path: str) -> str:
+        return path.rstrip("/").rpartition("/")[2]
+
+    # -- writing
+    @abstractmethod
+    def makedirs(self, path: str) -> None: ...
+
+    @abstractmethod
+    def open_write(self, path: str, *, durable: bool = True) -> WriteStream: ...
+
+    def write_bytes(self, path: str, data: bytes, *, durable: bool = True) -> None:
+        s = self.open_write(path, durable=durable)
+        try:
+            s.write(data)
+        except BaseException:
+            s.abort()
+            raise
+        s.close()
+
+    @abstractmethod
+    def rename_dir(self, src: str, dst: str) -> None:
+        """Atomically rename a directory; only where ``atomic_rename``."""
+
+    @abstractmethod
+    def delete_tree(self, path: str) -> None:
+        """Delete a checkpoint directory/prefix and everything below it."""
+
+    def fsync_dir(self, path: str) -> None:  # noqa: B027 - optional hook
+        """Make the directory entry changes under ``path`` durable (if supported)."""
+
+    # -- reading
+    @abstractmethod
+    def read_into(self, path: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` with ``len(buf)`` bytes of ``path`` from byte ``offset``."""
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        if length is None:
+            length = self.size(path) - offset
+        buf = bytearray(length)
+        self.read_into(path, offset, memoryview(buf))
+        return bytes(buf)
+
+    @abstractmethod
+    def size(self, path: str) -> int: ...
+
+    @abstractmethod
+    def exists(self, path: str) -> bool: ...
+
+    def is_link(self, path: str) -> bool:
+        return False
+
+    @abstractmethod
+    def list_dir(self, path: str) -> list[str]:
+        """Names of the direct children of ``path`` (files and directories)."""
+
+    def modified_time(self, path: str) -> float | None:
+        """Modification time in seconds since the epoch, where known."""
+        return None

@@ -1,0 +1,151 @@
+"""Local file system backend: real files, fsync of files and directories,
+atomic directory rename, ranged reads with ``os.preadv`` straight into the
+caller's buffer."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+
+from ..errors import IntegrityError, StorageError
+from .base import Capabilities, Storage, WriteStream
+
+
+def _storage_error(op: str, path: str, e: OSError) -> StorageError:
+    what = "no space left on device" if e.errno == errno.ENOSPC else e.strerror or str(e)
+    return StorageError(f"{op} {path!r}: {what}")
+
+
+class _LocalWrite(WriteStream):
+    def __init__(self, store: LocalStorage, path: str, durable: bool):
+        self._store, self._path, self._durable = store, path, durable
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise _storage_error("open", path, e) from e
+
+    def write(self, data: bytes | memoryview) -> None:
+        mv = memoryview(data).cast("B")
+        try:
+            while mv:
+                n = os.write(self._fd, mv)
+                mv = mv[n:]
+                self._store._count_write(n)
+        except OSError as e:
+            raise _storage_error("write", self._path, e) from e
+
+    def close(self) -> None:
+        try:
+            if self._durable:
+                os.fsync(self._fd)
+        except OSError as e:
+            raise _storage_error("fsync", self._path, e) from e
+        finally:
+            os.close(self._fd)
+
+    def abort(self) -> None:
+        try:
+            os.close(self._fd)
+        finally:
+            try:
+                os.unlink(self._path)
+            except OSError:
+                pass
+
+
+class LocalStorage(Storage):
+    capabilities = Capabilities(atomic_rename=True, listing=True, ranged_reads=True, durable_sync=True)
+
+    def makedirs(self, path: str) -> None:
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise _storage_error("mkdir", path, e) from e
+
+    def open_write(self, path: str, *, durable: bool = True) -> WriteStream:
+        return _LocalWrite(self, path, durable)
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        try:
+            os.rename(src, dst)
+        except OSError as e:
+            raise _storage_error("rename", f"{src} -> {dst}", e) from e
+
+    def delete_tree(self, path: str) -> None:
+        try:
+            if os.path.islink(path) or os.path.isfile(path):
+                os.unlink(path)
+            else:
+                shutil.rmtree(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise _storage_error("delete", path, e) from e
+
+    def fsync_dir(self, path: str) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as e:
+            raise _storage_error("open dir", path, e) from e
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            raise _storage_error("fsync dir", path, e) from e
+        finally:
+            os.close(fd)
+
+    def read_into(self, path: str, offset: int, buf: memoryview) -> None:
+        buf = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+        want = len(buf)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise _storage_error("open", path, e) from e
+        try:
+            got = 0
+            while got < want:
+                n = os.preadv(fd, [buf[got:]], offset + got)
+                if n == 0:
+                    raise IntegrityError(
+                        f"{path}: file is shorter than declared: wanted bytes [{offset}, "
+                        f"{offset + want}), file ends at {offset + got}"
+                    )
+                got += n
+        except OSError as e:
+            raise _storage_error("read", path, e) from e
+        finally:
+            os.close(fd)
+        self._count_read(want)
+
+    def size(self, path: str) -> int:
+        try:
+            return os.stat(path).st_size
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise _storage_error("stat", path, e) from e
+
+    def exists(self, path: str) -> bool:
+        return os.path.lexists(path)
+
+    def is_link(self, path: str) -> bool:
+        return os.path.islink(path)
+
+    def list_dir(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise _storage_error("list", path, e) from e
+
+    def modified_time(self, path: str) -> float | None:
+        try:
+            return os.stat(path).st_mtime
+        except OSError:
+            return None

@@ -1,0 +1,95 @@
+"""In-process ``memory://`` backend (single process; for tests and scratch).
+
+Behaves like an object store: no atomic rename, so the commit protocol
+publishes by writing the manifest last under the final prefix."""
+
+from __future__ import annotations
+
+import threading
+
+from ..errors import IntegrityError
+from .base import Capabilities, Storage, WriteStream
+
+_STORES: dict[str, dict[str, bytes]] = {}
+_GLOBAL_LOCK = threading.Lock()
+
+
+class _MemWrite(WriteStream):
+    def __init__(self, store: MemoryStorage, path: str):
+        self._store, self._path, self._parts = store, path, []  # type: ignore[var-annotated]
+
+    def write(self, data: bytes | memoryview) -> None:
+        b = bytes(data)
+        self._parts.append(b)
+        self._store._count_write(len(b))
+
+    def close(self) -> None:
+        with self._store._lock:
+            self._store._objects[self._path] = b"".join(self._parts)
+
+    def abort(self) -> None:
+        self._parts.clear()
+
+
+class MemoryStorage(Storage):
+    capabilities = Capabilities(atomic_rename=False, listing=True, ranged_reads=True, durable_sync=False)
+
+    def __init__(self, namespace: str = "default"):
+        super().__init__()
+        with _GLOBAL_LOCK:
+            self._objects = _STORES.setdefault(namespace, {})
+
+    def makedirs(self, path: str) -> None:
+        pass
+
+    def open_write(self, path: str, *, durable: bool = True) -> WriteStream:
+        return _MemWrite(self, path)
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        raise NotImplementedError("memory:// has no atomic rename")
+
+    def delete_tree(self, path: str) -> None:
+        prefix = path.rstrip("/") + "/"
+        with self._lock:
+            for k in [k for k in self._objects if k.startswith(prefix) or k == path]:
+                del self._objects[k]
+
+    def _get(self, path: str) -> bytes:
+        try:
+            return self._objects[path]
+        except KeyError:
+            raise FileNotFoundError(path) from None
+
+    def read_into(self, path: str, offset: int, buf: memoryview) -> None:
+        data = self._get(path)
+        n = len(buf)
+        if offset + n > len(data):
+            raise IntegrityError(
+                f"{path}: object is shorter than declared: wanted bytes [{offset}, {offset + n}), "
+                f"object has {len(data)}"
+            )
+        buf.cast("B")[:] = data[offset : offset + n]
+        self._count_read(n)
+
+    def size(self, path: str) -> int:
+        return len(self._get(path))
+
+    def exists(self, path: str) -> bool:
+        prefix = path.rstrip("/") + "/"
+        return path in self._objects or any(k.startswith(prefix) for k in self._objects)
+
+    def list_dir(self, path: str) -> list[str]:
+        prefix = path.rstrip("/") + "/" if path else ""
+        names = {k[len(prefix):].split("/", 1)[0] for k in self._objects if k.startswith(prefix)}
+        if not names and path in self._objects:
+            raise NotADirectoryError(path)
+        return sorted(names)
+
+
+def clear_memory_storage(namespace: str | None = None) -> None:
+    """Drop everything stored under ``memory://`` (one namespace or all)."""
+    with _GLOBAL_LOCK:
+        if namespace is None:
+            _STORES.clear()
+        else:
+            _STORES.pop(namespace, None)
