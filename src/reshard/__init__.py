@@ -5,6 +5,10 @@ so that a half-written checkpoint never passes for a good one, and load it
 into a different parallel layout. See DESIGN.md for the contract.
 """
 
+from .adapters.data import DataCursor
+from .adapters.model import ModelState
+from .adapters.optimizer import OptimizerState
+from .adapters.rng import RNGState
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -25,6 +29,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "DataCursor",
+    "ModelState",
+    "OptimizerState",
+    "RNGState",
     "CheckpointNotFoundError",
     "IntegrityError",
     "LoadOptions",

@@ -45,6 +45,8 @@ class LoadResult:
         bytes_read: bytes this rank read from storage.
         duration_s: seconds the call took on this rank.
         manifest: the checkpoint's manifest.
+        notes: what adapters report about the load (e.g. parameters of an
+            optimizer that had no saved state, RNG streams re-derived).
     """
 
     path: str
@@ -56,7 +58,13 @@ class LoadResult:
     bytes_read: int = 0
     duration_s: float = 0.0
     manifest: Manifest | None = None
+    notes: dict[str, Any] = field(default_factory=dict)
 
+
+#: a ``reshard_prepare_load`` hook returns ``{HANDLED: [keys]}`` for saved keys
+#: it consumes by a rule of its own (e.g. RNG streams re-derived for another
+#: grid), so they are not reported as unexpected.
+HANDLED = "reshard.handled_keys"
 
 MissingRule = str | Callable[[str, torch.Tensor], None]
 
@@ -372,6 +380,8 @@ def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
     if opts.schema_version is not None and m.schema_version != opts.schema_version:
         raise ShardingError(f"{key}: checkpoint schema_version {m.schema_version!r} differs from the "
                             f"expected {opts.schema_version!r}; pass a migration in transforms")
+    notes: dict[str, Any] = {}
+    _prepare_hooks(state, m, notes)
     loaded_values: dict[str, Any] = {}
     loaded_objects: dict[tuple[str, tuple[int, ...]], Any] = {}
     leaves = flatten(state, loaded_values=loaded_values, loaded_objects=loaded_objects)
@@ -387,8 +397,38 @@ def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
         requested[ob.key] = "object"
     for p in leaves.values:
         requested[p] = "value"
+    for k in notes.pop(HANDLED, ()):
+        requested.setdefault(k, "handled")
     return {"manifest": m, "leaves": leaves, "sts": sts, "requested": requested,
-            "loaded_values": loaded_values, "loaded_objects": loaded_objects}
+            "loaded_values": loaded_values, "loaded_objects": loaded_objects, "notes": notes}
+
+
+def _prepare_hooks(state: Any, m: Manifest, notes: dict[str, Any]) -> None:
+    """Let adapters see the manifest before they declare what they need: an
+    object with ``reshard_prepare_load(manifest) -> dict | None`` (e.g. an
+    OptimizerState that creates the state tensors of a fresh optimizer, or an
+    RNGState that must re-derive streams for another grid) is called once,
+    before the state tree is walked. Returned dicts are merged into
+    ``LoadResult.notes``."""
+    seen: set[int] = set()
+
+    def walk(x: Any) -> None:
+        if id(x) in seen:
+            return
+        seen.add(id(x))
+        hook = getattr(x, "reshard_prepare_load", None)
+        if callable(hook) and not isinstance(x, type):
+            out = hook(m)
+            if out:
+                notes.update(out)
+        if isinstance(x, Mapping):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(state)
 
 
 def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key: str,
@@ -476,4 +516,5 @@ def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key
         if p in leaves.values:
             loaded_values[p] = v
     return LoadResult(path=key, step=m.step, missing=tuple(missing), unexpected=tuple(unexpected),
-                      initialized=tuple(initialized), values=values, manifest=m)
+                      initialized=tuple(initialized), values=values, manifest=m,
+                      notes=dict(ctx["notes"]))

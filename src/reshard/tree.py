@@ -100,15 +100,15 @@ def flatten(
     out = Leaves()
     seen_paths: set[str] = set()
 
-    def rebuild(x: Any, path: str) -> Any:
+    def rebuild(x: Any, path: str, root: bool = False) -> Any:
         if loaded_values is None:
             return x
         if isinstance(x, ShardedObject):
             key = (x.key, x.global_offset)
             return replace(x, value=loaded_objects[key]) if key in loaded_objects else x
-        if path in loaded_values:
+        if not root and path in loaded_values:
             return loaded_values[path]
-        if isinstance(x, Mapping) and _is_special(x):
+        if isinstance(x, Mapping) and (root or _is_special(x)):
             d = {k: rebuild(v, _join(path, k)) for k, v in x.items()}
             return d if type(x) is dict else type(x)(d)  # type: ignore[call-arg]
         if isinstance(x, (list, tuple)) and _is_special(x) and not _all_sharded(x):
@@ -138,7 +138,7 @@ def flatten(
             if not isinstance(sd, Mapping):
                 raise ShardingError(f"{path}: state_dict() returned {type(sd).__name__}, not a mapping")
             walk_container(sd, path)
-            out.statefuls.append((path, x, lambda sd=sd, path=path: rebuild(sd, path)))
+            out.statefuls.append((path, x, lambda sd=sd, path=path: rebuild(sd, path, True)))
             return
         elif isinstance(x, Mapping) and _is_special(x):
             walk_container(x, path)

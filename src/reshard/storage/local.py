@@ -102,7 +102,7 @@ class LocalStorage(Storage):
         want = len(buf)
         try:
             fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # a missing key, as the protocol says
             raise
         except OSError as e:
             raise _storage_error("open", path, e) from e
@@ -125,7 +125,7 @@ class LocalStorage(Storage):
     def size(self, path: str) -> int:
         try:
             return os.stat(path).st_size
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # a missing key, as the protocol says
             raise
         except OSError as e:
             raise _storage_error("stat", path, e) from e
@@ -139,7 +139,7 @@ class LocalStorage(Storage):
     def list_dir(self, path: str) -> list[str]:
         try:
             return sorted(os.listdir(path))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # a missing key, as the protocol says
             raise
         except OSError as e:
             raise _storage_error("list", path, e) from e

@@ -1,0 +1,174 @@
+"""RNG streams: per-rank state, and layout-independent counter-based randomness.
+
+:class:`RNGState` saves, **per rank**, Python's ``random``, NumPy's global
+generator, torch's CPU generator, every CUDA device's generator and any named
+``torch.Generator`` the user registers (e.g. a tensor-parallel tracker), as
+one element of a ``ShardedObject`` grid of shape ``(world_size,)`` (never
+deduplicated as replicas).
+
+* Same layout: every rank gets its own streams back; the next dropout mask is
+  identical to an uninterrupted run.
+* Changed layout (another grid shape): streams cannot follow ranks that no
+  longer exist. The documented rule: every stream of new rank ``r`` is
+  re-seeded from ``derive_seed(base_seed, step, coords)`` where ``coords`` is
+  the rank's logical coordinates (default ``{"rank": r}``), and a
+  ``RuntimeWarning`` says so. No stream of another rank is ever reused.
+
+:func:`counter_uniform` gives randomness keyed by (seed, step, logical element
+index) — identical whatever the parallel layout — for dropout and masking that
+must agree across layouts (a counter-based generator in the spirit of
+Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11; the mixer
+is SplitMix64, Steele et al., OOPSLA'14).
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from ..manifest import Manifest
+from ..sharding import ShardedObject
+
+_MASK64 = (1 << 64) - 1
+
+
+def derive_seed(base_seed: int, step: int, coords: dict[str, int], stream: str = "") -> int:
+    """A 63-bit seed from ``(base_seed, step, coords, stream)``, independent of
+    any global generator."""
+    text = f"{base_seed}|{step}|{sorted(coords.items())}|{stream}"
+    return xxhash.xxh3_64_intdigest(text.encode()) & ((1 << 63) - 1)
+
+
+class RNGState:
+    """Stateful adapter for this rank's random number generators.
+
+    Args:
+        rank, world_size: this rank's place in the grid (default: from
+            torch.distributed when initialised, else 0 and 1).
+        base_seed: the run's seed, recorded for the re-derivation rule.
+        coords: logical coordinates of this rank (e.g. ``{"dp": 1, "tp": 0}``)
+            used when streams must be re-derived.
+        streams: named ``torch.Generator``s to save besides the global ones.
+        key: the object key in the checkpoint.
+    """
+
+    def __init__(self, *, rank: int | None = None, world_size: int | None = None,
+                 base_seed: int = 0, coords: dict[str, int] | None = None,
+                 streams: dict[str, torch.Generator] | None = None, key: str = "rng"):
+        if rank is None or world_size is None:
+            import torch.distributed as dist
+
+            ok = dist.is_available() and dist.is_initialized()
+            rank = dist.get_rank() if ok and rank is None else (rank or 0)
+            world_size = dist.get_world_size() if ok and world_size is None else (world_size or 1)
+        self.rank, self.world_size = rank, world_size
+        self.base_seed = base_seed
+        self.coords = dict(coords) if coords is not None else {"rank": rank}
+        self.streams = dict(streams or {})
+        self.key = key
+        self._rederive: int | None = None  # step to re-derive from, set by prepare
+        self.rederived = False
+
+    def capture(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "named": {k: g.get_state() for k, g in self.streams.items()},
+        }
+        if torch.cuda.is_available():
+            out["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+        return out
+
+    def restore(self, st: dict[str, Any]) -> None:
+        random.setstate(st["python"])
+        np.random.set_state(st["numpy"])
+        torch.set_rng_state(st["torch"])
+        for name, s in st.get("named", {}).items():
+            if name in self.streams:
+                self.streams[name].set_state(s)
+        if "cuda" in st and torch.cuda.is_available():
+            for i, s in enumerate(st["cuda"][: torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(s, i)
+
+    def state_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"meta": ShardedObject(f"{self.key}.meta", {"base_seed": self.base_seed})}
+        if self._rederive is None:
+            d["streams"] = ShardedObject(self.key, self.capture(), global_shape=(self.world_size,),
+                                         global_offset=(self.rank,))
+        return d
+
+    def reshard_prepare_load(self, m: Manifest) -> dict[str, Any] | None:
+        oe = m.objects.get(self.key)
+        if oe is None or tuple(oe.global_shape) == (self.world_size,):
+            self._rederive = None
+            return None
+        self._rederive = m.step or 0
+        warnings.warn(
+            f"RNG streams were saved for a grid of {list(oe.global_shape)} ranks and are loaded on "
+            f"{self.world_size}: re-deriving every stream of rank {self.rank} from (base_seed, step "
+            f"{self._rederive}, coords {self.coords}) instead of reusing another rank's stream",
+            RuntimeWarning, stacklevel=2)
+        from ..load import HANDLED
+
+        return {f"{self.key}.rederived": True, HANDLED: [self.key]}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        base = sd["meta"].value["base_seed"]
+        if self._rederive is None:
+            self.restore(sd["streams"].value)
+            self.rederived = False
+            return
+        step = self._rederive
+        self._rederive = None
+        seed = derive_seed(base, step, self.coords)
+        random.seed(seed)
+        np.random.seed(seed & 0xFFFFFFFF)
+        torch.manual_seed(seed)
+        for name, g in self.streams.items():
+            g.manual_seed(derive_seed(base, step, self.coords, name))
+        self.rederived = True
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64 finaliser on int64 tensors (wrap-around arithmetic)."""
+    def srl(v: torch.Tensor, k: int) -> torch.Tensor:  # logical right shift
+        return (v >> k) & ((1 << (64 - k)) - 1)
+
+    x = x + torch.tensor(0x9E3779B97F4A7C15 - (1 << 64), dtype=torch.int64)
+    x = (x ^ srl(x, 30)) * torch.tensor(0xBF58476D1CE4E5B9 - (1 << 64), dtype=torch.int64)
+    x = (x ^ srl(x, 27)) * torch.tensor(0x94D049BB133111EB - (1 << 64), dtype=torch.int64)
+    return x ^ srl(x, 31)
+
+
+def counter_uniform(seed: int, step: int, global_shape: Sequence[int],
+                    global_offset: Sequence[int] | None = None,
+                    local_shape: Sequence[int] | None = None, *, stream: int = 0) -> torch.Tensor:
+    """Uniform ``[0, 1)`` float32 values of the box ``[global_offset,
+    global_offset + local_shape)`` of a logical tensor of ``global_shape``.
+
+    Element ``i`` (row-major index in the logical tensor) gets a value that
+    depends only on ``(seed, step, stream, i)``, so every parallel layout that
+    holds element ``i`` draws the same number for it.
+    """
+    gshape = tuple(global_shape)
+    off = tuple(global_offset) if global_offset is not None else (0,) * len(gshape)
+    shp = tuple(local_shape) if local_shape is not None else gshape
+    strides = [1] * len(gshape)
+    for d in range(len(gshape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * gshape[d + 1]
+    idx = torch.zeros(shp, dtype=torch.int64)
+    for d, (o, n, s) in enumerate(zip(off, shp, strides, strict=True)):
+        view = [1] * len(shp)
+        view[d] = n
+        idx = idx + (torch.arange(o, o + n, dtype=torch.int64) * s).reshape(view)
+    key = derive_seed(seed, step, {"stream": stream})
+    h = _splitmix64(idx ^ torch.tensor(key, dtype=torch.int64))
+    h = _splitmix64(h)
+    return (((h >> 40) & ((1 << 24) - 1)).to(torch.float32)) * (1.0 / (1 << 24))

@@ -1,0 +1,249 @@
+"""The ``reshard`` command: list, inspect and verify checkpoints; run a demo.
+
+Exit codes: 0 success; 1 a problem was found (invalid or corrupt checkpoint,
+demo mismatch); 2 no checkpoint at the given path (or a usage error).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from .commit import committed, read_manifest, scan
+from .errors import CheckpointError, CheckpointNotFoundError
+from .manifest import Manifest, encode_manifest
+from .storage import resolve
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _when(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _shape(s: Sequence[int]) -> str:
+    return "[" + ",".join(map(str, s)) + "]"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[int] = (),
+           indent: str = "  ") -> None:
+    cells = [list(map(str, headers))] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for r in cells:
+        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        click.echo((indent + "  ".join(parts)).rstrip())
+
+
+def _fail(code: int, msg: str) -> None:
+    click.echo(f"reshard: {msg}", err=True)
+    sys.exit(code)
+
+
+def _manifest(path: str) -> Manifest:
+    """The validated manifest at ``path``; exits 2 if none, 1 if invalid."""
+    try:
+        st, key = resolve(path)
+        return read_manifest(st, key)
+    except CheckpointNotFoundError as e:
+        _fail(2, str(e))
+    except ValueError as e:  # unsupported URL scheme
+        _fail(2, str(e))
+    except CheckpointError as e:
+        _fail(1, f"{type(e).__name__}: {e}")
+    raise AssertionError("unreachable")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="reshard")
+def main() -> None:
+    """Distributed training checkpoints that reshard."""
+
+
+@main.command("ls")
+@click.argument("root")
+def ls_cmd(root: str) -> None:
+    """List committed checkpoints under ROOT, then abandoned and invalid ones."""
+    try:
+        st, key = resolve(root)
+        done = committed(st, key)
+        others = [e for e in scan(st, key) if e.manifest is None]
+    except ValueError as e:
+        _fail(2, str(e))
+    except CheckpointError as e:
+        _fail(1, f"{type(e).__name__}: {e}")
+    if not done:
+        try:  # ROOT may itself be a checkpoint
+            m = read_manifest(st, key)
+        except CheckpointError:
+            pass
+        else:
+            click.echo(f"{key} is itself a committed checkpoint:")
+            _table(["step", "size", "files", "committed"],
+                   [["-" if m.step is None else m.step, human_bytes(m.total_bytes), len(m.files),
+                     _when(m.created_at)]], right=(0, 1, 2))
+            return
+    if done:
+        click.echo(f"committed ({len(done)}) under {key}:")
+        _table(["step", "size", "files", "committed", "name"],
+               [["-" if e.step is None else e.step, human_bytes(e.manifest.total_bytes),  # type: ignore[union-attr]
+                 len(e.manifest.files), _when(e.manifest.created_at), e.name]  # type: ignore[union-attr]
+                for e in done], right=(0, 1, 2))
+    else:
+        click.echo(f"no committed checkpoint under {key}")
+    abandoned = [e for e in others if e.abandoned]
+    invalid = [e for e in others if not e.abandoned]
+    if abandoned:
+        click.echo(f"abandoned ({len(abandoned)}, never committed; ignored by load):")
+        _table(["name", "modified", "why"],
+               [[e.name, _when(e.mtime), e.problem or "incomplete attempt"] for e in abandoned])
+    if invalid:
+        click.echo(f"invalid ({len(invalid)}; ignored by load):")
+        for e in invalid:
+            click.echo(f"  {e.name}: {e.problem}")
+
+
+@main.command("inspect")
+@click.argument("ckpt")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+def inspect_cmd(ckpt: str, as_json: bool) -> None:
+    """Describe the checkpoint CKPT: metadata, tensors, objects, values, aliases."""
+    m = _manifest(ckpt)
+    if as_json:
+        click.echo(json.dumps(json.loads(encode_manifest(m)), indent=2))
+        return
+    na = "-"
+    click.echo(f"{resolve(ckpt)[1]}")
+    click.echo(f"  format {m.format} v{m.format_version}  step {na if m.step is None else m.step}  "
+               f"schema_version {m.schema_version or na}  world_size {m.world_size}  "
+               f"mesh {json.dumps(m.mesh) if m.mesh else na}")
+    click.echo(f"  committed {_when(m.created_at)}  attempt {m.attempt_id}  "
+               f"{len(m.files)} files, {human_bytes(m.total_bytes)}  "
+               f"checksums {m.checksum_algorithm}/{human_bytes(m.checksum_block_bytes)} blocks"
+               + ("  signed" if "hmac_sha256" in m.extra else ""))
+    if m.required_features:
+        click.echo(f"  required features: {', '.join(m.required_features)}")
+    click.echo(f"tensors ({len(m.tensors)}):")
+    if m.tensors:
+        _table(["fqn", "dtype", "global shape", "chunks", "bytes"],
+               [[fqn, te.dtype, _shape(te.global_shape), len(te.chunks),
+                 human_bytes(sum(c.length for c in te.chunks))] for fqn, te in m.tensors.items()],
+               right=(3, 4))
+    if m.objects:
+        click.echo(f"objects ({len(m.objects)}):")
+        _table(["key", "grid", "elements"],
+               [[k, _shape(oe.global_shape), len(oe.chunks)] for k, oe in m.objects.items()],
+               right=(2,))
+    values = sorted((m.values or {}).keys()) if isinstance(m.values, dict) else []
+    if values:
+        click.echo(f"values ({len(values)}): {', '.join(values)}")
+    if m.aliases:
+        click.echo(f"aliases ({len(m.aliases)}):")
+        for a, t in m.aliases.items():
+            click.echo(f"  {a} -> {t}")
+
+
+@main.command("verify")
+@click.argument("ckpt")
+@click.option("--no-checksums", is_flag=True, help="Check structure and sizes only.")
+def verify_cmd(ckpt: str, no_checksums: bool) -> None:
+    """Check CKPT's manifest, coverage, files and (by default) every checksum.
+
+    Exits 1 if any problem is found, 2 if there is no checkpoint at CKPT.
+    """
+    from .verify import verify
+
+    t0 = time.perf_counter()
+    try:
+        rep = verify(ckpt, checksums=not no_checksums)
+    except (CheckpointNotFoundError, ValueError) as e:
+        _fail(2, str(e))
+    except CheckpointError as e:
+        _fail(1, f"{type(e).__name__}: {e}")
+    secs = time.perf_counter() - t0
+    if rep.ok:
+        what = ("structure and sizes only" if no_checksums
+                else f"{human_bytes(rep.bytes_checked)} checksummed")
+        click.echo(f"OK {rep.path} ({what}, {secs:.2f} s)")
+        return
+    click.echo(f"FAILED {rep.path}: {len(rep.problems)} problem(s)")
+    for p in rep.problems:
+        click.echo(f"  {p}")
+    sys.exit(1)
+
+
+@main.command("demo")
+@click.option("--out", "out", type=click.Path(file_okay=False), default=None,
+              help="Directory for the checkpoint (default: a temporary one, removed after).")
+@click.option("--save-ranks", type=click.IntRange(1, 8), default=4, show_default=True)
+@click.option("--load-ranks", type=click.IntRange(1, 8), default=3, show_default=True)
+@click.option("--rows", type=click.IntRange(1, None), default=4096, show_default=True,
+              help="Rows of the row-sharded [rows, 64] weight.")
+def demo_cmd(out: str | None, save_ranks: int, load_ranks: int, rows: int) -> None:
+    """Save a synthetic state on N gloo ranks, verify it, load it on M ranks
+    into another layout and check every element bit-exactly."""
+    from .testing import demo_core as dc
+    from .testing.pool import WorkerPool
+    from .verify import verify
+
+    if rows > dc.MAX_ROWS:
+        raise click.BadParameter(f"at most {dc.MAX_ROWS} (float32 must hold every index exactly)",
+                                 param_hint="--rows")
+    tmp = None
+    if out is None:
+        tmp = out = tempfile.mkdtemp(prefix="reshard-demo-")
+    path = os.path.join(os.path.abspath(out), "ckpt", "step-00000001")
+    pool = WorkerPool(pg_timeout=300.0, grace=10.0, max_groups=1)
+    try:
+        click.echo(f"reshard demo: save on {save_ranks} gloo ranks -> load on {load_ranks}, "
+                   f"rows={rows}")
+        click.echo(f"  save layout : {dc.save_layout(rows, save_ranks)}")
+        click.echo(f"  load layout : {dc.load_layout(rows, load_ranks)}")
+        saved = pool.run(save_ranks, dc.save_rank, path, rows, timeout=600.0)
+        s_secs = max(r["seconds"] for r in saved)
+        total, nfiles = saved[0]["total_bytes"], saved[0]["num_files"]
+        click.echo(f"  checkpoint  : {path}  {human_bytes(total)} in {nfiles} files")
+        click.echo(f"  save        : {s_secs:.3f} s  {total / 1e6 / max(s_secs, 1e-9):.1f} MB/s")
+        rep = verify(path)
+        click.echo("  verify      : " + (f"OK ({human_bytes(rep.bytes_checked)} checksummed)"
+                                        if rep.ok else "FAILED: " + "; ".join(rep.problems)))
+        loaded = pool.run(load_ranks, dc.load_rank, path, rows, timeout=600.0)
+    finally:
+        pool.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    l_secs = max(r["seconds"] for r in loaded)
+    nread = sum(r["bytes_read"] for r in loaded)
+    click.echo(f"  load        : {l_secs:.3f} s  {nread / 1e6 / max(l_secs, 1e-9):.1f} MB/s "
+               f"({human_bytes(nread)} read by {load_ranks} ranks)")
+    elements = sum(r["elements"] for r in loaded)
+    bad = sum(r["mismatched"] for r in loaded)
+    diff = max(r["max_abs_diff"] for r in loaded)
+    steps = {r["step"] for r in loaded}
+    ok = rep.ok and bad == 0 and steps == {1}
+    click.echo(f"  check       : {elements} elements on {load_ranks} ranks, {bad} mismatched, "
+               f"step value {sorted(steps, key=repr)}")
+    click.echo(f"max abs difference = {diff:g}")
+    click.echo("DEMO OK" if ok else "DEMO FAILED")
+    if not ok:
+        sys.exit(1)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
