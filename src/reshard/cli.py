@@ -134,7 +134,7 @@ def inspect_cmd(ckpt: str, as_json: bool) -> None:
                f"schema_version {m.schema_version or na}  world_size {m.world_size}  "
                f"mesh {json.dumps(m.mesh) if m.mesh else na}")
     click.echo(f"  committed {_when(m.created_at)}  attempt {m.attempt_id}  "
-               f"{len(m.files)} files, {human_bytes(m.total_bytes)}  "
+               f"{len(m.files)} file{'' if len(m.files) == 1 else 's'}, {human_bytes(m.total_bytes)}  "
                f"checksums {m.checksum_algorithm}/{human_bytes(m.checksum_block_bytes)} blocks"
                + ("  signed" if "hmac_sha256" in m.extra else ""))
     if m.required_features:

@@ -65,8 +65,8 @@ def to_json(value: Any, *, path: str = "") -> Any:
     if isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             raise TypeError(f"{path or 'value'}: NumPy object arrays are not supported")
-        arr = np.ascontiguousarray(value)
-        return {"$ndarray": [arr.dtype.str, list(arr.shape), base64.b64encode(arr.tobytes()).decode("ascii")]}
+        arr = np.ascontiguousarray(value)  # (at least 1-D: keep the caller's shape)
+        return {"$ndarray": [arr.dtype.str, list(value.shape), base64.b64encode(arr.tobytes()).decode("ascii")]}
     if isinstance(value, np.generic):
         arr = np.asarray(value)
         return {"$npscalar": [arr.dtype.str, base64.b64encode(arr.tobytes()).decode("ascii")]}
@@ -89,9 +89,19 @@ def to_json(value: Any, *, path: str = "") -> Any:
 
 
 def from_json(data: Any) -> Any:
-    """Decode data produced by :func:`to_json`; ManifestError on an unknown tag."""
+    """Decode data produced by :func:`to_json`; ManifestError on an unknown tag
+    or a malformed payload."""
+    try:
+        return _from_json(data)
+    except ManifestError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError) as e:
+        raise ManifestError(f"encoded value is malformed: {type(e).__name__}: {e}") from None
+
+
+def _from_json(data: Any) -> Any:
     if isinstance(data, list):
-        return [from_json(v) for v in data]
+        return [_from_json(v) for v in data]
     if not isinstance(data, dict):
         return data
     if len(data) != 1:
@@ -102,21 +112,21 @@ def from_json(data: Any) -> Any:
     if tag == "$bigint":
         return int(p)
     if tag == "$tuple":
-        return tuple(from_json(v) for v in p)
+        return tuple(_from_json(v) for v in p)
     if tag in ("$dict", "$odict", "$counter"):
         cls = {"$dict": dict, "$odict": collections.OrderedDict, "$counter": collections.Counter}[tag]
         out = cls()
         for k, v in p:
-            out[from_json(k)] = from_json(v)
+            out[_from_json(k)] = _from_json(v)
         return out
     if tag == "$bytes":
         return base64.b64decode(p)
     if tag == "$set":
-        return {from_json(v) for v in p}
+        return {_from_json(v) for v in p}
     if tag == "$frozenset":
-        return frozenset(from_json(v) for v in p)
+        return frozenset(_from_json(v) for v in p)
     if tag == "$slice":
-        return slice(*(from_json(v) for v in p))
+        return slice(*(_from_json(v) for v in p))
     if tag == "$ndarray":
         dt, shape, b64 = p
         return np.frombuffer(base64.b64decode(b64), dtype=np.dtype(dt)).reshape(shape).copy()

@@ -23,8 +23,10 @@ from .errors import CheckpointError, IntegrityError, ManifestError, ShardingErro
 from .manifest import Chunk, Manifest, TensorEntry
 from .options import LoadOptions
 from .planning import ReadItem, Request, _strides, plan_reads
-from .sharding import ShardedTensor, dtype_name, torch_dtype
+from .sharding import ShardedTensor, torch_dtype
 from .storage import Storage, resolve
+from .transforms import consumed_by, extra_allow_missing, manifest_view, provided_by
+from .transforms import resolve as resolve_target
 from .tree import flatten
 
 
@@ -333,7 +335,8 @@ def load(
     result: LoadResult | None = None
     try:
         requested_anywhere = set().union(*(r["keys"] for r in reports))
-        result = _execute(ctx, requested_anywhere, st, key, opts, strict, allow_missing, t0)
+        result = _execute(ctx, requested_anywhere, st, key, opts, strict,
+                          [*allow_missing, *extra_allow_missing(transforms)], transforms)
     except Exception as e:  # noqa: BLE001
         err = e
     reports = coll.all_gather_json({"error": _fail(coll.rank, err)})
@@ -374,9 +377,7 @@ def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
              transforms: Sequence[Any], coll: Collectives) -> dict[str, Any]:
     from .adapters.dtensor import dtensor_shards
 
-    m = read_manifest(st, key, hmac_key=opts.hmac_key)
-    for tr in transforms:
-        m = tr.apply_manifest(m) if hasattr(tr, "apply_manifest") else m
+    m = manifest_view(read_manifest(st, key, hmac_key=opts.hmac_key), transforms)
     if opts.schema_version is not None and m.schema_version != opts.schema_version:
         raise ShardingError(f"{key}: checkpoint schema_version {m.schema_version!r} differs from the "
                             f"expected {opts.schema_version!r}; pass a migration in transforms")
@@ -398,6 +399,8 @@ def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
     for p in leaves.values:
         requested[p] = "value"
     for k in notes.pop(HANDLED, ()):
+        requested.setdefault(k, "handled")
+    for k in consumed_by(transforms, requested):
         requested.setdefault(k, "handled")
     return {"manifest": m, "leaves": leaves, "sts": sts, "requested": requested,
             "loaded_values": loaded_values, "loaded_objects": loaded_objects, "notes": notes}
@@ -432,11 +435,13 @@ def _prepare_hooks(state: Any, m: Manifest, notes: dict[str, Any]) -> None:
 
 
 def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key: str,
-             opts: LoadOptions, strict: bool, allow_missing: Sequence[Any], t0: float) -> LoadResult:
+             opts: LoadOptions, strict: bool, allow_missing: Sequence[Any],
+             transforms: Sequence[Any]) -> LoadResult:
     m: Manifest = ctx["manifest"]
     leaves = ctx["leaves"]
     allow = _compile_allow(allow_missing)
     saved = set(m.tensors) | set(m.aliases) | set(m.objects) | set((m.values or {}).keys())
+    saved |= provided_by(transforms, m)
     requested: dict[str, str] = ctx["requested"]
     missing = sorted(k for k in requested if k not in saved)
     unexpected = sorted(saved - requested_anywhere)
@@ -454,12 +459,14 @@ def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key
         if unexpected:
             parts.append(f"unexpected (saved but not requested): {unexpected[:20]}")
         raise ShardingError(f"{key}: strict load: " + "; ".join(parts))
-    # plan tensor reads
+    # plan tensor reads (through the transforms), checked before anything is written
     groups: dict[tuple[str, int], list[tuple[ReadItem, _Target]]] = defaultdict(list)
     initialized: list[str] = []
+    finalize: list[Callable[[], None]] = []
     missing_set = set(missing)
     for s in ctx["sts"]:
-        if s.fqn in missing_set:
+        res = None if s.fqn in missing_set else resolve_target(s, m, transforms)
+        if res is None:
             rule = next((r for match, r in allow if match(s.fqn)), "keep")
             if rule == "zeros":
                 s.data.zero_()
@@ -468,21 +475,17 @@ def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key
             if rule != "keep" and s.fqn not in initialized:
                 initialized.append(s.fqn)
             continue
-        saved_fqn = m.aliases.get(s.fqn, s.fqn)
-        entry: TensorEntry = m.tensors[saved_fqn]
-        want = dtype_name(s.data.dtype)
-        if entry.dtype != want:
-            raise ShardingError(f"{s.fqn}: saved dtype {entry.dtype}, requested {want}; nothing is "
-                                "cast silently (pass an explicit cast transform)")
-        if tuple(entry.global_shape) != tuple(s.global_shape):
-            raise ShardingError(f"{s.fqn}: saved global_shape {list(entry.global_shape)}, requested "
-                                f"{list(s.global_shape)}")
-        req = Request(fqn=s.fqn, global_offset=s.global_offset, local_shape=s.local_shape,
-                      flattened_range=s.flat_bounds)
-        tgt = _Target(req=req, dst=s.data, saved=saved_fqn)
-        for item in plan_reads(entry, req):
-            groups[(saved_fqn, item.chunk_index)].append((item, tgt))
+        finalize.extend(res.finalize)
+        for pc in res.pieces:
+            entry: TensorEntry = m.tensors[pc.saved]
+            req = Request(fqn=s.fqn, global_offset=pc.offset, local_shape=pc.shape,
+                          flattened_range=pc.flattened_range)
+            tgt = _Target(req=req, dst=pc.dst, saved=pc.saved)
+            for item in plan_reads(entry, req):
+                groups[(pc.saved, item.chunk_index)].append((item, tgt))
     _Reader(st, key, m, opts).run(groups)
+    for fn in finalize:
+        fn()
     # objects
     values: dict[str, Any] = {}
     loaded_objects = ctx["loaded_objects"]
