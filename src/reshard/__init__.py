@@ -23,6 +23,7 @@ from .manifest import Manifest
 from .options import LoadOptions, SaveOptions
 from .save import SaveResult, save
 from .sharding import ShardedObject, ShardedTensor
+from .staging import SaveHandle, async_save
 from .verify import VerifyReport, inspect, latest, verify
 
 __version__ = "0.1.0"
@@ -42,11 +43,13 @@ __all__ = [
     "RankFailure",
     "SaveOptions",
     "SaveResult",
+    "SaveHandle",
     "ShardedObject",
     "ShardedTensor",
     "ShardingError",
     "StorageError",
     "VerifyReport",
+    "async_save",
     "inspect",
     "latest",
     "load",

@@ -30,6 +30,9 @@ class SaveOptions:
         verify_replicas: compare checksums of every replica of every chunk
             across ranks (a mismatch is a ShardingError). Plain tensors and
             common values are always compared.
+        max_pending: asynchronous saves in flight at most (async_save).
+        if_busy: what a further async_save does at ``max_pending``: "block"
+            until the oldest commits, or "skip" it with a warning.
     """
 
     checksums: bool = True
@@ -42,8 +45,14 @@ class SaveOptions:
     extra: dict[str, Any] = field(default_factory=dict)
     hmac_key: bytes | None = None
     verify_replicas: bool = True
+    max_pending: int = 1
+    if_busy: str = "block"
 
     def __post_init__(self) -> None:
+        if self.max_pending < 1:
+            raise ValueError("max_pending must be >= 1")
+        if self.if_busy not in ("block", "skip"):
+            raise ValueError("if_busy must be 'block' or 'skip'")
         if self.checksum_block_bytes <= 0:
             raise ValueError("checksum_block_bytes must be positive")
         if self.files_per_rank < 1:

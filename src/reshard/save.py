@@ -70,6 +70,7 @@ class Snapshot:
     values_json: Any
     aliases: dict[str, str]
     value_digests: dict[str, str]
+    plain: set[str] = field(default_factory=set)
 
 
 def _storage_key(item: LocalTensorItem) -> str:
@@ -112,7 +113,6 @@ def collect(
     for path, dt in leaves.dtensors.items():
         sts.extend(dtensor_shards(path, dt))
     plain_fqns = set(leaves.plain)
-    block = options.checksum_block_bytes
     tensors: list[tuple[LocalTensorItem, memoryview, tuple[str, ...] | None]] = []
     seen: dict[tuple[Any, ...], int] = {}
     by_view: dict[tuple[Any, ...], str] = {}
@@ -133,18 +133,12 @@ def collect(
         seen[key] = len(tensors)
         data = st.data if copy is None else copy(st.data)
         mv = tensor_bytes(data)
-        replicated = fqn in plain_fqns or st.replica_id != 0
-        sums: tuple[str, ...] | None = None
-        digest = ""
-        if options.checksums or replicated and options.verify_replicas or fqn in plain_fqns:
-            sums = block_digests(mv, block)
-            digest = digest_of(sums, len(mv))
         item = LocalTensorItem(
             fqn=fqn, dtype=dtype_name(st.data.dtype), global_shape=st.global_shape,
             global_offset=st.global_offset, local_shape=st.local_shape,
-            flattened_range=st.flat_bounds, replica_id=st.replica_id, nbytes=len(mv), digest=digest,
+            flattened_range=st.flat_bounds, replica_id=st.replica_id, nbytes=len(mv),
         )
-        tensors.append((item, mv, sums if options.checksums else None))
+        tensors.append((item, mv, None))
     objects: list[tuple[LocalObjectItem, bytes]] = []
     for ob in leaves.objects:
         raw = codec.encode(ob.value, path=ob.key)
@@ -163,8 +157,25 @@ def collect(
     clash = (set(values_json) | {o.key for o, _ in objects}) & {t.fqn for t, _, _ in tensors}
     if clash:
         raise ShardingError(f"names used both for a tensor and a value/object: {sorted(clash)[:5]}")
-    return Snapshot(tensors=tensors, objects=objects, values=leaves.values, values_json=values_json,
-                    aliases=aliases, value_digests=value_digests)
+    snap = Snapshot(tensors=tensors, objects=objects, values=leaves.values, values_json=values_json,
+                    aliases=aliases, value_digests=value_digests, plain=plain_fqns)
+    if copy is None:
+        finish_digests(snap, options)
+    return snap
+
+
+def finish_digests(snap: Snapshot, options: SaveOptions) -> None:
+    """Compute block checksums (and replica digests) of the snapshot's tensors.
+
+    Runs on the caller's thread for a synchronous save and in the background
+    for an asynchronous one (the stall then only covers the copies)."""
+    block = options.checksum_block_bytes
+    for i, (item, mv, _) in enumerate(snap.tensors):
+        replicated = item.fqn in snap.plain or item.replica_id != 0
+        if options.checksums or (replicated and options.verify_replicas) or item.fqn in snap.plain:
+            sums = block_digests(mv, block)
+            item = msgspec.structs.replace(item, digest=digest_of(sums, len(mv)))
+            snap.tensors[i] = (item, mv, sums if options.checksums else None)
 
 
 def _check_values(plans: list[dict[str, Any]]) -> None:
@@ -303,8 +314,11 @@ def save(
         ShardingError): on every rank when any rank failed; nothing is
         published and no older checkpoint is touched.
     """
+    from .staging import raise_pending_error
+
     coll = get_collectives(group)
     opts = options or SaveOptions()
+    raise_pending_error(group)
     st, key = resolve(path, storage)
     t0 = time.perf_counter()
     snap = None
@@ -318,7 +332,7 @@ def save(
 
 def run_save(
     coll: Collectives, st: Storage, key: str, snap: Snapshot | None, err: BaseException | None, *,
-    step: int | None, options: SaveOptions, t0: float, on_attempt: Any = None,
+    step: int | None, options: SaveOptions, t0: float, on_attempt: Any = None, abort: Any = None,
 ) -> SaveResult:
     """Plan, persist, validate and publish a collected snapshot (shared by
     ``save`` and the background thread of ``async_save``)."""
@@ -381,6 +395,8 @@ def run_save(
     err = None
     if rank == 0:
         try:
+            if abort is not None and abort.is_set():
+                raise CheckpointError(f"{key}: save abandoned before publishing")
             manifest = build_manifest(plans, [r["written"] for r in reports], attempt_id=attempt_id,
                                       step=step, options=options, values_json=snap.values_json,
                                       aliases=aliases, world_size=coll.world_size)

@@ -1,0 +1,283 @@
+"""Asynchronous save: snapshot into library-owned staging buffers, then plan,
+persist and publish in a background thread.
+
+Two completions on one handle (after tensorstore's ``copy``/``commit``
+futures): ``staged`` once every byte is in staging memory (the caller may then
+mutate every tensor; for CPU tensors before ``async_save`` returns, for CUDA
+tensors after a side-stream copy into pinned buffers is synchronised), and
+``committed`` once the manifest is durable.
+
+Staging buffers come from a :class:`BufferPool` reused across saves, so
+resident memory stays flat over repeated saves of the same state. Buffers are
+allocated and returned to the pool on the caller's thread (the background
+thread only marks them done).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .collectives import Collectives, SingleProcess, TorchCollectives, get_collectives
+from .errors import CheckpointError
+from .options import SaveOptions
+from .save import SaveResult, Snapshot, collect, finish_digests, run_save
+from .storage import Storage, resolve
+
+
+class BufferPool:
+    """Reusable byte buffers (pinned host memory when CUDA is available and
+    ``pin`` is set), keyed by size in bytes.
+
+    ``take(n)`` returns a free buffer of exactly ``n`` bytes or allocates one;
+    ``give_back(bufs)`` returns buffers for reuse. Both are called on the
+    caller's thread.
+    """
+
+    def __init__(self, *, pin: bool = False):
+        self.pin = pin and torch.cuda.is_available()
+        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self.allocated_bytes = 0
+
+    def take(self, n: int) -> torch.Tensor:
+        free = self._free.get(n)
+        if free:
+            return free.pop()
+        self.allocated_bytes += n
+        return torch.empty(n, dtype=torch.uint8, pin_memory=self.pin)
+
+    def give_back(self, bufs: list[torch.Tensor]) -> None:
+        for b in bufs:
+            self._free[b.numel()].append(b)
+
+
+class SaveHandle:
+    """The handle of one asynchronous save.
+
+    Attributes:
+        staged: Future, done once every byte is in library-owned buffers.
+        committed: Future of the :class:`SaveResult`, done once the manifest
+            is durable (or failed).
+        skipped: True when the request was skipped because ``max_pending``
+            saves were in flight and ``SaveOptions.if_busy == "skip"``.
+        stall_s: seconds the caller was blocked (staging included).
+    """
+
+    def __init__(self, path: str, step: int | None, *, skipped: bool = False):
+        self.path, self.step, self.skipped = path, step, skipped
+        self.staged: Future[None] = Future()
+        self.committed: Future[SaveResult | None] = Future()
+        self.stall_s = 0.0
+        self._abort = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> SaveResult | None:
+        """Block until committed; return the SaveResult (None if skipped).
+
+        Raises:
+            CheckpointError: the background save failed (on every rank).
+            TimeoutError: not committed within ``timeout`` seconds.
+        """
+        return self.committed.result(timeout)
+
+    def done(self) -> bool:
+        return self.committed.done()
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self.committed.exception(timeout)
+
+    def abandon(self) -> None:
+        """Ask the background save not to publish (if it has not yet)."""
+        self._abort.set()
+
+
+@dataclass
+class _Slot:
+    handle: SaveHandle
+    buffers: list[torch.Tensor]
+    thread: threading.Thread
+
+
+class _Saver:
+    """Per process group: the pool, the in-flight saves, the groups used by
+    background and control collectives."""
+
+    def __init__(self, group: Any):
+        self.group = group
+        self.pool = BufferPool(pin=True)
+        self.pending: list[_Slot] = []
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        base = get_collectives(group)
+        self.rank, self.world_size = base.rank, base.world_size
+        if isinstance(base, SingleProcess):
+            self.bg: Collectives = base
+            self.ctl: Collectives = base
+        else:
+            from .collectives import new_checkpoint_group
+
+            # all ranks reach here on their first async_save, in the same order
+            self.bg = TorchCollectives(new_checkpoint_group(group))
+            self.ctl = TorchCollectives(new_checkpoint_group(group))
+
+    def reclaim(self) -> None:
+        keep = []
+        for s in self.pending:
+            if s.handle.committed.done():
+                s.thread.join()
+                self.pool.give_back(s.buffers)
+                exc = s.handle.committed.exception()
+                if exc is not None and self.error is None:
+                    self.error = exc
+            else:
+                keep.append(s)
+        self.pending = keep
+
+
+_SAVERS: dict[Any, _Saver] = {}
+_SAVERS_LOCK = threading.Lock()
+
+
+def _saver(group: Any) -> _Saver:
+    key = group if group is not None else "default"
+    with _SAVERS_LOCK:
+        s = _SAVERS.get(key)
+        if s is None:
+            s = _SAVERS[key] = _Saver(group)
+        return s
+
+
+def raise_pending_error(group: Any = None) -> None:
+    """Raise (once) the error of a failed background save of ``group``."""
+    s = _SAVERS.get(group if group is not None else "default")
+    if s is None:
+        return
+    s.reclaim()
+    if s.error is not None:
+        err, s.error = s.error, None
+        raise CheckpointError(f"a previous asynchronous save failed: {err}") from err
+
+
+def async_save(
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    group: Any = None,
+    options: SaveOptions | None = None,
+    storage: Storage | None = None,
+) -> SaveHandle:
+    """Snapshot ``state`` into staging buffers and save it in the background.
+
+    Returns once ``handle.staged`` is done (for CPU tensors); the caller may
+    then mutate every tensor. At most ``options.max_pending`` saves are in
+    flight: a further request blocks until the oldest commits, or with
+    ``if_busy="skip"`` is skipped with a warning (``handle.skipped``; the
+    decision is agreed across ranks). Background collectives run on a
+    separate gloo group, never the training group.
+
+    Raises:
+        CheckpointError: a previous background save of this group failed
+            (raised at the latest here), or staging failed on any rank.
+    """
+    t0 = time.perf_counter()
+    opts = options or SaveOptions()
+    saver = _saver(group)
+    raise_pending_error(group)
+    st, key = resolve(path, storage)
+    busy = len(saver.pending) >= opts.max_pending
+    if opts.if_busy == "skip":
+        busy = any(saver.ctl.all_gather_json(busy))
+        if busy:
+            warnings.warn(f"async_save of step {step} skipped: {len(saver.pending)} save(s) still "
+                          "in flight", RuntimeWarning, stacklevel=2)
+            h = SaveHandle(key, step, skipped=True)
+            h.staged.set_result(None)
+            h.committed.set_result(None)
+            return h
+    while len(saver.pending) >= opts.max_pending:
+        saver.pending[0].handle.committed.exception()  # wait, errors surface below
+        saver.reclaim()
+    raise_pending_error(group)
+    handle = SaveHandle(key, step)
+    buffers: list[torch.Tensor] = []
+    cuda_stream = None
+
+    def stage(t: torch.Tensor) -> torch.Tensor:
+        nonlocal cuda_stream
+        n = t.numel() * t.element_size()
+        buf = saver.pool.take(n)
+        buffers.append(buf)
+        dst = buf.view(t.dtype).view(t.shape) if n else torch.empty(t.shape, dtype=t.dtype)
+        if t.is_cuda:
+            if cuda_stream is None:
+                cuda_stream = torch.cuda.Stream(device=t.device)
+                cuda_stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(cuda_stream):
+                dst.copy_(t, non_blocking=True)
+        else:
+            dst.copy_(t)
+        return dst
+
+    snap: Snapshot | None = None
+    err: BaseException | None = None
+    try:
+        snap = collect(state, saver.rank, opts, copy=stage)
+        if cuda_stream is not None:
+            cuda_stream.synchronize()
+    except Exception as e:  # noqa: BLE001 - reported to every rank by the background save
+        err = e
+    handle.staged.set_result(None)
+    handle.stall_s = time.perf_counter() - t0
+
+    def work() -> None:
+        try:
+            if snap is not None:
+                finish_digests(snap, opts)
+            res = run_save(saver.bg, st, key, snap, err, step=step, options=opts, t0=time.perf_counter(),
+                           abort=handle._abort)
+            handle.committed.set_result(res)
+        except BaseException as e:  # noqa: BLE001
+            handle.committed.set_exception(e)
+
+    th = threading.Thread(target=work, name=f"reshard-async-save-{step}", daemon=True)
+    saver.pending.append(_Slot(handle=handle, buffers=buffers, thread=th))
+    th.start()
+    return handle
+
+
+def wait_all(group: Any = None, timeout: float | None = None) -> None:
+    """Wait for every in-flight save of ``group`` (or of all groups)."""
+    savers = list(_SAVERS.values()) if group is None else [_saver(group)]
+    for s in savers:
+        for slot in list(s.pending):
+            slot.handle.committed.exception(timeout)
+        s.reclaim()
+
+
+def _at_exit() -> None:
+    """Process exit waits for pending commits; a Ctrl-C during that wait
+    abandons them without publishing."""
+    pending = [slot for s in _SAVERS.values() for slot in s.pending if not slot.handle.done()]
+    if not pending:
+        return
+    try:
+        for slot in pending:
+            slot.handle.committed.exception()
+    except KeyboardInterrupt:
+        for slot in pending:
+            slot.handle.abandon()
+        for slot in pending:
+            slot.thread.join(timeout=30)
+
+
+atexit.register(_at_exit)
