@@ -9,7 +9,8 @@ Saved names (``prefix`` defaults to ``"optim."``):
   shape; a Python scalar is stored as an object.
 * ``{prefix}param_group.{param_fqn}``: the hyperparameters of the parameter's
   group (``lr``, ``betas``, ...), restored by parameter name at load.
-* ``{prefix}grad.{param_fqn}``: gradients, only with ``save_grads=True``.
+* ``{prefix}grad.{param_fqn}``: gradients, only with ``save_grads=True``;
+  restored into ``.grad`` at load.
 
 At load into a fresh optimizer that has never stepped, the state tensors are
 created from the manifest (no dummy optimizer step). Parameters with no saved
@@ -68,6 +69,7 @@ class OptimizerState:
         self.prefix = prefix
         self.save_grads = save_grads
         self._loading = False
+        self._load_grads: frozenset[str] = frozenset()  # params whose saved grad this load restores
         self.params_without_state: tuple[str, ...] = ()
 
     # -- naming
@@ -89,6 +91,23 @@ class OptimizerState:
     def _name(self, fqn: str, key: str) -> str:
         return f"{self.prefix}state.{fqn}.{key}"
 
+    def _view_fqn(self, view_fqn: str) -> str:
+        """A model view's fqn without the ModelState prefix (the parameter's
+        own fqn unless the model layout renamed it)."""
+        pre = self.model_state.prefix
+        return view_fqn[len(pre):] if pre and view_fqn.startswith(pre) else view_fqn
+
+    def _rename(self, name: str, fqn: str, view_fqn: str) -> str:
+        """``name`` (of the state of parameter ``fqn``) for the view ``view_fqn``."""
+        base = self._view_fqn(view_fqn)
+        if base == fqn:
+            return name
+        head, sep, tail = name.rpartition(f".{fqn}.")
+        if sep:  # f"{prefix}state.{fqn}.{key}"
+            return f"{head}.{base}.{tail}"
+        assert name.endswith(f".{fqn}")  # f"{prefix}grad.{fqn}"
+        return name[:-len(fqn)] + base
+
     # -- describing state
     def _state_tensors(self, fqn: str | None, p: torch.Tensor, key: str, v: torch.Tensor,
                        name: str | None = None) -> list[ShardedTensor]:
@@ -103,14 +122,19 @@ class OptimizerState:
             from .dtensor import dtensor_shards
 
             return dtensor_shards(name, v)
-        if v.dim() == 0:
-            return [ShardedTensor(name, v, global_shape=(), global_offset=())]
         lp, lv = _local(p), v
+        views = self.model_state.shards(fqn, lp)
+        # a model layout may name the parameter's views (fused [q; k; v], a renamed
+        # expert tensor): the state of each view is named after the view
+        names = {sh.fqn: self._rename(name, fqn, sh.fqn) for sh in views}
+        if v.dim() == 0:
+            return [ShardedTensor(n, v, global_shape=(), global_offset=()) for n in dict.fromkeys(names.values())]
         if tuple(lv.shape) != tuple(lp.shape):
             raise ShardingError(f"{name}: state of shape {tuple(lv.shape)} is not shaped like its "
                                 f"parameter {tuple(lp.shape)}; pass a layout for it")
         out = []
-        for sh in self.model_state.shards(fqn, lp):
+        for sh in views:
+            name = names[sh.fqn]
             if sh.data.shape == lp.shape and sh.data.storage_offset() == lp.storage_offset():
                 data = lv
             else:
@@ -127,6 +151,9 @@ class OptimizerState:
         tensors: list[ShardedTensor] = []
         objects: list[ShardedObject] = []
         accumulating: list[str] = []
+        # the load-time view is taken once, right after reshard_prepare_load: a load
+        # that fails before load_state_dict must not disable the check of a later save
+        loading, self._loading = self._loading, False
         for fqn, p, g in self._params():
             for key, v in self.optimizer.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
@@ -137,7 +164,11 @@ class OptimizerState:
                 objects.append(ShardedObject(f"{self.prefix}param_group.{fqn}",
                                              {k: v for k, v in g.items() if k != "params"}))
             grad = p.grad
-            if not self._loading and grad is not None and bool(_local(grad).count_nonzero()):
+            if loading:
+                if fqn in self._load_grads and grad is not None:
+                    tensors.extend(self._state_tensors(fqn, p, "grad", grad,
+                                                       name=f"{self.prefix}grad.{fqn}"))
+            elif grad is not None and bool(_local(grad).count_nonzero()):
                 if not self.save_grads:
                     accumulating.append(fqn or "<unnamed>")
                 elif fqn is not None:
@@ -166,6 +197,21 @@ class OptimizerState:
             if name.startswith(pre):
                 fqn, _, key = name[len(pre):].rpartition(".")
                 saved.setdefault(fqn, {})[key] = None
+        for name, target in m.aliases.items():  # e.g. the one `step` of a fused [q; k; v]
+            if name.startswith(pre) and target in m.tensors:
+                fqn, _, key = name[len(pre):].rpartition(".")
+                saved.setdefault(fqn, {}).setdefault(key, m.tensors[target])
+        # saved gradients (save_grads=True) are restored: allocate a destination
+        gpre = f"{self.prefix}grad."
+        grads = {n[len(gpre):] for n in m.tensors if n.startswith(gpre)}
+        with_grad: set[str] = set()
+        for fqn, p, _ in self._params() if grads else ():
+            if fqn is not None and ({fqn} | {self._view_fqn(sh.fqn) for sh in
+                                             self.model_state.shards(fqn, _local(p))}) & grads:
+                with_grad.add(fqn)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        self._load_grads = frozenset(with_grad)
         without: list[str] = []
         for fqn, p, _ in self._params():
             st = self.optimizer.state[p]
@@ -175,7 +221,9 @@ class OptimizerState:
                 for key, te in keys.items():
                     st[key] = self._new_state(p, te)
                 continue
-            entries = saved.get(fqn)
+            entries = dict(saved.get(fqn) or {})
+            for sh in self.model_state.shards(fqn, _local(p)):  # views a layout renamed
+                entries.update(saved.get(self._view_fqn(sh.fqn)) or {})
             if not entries:
                 without.append(fqn)
                 continue
