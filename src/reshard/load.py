@@ -261,7 +261,10 @@ class _Reader:
         path = self.check_file(c.file)
         region = self._dst_region(item, t)
         assert region is not None
-        u8 = region.reshape(-1).view(torch.uint8)
+        flat = region.reshape(-1)
+        if flat.stride(0) != 1:  # one element with any stride counts as contiguous
+            flat = torch.as_strided(flat, (flat.numel(),), (1,))
+        u8 = flat.view(torch.uint8)
         self.st.read_into(path, c.offset, memoryview(u8.numpy()))
         self.verify(fqn, c, 0, u8)
 
@@ -441,11 +444,13 @@ def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key
     leaves = ctx["leaves"]
     allow = _compile_allow(allow_missing)
     saved = set(m.tensors) | set(m.aliases) | set(m.objects) | set((m.values or {}).keys())
-    saved |= provided_by(transforms, m)
+    # names a Split/Merge fills are available, but are not saved keys: one that no
+    # rank requests is not "unexpected" (its source is reported if nothing reads it)
+    available = saved | provided_by(transforms, m)
     requested: dict[str, str] = ctx["requested"]
-    missing = sorted(k for k in requested if k not in saved)
+    missing = sorted(k for k in requested if k not in available)
     unexpected = sorted(saved - requested_anywhere)
-    if requested_anywhere and not (saved & requested_anywhere):
+    if requested_anywhere and not (available & requested_anywhere):
         raise ShardingError(
             f"{key}: no requested key matches the checkpoint (requested e.g. "
             f"{sorted(requested_anywhere)[:3]}, saved e.g. {sorted(saved)[:3]}); "

@@ -72,7 +72,9 @@ class ModelState:
             if not isinstance(t, torch.Tensor):
                 raise ShardingError(f"{self.prefix}{fqn}: state_dict entry of type {type(t).__name__}")
             tensors.extend(self.shards(fqn, t))
-        return {"tensors": tensors, "extra_state": extra}
+        # no entry for absent extra state: an empty list would be saved as a
+        # common value that is not a key of the module's state_dict
+        return {"tensors": tensors, "extra_state": extra} if extra else {"tensors": tensors}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         # tensors were filled in place; hand extra state to its modules
