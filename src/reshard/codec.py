@@ -76,7 +76,8 @@ def to_json(value: Any, *, path: str = "") -> Any:
         from .sharding import dtype_name
 
         cpu = value.detach().to("cpu").contiguous()
-        raw = cpu.reshape(-1).view(torch.uint8).numpy().tobytes() if cpu.numel() else b""
+        flat = cpu.reshape(-1).clone(memory_format=torch.contiguous_format)  # stride 1, even for 1 element
+        raw = flat.view(torch.uint8).numpy().tobytes() if cpu.numel() else b""
         return {"$tensor": [dtype_name(cpu.dtype), list(cpu.shape), base64.b64encode(raw).decode("ascii")]}
     if isinstance(value, int) and not isinstance(value, bool):  # IntEnum and friends: store the int
         return to_json(int(value), path=path)

@@ -234,6 +234,13 @@ def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
                                     f"outside its grid {list(oe.global_shape)}")
             check_range(f"object {key!r} element {list(oc.global_offset)}", oc.file, oc.offset,
                         oc.length, oc.checksums)
+        distinct = {tuple(oc.global_offset) for oc in oe.chunks}
+        if len(distinct) != len(oe.chunks) or len(distinct) != numel(oe.global_shape):
+            raise ManifestError(f"{where}: object {key!r}: {len(oe.chunks)} records of {len(distinct)} "
+                                f"distinct elements for a grid {list(oe.global_shape)} of "
+                                f"{numel(oe.global_shape)}")
+    if m.values is not None and not isinstance(m.values, dict):
+        raise ManifestError(f"{where}: values must be an object, got {type(m.values).__name__}")
     for alias, target in m.aliases.items():
         if target not in m.tensors:
             raise ManifestError(f"{where}: alias {alias!r} points to unknown tensor {target!r}")

@@ -171,8 +171,10 @@ def finish_digests(snap: Snapshot, options: SaveOptions) -> None:
     for an asynchronous one (the stall then only covers the copies)."""
     block = options.checksum_block_bytes
     for i, (item, mv, _) in enumerate(snap.tensors):
-        replicated = item.fqn in snap.plain or item.replica_id != 0
-        if options.checksums or (replicated and options.verify_replicas) or item.fqn in snap.plain:
+        # every holder must compute the digest when replicas are compared: replica_id 0
+        # does not mean "not replicated" (another rank may hold the same chunk), and a
+        # holder without a digest ("") would disagree with one that has it
+        if options.checksums or options.verify_replicas or item.fqn in snap.plain:
             sums = block_digests(mv, block)
             item = msgspec.structs.replace(item, digest=digest_of(sums, len(mv)))
             snap.tensors[i] = (item, mv, sums if options.checksums else None)

@@ -35,6 +35,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous().reshape(-1)
     if t.numel() == 0:
         return memoryview(b"")
+    if t.stride(0) != 1:  # a single element with any stride counts as contiguous
+        t = torch.as_strided(t, (t.numel(),), (1,))
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
