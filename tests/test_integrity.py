@@ -261,8 +261,6 @@ def test_incomplete_object_grid_is_manifest_error(tmp_path: Path) -> None:
         reshard.load({"c": ShardedObject("cursor", None, global_shape=(2,), global_offset=(1,))}, ck)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap: load does not check that the manifest's chunks tile "
-                   "each tensor (verify() does); a tampered chunk offset leaves part of the target unfilled")
 def test_tampered_chunk_offset_is_refused_at_load(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     full = torch.arange(4.0)
@@ -271,7 +269,7 @@ def test_tampered_chunk_offset_is_refused_at_load(tmp_path: Path) -> None:
     edit_manifest(ck, lambda d: d["tensors"]["w"]["chunks"][1].update(global_offset=[1]))  # overlap + hole
     assert not reshard.verify(ck).ok
     out = torch.full((4,), -1.0)
-    with pytest.raises(CheckpointError):
+    with pytest.raises(ShardingError, match="w: overlapping chunks"):
         reshard.load({"w": out}, ck)
 
 

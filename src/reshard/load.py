@@ -22,7 +22,7 @@ from .commit import read_manifest
 from .errors import CheckpointError, IntegrityError, ManifestError, ShardingError
 from .manifest import Chunk, Manifest, TensorEntry
 from .options import LoadOptions
-from .planning import ReadItem, Request, _strides, plan_reads
+from .planning import ReadItem, Request, _strides, check_entry_coverage, plan_reads
 from .sharding import ShardedTensor, torch_dtype
 from .storage import Storage, resolve
 from .transforms import consumed_by, extra_allow_missing, manifest_view, provided_by
@@ -469,6 +469,7 @@ def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key
     initialized: list[str] = []
     finalize: list[Callable[[], None]] = []
     missing_set = set(missing)
+    covered: set[str] = set()
     for s in ctx["sts"]:
         res = None if s.fqn in missing_set else resolve_target(s, m, transforms)
         if res is None:
@@ -483,6 +484,9 @@ def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key
         finalize.extend(res.finalize)
         for pc in res.pieces:
             entry: TensorEntry = m.tensors[pc.saved]
+            if pc.saved not in covered:
+                check_entry_coverage(pc.saved, entry)
+                covered.add(pc.saved)
             req = Request(fqn=s.fqn, global_offset=pc.offset, local_shape=pc.shape,
                           flattened_range=pc.flattened_range)
             tgt = _Target(req=req, dst=pc.dst, saved=pc.saved)
