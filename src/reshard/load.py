@@ -294,6 +294,7 @@ def load(
     transforms: Sequence[Any] = (),
     options: LoadOptions | None = None,
     storage: Storage | None = None,
+    manifest: Manifest | None = None,
 ) -> LoadResult:
     """Fill the tensors of ``state`` in place from the checkpoint at ``path``.
 
@@ -310,6 +311,11 @@ def load(
         transforms: schema migrations applied to the saved view before planning
             (see :mod:`reshard.transforms`).
         options: :class:`LoadOptions`.
+        storage: a backend to use instead of resolving ``path``.
+        manifest: read through this manifest instead of ``path/manifest.json``
+            (foreign formats: a DCP checkpoint or a Hugging Face directory
+            presented as a reshard manifest over a storage that serves their
+            bytes; see :mod:`reshard.dcp` and :mod:`reshard.export`).
 
     Raises:
         CheckpointNotFoundError: no committed checkpoint at ``path``.
@@ -327,7 +333,7 @@ def load(
     keys: dict[str, Any] = {}
     ctx: dict[str, Any] = {}
     try:
-        ctx = _prepare(state, st, key, opts, transforms, coll)
+        ctx = _prepare(state, st, key, opts, transforms, coll, manifest)
         keys = ctx["requested"]
     except Exception as e:  # noqa: BLE001
         err = e
@@ -377,10 +383,13 @@ def _raise(reports: list[dict[str, Any]], mine: BaseException | None, what: str)
 
 
 def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
-             transforms: Sequence[Any], coll: Collectives) -> dict[str, Any]:
+             transforms: Sequence[Any], coll: Collectives,
+             manifest: Manifest | None = None) -> dict[str, Any]:
     from .adapters.dtensor import dtensor_shards
 
-    m = manifest_view(read_manifest(st, key, hmac_key=opts.hmac_key), transforms)
+    if manifest is None:
+        manifest = read_manifest(st, key, hmac_key=opts.hmac_key)
+    m = manifest_view(manifest, transforms)
     if opts.schema_version is not None and m.schema_version != opts.schema_version:
         raise ShardingError(f"{key}: checkpoint schema_version {m.schema_version!r} differs from the "
                             f"expected {opts.schema_version!r}; pass a migration in transforms")
