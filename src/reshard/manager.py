@@ -193,10 +193,17 @@ class CheckpointManager:
         return res
 
     def wait(self) -> None:
-        """Wait for in-flight saves, then verify and apply retention."""
-        for _, h in self._pending:
-            h.wait()
-        self._process_finished()
+        """Wait for in-flight saves, then verify and apply retention.
+
+        Raises:
+            CheckpointError: a background save failed (raised once: the
+                failed save is then no longer pending).
+        """
+        try:
+            for _, h in self._pending:
+                h.wait()
+        finally:
+            self._process_finished()
 
     def _process_finished(self) -> None:
         done = [(s, h) for s, h in self._pending if h.done()]

@@ -63,7 +63,7 @@ def decide(cands: Sequence[Candidate], policy: Policy) -> Decision:
         for c in by_step:
             keep.setdefault(c.name, "keep all")
     else:
-        for c in by_step[len(by_step) - policy.keep_last:] if policy.keep_last > 0 else []:
+        for c in by_step[max(0, len(by_step) - policy.keep_last):] if policy.keep_last > 0 else []:
             keep.setdefault(c.name, f"last {policy.keep_last}")
     if policy.keep_every:
         for c in by_step:

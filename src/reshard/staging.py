@@ -79,15 +79,19 @@ class SaveHandle:
         self.committed: Future[SaveResult | None] = Future()
         self.stall_s = 0.0
         self._abort = threading.Event()
+        self._reported = False  # the failure was raised to the caller (once is enough)
 
     def wait(self, timeout: float | None = None) -> SaveResult | None:
         """Block until committed; return the SaveResult (None if skipped).
 
         Raises:
-            CheckpointError: the background save failed (on every rank).
+            CheckpointError: the background save failed (on every rank); it
+                is then not raised again by the next save of the group.
             TimeoutError: not committed within ``timeout`` seconds.
         """
-        return self.committed.result(timeout)
+        if self.committed.exception(timeout) is not None:
+            self._reported = True
+        return self.committed.result()
 
     def done(self) -> bool:
         return self.committed.done()
@@ -116,6 +120,7 @@ class _Saver:
         self.pool = BufferPool(pin=True)
         self.pending: list[_Slot] = []
         self.error: BaseException | None = None
+        self.error_handle: SaveHandle | None = None
         self.lock = threading.Lock()
         base = get_collectives(group)
         self.rank, self.world_size = base.rank, base.world_size
@@ -136,8 +141,8 @@ class _Saver:
                 s.thread.join()
                 self.pool.give_back(s.buffers)
                 exc = s.handle.committed.exception()
-                if exc is not None and self.error is None:
-                    self.error = exc
+                if exc is not None and self.error is None and not s.handle._reported:
+                    self.error, self.error_handle = exc, s.handle
             else:
                 keep.append(s)
         self.pending = keep
@@ -163,7 +168,11 @@ def raise_pending_error(group: Any = None) -> None:
         return
     s.reclaim()
     if s.error is not None:
-        err, s.error = s.error, None
+        err, h, s.error, s.error_handle = s.error, s.error_handle, None, None
+        if h is not None and h._reported:  # already raised by its handle's wait()
+            return
+        if h is not None:
+            h._reported = True
         raise CheckpointError(f"a previous asynchronous save failed: {err}") from err
 
 
@@ -243,12 +252,18 @@ def async_save(
         try:
             if snap is not None:
                 finish_digests(snap, opts)
+            if prev is not None:
+                prev.join()
             res = run_save(saver.bg, st, key, snap, err, step=step, options=opts, t0=time.perf_counter(),
                            abort=handle._abort)
             handle.committed.set_result(res)
         except BaseException as e:  # noqa: BLE001
             handle.committed.set_exception(e)
 
+    # background saves of one group run one after another, in request order on
+    # every rank: they share the background group, whose collectives must not
+    # interleave between saves (concurrent ones mismatch across ranks)
+    prev = saver.pending[-1].thread if saver.pending else None
     th = threading.Thread(target=work, name=f"reshard-async-save-{step}", daemon=True)
     saver.pending.append(_Slot(handle=handle, buffers=buffers, thread=th))
     th.start()
