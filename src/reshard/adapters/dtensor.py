@@ -1,6 +1,8 @@
 """DTensor leaves: a DTensor is sharded as its placements say.
 
-``Shard(d)`` (even or uneven) and ``Replicate()`` placements on any mesh map
+``Shard(d)`` (even or uneven), ``_StridedShard`` (FSDP2 over TP on a 2-D
+mesh: the local rows still form one box of the global tensor) and
+``Replicate()`` placements on any mesh map
 to one ShardedTensor per rank: the local tensor with its global offset
 (``compute_local_shape_and_global_offset``, as DCP does) and a replica_id
 counting the rank's position along the replicated mesh dimensions. ``Partial``
@@ -22,6 +24,7 @@ def dtensor_shards(fqn: str, dt: Any) -> list[ShardedTensor]:
         ShardingError: a ``Partial`` or otherwise unsupported placement.
     """
     from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh = dt.device_mesh
@@ -35,8 +38,8 @@ def dtensor_shards(fqn: str, dt: Any) -> list[ShardedTensor]:
                                 "saved; reduce it (redistribute to Replicate/Shard) first")
         if isinstance(p, Replicate):
             replica = replica * mesh.size(d) + coord[d]
-        elif type(p) is not Shard:
-            raise ShardingError(f"{fqn}: DTensor placement {p!r} is not supported yet")
+        elif not isinstance(p, (Shard, _StridedShard)):  # _StridedShard: FSDP2 over TP
+            raise ShardingError(f"{fqn}: DTensor placement {p!r} is not supported")
     shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
     local = dt.to_local()
     if tuple(local.shape) != tuple(shape):
