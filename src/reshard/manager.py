@@ -109,9 +109,10 @@ class CheckpointManager:
         self._pending: list[tuple[int, SaveHandle]] = []
         self._auto_logged: float | None = None
         self.storage.makedirs(self.root)
+        self._old_handlers: dict[int, Any] = {}
         if preempt_signals and threading.current_thread() is threading.main_thread():
             for sig in preempt_signals:
-                signal.signal(sig, self._on_signal)
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
 
     # ------------------------------------------------------------ naming
     @staticmethod
@@ -236,7 +237,8 @@ class CheckpointManager:
             m = rep.manifest
             if m is not None and not problems:
                 names = sorted(m.tensors, key=lambda k: (sum(c.length for c in m.tensors[k].chunks), k))
-                pick = names[: self.smoke_tensors // 2] + names[-(self.smoke_tensors - self.smoke_tensors // 2):]
+                k = min(self.smoke_tensors, len(names))
+                pick = names[: k // 2] + names[len(names) - (k - k // 2):]  # smallest and largest
                 targets = [ShardedTensor(k, torch.empty(m.tensors[k].global_shape,
                                                         dtype=torch_dtype(m.tensors[k].dtype)),
                                          global_shape=m.tensors[k].global_shape,
@@ -394,4 +396,11 @@ class CheckpointManager:
         return None
 
     def close(self) -> None:
-        self.wait()
+        """Wait for in-flight saves and restore the signal handlers replaced."""
+        try:
+            self.wait()
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                for sig, old in self._old_handlers.items():
+                    signal.signal(sig, old)
+            self._old_handlers.clear()

@@ -320,7 +320,7 @@ def save(
 
     coll = get_collectives(group)
     opts = options or SaveOptions()
-    raise_pending_error(group)
+    raise_pending_error(group, wait=True)
     st, key = resolve(path, storage)
     t0 = time.perf_counter()
     snap = None

@@ -161,11 +161,18 @@ def _saver(group: Any) -> _Saver:
         return s
 
 
-def raise_pending_error(group: Any = None) -> None:
-    """Raise (once) the error of a failed background save of ``group``."""
+def raise_pending_error(group: Any = None, *, wait: bool = False) -> None:
+    """Raise (once) the error of a failed background save of ``group``.
+
+    With ``wait``, first wait for every in-flight save of the group, so that
+    all ranks decide on the same outcome (a background failure is agreed
+    across ranks, but may surface on one rank slightly before another)."""
     s = _SAVERS.get(group if group is not None else "default")
     if s is None:
         return
+    if wait:
+        for slot in list(s.pending):
+            slot.handle.committed.exception()
     s.reclaim()
     if s.error is not None:
         err, h, s.error, s.error_handle = s.error, s.error_handle, None, None

@@ -24,8 +24,8 @@ def dtensor_shards(fqn: str, dt: Any) -> list[ShardedTensor]:
         ShardingError: a ``Partial`` or otherwise unsupported placement.
     """
     from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     mesh = dt.device_mesh
     coord = mesh.get_coordinate()
