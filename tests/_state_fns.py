@@ -415,19 +415,20 @@ def r_tp_block_load(path: str) -> dict[str, Any]:
 
 def r_reference_load(path: str) -> dict[str, Any]:
     """Load the TP checkpoint into the plain unsharded model (canonical names) and
-    a fresh AdamW. Non-strict: the per-parameter hyperparameters are saved under
-    the TP block's parameter names (``attn.qkv.weight``), which this model lacks."""
+    a fresh AdamW, strictly: every saved name (moments and per-parameter
+    hyperparameters) is canonical, named after the fused views."""
     ref = Reference(CFG, generator=torch.Generator().manual_seed(999))
     opt = torch.optim.AdamW(ref.parameters(), lr=0.3)
     ms = reshard.ModelState(ref)
-    res = reshard.load({"model": ms, "optim": reshard.OptimizerState(ms, opt)}, path, strict=False)
+    res = reshard.load({"model": ms, "optim": reshard.OptimizerState(ms, opt)}, path)
     want = reference().state_dict()
     with torch.no_grad():
         y = ref(block_input())
     moments = {key: {n: opt.state[p][key].clone() for n, p in ref.named_parameters()}
                for key in ("exp_avg", "exp_avg_sq", "step")}
     return {"equal": {k: torch.equal(v, want[k]) for k, v in ref.state_dict().items()}, "out": y,
-            "moments": moments, "missing": res.missing, "unexpected": res.unexpected}
+            "moments": moments, "missing": res.missing, "unexpected": res.unexpected,
+            "lr": [g["lr"] for g in opt.param_groups]}
 
 
 def r_reference_forward() -> torch.Tensor:

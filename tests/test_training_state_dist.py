@@ -238,8 +238,9 @@ def test_fused_qkv_tp_block_2_to_1_and_4(pool: WorkerPool, tmp_path) -> None:
         for k in canonical:
             assert torch.equal(plain["moments"][key][k], want[key][k]), (key, k)
     assert all(float(v) == 1.0 for v in plain["moments"]["step"].values())
-    # only the per-parameter hyperparameters do not follow a fused -> unfused change
-    assert all(k.startswith("optim.param_group.") for k in plain["missing"] + plain["unexpected"])
+    # a strict load: hyperparameters follow the fused -> unfused change by name too
+    assert plain["missing"] == () and plain["unexpected"] == ()
+    assert plain["lr"] == [0.0]
 
 
 # ----------------------------------------------------------------------------- EP

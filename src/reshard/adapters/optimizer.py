@@ -97,6 +97,12 @@ class OptimizerState:
         pre = self.model_state.prefix
         return view_fqn[len(pre):] if pre and view_fqn.startswith(pre) else view_fqn
 
+    def _bases(self, fqn: str, p: torch.Tensor) -> list[str]:
+        """The names under which parameter ``fqn``'s state is saved: its own,
+        or those of the views a model layout declares (fused [q; k; v])."""
+        return list(dict.fromkeys(self._view_fqn(sh.fqn)
+                                  for sh in self.model_state.shards(fqn, _local(p)))) or [fqn]
+
     def _rename(self, name: str, fqn: str, view_fqn: str) -> str:
         """``name`` (of the state of parameter ``fqn``) for the view ``view_fqn``."""
         base = self._view_fqn(view_fqn)
@@ -155,14 +161,14 @@ class OptimizerState:
         # that fails before load_state_dict must not disable the check of a later save
         loading, self._loading = self._loading, False
         for fqn, p, g in self._params():
+            bases = self._bases(fqn, p) if fqn is not None else []
             for key, v in self.optimizer.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
                     tensors.extend(self._state_tensors(fqn, p, key, v))
-                elif fqn is not None:
-                    objects.append(ShardedObject(self._name(fqn, key), v))
-            if fqn is not None:
-                objects.append(ShardedObject(f"{self.prefix}param_group.{fqn}",
-                                             {k: v for k, v in g.items() if k != "params"}))
+                else:
+                    objects.extend(ShardedObject(self._name(b, key), v) for b in bases)
+            hp = {k: v for k, v in g.items() if k != "params"}
+            objects.extend(ShardedObject(f"{self.prefix}param_group.{b}", hp) for b in bases)
             grad = p.grad
             if loading:
                 if fqn in self._load_grads and grad is not None:
@@ -243,7 +249,8 @@ class OptimizerState:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._loading = False
-        by_name = {fqn: (p, g) for fqn, p, g in self._params() if fqn is not None}
+        by_name = {b: (p, g) for fqn, p, g in self._params() if fqn is not None
+                   for b in self._bases(fqn, p)}
         pre_state, pre_group = f"{self.prefix}state.", f"{self.prefix}param_group."
         for ob in sd.get("objects", []):
             if ob.key.startswith(pre_group):
