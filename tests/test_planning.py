@@ -298,7 +298,7 @@ def test_replicas_with_different_digests_are_refused(sc, data) -> None:
                else LocalTensorItem(**{**{f: getattr(t, f) for f in t.__struct_fields__}, "digest": "X"})
                for t in plans[r].tensors]
     plans[r] = LocalPlan(rank=r, tensors=tuple(tensors))
-    with pytest.raises(ShardingError, match=rf"{lay.fqn}: replicas of chunk .* differ between ranks"):
+    with pytest.raises(ShardingError, match=rf"{lay.fqn}: replicas of chunk .* differ: ranks"):
         plan_save(plans)
 
 

@@ -149,11 +149,16 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePla
     by_rank = {p.rank: p for p in plans}
     for fqn, chunks in holders.items():
         for key, hs in chunks.items():
-            digests = {by_rank[r].tensors[i].digest for r, i in hs}
-            if len(digests) > 1:
+            groups: dict[str, list[int]] = defaultdict(list)
+            for r, i in hs:
+                groups[by_rank[r].tensors[i].digest].append(r)
+            if len(groups) > 1:
+                parts = sorted(groups.values(), key=lambda rs: (-len(rs), rs))
                 raise ShardingError(
-                    f"{fqn}: replicas of chunk at offset {list(key[0])} shape {list(key[1])} differ "
-                    f"between ranks {_ranks(hs)} (replicated data must be identical on every holder)"
+                    f"{fqn}: replicas of chunk at offset {list(key[0])} shape {list(key[1])} differ: "
+                    f"ranks {parts[0]} hold one value, "
+                    + ", ".join(f"ranks {rs} another" for rs in parts[1:])
+                    + " (replicated data must be identical on every holder)"
                 )
         _check_coverage(fqn, meta[fqn][1], chunks)
     # ---- objects
