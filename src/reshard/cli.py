@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from .commit import committed, read_manifest, scan
+from .commit import RETIRED, committed, read_manifest, scan
 from .errors import CheckpointError, CheckpointNotFoundError
 from .manifest import Manifest, encode_manifest
 from .storage import resolve
@@ -84,10 +84,10 @@ def ls_cmd(root: str) -> None:
         st, key = resolve(root)
         done = committed(st, key)
         others = [e for e in scan(st, key) if e.manifest is None]
-    except ValueError as e:
-        _fail(2, str(e))
-    except CheckpointError as e:
-        _fail(1, f"{type(e).__name__}: {e}")
+    except ValueError as err:
+        _fail(2, str(err))
+    except CheckpointError as err:
+        _fail(1, f"{type(err).__name__}: {err}")
     if not done:
         try:  # ROOT may itself be a checkpoint
             m = read_manifest(st, key)
@@ -112,7 +112,9 @@ def ls_cmd(root: str) -> None:
     if abandoned:
         click.echo(f"abandoned ({len(abandoned)}, never committed; ignored by load):")
         _table(["name", "modified", "why"],
-               [[e.name, _when(e.mtime), e.problem or "incomplete attempt"] for e in abandoned])
+               [[e.name, _when(e.mtime), e.problem or ("retired by an overwrite" if RETIRED in e.name
+                                                       else "incomplete attempt")]
+                for e in abandoned])
     if invalid:
         click.echo(f"invalid ({len(invalid)}; ignored by load):")
         for e in invalid:
@@ -199,7 +201,7 @@ def demo_cmd(out: str | None, save_ranks: int, load_ranks: int, rows: int) -> No
     """Save a synthetic state on N gloo ranks, verify it, load it on M ranks
     into another layout and check every element bit-exactly."""
     from .testing import demo_core as dc
-    from .testing.pool import WorkerPool
+    from .testing.pool import WorkerError, WorkerPool
     from .verify import verify
 
     if rows > dc.MAX_ROWS:
@@ -218,12 +220,17 @@ def demo_cmd(out: str | None, save_ranks: int, load_ranks: int, rows: int) -> No
         saved = pool.run(save_ranks, dc.save_rank, path, rows, timeout=600.0)
         s_secs = max(r["seconds"] for r in saved)
         total, nfiles = saved[0]["total_bytes"], saved[0]["num_files"]
-        click.echo(f"  checkpoint  : {path}  {human_bytes(total)} in {nfiles} files")
+        click.echo(f"  checkpoint  : {path}  {human_bytes(total)} in {nfiles} files"
+                   + ("  (temporary)" if tmp else ""))
         click.echo(f"  save        : {s_secs:.3f} s  {total / 1e6 / max(s_secs, 1e-9):.1f} MB/s")
         rep = verify(path)
         click.echo("  verify      : " + (f"OK ({human_bytes(rep.bytes_checked)} checksummed)"
                                         if rep.ok else "FAILED: " + "; ".join(rep.problems)))
         loaded = pool.run(load_ranks, dc.load_rank, path, rows, timeout=600.0)
+    except WorkerError as e:
+        click.echo(str(e), err=True)
+        click.echo("DEMO FAILED")
+        sys.exit(1)
     finally:
         pool.close()
         if tmp is not None:
@@ -243,6 +250,92 @@ def demo_cmd(out: str | None, save_ranks: int, load_ranks: int, rows: int) -> No
     click.echo("DEMO OK" if ok else "DEMO FAILED")
     if not ok:
         sys.exit(1)
+
+
+@main.command("export")
+@click.argument("ckpt")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["hf"]), default="hf", show_default=True,
+              help="Output format: hf = Hugging Face safetensors directory.")
+@click.option("--dtype", default=None, help="Cast floating-point tensors (bf16, fp16, fp32).")
+@click.option("--max-shard-size", default="2GiB", show_default=True,
+              help="Tensor bytes per shard file at most (2GB = 2e9 as in Hugging Face, 2GiB = 2**31).")
+@click.option("--copy", "copies", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="A file to copy alongside (config.json, tokenizer files); repeatable.")
+@click.option("--include", "includes", multiple=True,
+              help="Glob over checkpoint fqns to export (repeatable; default: all but optim.*).")
+@click.option("--overwrite", is_flag=True, help="Replace model files already in OUT.")
+def export_cmd(ckpt: str, out: str, fmt: str, dtype: str | None, max_shard_size: str,
+               copies: tuple[str, ...], includes: tuple[str, ...], overwrite: bool) -> None:
+    """Export the model tensors of checkpoint CKPT to the directory OUT
+    (streaming, one tensor in memory at a time; optimizer state dropped)."""
+    from .export import export_hf, parse_dtype, parse_size
+
+    try:
+        limit = parse_size(max_shard_size)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--max-shard-size") from None
+    try:
+        cast = None if dtype is None else parse_dtype(dtype)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--dtype") from None
+    try:
+        res = export_hf(ckpt, out, dtype=cast, max_shard_bytes=limit, copy_files=copies,
+                        include=list(includes) or None, overwrite=overwrite)
+    except CheckpointNotFoundError as e:
+        _fail(2, str(e))
+    except (CheckpointError, FileExistsError) as e:
+        _fail(1, f"{type(e).__name__}: {e}")
+    except ValueError as e:  # a bad argument (a ShardingError is a CheckpointError, above)
+        _fail(2, str(e))
+    mb = res.total_size / 1e6 / max(res.duration_s, 1e-9)
+    click.echo(f"exported {len(res.weight_map)} tensors ({human_bytes(res.total_size)}) to "
+               f"{res.out_dir} in {len(res.files)} file{'' if len(res.files) == 1 else 's'}, "
+               f"{res.duration_s:.2f} s, {mb:.1f} MB/s")
+    for f in (*res.files, *((res.index_file,) if res.index_file else ()), *res.copied):
+        click.echo(f"  {f}")
+    if res.skipped:
+        click.echo(f"  skipped {len(res.skipped)} (optimizer state, tied aliases, excluded): "
+                   + ", ".join(res.skipped[:5]) + (" ..." if len(res.skipped) > 5 else ""))
+
+
+@main.command("convert")
+@click.option("--from", "src_format", type=click.Choice(["dcp"]), required=True,
+              help="Format of SRC: dcp = a torch.distributed.checkpoint directory.")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--step", type=int, default=None, help="Step to record in the new manifest.")
+@click.option("--overwrite", is_flag=True, help="Replace a committed checkpoint at DST.")
+def convert_cmd(src_format: str, src: str, dst: str, step: int | None, overwrite: bool) -> None:
+    """Convert the checkpoint SRC (another format) into a committed reshard
+    checkpoint DST, streaming chunk by chunk; nothing of SRC is unpickled
+    except through restricted unpicklers.
+
+    Exits 1 if SRC is refused or invalid, 2 if there is no checkpoint at SRC.
+    """
+    from .dcp import convert_dcp
+    from .options import SaveOptions
+
+    t0 = time.perf_counter()
+    try:
+        res = convert_dcp(src, dst, step=step, options=SaveOptions(overwrite=overwrite))
+    except CheckpointNotFoundError as e:
+        _fail(2, str(e))
+    except (CheckpointError, FileExistsError) as e:
+        _fail(1, f"{type(e).__name__}: {e}")
+    except ValueError as e:  # unsupported URL scheme
+        _fail(2, str(e))
+    m = res.manifest
+    assert m is not None
+    secs = time.perf_counter() - t0
+    click.echo(f"converted {src} ({src_format}) -> {res.path}: {len(m.tensors)} tensors, "
+               f"{len(m.values or {})} values, {human_bytes(res.total_bytes)} in {res.num_files} "
+               f"file{'' if res.num_files == 1 else 's'}, {secs:.2f} s")
+    skipped = m.extra.get("dcp_skipped_values") or {}
+    if skipped:
+        click.echo(f"  skipped {len(skipped)} value(s) that cannot be decoded safely:")
+        for k, why in skipped.items():
+            click.echo(f"    {k}: {why}")
 
 
 if __name__ == "__main__":  # pragma: no cover
