@@ -8,8 +8,9 @@ descending item size so that each one starts at a multiple of its item size,
 and the manifest records each chunk's *absolute* byte range in the file, so a
 reader never needs the header.
 
-Checksums (xxh3_64, via the ``xxhash`` library) are computed while writing:
-one per block of ``block_bytes`` of each chunk, and one over the whole file.
+Checksums (xxh3_64, via the ``xxhash`` library): one per block of
+``block_bytes`` of each chunk, and one per file: a hash tree over the header
+bytes and the block digests (:func:`file_checksum`), so data is hashed once.
 """
 
 from __future__ import annotations
@@ -101,8 +102,6 @@ def write_shard_file(
     hbytes += b" " * (-len(hbytes) % 8)
     prefix = struct.pack("<Q", len(hbytes)) + hbytes
     base = len(prefix)
-    fh = xxhash.xxh3_64()
-    fh.update(prefix)
     out: list[WrittenItem | None] = [None] * len(items)
     stream = storage.open_write(path, durable=durable)
     try:
@@ -114,10 +113,22 @@ def write_shard_file(
             else:
                 sums = ()
             stream.write(it.data)
-            fh.update(it.data)
             out[i] = WrittenItem(offset=base + rel[i], length=len(it.data), checksums=sums)
     except BaseException:
         stream.abort()
         raise
     stream.close()
-    return base + pos, fh.hexdigest(), [o for o in out if o is not None]
+    written = [o for o in out if o is not None]
+    digest = file_checksum(prefix, [out[i].checksums for i in order]) if checksums else ""  # type: ignore[union-attr]
+    return base + pos, digest, written
+
+
+def file_checksum(prefix: bytes, block_digests_in_file_order: Sequence[Sequence[str]]) -> str:
+    """A file's checksum as a hash tree: xxh3_64 over the safetensors header
+    bytes and the block digests of every item in file order. The data bytes
+    are hashed once (per block), never twice."""
+    h = xxhash.xxh3_64()
+    h.update(prefix)
+    for digests in block_digests_in_file_order:
+        h.update((",".join(digests) + ";").encode())
+    return h.hexdigest()

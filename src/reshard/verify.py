@@ -6,12 +6,11 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import xxhash
-
 from .commit import committed, read_manifest
 from .errors import CheckpointError, CheckpointNotFoundError, ShardingError
 from .manifest import Manifest
 from .planning import _check_coverage
+from .shardfile import block_digests, file_checksum
 from .storage import Storage, resolve
 
 _READ = 8 << 20
@@ -113,35 +112,44 @@ def verify(path: str | os.PathLike[str], *, checksums: bool = True,
         good_files.add(name)
     checked = 0
     if checksums:
-        for name in sorted(good_files):
-            fe = m.files[name]
-            p = st.join(key, name)
-            h = xxhash.xxh3_64()
-            for off in range(0, fe.size, _READ):
-                h.update(st.read_bytes(p, off, min(_READ, fe.size - off)))
-            checked += fe.size
-            if fe.checksum and h.hexdigest() != fe.checksum:
-                problems.append(f"{p}: file checksum mismatch")
-        b = m.checksum_block_bytes
-        for fqn, te in m.tensors.items():
-            for c in te.chunks:
-                if c.file not in good_files or not c.checksums:
-                    continue
-                for k, want in enumerate(c.checksums):
-                    n = min(b, c.length - k * b)
-                    got = xxhash.xxh3_64_hexdigest(st.read_bytes(st.join(key, c.file), c.offset + k * b, n))
-                    if got != want:
-                        problems.append(f"{st.join(key, c.file)}: checksum mismatch in tensor {fqn!r} "
-                                        f"chunk at {list(c.global_offset)} block {k}")
-                        break
-        for ok_, oe in m.objects.items():
-            for oc in oe.chunks:
-                if oc.file not in good_files or not oc.checksums:
-                    continue
-                raw = st.read_bytes(st.join(key, oc.file), oc.offset, oc.length)
-                if any(xxhash.xxh3_64_hexdigest(raw[k * b:(k + 1) * b]) != d
-                       for k, d in enumerate(oc.checksums)):
-                    problems.append(f"{st.join(key, oc.file)}: checksum mismatch in object {ok_!r} "
-                                    f"element {list(oc.global_offset)}")
+        checked = _verify_checksums(st, key, m, good_files, problems)
     return VerifyReport(path=key, ok=not problems, problems=tuple(problems), bytes_checked=checked,
                         manifest=m)
+
+
+def _verify_checksums(st: Storage, key: str, m: Manifest, files: set[str], problems: list[str]) -> int:
+    """Recompute every block digest of every chunk and object, and every
+    file's hash tree from them, reading each file once. Returns bytes read."""
+    b = m.checksum_block_bytes
+    per_file: dict[str, list[tuple[int, int, tuple[str, ...], str]]] = defaultdict(list)
+    for fqn, te in m.tensors.items():
+        for c in te.chunks:
+            per_file[c.file].append((c.offset, c.length, c.checksums,
+                                     f"tensor {fqn!r} chunk at {list(c.global_offset)}"))
+    for k, oe in m.objects.items():
+        for oc in oe.chunks:
+            per_file[oc.file].append((oc.offset, oc.length, oc.checksums,
+                                      f"object {k!r} element {list(oc.global_offset)}"))
+    checked = 0
+    for name in sorted(files):
+        p = st.join(key, name)
+        fe = m.files[name]
+        items = sorted(per_file.get(name, []))
+        first = items[0][0] if items else fe.size
+        prefix = st.read_bytes(p, 0, first)
+        checked += first
+        tree: list[tuple[str, ...]] = []
+        step = b * max(1, _READ // b)  # whole blocks per read
+        for off, length, want, what in items:
+            got: list[str] = []
+            for a in range(0, length, step):
+                data = st.read_bytes(p, off + a, min(step, length - a))
+                got.extend(block_digests(memoryview(data), b))
+            checked += length
+            tree.append(tuple(got))
+            if want and tuple(got) != tuple(want):
+                bad = next(i for i, (x, y) in enumerate(zip(got, want, strict=True)) if x != y)
+                problems.append(f"{p}: checksum mismatch in {what} block {bad}")
+        if fe.checksum and all(i[2] for i in items) and file_checksum(prefix, tree) != fe.checksum:
+            problems.append(f"{p}: file checksum mismatch (header or layout changed)")
+    return checked
