@@ -12,6 +12,7 @@ authoritative; every other leaf is named by its path.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -138,7 +139,7 @@ def flatten(
             if not isinstance(sd, Mapping):
                 raise ShardingError(f"{path}: state_dict() returned {type(sd).__name__}, not a mapping")
             walk_container(sd, path)
-            out.statefuls.append((path, x, lambda sd=sd, path=path: rebuild(sd, path, True)))
+            out.statefuls.append((path, x, functools.partial(rebuild, sd, path, True)))
             return
         elif isinstance(x, Mapping) and _is_special(x):
             walk_container(x, path)
@@ -157,7 +158,13 @@ def flatten(
         for k, v in m.items():
             walk(v, _join(path, k))
 
-    walk_container(state, "")
+    try:
+        walk_container(state, "")
+    finally:
+        # walk and walk_container refer to each other: break that cycle, which
+        # would otherwise keep `out` (and every tensor of the state) alive
+        # after the caller drops it, until the cyclic garbage collector runs
+        walk = walk_container = None  # type: ignore[assignment]
     return out
 
 

@@ -1,0 +1,727 @@
+"""Training checkpoint <-> Hugging Face safetensors.
+
+* :func:`export_hf` consolidates a (sharded) reshard checkpoint into a Hugging
+  Face model directory: ``model.safetensors`` when one shard suffices, else
+  ``model-00001-of-0000N.safetensors`` ... plus ``model.safetensors.index.json``
+  (``{"metadata": {"total_size": <bytes>}, "weight_map": {name: file}}``).
+  Streaming and bounded in memory: shards are planned from the manifest alone
+  (names, dtypes, shapes), each shard's safetensors header is written first,
+  then its tensors one at a time, each read by :func:`reshard.load` of one
+  full-width request (checksums verified), cast if asked, written, freed. A
+  tensor larger than ``READ_BLOCK_BYTES`` (32 MiB) is requested in blocks of
+  whole rows (flat element ranges for ZeRO/FSDP flat shards), so peak extra
+  memory is a few such blocks (the block, the reader's span buffers, the
+  cast copy), whatever the size of the model or of its largest tensor. Buffers are anonymous memory maps, given back to
+  the OS when freed.
+* :func:`import_hf` loads a Hugging Face directory (one ``model.safetensors``
+  or an index over several shards) into a (sharded) target state: the
+  safetensors headers become a reshard :class:`~reshard.manifest.Manifest`
+  (one chunk per tensor, absolute byte ranges), and :func:`reshard.load` reads
+  through it, so each rank reads only the byte ranges its shards need.
+
+Units: sizes in bytes; ``max_shard_bytes`` counts tensor bytes only (not the
+headers), as Hugging Face's ``max_shard_size`` does; ``total_size`` in the
+index is the sum of tensor bytes.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import mmap
+import os
+import re
+import shutil
+import struct
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+import xxhash
+
+from .collectives import SingleProcess, get_collectives
+from .commit import read_manifest
+from .errors import CheckpointNotFoundError, ManifestError, ShardingError
+from .load import LoadResult, load
+from .manifest import Chunk, FileEntry, Manifest, TensorEntry, check_file_name, validate_manifest
+from .options import LoadOptions
+from .shardfile import tensor_bytes
+from .sharding import (
+    ShardedTensor,
+    dtype_from_safetensors,
+    dtype_name,
+    itemsize,
+    numel,
+    safetensors_code,
+    torch_dtype,
+)
+from .storage import Storage, resolve
+
+SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_SHARD_RX = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+#: the safetensors format's own cap on a header (bytes)
+MAX_HEADER_BYTES = 100_000_000
+#: an index larger than this is refused before it is read (bytes)
+MAX_INDEX_BYTES = 256 << 20
+_VALIDATE_BLOCK = 4 << 20
+#: tensors larger than this are read and written in blocks of whole rows of
+#: at most this many saved bytes (bytes)
+READ_BLOCK_BYTES = 32 << 20
+
+_DTYPE_ALIASES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "f16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "fp32": torch.float32, "f32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "fp64": torch.float64, "f64": torch.float64, "float64": torch.float64,
+}
+
+_SIZE_RX = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+
+
+def parse_dtype(d: str | torch.dtype) -> torch.dtype:
+    """``"bf16"``, ``"bfloat16"``, ``"fp16"``, ``"fp32"``, ... or a torch dtype."""
+    if isinstance(d, torch.dtype):
+        dtype_name(d)  # on the allow-list
+        return d
+    try:
+        return _DTYPE_ALIASES[d.strip().lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {d!r} (use one of {', '.join(sorted(_DTYPE_ALIASES))})") from None
+
+
+def parse_size(s: str | int) -> int:
+    """A byte count: an int, or ``"2GB"`` (decimal, 2e9, as Hugging Face reads
+    ``max_shard_size``), ``"2GiB"`` (binary, 2 * 2**30), ``"500MB"``, ``"64KiB"``..."""
+    if isinstance(s, int):
+        n = s
+    else:
+        mt = _SIZE_RX.match(s)
+        if mt is None:
+            raise ValueError(f"not a size: {s!r} (e.g. 2GB, 500MiB, 1048576)")
+        unit = (mt.group(2) or "b").lower()
+        base = 1024 if "i" in unit else 1000
+        power = {"b": 0, "k": 1, "m": 2, "g": 3, "t": 4}[unit[0]]
+        n = int(float(mt.group(1)) * base**power)
+    if n <= 0:
+        raise ValueError(f"size must be positive, got {s!r}")
+    return n
+
+
+# ----------------------------------------------------------------------------- export
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportResult:
+    """What :func:`export_hf` wrote.
+
+    Attributes:
+        out_dir: the Hugging Face directory.
+        files: shard file names, in order.
+        index_file: ``model.safetensors.index.json``, or None for one shard.
+        weight_map: output tensor name -> shard file name.
+        total_size: bytes of tensor data written (the index's ``total_size``).
+        skipped: checkpoint fqns not exported (excluded by ``include``, e.g.
+            optimizer state; tied aliases unless ``include_aliases``).
+        aliases: output name of each tied alias -> the output name of the
+            tensor it shares storage with (exported or not).
+        copied: names of the files copied alongside.
+        bytes_read: bytes read from the checkpoint.
+        bytes_written: bytes of the shard files (headers included).
+        duration_s: seconds the export took.
+    """
+
+    out_dir: str
+    files: tuple[str, ...]
+    index_file: str | None
+    weight_map: dict[str, str]
+    total_size: int
+    skipped: tuple[str, ...] = ()
+    aliases: dict[str, str] = field(default_factory=dict)
+    copied: tuple[str, ...] = ()
+    bytes_read: int = 0
+    bytes_written: int = 0
+    duration_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Item:
+    out: str  # output (Hugging Face) name
+    saved: str  # fqn of the tensor in the checkpoint that holds the bytes
+    src_dtype: str
+    dtype: str  # output dtype name
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return numel(self.shape) * itemsize(self.dtype)
+
+
+def _include_fn(include: Any) -> Callable[[str], bool]:
+    if include is None:
+        return lambda fqn: not fqn.startswith("optim.")
+    if callable(include):
+        return include
+    pats = [include] if isinstance(include, str) else list(include)
+    return lambda fqn: any(fnmatch.fnmatchcase(fqn, p) for p in pats)
+
+
+def _output_names(m: Manifest, transforms: Sequence[Any]
+                  ) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
+    """``({output name: saved fqn} of tensors, {output alias: (saved alias,
+    output name of its target)})``
+    after the manifest-level transforms (Rename, Reset)."""
+    from .transforms import manifest_view
+
+    for t in transforms:
+        if not hasattr(t, "apply_manifest"):
+            raise ValueError(f"export_hf: {type(t).__name__} changes geometry or dtype at load; only "
+                             "transforms that act on saved names (Rename, Reset) apply to an export")
+    # distinct entry objects, so that each renamed entry maps back to its saved fqn by identity
+    fresh = {k: TensorEntry(te.dtype, te.global_shape, te.chunks) for k, te in m.tensors.items()}
+    back = {id(te): k for k, te in fresh.items()}
+    view = manifest_view(msgspec.structs.replace(m, tensors=fresh), transforms)
+    names: dict[str, str] = {}
+    for out, te in view.tensors.items():
+        saved = back.get(id(te))
+        if saved is None:
+            raise ValueError(f"export_hf: tensor {out!r} is made by a transform, not saved")
+        names[out] = saved
+    # Rename maps alias names in order (and Reset keeps them): pair them up
+    aliases: dict[str, tuple[str, str]] = {}
+    if len(view.aliases) == len(m.aliases):
+        for (out_alias, out_target), saved_alias in zip(view.aliases.items(), m.aliases, strict=True):
+            aliases[out_alias] = (saved_alias, out_target)
+    return names, aliases
+
+
+def _plan(items: list[_Item], max_shard_bytes: int) -> list[list[_Item]]:
+    """Group items (in name order) into shards of at most ``max_shard_bytes``
+    tensor bytes; a larger tensor gets a shard of its own."""
+    shards: list[list[_Item]] = []
+    cur: list[_Item] = []
+    size = 0
+    for it in items:
+        if cur and size + it.nbytes > max_shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(it)
+        size += it.nbytes
+    if cur or not shards:
+        shards.append(cur)
+    return shards
+
+
+def _header(items: list[_Item]) -> tuple[bytes, list[_Item]]:
+    """The safetensors prefix (u64 length + JSON header padded with spaces to
+    8 bytes) and the data order: larger item sizes first, so every tensor
+    starts at a multiple of its item size."""
+    order = sorted(items, key=lambda it: (-itemsize(it.dtype), it.out))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    pos = 0
+    for it in order:
+        header[it.out] = {"dtype": safetensors_code(it.dtype), "shape": list(it.shape),
+                          "data_offsets": [pos, pos + it.nbytes]}
+        pos += it.nbytes
+    hb = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    hb += b" " * (-len(hb) % 8)
+    return struct.pack("<Q", len(hb)) + hb, order
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    mv = memoryview(data).cast("B")
+    while mv:
+        mv = mv[os.write(fd, mv):]
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _existing_outputs(out_dir: str) -> list[str]:
+    if not os.path.isdir(out_dir):
+        return []
+    return sorted(n for n in os.listdir(out_dir)
+                  if n in (SINGLE_NAME, INDEX_NAME) or _SHARD_RX.match(n))
+
+
+def export_hf(
+    ckpt: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_bytes: int | str = 2 * 1024**3,
+    include: str | Sequence[str] | Callable[[str], bool] | None = None,
+    transforms: Sequence[Any] = (),
+    copy_files: Sequence[str | os.PathLike[str]] = (),
+    include_aliases: bool = False,
+    overwrite: bool = False,
+    validate: bool = True,
+    options: LoadOptions | None = None,
+    storage: Storage | None = None,
+) -> ExportResult:
+    """Write the model tensors of the checkpoint ``ckpt`` as a Hugging Face
+    safetensors directory ``out_dir``, one tensor (or one block of at most
+    ``READ_BLOCK_BYTES`` of a larger one) in memory at a time. Single
+    process: call it on one rank (it uses no process group).
+
+    Args:
+        dtype: cast floating-point tensors to this dtype (``torch.bfloat16``
+            or ``"bf16"``, ``"fp16"``, ``"fp32"``...); integer and bool
+            tensors keep theirs. None: every tensor keeps its saved dtype.
+        max_shard_bytes: tensor bytes per shard file at most (an int, or a
+            size such as ``"2GB"`` / ``"2GiB"``); a single larger tensor gets a
+            shard of its own. Tensors fill shards in output-name order.
+        include: which checkpoint fqns (before transforms) to export: a glob,
+            a list of globs, or a predicate. Default: every tensor whose fqn
+            does not start with ``"optim."`` (optimizer state, gradients).
+            Objects and plain values are never exported.
+        transforms: transforms that act on saved names (``Rename``,
+            ``Reset``), applied as at load: the output names are the names
+            ``reshard.load(..., transforms=...)`` would see.
+        copy_files: files copied into ``out_dir`` as they are (config.json,
+            tokenizer files...).
+        include_aliases: tied weights (``manifest.aliases``) are exported as
+            the canonical tensor only (Hugging Face loaders re-tie them;
+            safetensors cannot share storage between names). With True,
+            each included alias is also written, as a copy under its own name.
+        overwrite: replace model files already in ``out_dir`` (stale shards of
+            an earlier export are removed). Without it, such files are an error.
+        validate: re-open each written shard with ``safetensors`` (names,
+            dtypes and shapes as its parser reads them) and re-read the bytes
+            at each tensor's ``data_offsets``, comparing their xxh3_64 with
+            that of the bytes written.
+        options: LoadOptions for the reads (checksums on by default, HMAC key).
+        storage: a backend for ``ckpt`` instead of resolving its URL. The
+            output is written to the local file system.
+
+    Shards are written under temporary names, fsync'd, validated, renamed
+    into place; the index is written last.
+
+    Raises:
+        CheckpointNotFoundError, ManifestError, IntegrityError: as ``load``.
+        FileExistsError: model files already in ``out_dir`` (no ``overwrite``).
+        ValueError: a bad argument, a transform that is not name-level,
+            ``include`` selects nothing.
+    """
+    t0 = time.perf_counter()
+    opts = options or LoadOptions()
+    out_dtype = None if dtype is None else parse_dtype(dtype)
+    limit = parse_size(max_shard_bytes)
+    st, key = resolve(ckpt, storage)
+    read0 = st.bytes_read
+    m = read_manifest(st, key, hmac_key=opts.hmac_key)
+    keep = _include_fn(include)
+    names, alias_names = _output_names(m, transforms)
+    kept = set(names.values())
+    skipped = [fqn for fqn in m.tensors if not keep(fqn) or fqn not in kept]  # or dropped by Reset
+
+    def item(out: str, saved: str) -> _Item:
+        te = m.tensors[saved]
+        cast = out_dtype is not None and torch_dtype(te.dtype).is_floating_point
+        return _Item(out=out, saved=saved, src_dtype=te.dtype,
+                     dtype=dtype_name(out_dtype) if cast else te.dtype,  # type: ignore[arg-type]
+                     shape=tuple(te.global_shape))
+
+    items = [item(out, saved) for out, saved in names.items() if keep(saved)]
+    out_aliases: dict[str, str] = {}
+    for out_alias, (saved_alias, out_target) in alias_names.items():
+        if out_target not in names:  # its target was dropped by a transform
+            continue
+        out_aliases[out_alias] = out_target
+        if include_aliases and keep(saved_alias):
+            items.append(item(out_alias, names[out_target]))
+        else:
+            skipped.append(saved_alias)
+    if not items:
+        raise ValueError(f"export_hf: {key}: no tensor selected (include={include!r}; "
+                         f"saved e.g. {sorted(m.tensors)[:3]})")
+    items.sort(key=lambda it: it.out)
+    shards = _plan(items, limit)
+    n = len(shards)
+    files = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    out = os.path.abspath(os.fspath(out_dir))
+    copies = [os.path.abspath(os.fspath(c)) for c in copy_files]
+    for c in copies:
+        base = os.path.basename(c)
+        if base in (SINGLE_NAME, INDEX_NAME) or _SHARD_RX.match(base):
+            raise ValueError(f"export_hf: copy_files: {base!r} would replace a model file")
+        if not os.path.isfile(c):
+            raise FileNotFoundError(f"export_hf: copy_files: {c} is not a file")
+    if storage is None and "://" not in os.fspath(ckpt) and os.path.realpath(out) == os.path.realpath(key):
+        raise ValueError(f"export_hf: {out} is the checkpoint itself (a committed checkpoint is "
+                         "never modified)")
+    stale = _existing_outputs(out)
+    if stale and not overwrite:
+        raise FileExistsError(f"{out}: already holds model files {stale[:3]} (pass overwrite=True)")
+    os.makedirs(out, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    written = 0
+    tmps: list[str] = []
+    one = SingleProcess()
+    try:
+        for fname, shard in zip(files, shards, strict=True):
+            tmp = os.path.join(out, f".{fname}.partial")
+            tmps.append(tmp)
+            written += _write_shard(st, key, m, tmp, shard, opts, one, validate)
+            for it in shard:
+                weight_map[it.out] = fname
+        for tmp, fname in zip(tmps, files, strict=True):
+            os.replace(tmp, os.path.join(out, fname))
+        tmps = []
+        for name in stale:
+            if name not in files:
+                os.unlink(os.path.join(out, name))
+        copied = []
+        for c in copies:
+            dst = os.path.join(out, os.path.basename(c))
+            if os.path.abspath(dst) != c:
+                shutil.copyfile(c, dst)
+                _fsync_file(dst)
+            copied.append(os.path.basename(c))
+        total = sum(it.nbytes for it in items)
+        index_file = None
+        if n > 1:
+            index_file = INDEX_NAME
+            body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            tmp = os.path.join(out, f".{INDEX_NAME}.partial")
+            tmps.append(tmp)
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(body, f, indent=2)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(out, INDEX_NAME))
+            tmps = []
+        _fsync_dir(out)
+    finally:
+        for tmp in tmps:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    return ExportResult(out_dir=out, files=tuple(files), index_file=index_file,
+                        weight_map=weight_map, total_size=total, skipped=tuple(sorted(skipped)),
+                        aliases=out_aliases, copied=tuple(copied), bytes_read=st.bytes_read - read0,
+                        bytes_written=written, duration_s=time.perf_counter() - t0)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sub_manifest(m: Manifest, fqn: str) -> Manifest:
+    """``m`` reduced to the one tensor ``fqn`` and the files its chunks name."""
+    te = m.tensors[fqn]
+    used = {c.file for c in te.chunks}
+    return msgspec.structs.replace(m, tensors={fqn: te}, objects={}, values=None, aliases={},
+                                   files={f: m.files[f] for f in used})
+
+
+def _anon_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor in its own anonymous memory map, unmapped (given
+    back to the OS) as soon as the tensor is freed. The allocator would keep
+    freed blocks of this size in its heaps, and an export's RSS would grow to
+    the size of the model instead of one tensor."""
+    n = numel(shape) * dtype.itemsize
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        u8 = torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8)
+    return u8.view(dtype).reshape(shape)
+
+
+@dataclass(frozen=True)
+class _Block:
+    """One read request: the box ``[offset, offset + shape)`` of the saved
+    tensor, or, with ``flat``, elements ``[flat[0], flat[1])`` of the
+    row-major flattening of the whole tensor. Either way a contiguous byte
+    range of the tensor in row-major order, so blocks are written back to back."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    flat: tuple[int, int] | None = None
+
+
+def _blocks(it: _Item, te: TensorEntry) -> list[_Block]:
+    """The requests that read ``it`` with at most about ``READ_BLOCK_BYTES``
+    saved bytes in memory: blocks of whole rows when the saved chunks are
+    boxes (row-, column-, block-sharded), flat element ranges when every
+    chunk is a flat range of the whole tensor (ZeRO / FSDP flat shards),
+    otherwise the whole tensor in one request."""
+    shape = it.shape
+    whole = [_Block(offset=(0,) * len(shape), shape=shape)]
+    isz = itemsize(it.src_dtype)
+    if not shape or numel(shape) * isz <= READ_BLOCK_BYTES:
+        return whole
+    if all(c.flattened_range is None for c in te.chunks):
+        rows = shape[0]
+        step = max(1, READ_BLOCK_BYTES // max(numel(shape[1:]) * isz, 1))
+        return [_Block(offset=(r0,) + (0,) * (len(shape) - 1),
+                       shape=(min(rows, r0 + step) - r0, *shape[1:]))
+                for r0 in range(0, rows, step)]
+    if all(tuple(c.local_shape) == shape for c in te.chunks):
+        n, step = numel(shape), max(1, READ_BLOCK_BYTES // isz)
+        return [_Block(offset=(0,) * len(shape), shape=shape, flat=(a, min(n, a + step)))
+                for a in range(0, n, step)]
+    return whole
+
+
+def _read_block(st: Storage, key: str, m: Manifest, it: _Item, blk: _Block,
+                opts: LoadOptions, one: SingleProcess) -> torch.Tensor:
+    """One block of the saved tensor ``it.saved``, in the saved dtype, through
+    ``reshard.load`` of one request (checksums verified as at any load)."""
+    dtype = torch_dtype(it.src_dtype)
+    if blk.flat is None:
+        buf = _anon_empty(blk.shape, dtype)
+        req = ShardedTensor(it.saved, buf, global_shape=it.shape, global_offset=blk.offset)
+    else:
+        buf = _anon_empty((blk.flat[1] - blk.flat[0],), dtype)
+        req = ShardedTensor(it.saved, buf, global_shape=it.shape, global_offset=blk.offset,
+                            local_shape=blk.shape, flattened_range=slice(*blk.flat))
+    load({"t": req}, key, group=one, options=opts, storage=st, manifest=_sub_manifest(m, it.saved))
+    return buf
+
+
+def _write_shard(st: Storage, key: str, m: Manifest, path: str, shard: list[_Item],
+                 opts: LoadOptions, one: SingleProcess, validate: bool) -> int:
+    """Write one shard: its header, then each tensor streamed in blocks (see
+    :func:`_blocks`), cast if asked; fsync; validate."""
+    prefix, order = _header(shard)
+    digests: dict[str, str] = {}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, prefix)
+        total = len(prefix)
+        for it in order:
+            h = xxhash.xxh3_64()
+            for blk in _blocks(it, m.tensors[it.saved]):
+                t = _read_block(st, key, m, it, blk, opts, one)
+                if t.dtype != torch_dtype(it.dtype):
+                    cast = _anon_empty(tuple(t.shape), torch_dtype(it.dtype))
+                    cast.copy_(t)
+                    t = cast
+                data = tensor_bytes(t)
+                _write_all(fd, data)
+                h.update(data)
+                total += len(data)
+                del t, data
+            digests[it.out] = h.hexdigest()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if validate:
+        _validate_shard(path, order, digests)
+    return total
+
+
+def _validate_shard(path: str, order: list[_Item], digests: Mapping[str, str]) -> None:
+    """Check the written shard: ``safetensors`` parses it and lists exactly the
+    names, dtypes and shapes written, and the bytes at each tensor's
+    ``data_offsets`` (as the file's own header declares them) hash to what was
+    written. Reads in blocks of ``_VALIDATE_BLOCK`` bytes (no mapping of the
+    shard, so memory stays bounded)."""
+    from safetensors import safe_open
+
+    want = {it.out: it for it in order}
+    with safe_open(path, framework="pt") as f:
+        keys = set(f.keys())
+        if keys != set(want):
+            raise ManifestError(f"{path}: safetensors lists {sorted(keys ^ set(want))[:5]} unexpectedly")
+        for name, it in want.items():
+            sl = f.get_slice(name)
+            code, shape = sl.get_dtype(), tuple(sl.get_shape())
+            if code != safetensors_code(it.dtype) or shape != it.shape:
+                raise ManifestError(f"{path}: {name}: reads back as {code} {list(shape)}, "
+                                    f"written as {safetensors_code(it.dtype)} {list(it.shape)}")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        header = json.loads(os.pread(fd, hlen, 8))
+        buf = bytearray(_VALIDATE_BLOCK)
+        mv = memoryview(buf)
+        for name in want:
+            lo, hi = header[name]["data_offsets"]
+            h = xxhash.xxh3_64()
+            pos = 8 + hlen + lo
+            end = 8 + hlen + hi
+            while pos < end:
+                n = os.preadv(fd, [mv[:min(len(mv), end - pos)]], pos)
+                if n <= 0:
+                    raise ManifestError(f"{path}: {name}: file ends at {pos}, before {end}")
+                h.update(mv[:n])
+                pos += n
+            if h.hexdigest() != digests[name]:
+                raise ManifestError(f"{path}: {name}: bytes read back differ from those written")
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def _read_json(st: Storage, path: str, cap: int) -> Any:
+    if st.is_link(path):
+        raise ManifestError(f"{path}: is a symbolic link (refused)")
+    size = st.size(path)
+    if size > cap:
+        raise ManifestError(f"{path}: {size} bytes, more than the {cap} allowed")
+    try:
+        return json.loads(st.read_bytes(path, 0, size))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{path}: not valid JSON: {e}") from None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _file_tensors(st: Storage, path: str, name: str) -> tuple[int, dict[str, TensorEntry], Any]:
+    """``(file size, tensors, __metadata__)`` from one safetensors header."""
+    if st.is_link(path):
+        raise ManifestError(f"{path}: is a symbolic link (refused)")
+    try:
+        size = st.size(path)
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: named by the index but missing") from None
+    if size < 8:
+        raise ManifestError(f"{path}: {size} bytes, too short for a safetensors file")
+    (hlen,) = struct.unpack("<Q", st.read_bytes(path, 0, 8))
+    if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+        raise ManifestError(f"{path}: header length {hlen} is impossible for a file of {size} bytes")
+    try:
+        header = json.loads(st.read_bytes(path, 8, hlen))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{path}: safetensors header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise ManifestError(f"{path}: safetensors header is not a JSON object")
+    base = 8 + hlen
+    out: dict[str, TensorEntry] = {}
+    meta = header.pop("__metadata__", None)
+    for tname, info in header.items():
+        where = f"{path}: tensor {tname!r}"
+        if not isinstance(info, dict):
+            raise ManifestError(f"{where}: entry is not an object")
+        code, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(code, str) or not isinstance(shape, list) or not all(
+                _is_int(d) and d >= 0 for d in shape):
+            raise ManifestError(f"{where}: bad dtype or shape ({code!r}, {shape!r})")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)
+                and 0 <= offs[0] <= offs[1]):
+            raise ManifestError(f"{where}: bad data_offsets {offs!r}")
+        try:
+            dt = dtype_from_safetensors(code)
+        except ShardingError as e:
+            raise ManifestError(f"{where}: {e}") from None
+        shp = tuple(shape)
+        out[tname] = TensorEntry(dtype=dt, global_shape=shp, chunks=(
+            Chunk(global_offset=(0,) * len(shp), local_shape=shp, file=name,
+                  offset=base + offs[0], length=offs[1] - offs[0]),))
+    return size, out, meta
+
+
+def hf_manifest(hf_dir: str | os.PathLike[str], *, storage: Storage | None = None
+                ) -> tuple[Storage, str, Manifest]:
+    """A reshard Manifest describing the Hugging Face safetensors directory
+    ``hf_dir`` (``model.safetensors``, or ``model.safetensors.index.json`` and
+    the shards it names): one chunk per tensor with its absolute byte range,
+    no checksums, file sizes from the store. Returns ``(storage, key, manifest)``.
+
+    Raises:
+        CheckpointNotFoundError: neither file is there.
+        ManifestError: a file name outside the directory, a symbolic link, a
+            malformed header or index, an unsupported dtype, a tensor in two
+            files, an index naming a tensor its file lacks.
+        IntegrityError: a byte range past the end of its file, a length that
+            disagrees with shape and dtype.
+    """
+    st, key = resolve(hf_dir, storage)
+    ipath = st.join(key, INDEX_NAME)
+    wmap: dict[str, str] | None = None
+    if st.exists(ipath):
+        idx = _read_json(st, ipath, MAX_INDEX_BYTES)
+        wm = idx.get("weight_map") if isinstance(idx, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise ManifestError(f"{ipath}: no weight_map of tensor name -> file name")
+        wmap = wm
+        names = sorted(set(wm.values()))
+    elif st.exists(st.join(key, SINGLE_NAME)):
+        names = [SINGLE_NAME]
+    else:
+        raise CheckpointNotFoundError(f"{key}: no {SINGLE_NAME} or {INDEX_NAME} here")
+    tensors: dict[str, TensorEntry] = {}
+    files: dict[str, FileEntry] = {}
+    metadata: dict[str, Any] = {}
+    for name in names:
+        check_file_name(name, where=ipath if wmap is not None else key)
+        size, ents, meta = _file_tensors(st, st.join(key, name), name)
+        files[name] = FileEntry(size=size)
+        if isinstance(meta, dict):
+            metadata[name] = meta
+        for t, te in ents.items():
+            if t in tensors:
+                raise ManifestError(f"{key}: tensor {t!r} is in {tensors[t].chunks[0].file} and {name}")
+            tensors[t] = te
+    if wmap is not None:
+        for t, f in wmap.items():
+            if t not in tensors or tensors[t].chunks[0].file != f:
+                raise ManifestError(f"{ipath}: maps {t!r} to {f}, which does not hold it")
+    mtime = st.modified_time(st.join(key, names[0])) or 0.0
+    m = Manifest(attempt_id="huggingface", created_at=mtime, world_size=1,
+                 checksum_block_bytes=1 << 20, tensors=dict(sorted(tensors.items())), files=files,
+                 extra={"source": "huggingface", "safetensors_metadata": metadata})
+    validate_manifest(m, where=key)
+    return st, key, m
+
+
+def import_hf(
+    state: Mapping[str, Any],
+    hf_dir: str | os.PathLike[str],
+    *,
+    group: Any = None,
+    strict: bool = True,
+    allow_missing: Sequence[Any] = (),
+    transforms: Sequence[Any] = (),
+    options: LoadOptions | None = None,
+    storage: Storage | None = None,
+) -> LoadResult:
+    """Fill the tensors of ``state`` (ShardedTensors, DTensors, plain tensors,
+    as for :func:`reshard.load`) from the Hugging Face directory ``hf_dir``.
+
+    Every rank of ``group`` reads the safetensors headers, then
+    :func:`reshard.load` reads only the byte ranges of its own shards (a
+    row-sharded request reads its rows; a column-sharded one reads the
+    contiguous span that holds its columns). Arguments as for ``load``; use
+    ``transforms=[Rename(...)]`` to map Hugging Face names to the model's,
+    ``Cast`` to load into another dtype. Hugging Face files carry no
+    checksums: the bytes are read as they are.
+
+    Raises:
+        As :func:`hf_manifest` and :func:`reshard.load`; every failure is
+        raised on every rank of ``group``.
+    """
+    coll = get_collectives(group)
+    if coll.world_size == 1:
+        st, key, m = hf_manifest(hf_dir, storage=storage)
+    else:
+        err: BaseException | None = None
+        try:
+            st, key, m = hf_manifest(hf_dir, storage=storage)
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it
+            err = e
+        coll.agree(f"import_hf {os.fspath(hf_dir)}", err)
+    return load(state, key, group=coll, strict=strict, allow_missing=allow_missing,
+                transforms=transforms, options=options, storage=st, manifest=m)
