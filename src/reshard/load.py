@@ -19,7 +19,13 @@ import xxhash
 from . import codec
 from .collectives import Collectives, get_collectives
 from .commit import read_manifest
-from .errors import CheckpointError, IntegrityError, ManifestError, ShardingError
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    ManifestError,
+    ShardingError,
+)
 from .manifest import Chunk, Manifest, TensorEntry
 from .options import LoadOptions
 from .planning import ReadItem, Request, _strides, check_entry_coverage, plan_reads
@@ -328,11 +334,18 @@ def load(
     opts = options or LoadOptions()
     t0 = time.perf_counter()
     st, key = resolve(path, storage)
-    before = st.bytes_read
+    base, before = st, st.bytes_read  # (a DCP checkpoint is read through `base`)
     err: BaseException | None = None
+    if manifest is None:
+        try:
+            st, manifest = _read_or_dcp(st, key, opts)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            err = e
     keys: dict[str, Any] = {}
     ctx: dict[str, Any] = {}
     try:
+        if err is not None:
+            raise err
         ctx = _prepare(state, st, key, opts, transforms, coll, manifest)
         keys = ctx["requested"]
     except Exception as e:  # noqa: BLE001
@@ -360,8 +373,25 @@ def load(
         err = e
     reports = coll.all_gather_json({"error": _fail(coll.rank, err)})
     _raise(reports, err, "load (load_state_dict)")
-    return LoadResult(**{**result.__dict__, "bytes_read": st.bytes_read - before,
+    return LoadResult(**{**result.__dict__, "bytes_read": base.bytes_read - before,
                          "duration_s": time.perf_counter() - t0})
+
+
+def _read_or_dcp(st: Storage, key: str, opts: LoadOptions) -> tuple[Storage, Manifest]:
+    """The manifest at ``key``; where there is none but a PyTorch DCP
+    ``.metadata``, the DCP checkpoint presented by :func:`reshard.dcp.open_dcp`
+    (unsigned: refused when an HMAC key is given)."""
+    try:
+        return st, read_manifest(st, key, hmac_key=opts.hmac_key)
+    except CheckpointNotFoundError:
+        from .dcp import DCP_METADATA, open_dcp
+
+        if not st.exists(st.join(key, DCP_METADATA)):
+            raise
+        if opts.hmac_key is not None:
+            raise IntegrityError(f"{key}: a DCP checkpoint carries no HMAC, but an HMAC key was "
+                                 "given") from None
+        return open_dcp(key, storage=st)
 
 
 def _fail(rank: int, e: BaseException | None) -> Any:
