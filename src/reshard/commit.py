@@ -60,6 +60,22 @@ def check_signature(m: Manifest, key: bytes, *, where: str) -> None:
         raise IntegrityError(f"{where}: manifest HMAC does not match (tampered, or another key)")
 
 
+def check_target(storage: Storage, path: str, *, overwrite: bool) -> None:
+    """Refuse to save over a committed checkpoint unless ``overwrite`` (and
+    never on a store without atomic rename, where a replace could not be
+    atomic: publish under a new step instead)."""
+    if not storage.exists(storage.join(path, MANIFEST_NAME)):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{path}: a committed checkpoint is already there "
+                              "(pass SaveOptions(overwrite=True) to replace it)")
+    if not storage.capabilities.atomic_rename:
+        from .errors import CheckpointError
+
+        raise CheckpointError(f"{path}: overwrite is refused on a store without atomic rename; "
+                              "publish under a new step instead")
+
+
 def publish(storage: Storage, attempt: str, path: str, manifest: Manifest, *, overwrite: bool,
             durable: bool) -> None:
     """Write the manifest last and make the attempt the checkpoint at ``path``.

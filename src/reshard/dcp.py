@@ -741,10 +741,11 @@ def convert_dcp(
         error) and publishes nothing.
     """
     from .collectives import get_collectives
-    from .commit import attempt_path, new_attempt_id, publish, sign_manifest
+    from .commit import attempt_path, check_target, new_attempt_id, publish, sign_manifest
+    from .errors import outcome, raise_agreed
     from .manifest import MANIFEST_NAME
     from .options import SaveOptions
-    from .save import SaveResult, _cleanup, _raise_gathered, _report
+    from .save import SaveResult, discard_attempt
     from .shardfile import FileItem, tensor_bytes, write_shard_file
 
     opts: SaveOptions = options or SaveOptions()
@@ -759,21 +760,15 @@ def convert_dcp(
     try:
         dcp_st, m = open_dcp(src, storage=src_storage, cache_bytes=0)
         if rank == 0:
-            if dst_st.exists(dst_st.join(dst_key, MANIFEST_NAME)):
-                if not opts.overwrite:
-                    raise FileExistsError(f"{dst_key}: a committed checkpoint is already there "
-                                          "(pass SaveOptions(overwrite=True) to replace it)")
-                if not dst_st.capabilities.atomic_rename:
-                    raise CheckpointError(f"{dst_key}: overwrite is refused on a store without "
-                                          "atomic rename")
+            check_target(dst_st, dst_key, overwrite=opts.overwrite)
             local["attempt"] = new_attempt_id()
     except Exception as e:  # noqa: BLE001
         err = e
-    gathered = coll.all_gather_json(_report(rank, local, err))
-    _raise_gathered("convert_dcp", gathered, err)
+    gathered = coll.all_gather_json(outcome(rank, err, **local))
+    raise_agreed("convert_dcp", gathered, err)
     assert dcp_st is not None and m is not None
-    attempt = attempt_path(dst_st, dst_key, gathered[0]["written"]["attempt"])
-    attempt_id = gathered[0]["written"]["attempt"]
+    attempt = attempt_path(dst_st, dst_key, gathered[0]["attempt"])
+    attempt_id = gathered[0]["attempt"]
     t1 = time.perf_counter()
     # pack chunks into files (deterministic on every rank), round-robin over ranks
     files: list[list[tuple[str, int]]] = [[]]
@@ -811,11 +806,11 @@ def convert_dcp(
     except Exception as e:  # noqa: BLE001
         err = e
     t2 = time.perf_counter()
-    reports = coll.all_gather_json(_report(rank, written, err))
+    reports = coll.all_gather_json(outcome(rank, err, written=written))
     try:
-        _raise_gathered("convert_dcp", reports, err)
+        raise_agreed("convert_dcp", reports, err)
     except CheckpointError:
-        _cleanup(coll, dst_st, attempt)
+        discard_attempt(coll, dst_st, attempt)
         raise
     out: Manifest | None = None
     err = None
@@ -848,11 +843,11 @@ def convert_dcp(
             publish(dst_st, attempt, dst_key, out, overwrite=opts.overwrite, durable=opts.durable)
         except Exception as e:  # noqa: BLE001
             err = e
-    final = coll.all_gather_json(_report(rank, None, err))
+    final = coll.all_gather_json(outcome(rank, err))
     try:
-        _raise_gathered("convert_dcp (publish)", final, err)
+        raise_agreed("convert_dcp (publish)", final, err)
     except CheckpointError:
-        _cleanup(coll, dst_st, attempt)
+        discard_attempt(coll, dst_st, attempt)
         raise
     total = sum(f["size"] for r in reports for f in r["written"])
     nfiles = sum(len(r["written"]) for r in reports)

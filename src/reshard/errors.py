@@ -118,3 +118,20 @@ def agreed_error(what: str, failures: dict[int, RankFailure]) -> CheckpointError
         f = failures[rank]
         lines.append(f"  rank {rank}: {f.type_name}: {f.message}")
     return cls("\n".join(lines), failures=failures)
+
+
+def outcome(rank: int, err: BaseException | None, **payload: object) -> dict[str, object]:
+    """What a rank contributes to an agreement step: its failure as text (or
+    None) and, on success, ``payload``. JSON-safe, for ``all_gather_json``."""
+    if err is not None:
+        return {"error": RankFailure.from_exception(rank, err).to_json()}
+    return {"error": None, **payload}
+
+
+def raise_agreed(what: str, gathered: list[dict[str, object]], mine: BaseException | None = None) -> None:
+    """Raise :func:`agreed_error` on every rank when any gathered outcome failed
+    (chained to this rank's own exception, if it had one)."""
+    failures = {r: RankFailure.from_json(g["error"])  # type: ignore[arg-type]
+                for r, g in enumerate(gathered) if g.get("error")}
+    if failures:
+        raise agreed_error(what, failures) from mine

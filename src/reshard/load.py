@@ -20,11 +20,12 @@ from . import codec
 from .collectives import Collectives, get_collectives
 from .commit import read_manifest
 from .errors import (
-    CheckpointError,
     CheckpointNotFoundError,
     IntegrityError,
     ManifestError,
     ShardingError,
+    outcome,
+    raise_agreed,
 )
 from .manifest import Chunk, Manifest, TensorEntry
 from .options import LoadOptions
@@ -351,8 +352,8 @@ def load(
     except Exception as e:  # noqa: BLE001
         err = e
     # agree on the manifest and gather requested keys (to find unexpected ones)
-    reports = coll.all_gather_json({"error": _fail(coll.rank, err), "keys": sorted(keys)})
-    _raise(reports, err, "load")
+    reports = coll.all_gather_json(outcome(coll.rank, err, keys=sorted(keys)))
+    raise_agreed("load", reports, err)
     err = None
     result: LoadResult | None = None
     try:
@@ -361,8 +362,8 @@ def load(
                           [*allow_missing, *extra_allow_missing(transforms)], transforms)
     except Exception as e:  # noqa: BLE001
         err = e
-    reports = coll.all_gather_json({"error": _fail(coll.rank, err)})
-    _raise(reports, err, "load")
+    reports = coll.all_gather_json(outcome(coll.rank, err))
+    raise_agreed("load", reports, err)
     assert result is not None
     # hand loaded plain values to Stateful objects, only once every rank succeeded
     err = None
@@ -371,8 +372,8 @@ def load(
             obj.load_state_dict(rebuild())
     except Exception as e:  # noqa: BLE001
         err = e
-    reports = coll.all_gather_json({"error": _fail(coll.rank, err)})
-    _raise(reports, err, "load (load_state_dict)")
+    reports = coll.all_gather_json(outcome(coll.rank, err))
+    raise_agreed("load (load_state_dict)", reports, err)
     return LoadResult(**{**result.__dict__, "bytes_read": base.bytes_read - before,
                          "duration_s": time.perf_counter() - t0})
 
@@ -392,24 +393,6 @@ def _read_or_dcp(st: Storage, key: str, opts: LoadOptions) -> tuple[Storage, Man
             raise IntegrityError(f"{key}: a DCP checkpoint carries no HMAC, but an HMAC key was "
                                  "given") from None
         return open_dcp(key, storage=st)
-
-
-def _fail(rank: int, e: BaseException | None) -> Any:
-    from .errors import RankFailure
-
-    return None if e is None else RankFailure.from_exception(rank, e).to_json()
-
-
-def _raise(reports: list[dict[str, Any]], mine: BaseException | None, what: str) -> None:
-    from .errors import RankFailure, agreed_error
-
-    failures = {r: RankFailure.from_json(x["error"]) for r, x in enumerate(reports) if x.get("error")}
-    if not failures:
-        return
-    if mine is not None and len(failures) == 1 and isinstance(mine, CheckpointError):
-        err = agreed_error(what, failures)
-        raise err from mine
-    raise agreed_error(what, failures) from mine
 
 
 def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
@@ -456,10 +439,11 @@ def _prepare_hooks(state: Any, m: Manifest, notes: dict[str, Any]) -> None:
     before the state tree is walked. Returned dicts are merged into
     ``LoadResult.notes``."""
     seen: set[int] = set()
-
-    def walk(x: Any) -> None:
+    stack: list[Any] = [state]
+    while stack:  # iterative: no self-referencing closure keeping the manifest alive
+        x = stack.pop()
         if id(x) in seen:
-            return
+            continue
         seen.add(id(x))
         hook = getattr(x, "reshard_prepare_load", None)
         if callable(hook) and not isinstance(x, type):
@@ -467,13 +451,9 @@ def _prepare_hooks(state: Any, m: Manifest, notes: dict[str, Any]) -> None:
             if out:
                 notes.update(out)
         if isinstance(x, Mapping):
-            for v in x.values():
-                walk(v)
+            stack.extend(reversed(list(x.values())))
         elif isinstance(x, (list, tuple)):
-            for v in x:
-                walk(v)
-
-    walk(state)
+            stack.extend(reversed(x))
 
 
 def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key: str,

@@ -14,8 +14,8 @@ import xxhash
 
 from . import codec
 from .collectives import Collectives, get_collectives
-from .commit import attempt_path, new_attempt_id, publish, sign_manifest
-from .errors import CheckpointError, ShardingError
+from .commit import attempt_path, check_target, new_attempt_id, publish, sign_manifest
+from .errors import CheckpointError, ShardingError, outcome, raise_agreed
 from .manifest import (
     MANIFEST_NAME,
     Chunk,
@@ -198,6 +198,15 @@ def _merge_aliases(plans: list[LocalPlan]) -> dict[str, str]:
         for a, t in p.aliases.items():
             if out.setdefault(a, t) != t:
                 raise ShardingError(f"{a}: aliased to {out[a]!r} on one rank and {t!r} on rank {p.rank}")
+    # a name aliased on one rank (it shares memory with another) but saved as a tensor of its
+    # own elsewhere would be both in the manifest, its replicas never compared
+    saved = {it.fqn: p.rank for p in plans for it in p.tensors}
+    for a, t in out.items():
+        if a in saved:
+            raise ShardingError(
+                f"{a}: shares memory with {t!r} on one rank (a tie) but is a tensor of its own on "
+                f"rank {saved[a]}; declare it the same way on every rank (distinct names that "
+                "must not be tied need memory of their own)")
     return out
 
 
@@ -340,32 +349,23 @@ def run_save(
     ``save`` and the background thread of ``async_save``)."""
     timings: dict[str, float] = {"stage": time.perf_counter() - t0}
     rank = coll.rank
-    local: dict[str, Any] = {"error": None}
+    local: dict[str, Any] = {}
     try:
         if err is not None:
             raise err
         assert snap is not None
         if rank == 0:
             local["attempt"] = new_attempt_id()
-            if st.exists(st.join(key, MANIFEST_NAME)):
-                if not options.overwrite:
-                    raise FileExistsError(f"{key}: a committed checkpoint is already there "
-                                          "(pass SaveOptions(overwrite=True) to replace it)")
-                if not st.capabilities.atomic_rename:
-                    raise CheckpointError(f"{key}: overwrite is refused on a store without atomic "
-                                          "rename; publish under a new step instead")
+            check_target(st, key, overwrite=options.overwrite)
         lp = LocalPlan(rank=rank, tensors=tuple(t for t, _, _ in snap.tensors),
                        objects=tuple(o for o, _ in snap.objects), aliases=snap.aliases)
         local["plan"] = msgspec.to_builtins(lp)
         local["value_digests"] = snap.value_digests
     except Exception as e:  # noqa: BLE001
-        from .errors import RankFailure
-
-        local = {"error": RankFailure.from_exception(rank, e).to_json()}
         err = e
     t1 = time.perf_counter()
-    gathered = coll.all_gather_json(local)
-    _raise_gathered("save", gathered, err)
+    gathered = coll.all_gather_json(outcome(rank, err, **local))
+    raise_agreed("save", gathered, err)
     assert snap is not None
     attempt_id = gathered[0]["attempt"]
     attempt = attempt_path(st, key, attempt_id)
@@ -386,11 +386,11 @@ def run_save(
     except Exception as e:  # noqa: BLE001
         err = e
     timings["write"] = time.perf_counter() - t2
-    reports = coll.all_gather_json(_report(rank, written, err))
+    reports = coll.all_gather_json(outcome(rank, err, written=written))
     try:
-        _raise_gathered("save", reports, err)
+        raise_agreed("save", reports, err)
     except CheckpointError:
-        _cleanup(coll, st, attempt)
+        discard_attempt(coll, st, attempt)
         raise
     t3 = time.perf_counter()
     manifest = None
@@ -405,11 +405,11 @@ def run_save(
             publish(st, attempt, key, manifest, overwrite=options.overwrite, durable=options.durable)
         except Exception as e:  # noqa: BLE001
             err = e
-    final = coll.all_gather_json(_report(rank, None, err))
+    final = coll.all_gather_json(outcome(rank, err))
     try:
-        _raise_gathered("save (publish)", final, err)
+        raise_agreed("save (publish)", final, err)
     except CheckpointError:
-        _cleanup(coll, st, attempt)
+        discard_attempt(coll, st, attempt)
         raise
     timings["commit"] = time.perf_counter() - t3
     total = sum(f["size"] for r in reports for f in r["written"]["files"])
@@ -419,26 +419,7 @@ def run_save(
                       total_bytes=total, num_files=nfiles, timings=timings, manifest=manifest)
 
 
-def _report(rank: int, written: Any, err: BaseException | None) -> dict[str, Any]:
-    from .errors import RankFailure
-
-    if err is not None:
-        return {"error": RankFailure.from_exception(rank, err).to_json()}
-    return {"error": None, "written": written}
-
-
-def _raise_gathered(what: str, gathered: list[dict[str, Any]], mine: BaseException | None) -> None:
-    from .errors import RankFailure, agreed_error
-
-    failures = {r: RankFailure.from_json(g["error"]) for r, g in enumerate(gathered) if g.get("error")}
-    if failures:
-        e = agreed_error(what, failures)
-        if mine is not None:
-            raise e from mine
-        raise e
-
-
-def _cleanup(coll: Collectives, st: Storage, attempt: str) -> None:
+def discard_attempt(coll: Collectives, st: Storage, attempt: str) -> None:
     """Remove a failed attempt (coordinator only, after every rank stopped
     writing). Never touches a committed checkpoint: on rename-capable stores
     the attempt is its own directory; on others nothing was published."""

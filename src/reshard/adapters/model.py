@@ -72,9 +72,13 @@ class ModelState:
             if not isinstance(t, torch.Tensor):
                 raise ShardingError(f"{self.prefix}{fqn}: state_dict entry of type {type(t).__name__}")
             tensors.extend(self.shards(fqn, t))
-        # no entry for absent extra state: an empty list would be saved as a
-        # common value that is not a key of the module's state_dict
-        return {"tensors": tensors, "extra_state": extra} if extra else {"tensors": tensors}
+        # no entry for an empty list: it would be saved as a common value that is not a key of
+        # the module's state_dict, and on a rank that holds nothing (a pipeline stage without
+        # parameters) one that the other ranks do not have
+        out: dict[str, Any] = {"tensors": tensors} if tensors else {}
+        if extra:
+            out["extra_state"] = extra
+        return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         # tensors were filled in place; hand extra state to its modules

@@ -185,7 +185,8 @@ class OptimizerState:
                 f"parameters {accumulating[:5]} hold gradients: saving in the middle of gradient "
                 "accumulation is not a step boundary (step and zero_grad first, or pass "
                 "OptimizerState(..., save_grads=True))")
-        return {"state": tensors, "objects": objects}
+        # no entry for an empty list (a common value only the ranks without state would have)
+        return {k: v for k, v in (("state", tensors), ("objects", objects)) if v}
 
     # -- loading
     def reshard_prepare_load(self, m: Manifest) -> dict[str, Any]:
