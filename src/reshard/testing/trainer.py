@@ -606,8 +606,9 @@ def assemble(ranks: Sequence[Sequence[Piece]]) -> dict[str, torch.Tensor]:
 class KindStats:
     """Largest differences of one kind (loss, grad, param, exp_avg, exp_avg_sq).
 
-    ``max_rel`` is over elements where the reference is non-zero;
-    ``budget`` is the largest ``|a - b| / (atol + rtol * |b|)`` (<= 1 passes)."""
+    ``max_rel`` is over elements where the reference is non-zero (large for
+    near-zero elements); ``budget`` is the largest ``|a - b| / (atol + rtol *
+    |b|)`` (<= 1 passes); ``worst`` is the tensor with the largest budget."""
 
     tensors: int
     max_abs: float
