@@ -1,4 +1,4 @@
-"""The ``reshard`` command: ls, inspect, verify (in-process) and demo (real gloo ranks)."""
+"""The ``reshard`` command: ls, inspect, verify (in-process), smoke and demo (real gloo ranks)."""
 
 from __future__ import annotations
 
@@ -110,14 +110,41 @@ def test_verify_ok_corrupt_and_missing(root: Path, tmp_path: Path) -> None:
     assert _run("inspect", str(tmp_path / "missing")).exit_code == 2
 
 
-def test_demo_on_real_gloo_ranks(tmp_path: Path) -> None:
+def _cli() -> list[str]:
     exe = Path(sys.executable).with_name("reshard")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "reshard.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "reshard.cli"]
+
+
+def test_smoke_on_real_gloo_ranks(tmp_path: Path) -> None:
+    cmd = _cli()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run([*cmd, "demo", "--out", "tmp", "--save-ranks", "2", "--load-ranks", "3",
+    p = subprocess.run([*cmd, "smoke", "--out", "tmp", "--save-ranks", "2", "--load-ranks", "3",
                         "--rows", "10"], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=100)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "max abs difference = 0\n" in p.stdout
     assert "DEMO OK" in p.stdout and "verify      : OK" in p.stdout
     assert (tmp_path / "tmp" / "ckpt" / "step-00000001" / "manifest.json").is_file()
+
+
+def test_demo_small_settings(tmp_path: Path) -> None:
+    """The main job end to end with a tiny model: train in (dp2,tp2) with
+    checkpoints, SIGKILL a rank mid-save, resume in (tp1,pp2,dp2), parity,
+    export, report and plot; exit 0 only when every check passed."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.run([*_cli(), "demo", "--out", "d", "--size", "tiny", "--data", "random",
+                        "--steps", "7", "--every", "2", "--kill-at", "4", "--seq-len", "16",
+                        "--no-progress"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = p.stdout
+    assert "DEMO OK" in out
+    assert "[ok] rank 1 killed by SIGKILL in the middle of the save of step 4" in out
+    assert "[ok] latest() ignores the abandoned attempt" in out and "step-00000002" in out
+    assert "[ok] resumed at step 2" in out
+    assert "[ok] loss, gradients, updated weights and moments within tolerance" in out
+    d = tmp_path / "d"
+    assert (d / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (d / "report.txt").read_text().rstrip().endswith("DEMO OK")
+    assert (d / "hf" / "model.safetensors").is_file()
+    assert any(".incomplete-" in x.name for x in (d / "ckpt").iterdir())

@@ -121,12 +121,15 @@ class WorkerPool:
     ``pg_timeout`` is the gloo collective timeout inside workers; ``grace`` is how long the other
     ranks may take to answer once one rank has failed before they are declared hung and their
     group is killed; at most ``max_groups`` world sizes are kept alive (least recently used
-    groups are closed first).
+    groups are closed first); with ``dump_hung`` the stacks of hung ranks are printed to
+    stderr before they are killed.
     """
 
-    def __init__(self, pg_timeout: float = 30.0, grace: float = 10.0, max_groups: int = 4) -> None:
+    def __init__(self, pg_timeout: float = 30.0, grace: float = 10.0, max_groups: int = 4,
+                 dump_hung: bool = True) -> None:
         self.pg_timeout = pg_timeout
         self.grace = grace
+        self.dump_hung = dump_hung
         self.max_groups = max_groups
         self._ctx = mp.get_context("spawn")
         self._groups: dict[int, _Group] = {}
@@ -188,9 +191,8 @@ class WorkerPool:
                 return f"rank {rank}: {detail}"
         return ""
 
-    @staticmethod
-    def _terminate(group: _Group, hung: list[int]) -> None:
-        for rank in hung:  # faulthandler in the worker prints all thread stacks to stderr
+    def _terminate(self, group: _Group, hung: list[int]) -> None:
+        for rank in hung if self.dump_hung else ():  # faulthandler in the worker prints all thread stacks to stderr
             pid = group.procs[rank].pid
             if group.procs[rank].is_alive() and pid is not None:
                 os.kill(pid, signal.SIGUSR1)
