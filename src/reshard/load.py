@@ -11,6 +11,7 @@ from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -86,9 +87,15 @@ def _compile_allow(allow: Sequence[Any]) -> list[tuple[Callable[[str], bool], An
     for a in allow:
         pat, rule = (a if isinstance(a, tuple) else (a, "keep"))
         if isinstance(pat, re.Pattern):
-            out.append((lambda k, p=pat: p.fullmatch(k) is not None, rule))
+            def by_regex(k: str, p: re.Pattern[str] = pat) -> bool:
+                return p.fullmatch(k) is not None
+
+            out.append((by_regex, rule))
         else:
-            out.append((lambda k, p=str(pat): fnmatch.fnmatchcase(k, p), rule))
+            def by_glob(k: str, p: str = str(pat)) -> bool:
+                return fnmatch.fnmatchcase(k, p)
+
+            out.append((by_glob, rule))
     return out
 
 
@@ -191,7 +198,7 @@ class _Reader:
         if not self.opts.checksums or not c.checksums:
             return
         b = self.m.checksum_block_bytes
-        mv = memoryview(data.numpy()) if data.numel() else memoryview(b"")
+        mv = memoryview(data.numpy().data) if data.numel() else memoryview(b"")
         n = len(mv)
         for k in range(lo // b, -(-(lo + n) // b)):
             a = k * b - lo
@@ -223,19 +230,17 @@ class _Reader:
                 direct.append((fqn, c, *items[0]))
             else:
                 per_file[c.file].append((c.offset + lo, c.offset + hi, fqn, c, items))
-        jobs: list[Callable[[], None]] = [
-            (lambda a=a: self._read_direct(*a)) for a in direct
-        ]
+        jobs: list[Callable[[], None]] = [partial(self._read_direct, *a) for a in direct]
         for name, reads in per_file.items():
             reads.sort(key=lambda r: r[0])
             cur: list[Any] = []
             for r in reads:
                 if cur and r[0] > cur[-1][1]:
-                    jobs.append(lambda name=name, cur=cur: self._read_span(name, cur))
+                    jobs.append(partial(self._read_span, name, cur))
                     cur = []
                 cur.append(r)
             if cur:
-                jobs.append(lambda name=name, cur=cur: self._read_span(name, cur))
+                jobs.append(partial(self._read_span, name, cur))
         if self.opts.threads > 1 and len(jobs) > 1:
             with ThreadPoolExecutor(max_workers=min(self.opts.threads, len(jobs)),
                                     thread_name_prefix="reshard-read") as ex:
@@ -272,7 +277,7 @@ class _Reader:
         if flat.stride(0) != 1:  # one element with any stride counts as contiguous
             flat = torch.as_strided(flat, (flat.numel(),), (1,))
         u8 = flat.view(torch.uint8)
-        self.st.read_into(path, c.offset, memoryview(u8.numpy()))
+        self.st.read_into(path, c.offset, memoryview(u8.numpy().data))
         self.verify(fqn, c, 0, u8)
 
     def _read_span(self, name: str, reads: list[tuple[int, int, str, Chunk, list[Any]]]) -> None:
@@ -280,7 +285,7 @@ class _Reader:
         start, stop = reads[0][0], max(r[1] for r in reads)
         buf = torch.empty(stop - start, dtype=torch.uint8)
         if stop > start:
-            self.st.read_into(path, start, memoryview(buf.numpy()))
+            self.st.read_into(path, start, memoryview(buf.numpy().data))
         for a, b, fqn, c, items in reads:
             lo = a - c.offset
             data = buf[a - start:b - start]

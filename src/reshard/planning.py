@@ -149,11 +149,11 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePla
     by_rank = {p.rank: p for p in plans}
     for fqn, chunks in holders.items():
         for key, hs in chunks.items():
-            groups: dict[str, list[int]] = defaultdict(list)
+            by_digest: dict[str, list[int]] = defaultdict(list)
             for r, i in hs:
-                groups[by_rank[r].tensors[i].digest].append(r)
-            if len(groups) > 1:
-                parts = sorted(groups.values(), key=lambda rs: (-len(rs), rs))
+                by_digest[by_rank[r].tensors[i].digest].append(r)
+            if len(by_digest) > 1:
+                parts = sorted(by_digest.values(), key=lambda rs: (-len(rs), rs))
                 raise ShardingError(
                     f"{fqn}: replicas of chunk at offset {list(key[0])} shape {list(key[1])} differ: "
                     f"ranks {parts[0]} hold one value, "
@@ -177,18 +177,18 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePla
             if ob.key in meta:
                 raise ShardingError(f"{ob.key}: used both as a tensor fqn and an object key")
             oholders[ob.key][ob.global_offset].append((p.rank, i))
-    for key, elems in oholders.items():
-        grid = omap[key][0]
+    for okey, elems in oholders.items():
+        grid = omap[okey][0]
         if len(elems) != numel(grid):
             missing = numel(grid) - len(elems)
             raise ShardingError(
-                f"object {key}: grid {list(grid)} has {missing} element(s) that no rank holds "
+                f"object {okey}: grid {list(grid)} has {missing} element(s) that no rank holds "
                 f"(held by ranks {sorted({r for hs in elems.values() for r, _ in hs})})"
             )
         for off, hs in elems.items():
             if len({by_rank[r].objects[i].digest for r, i in hs}) > 1:
                 raise ShardingError(
-                    f"object {key}: element {list(off)} is held by ranks {_ranks(hs)} with "
+                    f"object {okey}: element {list(off)} is held by ranks {_ranks(hs)} with "
                     "different values (per-rank values need distinct global_offsets)"
                 )
     # ---- choose writers, balancing bytes

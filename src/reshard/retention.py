@@ -70,9 +70,9 @@ def decide(cands: Sequence[Candidate], policy: Policy) -> Decision:
             if c.step % policy.keep_every == 0:
                 keep.setdefault(c.name, f"every {policy.keep_every} steps")
     if policy.keep_best > 0:
-        scored = [c for c in by_step if c.metric is not None]
-        scored.sort(key=lambda c: c.metric if policy.mode == "min" else -c.metric)  # type: ignore[operator]
-        for c in scored[:policy.keep_best]:
+        scored = [(c.metric, c) for c in by_step if c.metric is not None]
+        scored.sort(key=lambda mc: mc[0] if policy.mode == "min" else -mc[0])
+        for _, c in scored[:policy.keep_best]:
             keep.setdefault(c.name, f"best {policy.keep_best} by metric")
     delete = tuple(c.name for c in by_step if c.name not in keep)
     return Decision(keep=keep, delete=delete)

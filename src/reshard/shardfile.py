@@ -38,7 +38,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         return memoryview(b"")
     if t.stride(0) != 1:  # a single element with any stride counts as contiguous
         t = torch.as_strided(t, (t.numel(),), (1,))
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.view(torch.uint8).numpy().data).cast("B")
 
 
 def block_digests(data: memoryview, block_bytes: int) -> tuple[str, ...]:

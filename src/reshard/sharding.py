@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -157,7 +157,8 @@ class ShardedTensor:
     data: torch.Tensor
     global_shape: Shape = field(kw_only=True)
     global_offset: Shape = field(kw_only=True)
-    local_shape: Shape = field(default=None, kw_only=True)  # type: ignore[assignment]
+    # None (the default) stands for data.shape; __post_init__ replaces it with a Shape
+    local_shape: Shape = field(default=cast(Shape, None), kw_only=True)
     flattened_range: slice | None = field(default=None, kw_only=True)
     replica_id: int | tuple[int, ...] = field(default=0, kw_only=True)
 

@@ -250,7 +250,11 @@ def resolve(s: ShardedTensor, m: Manifest, transforms: Sequence[Any]) -> Resolut
             tmp = torch.empty([s.local_shape[p] for p in perm], dtype=s.data.dtype)
             res.pieces.append(Piece(saved=s.fqn, offset=tuple(s.global_offset[p] for p in perm),
                                     shape=tuple(s.local_shape[p] for p in perm), dst=tmp))
-            res.finalize.append(lambda tmp=tmp, perm=perm: s.data.copy_(tmp.permute(perm)))
+
+            def transpose_back(tmp: torch.Tensor = tmp, perm: list[int] = perm) -> None:
+                s.data.copy_(tmp.permute(perm))
+
+            res.finalize.append(transpose_back)
             return _cast(s, m, transforms, res)
         if isinstance(t, ResizeVocab) and _match(t.pattern, s.fqn) and s.fqn in m.tensors:
             _need_box(s, t)
@@ -277,7 +281,7 @@ def resolve(s: ShardedTensor, m: Manifest, transforms: Sequence[Any]) -> Resolut
                             raise ShardingError(f"{s.fqn}: fill='mean' needs saved rows on this rank")
                         extra.copy_(read.float().mean(dim=d, keepdim=True).expand_as(extra))
                     else:
-                        extra.fill_(float(t.fill))  # type: ignore[arg-type]
+                        extra.fill_(float(t.fill))
 
                 res.finalize.append(fill)
             return _cast(s, m, transforms, res)
@@ -329,6 +333,10 @@ def _cast(s: ShardedTensor, m: Manifest, transforms: Sequence[Any], res: Resolut
         tmp = torch.empty(p.dst.shape, dtype=torch_dtype(saved))
         out.pieces.append(Piece(saved=p.saved, offset=p.offset, shape=p.shape, dst=tmp,
                                 flattened_range=p.flattened_range))
-        out.finalize.append(lambda dst=p.dst, tmp=tmp: dst.copy_(tmp))
+
+        def copy_back(dst: torch.Tensor = p.dst, tmp: torch.Tensor = tmp) -> None:
+            dst.copy_(tmp)
+
+        out.finalize.append(copy_back)
     out.finalize.extend(res.finalize)
     return out

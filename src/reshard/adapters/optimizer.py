@@ -195,6 +195,7 @@ class OptimizerState:
         pre = f"{self.prefix}state."
         saved: dict[str, dict[str, Any]] = {}
         keys: dict[str, Any] = {}
+        fqn: str | None  # a saved name's owner here; None below for layout-named parameters
         for name, te in m.tensors.items():
             if name.startswith(pre):
                 fqn, _, key = name[len(pre):].rpartition(".")

@@ -280,9 +280,9 @@ def run_demo(cfg: DemoConfig) -> int:
         rep.add("")
         rep.add(f"layout A ({la}): steps 1..{cfg.kill_at}, checkpoints at "
                 f"{list(range(cfg.every, cfg.kill_at, cfg.every))}")
-        for s in saves:
-            rep.add(f"  save: {s['bytes'] / 2**20:.1f} MiB in {s['files']} files, {s['seconds']:.2f} s "
-                    f"({s['bytes'] / max(s['seconds'], 1e-9) / 2**20:.0f} MiB/s)")
+        for sv in saves:
+            rep.add(f"  save: {sv['bytes'] / 2**20:.1f} MiB in {sv['files']} files, {sv['seconds']:.2f} s "
+                    f"({sv['bytes'] / max(sv['seconds'], 1e-9) / 2**20:.0f} MiB/s)")
         rep.check(killed, f"rank 1 killed by SIGKILL in the middle of the save of step {cfg.kill_at}")
         st = LocalStorage()
         from ..commit import scan
@@ -319,9 +319,9 @@ def run_demo(cfg: DemoConfig) -> int:
         rep.add("")
         rep.add(f"next-step parity at step {resume_from + 1} (resumed B vs uninterrupted A; "
                 f"|a-b| <= 1e-6 + 1e-5|b| elementwise):")
-        for kind, s in stats.items():
-            rep.add(f"  {kind:<10} {s.tensors:4d} tensors  max_abs {s.max_abs:.3e}  budget "
-                    f"{s.budget:.3f}  (worst: {s.worst})")
+        for kind, ks in stats.items():
+            rep.add(f"  {kind:<10} {ks.tensors:4d} tensors  max_abs {ks.max_abs:.3e}  budget "
+                    f"{ks.budget:.3f}  (worst: {ks.worst})")
         for f in failures[:10]:
             rep.add(f"  FAIL {f}")
         rep.check(not failures, "loss, gradients, updated weights and moments within tolerance")

@@ -59,6 +59,37 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, head_
     return out.transpose(0, 1).reshape(t, heads * head_dim)
 
 
+class _RefAttn(nn.Module):
+    """``Reference.attn``: a name scope for the attention projections."""
+
+    q: nn.Linear
+    k: nn.Linear
+    v: nn.Linear
+    o: nn.Linear
+
+
+class _RefMLP(nn.Module):
+    """``Reference.mlp``: a name scope for the MLP projections."""
+
+    gate: nn.Linear
+    up: nn.Linear
+    down: nn.Linear
+
+
+class _TPAttn(nn.Module):
+    """``TPBlock.attn``: a name scope for this rank's attention projections."""
+
+    qkv: nn.Linear
+    o: nn.Linear
+
+
+class _TPMLP(nn.Module):
+    """``TPBlock.mlp``: a name scope for this rank's MLP projections."""
+
+    gate_up: nn.Linear
+    down: nn.Linear
+
+
 class Reference(nn.Module):
     """The unsharded block: ``y = x + o(attn(q x, k x, v x)); z = y + down(silu(gate y) * up y)``."""
 
@@ -66,10 +97,10 @@ class Reference(nn.Module):
         super().__init__()
         self.cfg = cfg
         d, a, f = cfg.hidden, cfg.attn_dim, cfg.ffn
-        self.attn = nn.Module()
+        self.attn = _RefAttn()
         self.attn.q, self.attn.k, self.attn.v = _linear(d, a), _linear(d, a), _linear(d, a)
         self.attn.o = _linear(a, d)
-        self.mlp = nn.Module()
+        self.mlp = _RefMLP()
         self.mlp.gate, self.mlp.up, self.mlp.down = _linear(d, f), _linear(d, f), _linear(f, d)
         if generator is not None:
             with torch.no_grad():
@@ -94,10 +125,10 @@ class TPBlock(nn.Module):
         self.cfg, self.tp_rank, self.tp_size = cfg, tp_rank, tp_size
         d = cfg.hidden
         a, f = cfg.attn_dim // tp_size, cfg.ffn // tp_size
-        self.attn = nn.Module()
+        self.attn = _TPAttn()
         self.attn.qkv = _linear(d, 3 * a)
         self.attn.o = _linear(a, d)
-        self.mlp = nn.Module()
+        self.mlp = _TPMLP()
         self.mlp.gate_up = _linear(d, 2 * f)
         self.mlp.down = _linear(f, d)
         if generator is not None:
@@ -150,5 +181,5 @@ class TPBlock(nn.Module):
             return partial
         import torch.distributed as dist
 
-        dist.all_reduce(partial, group=group)  # type: ignore[arg-type]
+        dist.all_reduce(partial, group=group)
         return partial
