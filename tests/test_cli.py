@@ -148,3 +148,51 @@ def test_demo_small_settings(tmp_path: Path) -> None:
     assert (d / "report.txt").read_text().rstrip().endswith("DEMO OK")
     assert (d / "hf" / "model.safetensors").is_file()
     assert any(".incomplete-" in x.name for x in (d / "ckpt").iterdir())
+
+
+def test_ls_shows_verification_and_retention_and_gc_applies_it(tmp_path: Path) -> None:
+    from reshard.manager import CheckpointManager
+
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root, keep_last=None, preempt_signals=())
+    for step in (1, 2, 3):
+        mgr.save(step, {"w": torch.full((4,), float(step))}, metric=float(10 - step))
+    # an abandoned attempt, old enough to collect
+    old = root / "step-00000004.incomplete-x"
+    old.mkdir()
+    os.utime(old, (0, 0))
+    r = _run("ls", str(root), "--keep-last", "1")
+    assert r.exit_code == 0, r.output
+    lines = {ln.split()[-1]: ln for ln in r.stdout.splitlines() if "step-0000000" in ln}
+    assert "verified" in lines["step-00000003"] and "keep: newest verified" in lines["step-00000003"]
+    assert "delete" in lines["step-00000001"] and "delete" in lines["step-00000002"]
+    assert "step-00000004.incomplete-x" in r.stdout
+    r = _run("gc", str(root), "--keep-last", "1", "--dry-run")
+    assert r.exit_code == 0 and "would delete step-00000001" in r.stdout
+    assert (root / "step-00000001").is_dir()
+    r = _run("gc", str(root), "--keep-last", "1", "--keep-best", "1", "--metric-mode", "min",
+             "--grace", "60")
+    assert r.exit_code == 0, r.output
+    # metric 10 - step: the best (min) is step 3, kept anyway; steps 1 and 2 go
+    assert "deleted step-00000001" in r.stdout and "deleted step-00000002" in r.stdout
+    assert "deleted abandoned attempt step-00000004.incomplete-x" in r.stdout
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step-00000003"]
+    assert _run("ls", str(tmp_path / "nope")).exit_code == 2
+    # keep-best with "max" keeps the oldest (highest metric) as well
+    mgr.save(4, {"w": torch.zeros(4)}, metric=100.0)
+    mgr.save(5, {"w": torch.zeros(4)}, metric=0.0)
+    r = _run("gc", str(root), "--keep-last", "1", "--keep-best", "1", "--metric-mode", "max")
+    assert "deleted step-00000003" in r.stdout and "kept step-00000004 (best 1 by metric)" in r.stdout
+
+
+def test_advise_young_daly(tmp_path: Path) -> None:
+    log = tmp_path / "failures.txt"
+    log.write_text("# job failures\n0\n7200\n2024-01-01T04:00:00+00:00\n".replace(
+        "2024-01-01T04:00:00+00:00", "14400"))
+    r = _run("advise", "--failures", str(log), "--cost-s", "2", "--step-time-s", "1",
+             "--every-steps", "1000", "--tokens-per-step", "4096")
+    assert r.exit_code == 0, r.output
+    # MTBF 7200 s; sqrt(2 * 2 * 7200) = 169.7 s
+    assert "MTBF           : 7200 s" in r.stdout
+    assert "sqrt(2*C*MTBF)): 170 s = 170 steps" in r.stdout
+    assert "current : every 1000 s -> expected loss per failure 500 s = 500.0 steps = 2,048,000 tokens" in r.stdout

@@ -12,6 +12,7 @@ from .adapters.rng import RNGState
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CoverageError,
     IntegrityError,
     ManifestError,
     RankFailure,
@@ -19,6 +20,7 @@ from .errors import (
     StorageError,
 )
 from .load import LoadResult, load
+from .manager import CheckpointManager
 from .manifest import Manifest
 from .options import LoadOptions, SaveOptions
 from .save import SaveResult, save
@@ -30,11 +32,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "CheckpointManager",
     "DataCursor",
     "ModelState",
     "OptimizerState",
     "RNGState",
     "CheckpointNotFoundError",
+    "CoverageError",
     "IntegrityError",
     "LoadOptions",
     "LoadResult",

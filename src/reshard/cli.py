@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -51,7 +51,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequ
         click.echo((indent + "  ".join(parts)).rstrip())
 
 
-def _fail(code: int, msg: str) -> None:
+def _fail(code: int, msg: str) -> NoReturn:
     click.echo(f"reshard: {msg}", err=True)
     sys.exit(code)
 
@@ -76,12 +76,43 @@ def main() -> None:
     """Distributed training checkpoints that reshard."""
 
 
+_RETENTION_OPTS = [
+    click.option("--keep-last", type=click.IntRange(0, None), default=None,
+                 help="Retention: keep the newest K (default: keep all)."),
+    click.option("--keep-every", type=click.IntRange(1, None), default=None,
+                 help="Retention: also keep steps that are multiples of M."),
+    click.option("--keep-best", type=click.IntRange(0, None), default=0,
+                 help="Retention: also keep the best N by the metric recorded at save."),
+    click.option("--metric-mode", type=click.Choice(["min", "max"]), default="min"),
+]
+
+
+def _retention_opts(f: Any) -> Any:
+    for opt in reversed(_RETENTION_OPTS):
+        f = opt(f)
+    return f
+
+
+def _manager_for(root: str, keep_last: int | None, keep_every: int | None, keep_best: int,
+                 metric_mode: str, grace: float = 3600.0) -> Any:
+    from .manager import CheckpointManager
+
+    return CheckpointManager(root, keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
+                             metric_mode=metric_mode, gc_grace_s=grace, preempt_signals=())
+
+
 @main.command("ls")
 @click.argument("root")
-def ls_cmd(root: str) -> None:
-    """List committed checkpoints under ROOT, then abandoned and invalid ones."""
+@_retention_opts
+def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: int,
+           metric_mode: str) -> None:
+    """List committed checkpoints under ROOT with their verification status
+    (restore smoke test passed) and what retention would do with the given
+    policy; then abandoned and invalid attempts."""
     try:
         st, key = resolve(root)
+        if not st.exists(key):
+            _fail(2, f"{key}: no such directory")
         done = committed(st, key)
         others = [e for e in scan(st, key) if e.manifest is None]
     except ValueError as err:
@@ -100,11 +131,23 @@ def ls_cmd(root: str) -> None:
                      _when(m.created_at)]], right=(0, 1, 2))
             return
     if done:
+        from .retention import decide
+
+        mgr = _manager_for(root, keep_last, keep_every, keep_best, metric_mode)
+        cands = {c.name: c for c in mgr.candidates(done)}
+        decision = decide(list(cands.values()), mgr.policy)
         click.echo(f"committed ({len(done)}) under {key}:")
-        _table(["step", "size", "files", "committed", "name"],
-               [["-" if e.step is None else e.step, human_bytes(e.manifest.total_bytes),  # type: ignore[union-attr]
-                 len(e.manifest.files), _when(e.manifest.created_at), e.name]  # type: ignore[union-attr]
-                for e in done], right=(0, 1, 2))
+        rows = []
+        for e in done:
+            em = e.manifest
+            assert em is not None
+            c = cands[e.name]
+            fate = f"keep: {decision.keep[e.name]}" if e.name in decision.keep else "delete"
+            rows.append(["-" if e.step is None else e.step, human_bytes(em.total_bytes), len(em.files),
+                         _when(em.created_at), "verified" if c.verified else "unverified",
+                         "-" if c.metric is None else f"{c.metric:.4g}", fate, e.name])
+        _table(["step", "size", "files", "committed", "status", "metric", "retention", "name"], rows,
+               right=(0, 1, 2))
     else:
         click.echo(f"no committed checkpoint under {key}")
     abandoned = [e for e in others if e.abandoned]
@@ -119,6 +162,108 @@ def ls_cmd(root: str) -> None:
         click.echo(f"invalid ({len(invalid)}; ignored by load):")
         for e in invalid:
             click.echo(f"  {e.name}: {e.problem}")
+
+
+@main.command("gc")
+@click.argument("root")
+@_retention_opts
+@click.option("--grace", type=float, default=3600.0, show_default=True,
+              help="Abandoned attempts older than this many seconds are deleted.")
+@click.option("--dry-run", is_flag=True, help="Say what would be deleted; delete nothing.")
+def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: int,
+           metric_mode: str, grace: float, dry_run: bool) -> None:
+    """Apply retention under ROOT: first run the restore smoke test on
+    checkpoints newer than the newest verified one (nothing is deleted before
+    a newer checkpoint passed it), then delete what the policy does not keep
+    and abandoned attempts older than --grace. Leases are honoured."""
+    try:
+        st, key = resolve(root)
+        if not st.exists(key):
+            _fail(2, f"{key}: no such directory")
+        mgr = _manager_for(root, keep_last, keep_every, keep_best, metric_mode, grace)
+        cands = mgr.candidates()
+        newest_ok = max((c.step for c in cands if c.verified), default=None)
+        for c in cands:
+            if not c.verified and (newest_ok is None or c.step > newest_ok) and not dry_run:
+                ok = mgr.verify_checkpoint(c.step)
+                click.echo(f"smoke test {c.name}: {'passed' if ok else 'FAILED'}")
+        decision = mgr.apply_retention(dry_run=dry_run)
+        gone = mgr.gc_abandoned(dry_run=dry_run)
+    except ValueError as err:
+        _fail(2, str(err))
+    except CheckpointError as err:
+        _fail(1, f"{type(err).__name__}: {err}")
+    verb = "would delete" if dry_run else "deleted"
+    for name in decision.delete:
+        click.echo(f"{verb} {name}")
+    for name in gone:
+        click.echo(f"{verb} abandoned attempt {name}")
+    for name, why in sorted(decision.keep.items()):
+        click.echo(f"kept {name} ({why})")
+    if not decision.delete and not gone:
+        click.echo("nothing to delete")
+
+
+@main.command("advise")
+@click.option("--failures", "failures_log", type=click.Path(dir_okay=False, exists=True), required=True,
+              help="Failure log: one failure time per line (seconds since the epoch or ISO 8601).")
+@click.option("--bench", "bench_json", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="JSON from benchmarks/bench_core.py (its reshard save time is the cost C).")
+@click.option("--cost-s", type=float, default=None, help="Foreground cost of one checkpoint, seconds.")
+@click.option("--step-time-s", type=float, required=True, help="Seconds per training step.")
+@click.option("--every-steps", type=int, required=True, help="Current cadence: checkpoint every N steps.")
+@click.option("--tokens-per-step", type=int, default=0, help="Tokens per step (for tokens lost).")
+@click.option("--restart-s", type=float, default=0.0, help="Fixed restart cost per failure, seconds.")
+def advise_cmd(failures_log: str, bench_json: str | None, cost_s: float | None, step_time_s: float,
+               every_steps: int, tokens_per_step: int, restart_s: float) -> None:
+    """Checkpoint cadence from a failure log and a save benchmark: the MTBF,
+    the Young/Daly interval sqrt(2*C*MTBF), and the work lost per failure at
+    the current cadence and at the optimum."""
+    from .manager import young_daly_interval
+
+    times = sorted(_parse_time(line) for line in open(failures_log) if line.strip()
+                   and not line.lstrip().startswith("#"))
+    if len(times) < 2:
+        _fail(2, f"{failures_log}: need at least two failure times")
+    mtbf = (times[-1] - times[0]) / (len(times) - 1)
+    if cost_s is None:
+        if bench_json is None:
+            _fail(2, "give --cost-s or --bench")
+        cost_s = _bench_cost(bench_json)
+    t_opt = young_daly_interval(cost_s, mtbf)
+    cur = every_steps * step_time_s
+    click.echo(f"failures       : {len(times)} over {(times[-1] - times[0]) / 3600:.1f} h")
+    click.echo(f"MTBF           : {mtbf:.0f} s ({mtbf / 3600:.2f} h)")
+    click.echo(f"checkpoint cost: {cost_s:.3f} s (foreground)")
+    click.echo(f"optimal interval (Young/Daly sqrt(2*C*MTBF)): {t_opt:.0f} s = "
+               f"{max(1, round(t_opt / step_time_s))} steps")
+    for label, interval in (("current", cur), ("optimal", t_opt)):
+        lost_s = interval / 2 + restart_s  # expected: half an interval of work, plus the restart
+        steps = lost_s / step_time_s
+        overhead = cost_s / interval if interval > 0 else float("inf")
+        line = (f"{label:<8}: every {interval:.0f} s -> expected loss per failure {lost_s:.0f} s = "
+                f"{steps:.1f} steps")
+        if tokens_per_step:
+            line += f" = {steps * tokens_per_step:,.0f} tokens"
+        click.echo(line + f"; checkpoint overhead {100 * overhead:.2f}% of run time")
+
+
+def _parse_time(text: str) -> float:
+    from datetime import datetime
+
+    t = text.strip().split()[0]
+    try:
+        return float(t)
+    except ValueError:
+        return datetime.fromisoformat(t).timestamp()
+
+
+def _bench_cost(path: str) -> float:
+    """The median reshard save time of a ``benchmarks/bench_core.py --json`` file."""
+    try:
+        return float(json.load(open(path))["save"]["reshard"]["median_s"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise click.BadParameter(f"{path}: no save.reshard.median_s ({e})", param_hint="--bench") from None
 
 
 @main.command("inspect")

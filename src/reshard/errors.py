@@ -85,6 +85,12 @@ class IntegrityError(CheckpointError):
     are inconsistent with the files."""
 
 
+class CoverageError(IntegrityError, ShardingError):
+    """The recorded chunks of a saved tensor do not tile its declared global
+    shape (overlap, hole, or a declared shape larger than the data can fill):
+    both an integrity fault of the checkpoint and a sharding fault."""
+
+
 class StorageError(CheckpointError):
     """The store failed: I/O error, no space, throttled past retries, listing failed."""
 
@@ -97,6 +103,7 @@ _BY_NAME: dict[str, type[CheckpointError]] = {
         ManifestError,
         ShardingError,
         IntegrityError,
+        CoverageError,
         StorageError,
     )
 }

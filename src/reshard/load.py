@@ -3,6 +3,7 @@ read exact byte ranges -> place into targets -> all ranks agree -> return."""
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import os
 import re
@@ -421,6 +422,9 @@ def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
         sts.append(ShardedTensor(p, t, global_shape=tuple(t.shape), global_offset=(0,) * t.dim()))
     for p, dt in leaves.dtensors.items():
         sts.extend(dtensor_shards(p, dt))
+    # destinations are filled in place: an nn.Parameter (a leaf that requires
+    # grad) is written through a detached alias of the same storage
+    sts = [dataclasses.replace(s, data=s.data.detach()) if s.data.requires_grad else s for s in sts]
     requested: dict[str, str] = {}
     for s in sts:
         requested[s.fqn] = "tensor"

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from .errors import IntegrityError, ManifestError
+from .errors import CoverageError, IntegrityError, ManifestError
 from .sharding import DTYPE_NAMES, itemsize, numel
 
 FORMAT = "reshard"
@@ -224,7 +224,7 @@ def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
             check_range(key, c.file, c.offset, c.length, c.checksums)
             volume += n
         if volume != numel(gshape):
-            raise IntegrityError(
+            raise CoverageError(
                 f"{where}: tensor {fqn!r}: chunks hold {volume} elements, global_shape "
                 f"{list(gshape)} needs {numel(gshape)}"
             )

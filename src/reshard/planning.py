@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from .errors import ShardingError
+from .errors import CoverageError, ShardingError
 from .manifest import Chunk, TensorEntry
 from .sharding import box_intersection, itemsize, numel
 
@@ -342,9 +342,12 @@ def check_entry_coverage(fqn: str, entry: TensorEntry) -> None:
     for i, c in enumerate(entry.chunks):
         key = (tuple(c.global_offset), tuple(c.local_shape), c.flattened_range)
         if key in chunks:
-            raise ShardingError(f"{fqn}: chunk at {list(c.global_offset)} recorded twice")
+            raise CoverageError(f"{fqn}: chunk at {list(c.global_offset)} recorded twice")
         chunks[key].append((0, i))
-    _check_coverage(fqn, tuple(entry.global_shape), chunks)
+    try:
+        _check_coverage(fqn, tuple(entry.global_shape), chunks)
+    except ShardingError as e:
+        raise CoverageError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------- load plan

@@ -15,7 +15,7 @@ import xxhash
 from . import codec
 from .collectives import Collectives, get_collectives
 from .commit import attempt_path, check_target, new_attempt_id, publish, sign_manifest
-from .errors import CheckpointError, ShardingError, outcome, raise_agreed
+from .errors import CheckpointError, ShardingError, StorageError, outcome, raise_agreed
 from .manifest import (
     MANIFEST_NAME,
     Chunk,
@@ -113,6 +113,9 @@ def collect(
     for path, dt in leaves.dtensors.items():
         sts.extend(dtensor_shards(path, dt))
     plain_fqns = set(leaves.plain)
+    # plain tensors are replicas: every rank must hold the same ones (a tensor
+    # held by one rank only is not a replica), compared like the common values
+    presence = {f"<tensor>{p}": f"{tuple(t.shape)}:{t.dtype}" for p, t in leaves.plain.items()}
     tensors: list[tuple[LocalTensorItem, memoryview, tuple[str, ...] | None]] = []
     seen: dict[tuple[Any, ...], int] = {}
     by_view: dict[tuple[Any, ...], str] = {}
@@ -146,7 +149,7 @@ def collect(
                                         global_offset=ob.global_offset, replica_id=ob.replica_id,
                                         nbytes=len(raw), digest=xxhash.xxh3_64_hexdigest(raw)), raw))
     values_json = {}
-    value_digests = {}
+    value_digests: dict[str, str] = dict(presence)
     for path, v in leaves.values.items():
         try:
             j = codec.to_json(v, path=path)
@@ -188,7 +191,8 @@ def _check_values(plans: list[dict[str, Any]]) -> None:
             keys = sorted(k for k in set(d) | set(ref) if d.get(k) != ref.get(k))
             raise ShardingError(
                 f"common values differ between rank 0 and rank {r} at {keys[:10]} "
-                "(plain values must be equal on all ranks; per-rank values are ShardedObjects)"
+                "(plain values and plain tensors (<tensor>) must be held, equal, by every rank; "
+                "per-rank values are ShardedObjects, per-rank tensors ShardedTensors)"
             )
 
 
@@ -292,6 +296,23 @@ def build_manifest(
     return m
 
 
+def check_step(step: Any) -> int | None:
+    """``step`` as an int (Python, NumPy or 0-dim torch integers), or None.
+
+    Raises:
+        TypeError: anything else (bool, float, str, ...), before any data is written.
+    """
+    import numbers
+
+    if step is None:
+        return None
+    if hasattr(step, "item") and getattr(step, "shape", None) == () and not isinstance(step, bool):
+        step = step.item()
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"step must be an int or None, got {type(step).__name__} {step!r}")
+    return int(step)
+
+
 def save(
     state: Mapping[str, Any],
     path: str | os.PathLike[str],
@@ -327,6 +348,7 @@ def save(
     """
     from .staging import raise_pending_error
 
+    step = check_step(step)
     coll = get_collectives(group)
     opts = options or SaveOptions()
     raise_pending_error(group, wait=True)
@@ -383,6 +405,9 @@ def run_save(
     try:
         st.makedirs(attempt)
         written = persist(st, attempt, snap, plan, rank, options)
+    except OSError as e:  # a backend that raised a bare OSError: the store failed
+        err = StorageError(f"{key}: writing rank {rank}'s files failed: {type(e).__name__}: {e}")
+        err.__cause__ = e
     except Exception as e:  # noqa: BLE001
         err = e
     timings["write"] = time.perf_counter() - t2

@@ -31,7 +31,7 @@ import torch
 from .collectives import Collectives, SingleProcess, TorchCollectives, get_collectives
 from .errors import CheckpointError
 from .options import SaveOptions
-from .save import SaveResult, Snapshot, collect, finish_digests, run_save
+from .save import SaveResult, Snapshot, check_step, collect, finish_digests, run_save
 from .storage import Storage, resolve
 
 
@@ -206,6 +206,7 @@ def async_save(
             (raised at the latest here), or staging failed on any rank.
     """
     t0 = time.perf_counter()
+    step = check_step(step)
     opts = options or SaveOptions()
     saver = _saver(group)
     raise_pending_error(group)

@@ -6,6 +6,7 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from . import codec
 from .commit import committed, read_manifest
 from .errors import CheckpointError, CheckpointNotFoundError, ShardingError
 from .manifest import Manifest
@@ -25,7 +26,11 @@ def latest(root: str | os.PathLike[str], *, storage: Storage | None = None) -> s
     """
     st, key = resolve(root, storage)
     done = committed(st, key)
-    return done[-1].path if done else None
+    if not done:
+        return None
+    scheme = os.fspath(root).split("://", 1)[0] if "://" in os.fspath(root) else ""
+    # a URL root gives a URL back (load must resolve it to the same store)
+    return f"{scheme}://{done[-1].path}" if scheme and scheme != "file" else done[-1].path
 
 
 def inspect(path: str | os.PathLike[str], *, storage: Storage | None = None) -> Manifest:
@@ -88,6 +93,11 @@ def verify(path: str | os.PathLike[str], *, checksums: bool = True,
             _check_coverage(fqn, te.global_shape, chunks)
         except ShardingError as e:
             problems.append(f"coverage: {e}")
+    for vk, enc in (m.values or {}).items():
+        try:
+            codec.from_json(enc)
+        except CheckpointError as e:
+            problems.append(f"value {vk!r}: {e}")
     for k, oe in m.objects.items():
         offs = {tuple(c.global_offset) for c in oe.chunks}
         n = 1

@@ -1,0 +1,99 @@
+"""Contract details of DESIGN.md section 2 that a new user relies on (found by a
+fresh user trying to break reshard)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import reshard
+from reshard.errors import CoverageError, IntegrityError, ShardingError
+
+
+def test_public_names() -> None:
+    for name in ("ShardedTensor", "ShardedObject", "save", "async_save", "load", "latest", "inspect",
+                 "verify", "CheckpointManager", "SaveOptions", "LoadOptions", "ModelState",
+                 "OptimizerState", "RNGState", "DataCursor", "CheckpointError",
+                 "CheckpointNotFoundError", "ManifestError", "ShardingError", "IntegrityError",
+                 "StorageError"):
+        assert hasattr(reshard, name), name
+    assert issubclass(reshard.CheckpointNotFoundError, FileNotFoundError)
+    assert issubclass(reshard.ShardingError, ValueError)
+
+
+def test_parameter_leaf_is_filled_in_place(tmp_path: Path) -> None:
+    w = nn.Parameter(torch.arange(6.0).reshape(2, 3))
+    reshard.save({"w": w}, tmp_path / "c")
+    target = nn.Parameter(torch.zeros(2, 3))
+    reshard.load({"w": target}, tmp_path / "c")
+    assert torch.equal(target.detach(), w.detach()) and target.requires_grad
+
+
+@pytest.mark.parametrize("step", [np.int64(5), torch.tensor(5), 5])
+def test_integer_like_steps_are_recorded_as_int(tmp_path: Path, step: object) -> None:
+    r = reshard.save({"w": torch.ones(1)}, tmp_path / "c", step=step)
+    assert r.step == 5 and reshard.inspect(tmp_path / "c").step == 5
+
+
+@pytest.mark.parametrize("step", ["5", True, 5.0])
+def test_bad_steps_are_refused_before_any_write(tmp_path: Path, step: object) -> None:
+    with pytest.raises(TypeError, match="step must be an int"):
+        reshard.save({"w": torch.ones(1)}, tmp_path / "c", step=step)
+    assert not tmp_path.joinpath("c").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_latest_of_a_url_root_is_loadable() -> None:
+    from reshard.storage import clear_memory_storage
+
+    clear_memory_storage()
+    reshard.save({"w": torch.ones(2)}, "memory://bucket/run/step-1", step=1)
+    reshard.save({"w": torch.full((2,), 2.0)}, "memory://bucket/run/step-2", step=2)
+    path = reshard.latest("memory://bucket/run")
+    assert path == "memory://bucket/run/step-2"
+    t = torch.zeros(2)
+    reshard.load({"w": t}, path)
+    assert torch.equal(t, torch.full((2,), 2.0))
+
+
+def test_declared_shape_larger_than_the_data_is_a_coverage_error(tmp_path: Path) -> None:
+    reshard.save({"w": torch.ones(3, 4)}, tmp_path / "c")
+    mpath = tmp_path / "c" / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["tensors"]["w"]["global_shape"] = [6, 4]
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(CoverageError, match="chunks hold 12 elements") as ei:
+        reshard.load({"w": torch.zeros(6, 4)}, tmp_path / "c")
+    assert isinstance(ei.value, IntegrityError) and isinstance(ei.value, ShardingError)
+
+
+def test_verify_decodes_common_values(tmp_path: Path) -> None:
+    reshard.save({"w": torch.ones(1), "cfg": {"a": 1}}, tmp_path / "c")
+    mpath = tmp_path / "c" / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["values"]["cfg"] = {"$pickle": "Y29zCnN5c3RlbQo="}
+    mpath.write_text(json.dumps(m))
+    rep = reshard.verify(tmp_path / "c")
+    assert not rep.ok and any("value 'cfg'" in p and "unknown tag" in p for p in rep.problems)
+
+
+def r_plain_on_rank0_only(path: str) -> str:
+    import torch.distributed as dist
+
+    state = {"w": torch.ones(2)} if dist.get_rank() == 0 else {}
+    try:
+        reshard.save(state, path)
+    except ShardingError as e:
+        return str(e)
+    return "saved"
+
+
+def test_plain_tensor_held_by_one_rank_only_is_refused(pool, tmp_path: Path) -> None:
+    out = pool.run(2, r_plain_on_rank0_only, str(tmp_path / "c"))
+    for msg in out:
+        assert "<tensor>w" in msg and "every rank" in msg
+    assert not (tmp_path / "c").exists()
