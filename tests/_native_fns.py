@@ -93,13 +93,13 @@ def source(layout: str, path: str, steps: int) -> dict:
     return {"state": state, "next_loss": next_loss, "after": after}
 
 
-def target(layout: str, path: str, steps: int) -> dict:
+def target(layout: str, path: str, steps: int, cpu_offload: bool = False) -> dict:
     """Fresh model and never-stepped optimizer in another layout: load, then the next step."""
     torch.manual_seed(123)  # other initial weights than the source
     model = _parallelize(nn.Sequential(nn.Linear(D_IN, D_HID), nn.ReLU(), nn.Linear(D_HID, D_IN)),
                          layout)
     opt = torch.optim.AdamW(model.parameters(), lr=0.9, weight_decay=0.0)  # restored by name
-    res = reshard.load({"train": TorchState(model, opt)}, path)
+    res = reshard.load({"train": TorchState(model, opt, cpu_offload=cpu_offload)}, path)
     state = _logical(model, opt)
     lr = opt.param_groups[0]["lr"]
     next_loss = _train_step(model, opt, steps)

@@ -40,6 +40,17 @@ def test_reshard_torch_native(pool, tmp_path: Path, src: str, n_src: int, dst: s
             torch.testing.assert_close(r["after"][k], v, rtol=1e-5, atol=1e-6)
 
 
+def test_cpu_offloaded_state_dict_loads_back_onto_the_model(pool, tmp_path: Path) -> None:
+    """StateDictOptions(cpu_offload=True): the loaded host copies are copied back
+    into the FSDP2 model and optimizer by set_state_dict."""
+    path = str(tmp_path / "ckpt")
+    before = pool.run(4, fns.source, "fsdp", path, 2, timeout=120)[0]
+    for r in pool.run(2, fns.target, "fsdp", path, 2, True, timeout=120):
+        for k, v in before["state"].items():
+            assert torch.equal(r["state"][k], v), k
+        assert r["next_loss"] == pytest.approx(before["next_loss"], rel=1e-5, abs=1e-6)
+
+
 def test_partial_dtensor_is_refused(pool, tmp_path: Path) -> None:
     out = pool.run(2, fns_partial, str(tmp_path / "p"))
     assert all("Partial" in m for m in out)
