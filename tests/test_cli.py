@@ -66,7 +66,10 @@ def test_ls_lists_committed_by_step_then_abandoned_and_invalid(root: Path) -> No
 
 
 def test_ls_empty_and_on_a_checkpoint(tmp_path: Path, root: Path) -> None:
-    r = _run("ls", str(tmp_path / "nothing"))
+    r = _run("ls", str(tmp_path / "nothing"))  # no such root: like inspect and verify, exit 2
+    assert r.exit_code == 2 and "no such directory" in r.stderr
+    (tmp_path / "empty").mkdir()
+    r = _run("ls", str(tmp_path / "empty"))
     assert r.exit_code == 0 and "no committed checkpoint" in r.stdout
     r = _run("ls", str(root / "step-00000001"))
     assert r.exit_code == 0 and "itself a committed checkpoint" in r.stdout
