@@ -248,3 +248,20 @@ def test_unconsumed_background_error_raised_once_by_next_call(tmp_path: Path, th
     if then == "async_save":
         out = out.wait(timeout=30)
     assert out.step == 2 and reshard.verify(tmp_path / "next").ok
+
+
+def test_buffer_pool_frees_sizes_no_longer_staged(tmp_path) -> None:
+    """A state whose tensor sizes change between saves does not grow the pool."""
+    import reshard
+    from reshard.staging import _saver, wait_all
+
+    for i in range(6):
+        h = reshard.async_save({"w": torch.zeros(1000 + 100 * i)}, tmp_path / f"c{i}", step=i)
+        h.wait()
+    wait_all()
+    pool = _saver(None).pool
+    h = reshard.async_save({"w": torch.zeros(1500)}, tmp_path / "last", step=9)
+    h.wait()
+    wait_all()
+    # only buffers of the sizes the last save staged remain (plus none of the old ones)
+    assert pool.allocated_bytes <= 2 * 1500 * 4

@@ -56,6 +56,12 @@ class BufferPool:
         self.allocated_bytes += n
         return torch.empty(n, dtype=torch.uint8, pin_memory=self.pin)
 
+    def trim(self, keep: set[int]) -> None:
+        """Free the spare buffers of sizes not in ``keep`` (no longer staged):
+        a state whose tensor sizes change does not grow the pool forever."""
+        for n in [n for n in self._free if n not in keep]:
+            self.allocated_bytes -= n * len(self._free.pop(n))
+
     def give_back(self, bufs: list[torch.Tensor]) -> None:
         for b in bufs:
             self._free[b.numel()].append(b)
@@ -249,6 +255,7 @@ def async_save(
     err: BaseException | None = None
     try:
         snap = collect(state, saver.rank, opts, copy=stage)
+        saver.pool.trim({b.numel() for b in buffers})
         if cuda_stream is not None:
             cuda_stream.synchronize()
     except Exception as e:  # noqa: BLE001 - reported to every rank by the background save
@@ -258,12 +265,16 @@ def async_save(
 
     def work() -> None:
         try:
+            t_sum = time.perf_counter()
             if snap is not None:
                 finish_digests(snap, opts)
+            t_sum = time.perf_counter() - t_sum
             if prev is not None:
                 prev.join()
             res = run_save(saver.bg, st, key, snap, err, step=step, options=opts, t0=time.perf_counter(),
                            abort=handle._abort)
+            # "stage": the caller's stall (copies into staging buffers); "checksum": background
+            res.timings.update(stage=handle.stall_s, checksum=t_sum)
             handle.committed.set_result(res)
         except BaseException as e:  # noqa: BLE001
             handle.committed.set_exception(e)
