@@ -170,6 +170,10 @@ def _gather_copy(item: ReadItem, chunk: Chunk, t: _Target, src1d: torch.Tensor) 
         dst.copy_(flat)
 
 
+#: direct reads go in segments of about this many bytes (whole checksum blocks)
+_SEGMENT_BYTES = 4 << 20
+
+
 class _Reader:
     """Executes read items: verified, coalesced, direct where possible."""
 
@@ -278,8 +282,13 @@ class _Reader:
         if flat.stride(0) != 1:  # one element with any stride counts as contiguous
             flat = torch.as_strided(flat, (flat.numel(),), (1,))
         u8 = flat.view(torch.uint8)
-        self.st.read_into(path, c.offset, memoryview(u8.numpy().data))
-        self.verify(fqn, c, 0, u8)
+        mv = memoryview(u8.numpy().data)
+        # read in block-aligned segments and verify each while it is still in cache
+        b = self.m.checksum_block_bytes
+        seg = b * max(1, _SEGMENT_BYTES // b)
+        for a in range(0, max(len(mv), 1), seg):
+            self.st.read_into(path, c.offset + a, mv[a:a + seg])
+            self.verify(fqn, c, a, u8[a:a + seg])
 
     def _read_span(self, name: str, reads: list[tuple[int, int, str, Chunk, list[Any]]]) -> None:
         path = self.check_file(name)
