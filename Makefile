@@ -29,6 +29,8 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_core.py
+	$(BIN)/python benchmarks/bench_async.py
+	$(BIN)/python benchmarks/bench_export.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache
