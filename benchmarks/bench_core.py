@@ -31,7 +31,6 @@ The rank functions live in this module, which the workers import by name
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import json
 import os
@@ -39,7 +38,6 @@ import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -48,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 import reshard
+from reshard.testing.memory import PeakRSS
 
 MiB = 1 << 20
 WIDTH = 1024  # columns of every benchmark tensor
@@ -191,47 +190,15 @@ def load(method: str, path: str, repeat: int, tiny: bool = False) -> dict[str, A
     return {"seconds": secs, "ok": ok}
 
 
-def _status_kib(field: str) -> int | None:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return None
-
-
 def memory(method: str, path: str) -> dict[str, Any]:
     """Peak extra RSS of one warm load with ``method`` (bytes)."""
     dst = _W["dst"]
     fn = _loader(method, path, dst)
     fn()
-    gc.collect()
-    proc = psutil.Process()
-    try:  # reset the kernel's RSS high-water mark (VmHWM) to the current RSS
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        hwm_ok = True
-    except OSError:
-        hwm_ok = False
-    before = proc.memory_info().rss
-    peak = before
-    stop = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not stop.is_set():
-            peak = max(peak, proc.memory_info().rss)
-            time.sleep(0.0005)
-
-    th = threading.Thread(target=sample, daemon=True)
     dist.barrier()
-    th.start()
-    fn()
-    stop.set()
-    th.join()
-    peak = max(peak, proc.memory_info().rss)
-    hwm = _status_kib("VmHWM") if hwm_ok else None
-    return {"rss_before": before, "sampled_extra": peak - before,
-            "hwm_extra": None if hwm is None else hwm * 1024 - before,
+    with PeakRSS() as m:
+        fn()
+    return {"rss_before": m.before, "sampled_extra": m.sampled_extra, "hwm_extra": m.hwm_extra,
             "loaded_bytes": sum(t.numel() * t.element_size() for t in dst)}
 
 

@@ -28,7 +28,6 @@ overlap it.
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import json
 import os
@@ -36,15 +35,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from typing import Any
 
-import psutil
 import torch
 import torch.distributed as dist
 
 import reshard
+from reshard.testing.memory import PeakRSS
 
 MiB = 1 << 20
 WIDTH = 1024
@@ -78,46 +76,14 @@ def save_rank(path: str, rows: list[int], optim: bool) -> int:
 
 
 # ------------------------------------------------------------------------------- parent side
-def _status_kib(field: str) -> int | None:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return None
-
-
 def measure(ckpt: str, out: str, shard_bytes: int, dtype: str | None) -> dict[str, Any]:
     from reshard.export import export_hf
 
-    gc.collect()
-    proc = psutil.Process()
-    try:  # reset the kernel's RSS high-water mark (VmHWM) to the current RSS
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        hwm_ok = True
-    except OSError:
-        hwm_ok = False
-    before = proc.memory_info().rss
-    peak = before
-    stop = threading.Event()
-
-    def sample() -> None:
-        nonlocal peak
-        while not stop.is_set():
-            peak = max(peak, proc.memory_info().rss)
-            time.sleep(0.0005)
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    t0 = time.perf_counter()
-    try:
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
         res = export_hf(ckpt, out, dtype=dtype, max_shard_bytes=shard_bytes)
-    finally:
         secs = time.perf_counter() - t0
-        stop.set()
-        th.join()
-    peak = max(peak, proc.memory_info().rss)
-    hwm = _status_kib("VmHWM") if hwm_ok else None
+    before, peak, hwm_extra = mem.before, mem.peak, mem.hwm_extra
     largest = max(os.path.getsize(os.path.join(out, f)) for f in res.files)
     target = largest + 64 * MiB
     return {
@@ -132,7 +98,7 @@ def measure(ckpt: str, out: str, shard_bytes: int, dtype: str | None) -> dict[st
         "write_MBps": res.bytes_written / 1e6 / secs,
         "rss_before": before,
         "peak_extra_rss": peak - before,
-        "hwm_extra": None if hwm is None else hwm * 1024 - before,
+        "hwm_extra": hwm_extra,
         "target_bytes": target,
         "within_target": peak - before <= target,
         "skipped": len(res.skipped),
