@@ -1,7 +1,7 @@
 """Next-step parity across a reshard matrix, and the real MiniLM weights
 through import -> save at TP=2 -> load at TP=1 -> export.
 
-Parity (:func:`reshard.testing.trainer.parity`): an uninterrupted run in the
+Parity (:func:`reshard.testing.parity.parity`): an uninterrupted run in the
 save layout takes step N+1; a separate run saves at N; processes that never
 ran the save side (a second worker pool) build the model from another seed,
 load in the load layout and take step N+1 on the same global batch. Loss,
@@ -21,15 +21,9 @@ import torch
 import _parity_fns as fns
 import reshard
 from reshard.testing.model import TIED, Stage, model_config
+from reshard.testing.parity import assemble, compare, parity, rank_continuous
 from reshard.testing.pool import WorkerPool
-from reshard.testing.trainer import (
-    Layout,
-    TrainConfig,
-    assemble,
-    compare,
-    parity,
-    rank_continuous,
-)
+from reshard.testing.trainer import Layout, TrainConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

@@ -43,16 +43,15 @@ import msgspec
 import torch
 import xxhash
 
-from .collectives import SingleProcess, get_collectives
+from .collectives import SingleProcess
 from .commit import read_manifest
-from .errors import CheckpointNotFoundError, ManifestError, ShardingError
-from .load import LoadResult, load
-from .manifest import Chunk, FileEntry, Manifest, TensorEntry, check_file_name, validate_manifest
+from .errors import ManifestError
+from .load import load
+from .manifest import Manifest, TensorEntry
 from .options import LoadOptions
 from .shardfile import tensor_bytes
 from .sharding import (
     ShardedTensor,
-    dtype_from_safetensors,
     dtype_name,
     itemsize,
     numel,
@@ -570,158 +569,7 @@ def _validate_shard(path: str, order: list[_Item], digests: Mapping[str, str]) -
         os.close(fd)
 
 
-# ----------------------------------------------------------------------------- import
+# import lives in its own module; kept importable from here
+from .hf_import import hf_manifest, import_hf  # noqa: E402
 
-
-def _read_json(st: Storage, path: str, cap: int) -> Any:
-    if st.is_link(path):
-        raise ManifestError(f"{path}: is a symbolic link (refused)")
-    size = st.size(path)
-    if size > cap:
-        raise ManifestError(f"{path}: {size} bytes, more than the {cap} allowed")
-    try:
-        return json.loads(st.read_bytes(path, 0, size))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{path}: not valid JSON: {e}") from None
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _file_tensors(st: Storage, path: str, name: str) -> tuple[int, dict[str, TensorEntry], Any]:
-    """``(file size, tensors, __metadata__)`` from one safetensors header."""
-    if st.is_link(path):
-        raise ManifestError(f"{path}: is a symbolic link (refused)")
-    try:
-        size = st.size(path)
-    except FileNotFoundError:
-        raise ManifestError(f"{path}: named by the index but missing") from None
-    if size < 8:
-        raise ManifestError(f"{path}: {size} bytes, too short for a safetensors file")
-    (hlen,) = struct.unpack("<Q", st.read_bytes(path, 0, 8))
-    if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
-        raise ManifestError(f"{path}: header length {hlen} is impossible for a file of {size} bytes")
-    try:
-        header = json.loads(st.read_bytes(path, 8, hlen))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{path}: safetensors header is not valid JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise ManifestError(f"{path}: safetensors header is not a JSON object")
-    base = 8 + hlen
-    out: dict[str, TensorEntry] = {}
-    meta = header.pop("__metadata__", None)
-    for tname, info in header.items():
-        where = f"{path}: tensor {tname!r}"
-        if not isinstance(info, dict):
-            raise ManifestError(f"{where}: entry is not an object")
-        code, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if not isinstance(code, str) or not isinstance(shape, list) or not all(
-                _is_int(d) and d >= 0 for d in shape):
-            raise ManifestError(f"{where}: bad dtype or shape ({code!r}, {shape!r})")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)
-                and 0 <= offs[0] <= offs[1]):
-            raise ManifestError(f"{where}: bad data_offsets {offs!r}")
-        try:
-            dt = dtype_from_safetensors(code)
-        except ShardingError as e:
-            raise ManifestError(f"{where}: {e}") from None
-        shp = tuple(shape)
-        out[tname] = TensorEntry(dtype=dt, global_shape=shp, chunks=(
-            Chunk(global_offset=(0,) * len(shp), local_shape=shp, file=name,
-                  offset=base + offs[0], length=offs[1] - offs[0]),))
-    return size, out, meta
-
-
-def hf_manifest(hf_dir: str | os.PathLike[str], *, storage: Storage | None = None
-                ) -> tuple[Storage, str, Manifest]:
-    """A reshard Manifest describing the Hugging Face safetensors directory
-    ``hf_dir`` (``model.safetensors``, or ``model.safetensors.index.json`` and
-    the shards it names): one chunk per tensor with its absolute byte range,
-    no checksums, file sizes from the store. Returns ``(storage, key, manifest)``.
-
-    Raises:
-        CheckpointNotFoundError: neither file is there.
-        ManifestError: a file name outside the directory, a symbolic link, a
-            malformed header or index, an unsupported dtype, a tensor in two
-            files, an index naming a tensor its file lacks.
-        IntegrityError: a byte range past the end of its file, a length that
-            disagrees with shape and dtype.
-    """
-    st, key = resolve(hf_dir, storage)
-    ipath = st.join(key, INDEX_NAME)
-    wmap: dict[str, str] | None = None
-    if st.exists(ipath):
-        idx = _read_json(st, ipath, MAX_INDEX_BYTES)
-        wm = idx.get("weight_map") if isinstance(idx, dict) else None
-        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
-            raise ManifestError(f"{ipath}: no weight_map of tensor name -> file name")
-        wmap = wm
-        names = sorted(set(wm.values()))
-    elif st.exists(st.join(key, SINGLE_NAME)):
-        names = [SINGLE_NAME]
-    else:
-        raise CheckpointNotFoundError(f"{key}: no {SINGLE_NAME} or {INDEX_NAME} here")
-    tensors: dict[str, TensorEntry] = {}
-    files: dict[str, FileEntry] = {}
-    metadata: dict[str, Any] = {}
-    for name in names:
-        check_file_name(name, where=ipath if wmap is not None else key)
-        size, ents, meta = _file_tensors(st, st.join(key, name), name)
-        files[name] = FileEntry(size=size)
-        if isinstance(meta, dict):
-            metadata[name] = meta
-        for t, te in ents.items():
-            if t in tensors:
-                raise ManifestError(f"{key}: tensor {t!r} is in {tensors[t].chunks[0].file} and {name}")
-            tensors[t] = te
-    if wmap is not None:
-        for t, f in wmap.items():
-            if t not in tensors or tensors[t].chunks[0].file != f:
-                raise ManifestError(f"{ipath}: maps {t!r} to {f}, which does not hold it")
-    mtime = st.modified_time(st.join(key, names[0])) or 0.0
-    m = Manifest(attempt_id="huggingface", created_at=mtime, world_size=1,
-                 checksum_block_bytes=1 << 20, tensors=dict(sorted(tensors.items())), files=files,
-                 extra={"source": "huggingface", "safetensors_metadata": metadata})
-    validate_manifest(m, where=key)
-    return st, key, m
-
-
-def import_hf(
-    state: Mapping[str, Any],
-    hf_dir: str | os.PathLike[str],
-    *,
-    group: Any = None,
-    strict: bool = True,
-    allow_missing: Sequence[Any] = (),
-    transforms: Sequence[Any] = (),
-    options: LoadOptions | None = None,
-    storage: Storage | None = None,
-) -> LoadResult:
-    """Fill the tensors of ``state`` (ShardedTensors, DTensors, plain tensors,
-    as for :func:`reshard.load`) from the Hugging Face directory ``hf_dir``.
-
-    Every rank of ``group`` reads the safetensors headers, then
-    :func:`reshard.load` reads only the byte ranges of its own shards (a
-    row-sharded request reads its rows; a column-sharded one reads the
-    contiguous span that holds its columns). Arguments as for ``load``; use
-    ``transforms=[Rename(...)]`` to map Hugging Face names to the model's,
-    ``Cast`` to load into another dtype. Hugging Face files carry no
-    checksums: the bytes are read as they are.
-
-    Raises:
-        As :func:`hf_manifest` and :func:`reshard.load`; every failure is
-        raised on every rank of ``group``.
-    """
-    coll = get_collectives(group)
-    if coll.world_size == 1:
-        st, key, m = hf_manifest(hf_dir, storage=storage)
-    else:
-        err: BaseException | None = None
-        try:
-            st, key, m = hf_manifest(hf_dir, storage=storage)
-        except Exception as e:  # noqa: BLE001 - every rank must learn of it
-            err = e
-        coll.agree(f"import_hf {os.fspath(hf_dir)}", err)
-    return load(state, key, group=coll, strict=strict, allow_missing=allow_missing,
-                transforms=transforms, options=options, storage=st, manifest=m)
+__all__ = ["ExportResult", "export_hf", "hf_manifest", "import_hf", "parse_dtype", "parse_size"]

@@ -31,7 +31,8 @@ import reshard
 from ..manager import CheckpointManager
 from ..storage import LocalStorage
 from .model import model_config
-from .trainer import Layout, TrainConfig, Trainer, assemble, compare, make_corpus
+from .parity import assemble, compare
+from .trainer import Layout, TrainConfig, Trainer, make_corpus
 
 _TRAINER: dict[str, Any] = {}
 

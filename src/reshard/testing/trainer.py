@@ -1,4 +1,4 @@
-"""Reference trainer and next-step parity harness.
+"""Reference trainer (the parity harness is :mod:`reshard.testing.parity`).
 
 :class:`Trainer` trains one rank of the :mod:`reshard.testing.model`
 transformer in a ``(pp, dp, tp)`` :class:`Layout` over the default
@@ -33,7 +33,7 @@ tp / dp / embedding-tie sub-groups come from ``torch.distributed.new_group``.
 The training state is ``{"model": ModelState, "optim": OptimizerState, "rng":
 RNGState, "data": DataCursor, "step": int}``.
 
-:func:`parity` runs the next-step parity check (DESIGN.md section 5) on a
+:func:`reshard.testing.parity.parity` runs the next-step parity check (DESIGN.md section 5) on a
 :class:`~reshard.testing.pool.WorkerPool`.
 """
 
@@ -41,10 +41,6 @@ from __future__ import annotations
 
 import functools
 import re
-import shutil
-import tempfile
-import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,8 +52,8 @@ from torch import nn
 import reshard
 
 from ..adapters.rng import derive_seed
-from ..sharding import ShardedTensor, numel
-from .model import TP, MicroBatch, ModelConfig, Stage, model_config
+from ..sharding import ShardedTensor
+from .model import TP, MicroBatch, ModelConfig, Stage
 
 # ----------------------------------------------------------------------------- layout and groups
 
@@ -539,216 +535,5 @@ def _pieces(kind: str, views: list[ShardedTensor]) -> list[Piece]:
              v.data.detach().clone()) for v in views]
 
 
-# ----------------------------------------------------------------------------- rank functions
-
-
-def rank_continuous(mc: ModelConfig, tc: TrainConfig, layout: Layout, steps: int) -> list[Piece]:
-    """``steps`` steps without stopping; the pieces of the last one."""
-    tr = Trainer(mc, tc, layout)
-    for _ in range(steps - 1):
-        tr.train_step()
-    return tr.train_step(record=True).pieces
-
-
-def rank_save(mc: ModelConfig, tc: TrainConfig, layout: Layout, steps: int, path: str) -> dict[str, Any]:
-    """``steps`` steps, then save the training state at ``path``."""
-    tr = Trainer(mc, tc, layout)
-    for _ in range(steps):
-        tr.train_step()
-    t0 = time.perf_counter()
-    res = tr.save(path)
-    return {"seconds": time.perf_counter() - t0, "total_bytes": res.total_bytes}
-
-
-def rank_resume(mc: ModelConfig, tc: TrainConfig, layout: Layout, path: str) -> dict[str, Any]:
-    """A trainer initialised from another seed loads ``path`` and takes one step."""
-    tr = Trainer(mc, tc, layout, seed=tc.seed + 1000)
-    t0 = time.perf_counter()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        res = tr.load(path)
-    secs = time.perf_counter() - t0
-    return {"pieces": tr.train_step(record=True).pieces, "seconds": secs, "step": res.step,
-            "warnings": [str(w.message) for w in caught], "notes": dict(res.notes)}
-
-
-# ----------------------------------------------------------------------------- harness
-
-
-def assemble(ranks: Sequence[Sequence[Piece]]) -> dict[str, torch.Tensor]:
-    """Logical tensors ``"{kind}/{fqn}"`` from every rank's pieces. Replicas
-    must agree bit for bit and the pieces must cover each tensor."""
-    full: dict[str, torch.Tensor] = {}
-    cover: dict[str, torch.Tensor] = {}
-    for pieces in ranks:
-        for kind, fqn, gs, go, ls, fr, data in pieces:
-            key = f"{kind}/{fqn}"
-            if key not in full:
-                full[key] = torch.zeros(gs, dtype=data.dtype)
-                cover[key] = torch.zeros(gs, dtype=torch.bool)
-            box = tuple(slice(o, o + s) for o, s in zip(go, ls, strict=True))
-            idx = torch.arange(numel(gs)).reshape(gs)[box].reshape(-1)
-            if fr is not None:
-                idx = idx[fr[0]:fr[1]]
-            f, c, src = full[key].view(-1), cover[key].view(-1), data.reshape(-1)
-            seen = c[idx]
-            if seen.any() and not torch.equal(f[idx][seen], src[seen]):
-                raise AssertionError(f"{key}: replicas differ")
-            f[idx] = src
-            c[idx] = True
-    holes = [k for k, c in cover.items() if not bool(c.all())]
-    if holes:
-        raise AssertionError(f"pieces do not cover {holes[:5]}")
-    return full
-
-
-@dataclass(frozen=True)
-class KindStats:
-    """Largest differences of one kind (loss, grad, param, exp_avg, exp_avg_sq).
-
-    ``max_rel`` is over elements where the reference is non-zero (large for
-    near-zero elements); ``budget`` is the largest ``|a - b| / (atol + rtol *
-    |b|)`` (<= 1 passes); ``worst`` is the tensor with the largest budget."""
-
-    tensors: int
-    max_abs: float
-    max_rel: float
-    budget: float
-    worst: str
-
-
-@dataclass
-class ParityReport:
-    """Outcome of :func:`parity` (``a`` = resumed, ``b`` = uninterrupted)."""
-
-    save_layout: Layout
-    load_layout: Layout
-    preset: str
-    steps_before: int
-    exact: bool  # bit-exact required (same layout)
-    loss_continuous: float
-    loss_resumed: float
-    stats: dict[str, KindStats]
-    failures: list[str]
-    seconds: dict[str, float]
-    notes: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return not self.failures
-
-    def summary(self) -> str:
-        mode = "bit-exact" if self.exact else "|a-b| <= 1e-6 + 1e-5|b|"
-        lines = [f"{self.preset} ({self.save_layout}) -> ({self.load_layout}), step "
-                 f"{self.steps_before + 1}, {mode}: {'OK' if self.ok else 'FAIL'}  loss "
-                 f"{self.loss_continuous:.9g} vs {self.loss_resumed:.9g}"]
-        for kind, s in self.stats.items():
-            lines.append(f"  {kind:<10} {s.tensors:3d} tensors  max_abs {s.max_abs:.3e}  max_rel "
-                         f"{s.max_rel:.3e}  budget {s.budget:.3f}  ({s.worst})")
-        lines += [f"  FAIL {f}" for f in self.failures[:10]]
-        return "\n".join(lines)
-
-
-def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], *, exact: bool,
-            atol: float = 1e-6, rtol: float = 1e-5) -> tuple[dict[str, KindStats], list[str]]:
-    """Elementwise comparison of resumed ``a`` with reference ``b``."""
-    failures = [f"{k}: only in the {'resumed' if k in a else 'uninterrupted'} run"
-                for k in sorted(set(a) ^ set(b))]
-    acc: dict[str, list[Any]] = {}
-    for key in sorted(set(a) & set(b)):
-        x, y = a[key], b[key]
-        kind = key.split("/", 1)[0]
-        if x.shape != y.shape or x.dtype != y.dtype:
-            failures.append(f"{key}: {x.dtype} {list(x.shape)} vs {y.dtype} {list(y.shape)}")
-            continue
-        same = torch.equal(x, y)
-        xd, yd = x.double(), y.double()
-        d = (xd - yd).abs()
-        mabs = float(d.max()) if d.numel() else 0.0
-        nz = yd != 0
-        mrel = float((d[nz] / yd[nz].abs()).max()) if bool(nz.any()) else 0.0
-        budget = float((d / (atol + rtol * yd.abs())).max()) if d.numel() else 0.0
-        if exact and not same:
-            failures.append(f"{key}: not bit-exact (max_abs {mabs:.3e})")
-        elif not exact and budget > 1.0:
-            failures.append(f"{key}: max_abs {mabs:.3e} max_rel {mrel:.3e} exceeds the tolerance")
-        st = acc.setdefault(kind, [0, 0.0, 0.0, 0.0, ""])
-        st[0] += 1
-        if budget >= st[3]:
-            st[4] = key.split("/", 1)[1]
-        st[1], st[2], st[3] = max(st[1], mabs), max(st[2], mrel), max(st[3], budget)
-    return {k: KindStats(*v) for k, v in acc.items()}, failures
-
-
-def parity(save_layout: Layout | str, load_layout: Layout | str, *, preset: str = "llama",
-           steps_before: int = 2, model: ModelConfig | None = None, train: TrainConfig | None = None,
-           pool: Any = None, resume_pool: Any = None, workdir: str | None = None,
-           fresh_processes: bool = True, atol: float = 1e-6, rtol: float = 1e-5,
-           timeout: float = 120.0) -> ParityReport:
-    """Next-step parity of a save in ``save_layout`` at step ``steps_before``
-    resumed in ``load_layout``.
-
-    1. An uninterrupted run in ``save_layout`` takes ``steps_before + 1``
-       steps and records step ``steps_before + 1``: loss, reduced gradients,
-       updated weights, AdamW moments (gathered to logical tensors).
-    2. A separate run in ``save_layout`` takes ``steps_before`` steps and saves.
-    3. Processes in ``load_layout`` that did not run step 2 build a trainer
-       from another init seed, load, take the next step on the same global
-       batch and record the same. They are ``resume_pool``'s workers when
-       given (a pool kept apart from ``pool``), else ``pool``'s, restarted
-       first when the world size is the same and ``fresh_processes``.
-
-    Same layout: every tensor must be bit-exact; otherwise
-    ``|a - b| <= atol + rtol * |b|`` elementwise.
-
-    Args:
-        model: default ``model_config(preset, "tiny")``; train: default
-            ``TrainConfig()`` (lr 1e-4, AdamW, dropout 0.1 from the model config).
-        pool: a :class:`~reshard.testing.pool.WorkerPool` for steps 1 and 2
-            (default: a private one, closed at the end).
-        resume_pool: another WorkerPool for step 3 (default: ``pool``).
-        workdir: where the checkpoint goes (default: a temporary directory, removed).
-    """
-    from .pool import WorkerPool
-
-    sl, ll = Layout.parse(save_layout), Layout.parse(load_layout)
-    mc = model or model_config(preset, "tiny")
-    tc = train or TrainConfig()
-    own = pool is None
-    pl = WorkerPool() if own else pool
-    tmp = None if workdir is not None else tempfile.mkdtemp(prefix="reshard-parity-")
-    path = f"{workdir or tmp}/ckpt-{sl}-to-{ll}".replace(",", "_")
-    secs: dict[str, float] = {}
-    try:
-        t0 = time.perf_counter()
-        ref = pl.run(sl.world_size, rank_continuous, mc, tc, sl, steps_before + 1, timeout=timeout)
-        t1 = time.perf_counter()
-        saved = pl.run(sl.world_size, rank_save, mc, tc, sl, steps_before, path, timeout=timeout)
-        t2 = time.perf_counter()
-        rp = resume_pool if resume_pool is not None else pl
-        if fresh_processes and rp is pl and ll.world_size == sl.world_size:
-            pl.restart(ll.world_size)
-        t3 = time.perf_counter()
-        got = rp.run(ll.world_size, rank_resume, mc, tc, ll, path, timeout=timeout)
-        t4 = time.perf_counter()
-        secs = {"continuous": t1 - t0, "save_run": t2 - t1, "restart": t3 - t2, "resume_run": t4 - t3,
-                "save": max(s["seconds"] for s in saved), "load": max(r["seconds"] for r in got)}
-        b = assemble(ref)
-        a = assemble([r["pieces"] for r in got])
-    finally:
-        if own:
-            pl.close()
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    exact = sl == ll
-    stats, failures = compare(a, b, exact=exact, atol=atol, rtol=rtol)
-    notes = {"warnings": sorted({w for r in got for w in r["warnings"]}),
-             "checkpoint_bytes": saved[0]["total_bytes"], "loaded_step": got[0]["step"],
-             "checkpoint": path if tmp is None else None}
-    return ParityReport(sl, ll, mc.preset, steps_before, exact, float(b["loss/loss"]),
-                        float(a["loss/loss"]), stats, failures, secs, notes)
-
-
-__all__ = ["Layout", "ParityReport", "StepResult", "TrainConfig", "Trainer", "Zero1", "assemble",
-           "compare", "grid_groups", "make_corpus", "parity", "rank_continuous", "rank_resume",
-           "rank_save"]
+__all__ = ["Layout", "Piece", "StepResult", "TrainConfig", "Trainer", "Zero1", "grid_groups",
+           "make_corpus"]

@@ -1,0 +1,176 @@
+"""Convert a PyTorch DCP checkpoint into a reshard checkpoint (see :mod:`reshard.dcp`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from .dcp import DCPStorage, open_dcp
+from .errors import CheckpointError
+from .manifest import Chunk, FileEntry, Manifest, TensorEntry, validate_manifest
+from .sharding import itemsize
+from .storage import Storage, resolve
+
+# --------------------------------------------------------------------------- conversion
+
+
+def convert_dcp(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    group: Any = None,
+    step: int | None = None,
+    options: Any = None,
+    file_bytes: int = 256 << 20,
+    src_storage: Storage | None = None,
+    dst_storage: Storage | None = None,
+) -> Any:
+    """Write the DCP checkpoint ``src`` as a committed reshard checkpoint ``dst``.
+
+    Streams: the DCP chunks are packed, in manifest order, into shard files of
+    about ``file_bytes`` each (one chunk larger than that gets a file of its
+    own); a file's chunks are decoded, written with
+    :func:`reshard.shardfile.write_shard_file` (checksums computed while
+    writing) and released before the next file is started, so memory stays
+    near ``file_bytes`` (or the largest chunk). Each DCP chunk becomes one
+    chunk of the new checkpoint; BYTE_IO values become common values (see
+    :func:`open_dcp`; skipped ones are listed in ``manifest.extra``). The
+    manifest is published last (:func:`reshard.commit.publish`).
+
+    With ``group`` (or an initialised default group) every rank of it calls
+    this; the files are shared out round-robin and rank 0 publishes. Without
+    one it runs in this process.
+
+    Args:
+        step: recorded in the new manifest.
+        options: :class:`reshard.SaveOptions` (checksums, block size,
+            durable, overwrite, schema_version, extra, hmac_key).
+        file_bytes: target size of one shard file.
+
+    Returns:
+        a :class:`reshard.SaveResult` (``manifest`` on rank 0).
+
+    Raises:
+        CheckpointNotFoundError, ManifestError, IntegrityError from reading
+        ``src``; CheckpointError ("already there", as :func:`reshard.save`)
+        if ``dst`` holds a checkpoint and ``overwrite`` is not set. Any
+        failure is raised on every rank (as the common class of every rank's
+        error) and publishes nothing.
+    """
+    from .collectives import get_collectives
+    from .commit import attempt_path, check_target, new_attempt_id, publish, sign_manifest
+    from .errors import outcome, raise_agreed
+    from .manifest import MANIFEST_NAME
+    from .options import SaveOptions
+    from .save import SaveResult, discard_attempt
+    from .shardfile import FileItem, tensor_bytes, write_shard_file
+
+    opts: SaveOptions = options or SaveOptions()
+    coll = get_collectives(group)
+    rank, world = coll.rank, coll.world_size
+    t0 = time.perf_counter()
+    dst_st, dst_key = resolve(dst, dst_storage)
+    err: BaseException | None = None
+    local: dict[str, Any] = {}
+    dcp_st: DCPStorage | None = None
+    m: Manifest | None = None
+    try:
+        dcp_st, m = open_dcp(src, storage=src_storage, cache_bytes=0)
+        if rank == 0:
+            check_target(dst_st, dst_key, overwrite=opts.overwrite)
+            local["attempt"] = new_attempt_id()
+    except Exception as e:  # noqa: BLE001
+        err = e
+    gathered = coll.all_gather_json(outcome(rank, err, **local))
+    raise_agreed("convert_dcp", gathered, err)
+    assert dcp_st is not None and m is not None
+    attempt = attempt_path(dst_st, dst_key, gathered[0]["attempt"])
+    attempt_id = gathered[0]["attempt"]
+    t1 = time.perf_counter()
+    # pack chunks into files (deterministic on every rank), round-robin over ranks
+    files: list[list[tuple[str, int]]] = [[]]
+    size = 0
+    for fqn, te in m.tensors.items():
+        for ci, c in enumerate(te.chunks):
+            if files[-1] and size + c.length > file_bytes:
+                files.append([])
+                size = 0
+            files[-1].append((fqn, ci))
+            size += c.length
+    files = [f for f in files if f]
+    mine = [(k, f) for k, f in enumerate(files) if k % world == rank]
+    written: list[dict[str, Any]] = []
+    err = None
+    try:
+        if mine:
+            dst_st.makedirs(attempt)
+        for n, (_k, members) in enumerate(mine):
+            name = f"data-r{rank:05d}-{n}.safetensors"
+            fitems = []
+            for fqn, ci in members:
+                c = m.tensors[fqn].chunks[ci]
+                t = dcp_st.tensor(c.file)
+                key = fqn + ("@" + ",".join(map(str, c.global_offset)) if c.global_offset else "")
+                fitems.append(FileItem(name=key, dtype=m.tensors[fqn].dtype, shape=c.local_shape,
+                                       data=tensor_bytes(t), itemsize=itemsize(m.tensors[fqn].dtype)))
+            fsize, checksum, wr = write_shard_file(
+                dst_st, dst_st.join(attempt, name), fitems, block_bytes=opts.checksum_block_bytes,
+                checksums=opts.checksums, durable=opts.durable)
+            del fitems
+            written.append({"name": name, "size": fsize, "checksum": checksum,
+                            "items": [[fqn, ci, w.offset, w.length, list(w.checksums)]
+                                      for (fqn, ci), w in zip(members, wr, strict=True)]})
+    except Exception as e:  # noqa: BLE001
+        err = e
+    t2 = time.perf_counter()
+    reports = coll.all_gather_json(outcome(rank, err, written=written))
+    try:
+        raise_agreed("convert_dcp", reports, err)
+    except CheckpointError:
+        discard_attempt(coll, dst_st, attempt)
+        raise
+    out: Manifest | None = None
+    err = None
+    if rank == 0:
+        try:
+            new_files: dict[str, FileEntry] = {}
+            chunks: dict[str, list[Chunk]] = {fqn: [] for fqn in m.tensors}
+            for r in reports:
+                for f in r["written"]:
+                    new_files[f["name"]] = FileEntry(size=f["size"], checksum=f["checksum"])
+                    for fqn, ci, off, length, sums in f["items"]:
+                        c = m.tensors[fqn].chunks[ci]
+                        chunks[fqn].append(Chunk(global_offset=c.global_offset, local_shape=c.local_shape,
+                                                 file=f["name"], offset=off, length=length,
+                                                 checksums=tuple(sums)))
+            extra = {**m.extra, "converted_from": "dcp", **opts.extra}
+            out = Manifest(
+                attempt_id=attempt_id, created_at=round(time.time(), 3), world_size=m.world_size,
+                checksum_block_bytes=opts.checksum_block_bytes, schema_version=opts.schema_version,
+                step=step, mesh=opts.mesh,
+                tensors={fqn: TensorEntry(dtype=te.dtype, global_shape=te.global_shape,
+                                          chunks=tuple(sorted(chunks[fqn], key=lambda c: c.global_offset)))
+                         for fqn, te in m.tensors.items()},
+                values=m.values, files=dict(sorted(new_files.items())), extra=extra,
+            )
+            if opts.hmac_key is not None:
+                out = sign_manifest(out, opts.hmac_key)
+            validate_manifest(out, where=f"{dst_key}/{MANIFEST_NAME}")
+            dst_st.makedirs(attempt)
+            publish(dst_st, attempt, dst_key, out, overwrite=opts.overwrite, durable=opts.durable)
+        except Exception as e:  # noqa: BLE001
+            err = e
+    final = coll.all_gather_json(outcome(rank, err))
+    try:
+        raise_agreed("convert_dcp (publish)", final, err)
+    except CheckpointError:
+        discard_attempt(coll, dst_st, attempt)
+        raise
+    total = sum(f["size"] for r in reports for f in r["written"])
+    nfiles = sum(len(r["written"]) for r in reports)
+    return SaveResult(path=dst_key, step=step, attempt_id=attempt_id,
+                      bytes_written=sum(f["size"] for f in written), total_bytes=total, num_files=nfiles,
+                      timings={"open": t1 - t0, "write": t2 - t1, "commit": time.perf_counter() - t2},
+                      manifest=out)
