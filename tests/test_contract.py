@@ -97,3 +97,24 @@ def test_plain_tensor_held_by_one_rank_only_is_refused(pool, tmp_path: Path) -> 
     for msg in out:
         assert "<tensor>w" in msg and "every rank" in msg
     assert not (tmp_path / "c").exists()
+
+
+def test_hmac_signed_manifest(tmp_path: Path) -> None:
+    key = b"secret-key"
+    reshard.save({"w": torch.arange(4.0)}, tmp_path / "c", options=reshard.SaveOptions(hmac_key=key))
+    t = torch.zeros(4)
+    reshard.load({"w": t}, tmp_path / "c", options=reshard.LoadOptions(hmac_key=key))
+    assert torch.equal(t, torch.arange(4.0))
+    with pytest.raises(IntegrityError, match="HMAC does not match"):
+        reshard.load({"w": t}, tmp_path / "c", options=reshard.LoadOptions(hmac_key=b"other"))
+    # a tampered manifest (same data, another step) fails the signature
+    mpath = tmp_path / "c" / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["step"] = 99
+    mpath.write_text(json.dumps(m))
+    with pytest.raises(IntegrityError, match="HMAC does not match"):
+        reshard.load({"w": t}, tmp_path / "c", options=reshard.LoadOptions(hmac_key=key))
+    # an unsigned checkpoint is refused when a key is given
+    reshard.save({"w": torch.ones(4)}, tmp_path / "u")
+    with pytest.raises(IntegrityError, match="not signed"):
+        reshard.load({"w": t}, tmp_path / "u", options=reshard.LoadOptions(hmac_key=key))
