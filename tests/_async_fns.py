@@ -125,12 +125,7 @@ def r_async_mutation(root: str, delay: float) -> dict[str, Any]:
             "steps": [r.step for r in results], "pending_done": [h.done() for h in handles]}
 
 
-def zero_dim_state(fill: bool) -> dict[str, Any]:
-    if fill:
-        f, b, i = torch.tensor(3.5), torch.tensor(True), torch.tensor(7, dtype=torch.int64)
-    else:
-        f, b, i = torch.tensor(0.0), torch.tensor(False), torch.tensor(0, dtype=torch.int64)
-    return {"optim": {"step_f32": f, "step_bool": b, "step_i64": i}}
+from _state_fns import zero_dim_state  # noqa: E402  (one definition, shared)
 
 
 def r_zero_dim_async_save(path: str) -> tuple[bool, int | None]:
