@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import reshard
+from _state_fns import zero_dim_state  # one definition, shared with the training-state tests
 from reshard.errors import StorageError
 from reshard.storage import LocalStorage, WriteStream
 
@@ -125,7 +126,6 @@ def r_async_mutation(root: str, delay: float) -> dict[str, Any]:
             "steps": [r.step for r in results], "pending_done": [h.done() for h in handles]}
 
 
-from _state_fns import zero_dim_state  # noqa: E402  (one definition, shared)
 
 
 def r_zero_dim_async_save(path: str) -> tuple[bool, int | None]:
