@@ -118,3 +118,62 @@ def test_hmac_signed_manifest(tmp_path: Path) -> None:
     reshard.save({"w": torch.ones(4)}, tmp_path / "u")
     with pytest.raises(IntegrityError, match="not signed"):
         reshard.load({"w": t}, tmp_path / "u", options=reshard.LoadOptions(hmac_key=key))
+
+
+def test_save_never_replaces_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "precious.txt").write_text("keep me")
+    for overwrite in (False, True):
+        with pytest.raises(reshard.CheckpointError, match="not a committed checkpoint"):
+            reshard.save({"w": torch.ones(1)}, tmp_path / "x",
+                         options=reshard.SaveOptions(overwrite=overwrite))
+    assert (tmp_path / "x" / "precious.txt").read_text() == "keep me"
+    (tmp_path / "empty").mkdir()  # an empty directory made for the checkpoint is fine
+    reshard.save({"w": torch.ones(1)}, tmp_path / "empty")
+    assert (tmp_path / "empty" / "manifest.json").is_file()
+
+
+def test_export_refuses_to_write_into_the_checkpoint_or_cast_to_ints(tmp_path: Path) -> None:
+    from reshard.export import export_hf
+
+    reshard.save({"w": torch.ones(2, 2)}, tmp_path / "ck")
+    with pytest.raises(ValueError, match="inside the checkpoint"):
+        export_hf(tmp_path / "ck", tmp_path / "ck" / "hf")
+    with pytest.raises(ValueError, match="floating-point"):
+        export_hf(tmp_path / "ck", tmp_path / "hf", dtype=torch.int32)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["data-r00000-0.safetensors",
+                                                                   "manifest.json"]
+
+
+def test_hf_import_refuses_overlapping_data_offsets(tmp_path: Path) -> None:
+    import struct
+
+    from reshard.errors import ManifestError
+    from reshard.export import import_hf
+
+    header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+              "c": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}  # c aliases a's bytes
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
+    with pytest.raises(ManifestError, match="overlaps the previous tensor"):
+        import_hf({"a": torch.zeros(2), "c": torch.zeros(2)}, tmp_path / "hf")
+
+
+def test_demo_refuses_settings_it_cannot_honour_before_touching_anything(tmp_path: Path) -> None:
+    from reshard.testing.demo import DemoConfig, run_demo
+
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "precious.txt").write_text("x")
+    for kw, msg in (({"kill_at": 10}, "kill_at a multiple of every"),
+                    ({"seq_len": 64}, "exceeds the bert"),
+                    ({"layout_a": "tp3"}, "tp 3 must divide"),
+                    ({"global_batch": 1}, "multiple of dp 2"),
+                    ({}, "not demo checkpoints")):
+        base = dict(out=tmp_path, size="tiny", data="random", steps=7, every=2, kill_at=4,
+                    seq_len=16)
+        cfg = DemoConfig(**{**base, **kw})  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=msg):
+            run_demo(cfg)
+    assert (tmp_path / "ckpt" / "precious.txt").exists()

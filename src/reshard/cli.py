@@ -493,7 +493,10 @@ def export_cmd(ckpt: str, out: str, fmt: str, dtype: str | None, max_shard_size:
 @click.argument("dst")
 @click.option("--step", type=int, default=None, help="Step to record in the new manifest.")
 @click.option("--overwrite", is_flag=True, help="Replace a committed checkpoint at DST.")
-def convert_cmd(src_format: str, src: str, dst: str, step: int | None, overwrite: bool) -> None:
+@click.option("--skip-unsafe-values", is_flag=True,
+              help="Leave out values that cannot be decoded with weights_only (default: refuse SRC).")
+def convert_cmd(src_format: str, src: str, dst: str, step: int | None, overwrite: bool,
+                skip_unsafe_values: bool) -> None:
     """Convert the checkpoint SRC (another format) into a committed reshard
     checkpoint DST, streaming chunk by chunk; nothing of SRC is unpickled
     except through restricted unpicklers.
@@ -505,7 +508,8 @@ def convert_cmd(src_format: str, src: str, dst: str, step: int | None, overwrite
 
     t0 = time.perf_counter()
     try:
-        res = convert_dcp(src, dst, step=step, options=SaveOptions(overwrite=overwrite))
+        res = convert_dcp(src, dst, step=step, options=SaveOptions(overwrite=overwrite),
+                          skip_unsafe_values=skip_unsafe_values)
     except CheckpointNotFoundError as e:
         _fail(2, str(e))
     except (CheckpointError, FileExistsError) as e:

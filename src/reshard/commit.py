@@ -63,8 +63,13 @@ def check_signature(m: Manifest, key: bytes, *, where: str) -> None:
 def check_target(storage: Storage, path: str, *, overwrite: bool) -> None:
     """Refuse to save over a committed checkpoint unless ``overwrite`` (and
     never on a store without atomic rename, where a replace could not be
-    atomic: publish under a new step instead)."""
+    atomic: publish under a new step instead). Anything else already at
+    ``path`` on a rename-capable store (a directory that is not a committed
+    checkpoint) is never replaced, ``overwrite`` or not."""
     if not storage.exists(storage.join(path, MANIFEST_NAME)):
+        if storage.capabilities.atomic_rename and _non_empty(storage, path):
+            raise FileExistsError(f"{path}: exists and is not a committed checkpoint; refusing to "
+                                  "replace it (choose another path)")
         return
     if not overwrite:
         raise FileExistsError(f"{path}: a committed checkpoint is already there "
@@ -74,6 +79,16 @@ def check_target(storage: Storage, path: str, *, overwrite: bool) -> None:
 
         raise CheckpointError(f"{path}: overwrite is refused on a store without atomic rename; "
                               "publish under a new step instead")
+
+
+def _non_empty(storage: Storage, path: str) -> bool:
+    """``path`` exists and is a file or a directory with entries."""
+    if not storage.exists(path):
+        return False
+    try:
+        return bool(storage.list_dir(path))
+    except (NotADirectoryError, FileNotFoundError):
+        return True
 
 
 def publish(storage: Storage, attempt: str, path: str, manifest: Manifest, *, overwrite: bool,
@@ -89,9 +104,11 @@ def publish(storage: Storage, attempt: str, path: str, manifest: Manifest, *, ov
     if durable:
         storage.fsync_dir(attempt)
     retired = None
+    if storage.exists(path) and not _non_empty(storage, path):
+        storage.delete_tree(path)  # an empty directory the user made: take its place
     if storage.exists(path):
-        if not overwrite:
-            raise FileExistsError(f"{path}: a checkpoint is already there (pass overwrite=True)")
+        if not overwrite or not storage.exists(storage.join(path, MANIFEST_NAME)):
+            raise FileExistsError(f"{path}: appeared during the save and is not ours to replace")
         retired = f"{path}{RETIRED}{manifest.attempt_id}"
         storage.rename_dir(path, retired)
     storage.rename_dir(attempt, path)

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from .dcp import DCPStorage, open_dcp
-from .errors import CheckpointError
+from .errors import CheckpointError, IntegrityError
 from .manifest import Chunk, FileEntry, Manifest, TensorEntry, validate_manifest
 from .sharding import itemsize
 from .storage import Storage, resolve
@@ -26,6 +26,7 @@ def convert_dcp(
     file_bytes: int = 256 << 20,
     src_storage: Storage | None = None,
     dst_storage: Storage | None = None,
+    skip_unsafe_values: bool = False,
 ) -> Any:
     """Write the DCP checkpoint ``src`` as a committed reshard checkpoint ``dst``.
 
@@ -48,6 +49,10 @@ def convert_dcp(
         options: :class:`reshard.SaveOptions` (checksums, block size,
             durable, overwrite, schema_version, extra, hmac_key).
         file_bytes: target size of one shard file.
+        skip_unsafe_values: convert even when some BYTE_IO values cannot be
+            decoded with ``torch.load(weights_only=True)`` (they are left out
+            and listed in ``manifest.extra["dcp_skipped_values"]``); by default
+            such a checkpoint is refused with IntegrityError.
 
     Returns:
         a :class:`reshard.SaveResult` (``manifest`` on rank 0).
@@ -78,6 +83,11 @@ def convert_dcp(
     m: Manifest | None = None
     try:
         dcp_st, m = open_dcp(src, storage=src_storage, cache_bytes=0)
+        refused = m.extra.get("dcp_skipped_values") or {}
+        if refused and not skip_unsafe_values:
+            raise IntegrityError(
+                f"{src}: {len(refused)} value(s) need more than torch.load(weights_only=True) and are "
+                f"refused: {sorted(refused)[:5]} (pass skip_unsafe_values=True to convert without them)")
         if rank == 0:
             check_target(dst_st, dst_key, overwrite=opts.overwrite)
             local["attempt"] = new_attempt_id()

@@ -86,16 +86,22 @@ def parse_dtype(d: str | torch.dtype) -> torch.dtype:
     """``"bf16"``, ``"bfloat16"``, ``"fp16"``, ``"fp32"``, ... or a torch dtype."""
     if isinstance(d, torch.dtype):
         dtype_name(d)  # on the allow-list
-        return d
-    try:
-        return _DTYPE_ALIASES[d.strip().lower()]
-    except KeyError:
-        raise ValueError(f"unknown dtype {d!r} (use one of {', '.join(sorted(_DTYPE_ALIASES))})") from None
+        out = d
+    else:
+        try:
+            out = _DTYPE_ALIASES[d.strip().lower()]
+        except KeyError:
+            raise ValueError(f"unknown dtype {d!r} (use one of {', '.join(sorted(_DTYPE_ALIASES))})") from None
+    if not out.is_floating_point:
+        raise ValueError(f"export dtype must be a floating-point dtype (it casts float tensors), got {out}")
+    return out
 
 
 def parse_size(s: str | int) -> int:
     """A byte count: an int, or ``"2GB"`` (decimal, 2e9, as Hugging Face reads
     ``max_shard_size``), ``"2GiB"`` (binary, 2 * 2**30), ``"500MB"``, ``"64KiB"``..."""
+    if isinstance(s, bool):
+        raise ValueError(f"not a size: {s!r}")
     if isinstance(s, int):
         n = s
     else:
@@ -186,6 +192,8 @@ def _output_names(m: Manifest, transforms: Sequence[Any]
     view = manifest_view(msgspec.structs.replace(m, tensors=fresh), transforms)
     names: dict[str, str] = {}
     for out, te in view.tensors.items():
+        if not out:
+            raise ValueError("export_hf: a transform renamed a tensor to the empty name")
         saved = back.get(id(te))
         if saved is None:
             raise ValueError(f"export_hf: tensor {out!r} is made by a transform, not saved")
@@ -355,9 +363,11 @@ def export_hf(
             raise ValueError(f"export_hf: copy_files: {base!r} would replace a model file")
         if not os.path.isfile(c):
             raise FileNotFoundError(f"export_hf: copy_files: {c} is not a file")
-    if storage is None and "://" not in os.fspath(ckpt) and os.path.realpath(out) == os.path.realpath(key):
-        raise ValueError(f"export_hf: {out} is the checkpoint itself (a committed checkpoint is "
-                         "never modified)")
+    if storage is None and "://" not in os.fspath(ckpt):
+        rk, ro = os.path.realpath(key), os.path.realpath(out)
+        if ro == rk or ro.startswith(rk + os.sep):
+            raise ValueError(f"export_hf: {out} is inside the checkpoint {key} (a committed "
+                             "checkpoint is never modified)")
     stale = _existing_outputs(out)
     if stale and not overwrite:
         raise FileExistsError(f"{out}: already holds model files {stale[:3]} (pass overwrite=True)")

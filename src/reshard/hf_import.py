@@ -82,6 +82,16 @@ def _file_tensors(st: Storage, path: str, name: str) -> tuple[int, dict[str, Ten
         out[tname] = TensorEntry(dtype=dt, global_shape=shp, chunks=(
             Chunk(global_offset=(0,) * len(shp), local_shape=shp, file=name,
                   offset=base + offs[0], length=offs[1] - offs[0]),))
+    # as the safetensors format requires: the tensors' byte ranges tile the data
+    # area exactly (no overlap, no gap), so no two names can alias the same bytes
+    pos = 0
+    for tname, te in sorted(out.items(), key=lambda kv: (kv[1].chunks[0].offset, kv[1].chunks[0].length)):
+        c = te.chunks[0]
+        if c.offset - base != pos:
+            what = "overlaps the previous tensor" if c.offset - base < pos else "leaves a gap before it"
+            raise ManifestError(f"{path}: tensor {tname!r}: data_offsets start at {c.offset - base}, "
+                                f"expected {pos} ({what})")
+        pos += c.length
     return size, out, meta
 
 

@@ -493,6 +493,11 @@ def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key
             f"{sorted(requested_anywhere)[:3]}, saved e.g. {sorted(saved)[:3]}); "
             "check prefixes or pass a rename transform"
         )
+    refused = m.extra.get("dcp_skipped_values") or {}
+    unsafe = sorted(k for k in requested if k in refused)
+    if unsafe:  # present in the source, but only an unrestricted unpickler could read them
+        raise IntegrityError(f"{key}: value(s) {unsafe[:5]} need more than torch.load(weights_only="
+                             f"True) and are refused: {[refused[k] for k in unsafe[:2]]}")
     not_allowed = [k for k in missing if not any(match(k) for match, _ in allow)]
     if strict and (not_allowed or unexpected):
         parts = []

@@ -198,20 +198,50 @@ def _steps(pool: Any, world: int, run: str, n: int, bar: Any, record_last: bool 
     return losses, pieces
 
 
+def check_config(cfg: DemoConfig, mc: Any, la: Layout, lb: Layout) -> None:
+    """Refuse settings the run cannot honour, before anything is touched.
+
+    Raises:
+        ValueError: naming the flag and what it needs.
+    """
+    if not (0 < cfg.every <= cfg.kill_at < cfg.steps and cfg.kill_at % cfg.every == 0
+            and cfg.kill_at > cfg.every):
+        raise ValueError("need 0 < every < kill_at < steps with kill_at a multiple of every")
+    if cfg.seq_len > mc.max_positions:
+        raise ValueError(f"--seq-len {cfg.seq_len} exceeds the {cfg.preset} ({cfg.size}) model's "
+                         f"{mc.max_positions} positions")
+    for name, lay in (("--layout-a", la), ("--layout-b", lb)):
+        bad = [f"{what} {n}" for what, n in (("heads", mc.heads), ("kv_heads", mc.kv_heads),
+                                              ("ffn", mc.ffn)) if n % lay.tp]
+        if bad:
+            raise ValueError(f"{name} {lay}: tp {lay.tp} must divide the model's {', '.join(bad)}")
+        if cfg.global_batch % lay.dp:
+            raise ValueError(f"{name} {lay}: --global-batch {cfg.global_batch} must be a multiple "
+                             f"of dp {lay.dp}")
+
+
+def _clear_checkpoint_root(root: Path) -> None:
+    """Start from an empty checkpoint root: remove what earlier demo runs left
+    (``step-*`` checkpoints, attempts and sidecars) and refuse to touch
+    anything else."""
+    if not root.exists():
+        return
+    foreign = [p.name for p in root.iterdir() if not p.name.startswith("step-")]
+    if foreign:
+        raise ValueError(f"{root} holds files that are not demo checkpoints ({foreign[:3]}); "
+                         "choose another --out")
+    import shutil
+
+    for p in root.iterdir():
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+
+
 def run_demo(cfg: DemoConfig) -> int:
     """Run the demo; returns the exit status (0: every check passed)."""
     from tqdm import tqdm
 
     from .pool import WorkerPool
 
-    rep = DemoReport()
-    out = cfg.out
-    out.mkdir(parents=True, exist_ok=True)
-    root = out / "ckpt"
-    if root.exists():
-        import shutil
-
-        shutil.rmtree(root)
     la, lb = Layout.parse(cfg.layout_a), Layout.parse(cfg.layout_b)
     mc = model_config(cfg.preset, cfg.size)
     # AdamW eps 1e-6 as in BERT's pre-training (Devlin et al., 2019). Some
@@ -221,9 +251,12 @@ def run_demo(cfg: DemoConfig) -> int:
     # into lr-sized updates, 1e-6 keeps it below the fp32 parity tolerance.
     tc = TrainConfig(seq_len=cfg.seq_len, global_batch=cfg.global_batch, micro_batch=2, lr=cfg.lr,
                      eps=1e-6, data=cfg.data, max_files=cfg.max_files)
-    if not (0 < cfg.every <= cfg.kill_at < cfg.steps and cfg.kill_at % cfg.every == 0
-            and cfg.kill_at > cfg.every):
-        raise ValueError("need 0 < every < kill_at < steps with kill_at a multiple of every")
+    check_config(cfg, mc, la, lb)
+    rep = DemoReport()
+    out = cfg.out
+    out.mkdir(parents=True, exist_ok=True)
+    root = out / "ckpt"
+    _clear_checkpoint_root(root)
     resume_from = cfg.kill_at - cfg.every
     hf_dir = None
     corpus_file = None
@@ -326,8 +359,8 @@ def run_demo(cfg: DemoConfig) -> int:
         rep.add(f"next-step parity at step {resume_from + 1} (resumed B vs uninterrupted A; "
                 f"|a-b| <= 1e-6 + 1e-5|b| elementwise):")
         for kind, ks in stats.items():
-            rep.add(f"  {kind:<10} {ks.tensors:4d} tensors  max_abs {ks.max_abs:.3e}  budget "
-                    f"{ks.budget:.3f}  (worst: {ks.worst})")
+            rep.add(f"  {kind:<10} {ks.tensors:4d} tensors  max_abs {ks.max_abs:.3e}  tolerance used "
+                    f"{100 * ks.budget:.1f}%  (worst: {ks.worst})")
         for f in failures[:10]:
             rep.add(f"  FAIL {f}")
         rep.check(not failures, "loss, gradients, updated weights and moments within tolerance")
