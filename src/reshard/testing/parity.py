@@ -130,7 +130,7 @@ class ParityReport:
                  f"{self.loss_continuous:.9g} vs {self.loss_resumed:.9g}"]
         for kind, s in self.stats.items():
             lines.append(f"  {kind:<10} {s.tensors:3d} tensors  max_abs {s.max_abs:.3e}  max_rel "
-                         f"{s.max_rel:.3e}  budget {s.budget:.3f}  ({s.worst})")
+                         f"{s.max_rel:.3e}  tolerance used {100 * s.budget:.1f}%  ({s.worst})")
         lines += [f"  FAIL {f}" for f in self.failures[:10]]
         return "\n".join(lines)
 
