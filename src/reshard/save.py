@@ -192,7 +192,8 @@ def _check_values(plans: list[dict[str, Any]]) -> None:
             raise ShardingError(
                 f"common values differ between rank 0 and rank {r} at {keys[:10]} "
                 "(plain values and plain tensors (<tensor>) must be held, equal, by every rank; "
-                "per-rank values are ShardedObjects, per-rank tensors ShardedTensors)"
+                "per-rank values are ShardedObjects, per-rank tensors ShardedTensors; an empty "
+                "list is a plain value: a rank that holds no shard of a tensor leaves its key out)"
             )
 
 
