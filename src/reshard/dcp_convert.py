@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from .dcp import DCPStorage, open_dcp
-from .errors import CheckpointError, IntegrityError
+from .errors import IntegrityError
 from .manifest import Chunk, FileEntry, Manifest, TensorEntry, validate_manifest
 from .sharding import itemsize
 from .storage import Storage, resolve
@@ -69,7 +69,7 @@ def convert_dcp(
     from .errors import outcome, raise_agreed
     from .manifest import MANIFEST_NAME
     from .options import SaveOptions
-    from .save import SaveResult, discard_attempt
+    from .save import SaveResult, agree_or_discard
     from .shardfile import FileItem, tensor_bytes, write_shard_file
 
     opts: SaveOptions = options or SaveOptions()
@@ -135,12 +135,8 @@ def convert_dcp(
     except Exception as e:  # noqa: BLE001
         err = e
     t2 = time.perf_counter()
-    reports = coll.all_gather_json(outcome(rank, err, written=written))
-    try:
-        raise_agreed("convert_dcp", reports, err)
-    except CheckpointError:
-        discard_attempt(coll, dst_st, attempt)
-        raise
+    reports = agree_or_discard(coll, dst_st, attempt, "convert_dcp",
+                               outcome(rank, err, written=written), err)
     out: Manifest | None = None
     err = None
     if rank == 0:
@@ -172,12 +168,7 @@ def convert_dcp(
             publish(dst_st, attempt, dst_key, out, overwrite=opts.overwrite, durable=opts.durable)
         except Exception as e:  # noqa: BLE001
             err = e
-    final = coll.all_gather_json(outcome(rank, err))
-    try:
-        raise_agreed("convert_dcp (publish)", final, err)
-    except CheckpointError:
-        discard_attempt(coll, dst_st, attempt)
-        raise
+    agree_or_discard(coll, dst_st, attempt, "convert_dcp (publish)", outcome(rank, err), err)
     total = sum(f["size"] for r in reports for f in r["written"])
     nfiles = sum(len(r["written"]) for r in reports)
     return SaveResult(path=dst_key, step=step, attempt_id=attempt_id,

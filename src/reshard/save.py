@@ -412,12 +412,7 @@ def run_save(
     except Exception as e:  # noqa: BLE001
         err = e
     timings["write"] = time.perf_counter() - t2
-    reports = coll.all_gather_json(outcome(rank, err, written=written))
-    try:
-        raise_agreed("save", reports, err)
-    except CheckpointError:
-        discard_attempt(coll, st, attempt)
-        raise
+    reports = agree_or_discard(coll, st, attempt, "save", outcome(rank, err, written=written), err)
     t3 = time.perf_counter()
     manifest = None
     err = None
@@ -431,18 +426,27 @@ def run_save(
             publish(st, attempt, key, manifest, overwrite=options.overwrite, durable=options.durable)
         except Exception as e:  # noqa: BLE001
             err = e
-    final = coll.all_gather_json(outcome(rank, err))
-    try:
-        raise_agreed("save (publish)", final, err)
-    except CheckpointError:
-        discard_attempt(coll, st, attempt)
-        raise
+    agree_or_discard(coll, st, attempt, "save (publish)", outcome(rank, err), err)
     timings["commit"] = time.perf_counter() - t3
     total = sum(f["size"] for r in reports for f in r["written"]["files"])
     nfiles = sum(len(r["written"]["files"]) for r in reports)
     mine = sum(f["size"] for f in reports[rank]["written"]["files"])
     return SaveResult(path=key, step=step, attempt_id=attempt_id, bytes_written=mine,
                       total_bytes=total, num_files=nfiles, timings=timings, manifest=manifest)
+
+
+def agree_or_discard(coll: Collectives, st: Storage, attempt: str, what: str,
+                     mine: dict[str, Any], err: BaseException | None) -> list[dict[str, Any]]:
+    """Gather every rank's outcome of a save phase; if any failed, discard the
+    attempt (coordinator) and raise the agreed error on every rank. Returns the
+    gathered outcomes."""
+    gathered = coll.all_gather_json(mine)
+    try:
+        raise_agreed(what, gathered, err)
+    except CheckpointError:
+        discard_attempt(coll, st, attempt)
+        raise
+    return gathered
 
 
 def discard_attempt(coll: Collectives, st: Storage, attempt: str) -> None:
