@@ -58,6 +58,10 @@ class LoadResult:
         manifest: the checkpoint's manifest.
         notes: what adapters report about the load (e.g. parameters of an
             optimizer that had no saved state, RNG streams re-derived).
+        timings: seconds per phase on this rank: "manifest" (read, verify,
+            target declared, ranks agreed), "plan" (load plan), "read" (read,
+            verify checksums and place the bytes into the targets), "place"
+            (objects, values, agreement and the Stateful ``load_state_dict``).
     """
 
     path: str
@@ -70,6 +74,7 @@ class LoadResult:
     duration_s: float = 0.0
     manifest: Manifest | None = None
     notes: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 #: a ``reshard_prepare_load`` hook returns ``{HANDLED: [keys]}`` for saved keys
@@ -369,6 +374,7 @@ def load(
     # agree on the manifest and gather requested keys (to find unexpected ones)
     reports = coll.all_gather_json(outcome(coll.rank, err, keys=sorted(keys)))
     raise_agreed("load", reports, err)
+    t_manifest = time.perf_counter() - t0
     err = None
     result: LoadResult | None = None
     try:
@@ -389,8 +395,11 @@ def load(
         err = e
     reports = coll.all_gather_json(outcome(coll.rank, err))
     raise_agreed("load (load_state_dict)", reports, err)
+    total = time.perf_counter() - t0
+    timings = {"manifest": t_manifest, **result.timings}
+    timings["place"] = total - sum(timings.values())
     return LoadResult(**{**result.__dict__, "bytes_read": base.bytes_read - before,
-                         "duration_s": time.perf_counter() - t0})
+                         "duration_s": total, "timings": timings})
 
 
 def _read_or_dcp(st: Storage, key: str, opts: LoadOptions) -> tuple[Storage, Manifest]:
@@ -507,6 +516,7 @@ def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key
             parts.append(f"unexpected (saved but not requested): {unexpected[:20]}")
         raise ShardingError(f"{key}: strict load: " + "; ".join(parts))
     # plan tensor reads (through the transforms), checked before anything is written
+    t_plan = time.perf_counter()
     groups: dict[tuple[str, int], list[tuple[ReadItem, _Target]]] = defaultdict(list)
     initialized: list[str] = []
     finalize: list[Callable[[], None]] = []
@@ -534,7 +544,9 @@ def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key
             tgt = _Target(req=req, dst=pc.dst, saved=pc.saved)
             for item in plan_reads(entry, req):
                 groups[(pc.saved, item.chunk_index)].append((item, tgt))
+    t_read = time.perf_counter()
     _Reader(st, key, m, opts).run(groups)
+    timings = {"plan": t_read - t_plan, "read": time.perf_counter() - t_read}
     for fn in finalize:
         fn()
     # objects
@@ -571,4 +583,4 @@ def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key
             loaded_values[p] = v
     return LoadResult(path=key, step=m.step, missing=tuple(missing), unexpected=tuple(unexpected),
                       initialized=tuple(initialized), values=values, manifest=m,
-                      notes=dict(ctx["notes"]))
+                      notes=dict(ctx["notes"]), timings=timings)
