@@ -529,5 +529,12 @@ def convert_cmd(src_format: str, src: str, dst: str, step: int | None, overwrite
             click.echo(f"    {k}: {why}")
 
 
+# `reshard bench ...`: the group lives in reshard.bench, each command in its own module
+from .bench import bench as _bench_group  # noqa: E402
+from .bench import io as _bench_io  # noqa: E402,F401  (registers `reshard bench io`)
+
+main.add_command(_bench_group)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
