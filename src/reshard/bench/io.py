@@ -83,6 +83,12 @@ class Runner:
     def run(self, world: int, fn: Any, *args: Any) -> list[Any]:
         return self.pool.run(world, fn, *args, timeout=self.cfg["timeout"])
 
+    def setup(self, world: int, layout: str) -> list[dict[str, Any]]:
+        from . import ranks
+
+        c = self.cfg
+        return self.run(world, ranks.setup, c["model"], layout, c["synthetic_mib"], c["seq_len"], c["profile"])
+
     def tick(self, what: str) -> None:
         if self.bar is not None:
             self.bar.set_postfix_str(what, refresh=False)
@@ -108,8 +114,7 @@ class Runner:
         cfg = self.cfg
         rep, settle = cfg["repeat"], cfg["settle"]
         local = backend == "local"
-        info = self.run(world, ranks.setup, cfg["model"], cfg["layout"], cfg["synthetic_mib"],
-                        cfg["seq_len"])
+        info = self.setup(world, cfg["layout"])
         self.info[world] = info
         cfg["layout_of"][world] = info[0]["layout"]
         self.record("setup", "build", world, backend, info, logical_bytes=info[0]["logical_bytes"])
@@ -172,8 +177,7 @@ class Runner:
                         self.notes.append(f"{m} not measured (world {world}): {why[0].strip()[:300]}")
                         amethods.remove(m)
                         self.pool.restart(world)
-                        self.run(world, ranks.setup, cfg["model"], cfg["layout"], cfg["synthetic_mib"],
-                                 cfg["seq_len"])
+                        self.setup(world, cfg["layout"])
                         continue
                     raise
                 self.record("async", m, world, backend, out, repeat_index=r)
@@ -228,7 +232,7 @@ class Runner:
         cfg = self.cfg
         spec = parse_layout(target)
         tw = spec.world or world
-        info = self.run(tw, ranks.setup, cfg["model"], target, cfg["synthetic_mib"], cfg["seq_len"])
+        info = self.setup(tw, target)
         tag = f"{info[0]['layout']}<-{cfg['layout_of'][world]}"
         for m, p in (("reshard", keep["reshard"]), ("reshard-nocheck", keep["reshard"]),
                      ("dcp", keep.get("dcp"))):
@@ -285,11 +289,14 @@ def _phase_count(cfg: dict[str, Any]) -> int:
               help="Write a PNG: per-rank timelines of save and load, and the scaling over world sizes.")
 @click.option("--timeout", type=float, default=1800.0, show_default=True,
               help="Seconds one phase may take on the ranks.")
+@click.option("--profile", "profile_dir", type=click.Path(file_okay=False), default=None,
+              help="Profile every timed reshard save and load with pyinstrument (a dev dependency) "
+                   "on every rank; text reports written to this directory.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def io_cmd(model: str, world: str, layout: str, reshard_to: tuple[str, ...], backend: str, repeat: int,
            synthetic_mib: float, seq_len: int, steps: int, settle: float, skip: str,
            scratch_dir: str | None, json_path: str | None, plot_path: str | None, timeout: float,
-           no_progress: bool) -> None:
+           profile_dir: str | None, no_progress: bool) -> None:
     """Measure save, async save, load and reshard of a model state, with DCP,
     torch.save, safetensors and the machine's limits in the same run."""
     from . import report
@@ -313,7 +320,14 @@ def io_cmd(model: str, world: str, layout: str, reshard_to: tuple[str, ...], bac
         "backends": backends, "repeat": repeat, "synthetic_mib": synthetic_mib, "seq_len": seq_len,
         "steps": steps, "settle": settle, "skip": {s.strip() for s in skip.split(",") if s.strip()},
         "timeout": timeout, "layout_of": {}, "argv": sys.argv[1:], "cpus": os.cpu_count(),
+        "profile": os.path.abspath(profile_dir) if profile_dir else None,
     }
+    if profile_dir:
+        try:
+            import pyinstrument  # noqa: F401
+        except ImportError:
+            raise click.UsageError("--profile needs pyinstrument (pip install -r requirements-dev.txt)") from None
+        os.makedirs(profile_dir, exist_ok=True)
     import psutil
     import torch
 

@@ -41,11 +41,26 @@ def _rank() -> int:
     return dist.get_rank()
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+def _timed(fn: Callable[[], Any], profile: str | None = None) -> tuple[Any, float, float]:
+    """``(result, own seconds, barrier-to-barrier seconds)``; with ``profile``
+    (a name) and a profile directory set, the call runs under pyinstrument and
+    its text report is written there."""
+    prof = None
+    if profile is not None and _W.get("profile_dir"):
+        from pyinstrument import Profiler
+
+        prof = Profiler(interval=0.0005)
     dist.barrier()
+    if prof is not None:
+        prof.start()
     t0 = time.perf_counter()
     out = fn()
     own = time.perf_counter() - t0
+    if prof is not None:
+        prof.stop()
+        name = f"{profile}-w{dist.get_world_size()}-r{_rank()}"
+        with open(os.path.join(_W["profile_dir"], name + ".txt"), "w") as f:
+            f.write(prof.output_text(unicode=False, color=False, show_all=False))
     dist.barrier()
     return out, own, time.perf_counter() - t0
 
@@ -55,10 +70,13 @@ def _nbytes(ts: list[torch.Tensor]) -> int:
 
 
 # ------------------------------------------------------------------------------- setup
-def setup(model: str, layout: str, synthetic_mib: float, seq_len: int) -> dict[str, Any]:
-    """Build this rank's workload (one training step creates the moments)."""
+def setup(model: str, layout: str, synthetic_mib: float, seq_len: int,
+          profile_dir: str | None = None) -> dict[str, Any]:
+    """Build this rank's workload (one training step creates the moments);
+    with ``profile_dir``, the timed reshard calls are profiled there."""
     _W.clear()
     gc.collect()
+    _W["profile_dir"] = profile_dir
     spec: LayoutSpec = parse_layout(layout).on(dist.get_world_size())
     t0 = time.perf_counter()
     w = _W["w"] = build(model, spec, synthetic_mib=synthetic_mib, seq_len=seq_len)
@@ -95,6 +113,12 @@ def release() -> None:
     for saver in staging._SAVERS.values():
         saver.pool.trim(set())
     _W.clear()
+    from torch.distributed.checkpoint import _async_process_executor as ape
+
+    proc = ape._CHECKPOINT_PROCESS  # DCP's checkpoint process, if the process mode ran
+    if proc is not None:
+        proc.__del__()  # asks it to terminate, then SIGTERM
+        ape._CHECKPOINT_PROCESS = None
     gc.collect()
 
 
@@ -200,7 +224,7 @@ def save(method: str, path: str, limit_bytes: list[int]) -> dict[str, Any]:
     elif method in ("reshard", "reshard-nocheck"):
         opts = reshard.SaveOptions(checksums=method == "reshard")
         state = w.reshard_state()
-        out, own, total = _timed(lambda: reshard.save(state, path, step=1, options=opts))
+        out, own, total = _timed(lambda: reshard.save(state, path, step=1, options=opts), f"save-{method}")
         res.update(bytes=out.bytes_written, timings=out.timings, total_bytes=out.total_bytes,
                    files=out.num_files)
     elif method == "dcp":
@@ -297,6 +321,13 @@ def start_async(method: str, path: str, state: Any = None) -> tuple[float, Any]:
             _W["stager"] = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
                                                         use_async_staging=cuda,
                                                         use_non_blocking_copy=cuda))
+        import multiprocessing
+
+        # DCP starts its checkpoint process on the first call (from a thread of
+        # its own); a pool worker is a daemonic process, which multiprocessing
+        # forbids to have children: this worker stops calling itself daemonic
+        # (the pool still kills it; release() ends DCP's process)
+        multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
         t0 = time.perf_counter()
         f = dcp.async_save(state, checkpoint_id=path, process_group=_W["bg_pg"],
                            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
@@ -443,7 +474,7 @@ def load(method: str, path: str, repeat: int, verify_fp: float | None = None) ->
     try:
         fn()  # warm: page cache, first-call imports
         for _ in range(repeat):
-            out, own, total = _timed(fn)
+            out, own, total = _timed(fn, f"load-{method}" if method.startswith("reshard") else None)
             res["own_s"].append(own)
             res["total_s"].append(total)
             if isinstance(out, reshard.LoadResult):

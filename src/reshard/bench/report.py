@@ -322,6 +322,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
             ys = [summ[f"{backend}/w{w}"][phase].get(m, {}).get("gb_per_s", float("nan")) for w in ws]
             if any(y == y for y in ys):
                 ax.plot(ws, ys, style, label=f"{backend} {phase} {m}")
+    ax.set_xticks(sorted({int(k.split("/w")[1]) for k in keys}))
     ax.set_xlabel("world size")
     ax.set_ylabel("GB/s of logical state")
     ax.set_title("scaling over world sizes and backends", fontsize=9)
