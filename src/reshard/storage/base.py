@@ -140,6 +140,13 @@ class Storage(ABC):
     def is_link(self, path: str) -> bool:
         return False
 
+    def canonical(self, path: str) -> str:
+        """The one spelling of ``path`` in this store: two spellings that name
+        the same location give the same string (the save protocol compares
+        ranks' checkpoint locations by it). Keys of an object store are
+        already canonical; the local file system resolves symbolic links."""
+        return path.rstrip("/") or "/"
+
     @abstractmethod
     def list_dir(self, path: str) -> list[str]:
         """Names of the direct children of ``path`` (files and directories)."""
