@@ -132,11 +132,26 @@ def load(
             presented as a reshard manifest over a storage that serves their
             bytes; see :mod:`reshard.dcp` and :mod:`reshard.export`).
 
+    Transactional up to the reads: everything that can be checked without
+    reading data (the manifest, presence and size of every file this rank
+    needs (all at once), coverage, dtypes, shapes, strictness, target devices,
+    objects and values) is checked on every rank and agreed before any rank
+    writes any target, so such a failure leaves every target unchanged on
+    every rank. A failure found only while reading (a checksum mismatch)
+    raises after some targets were written: the error names, on each rank,
+    the targets that rank had already written (they must be reloaded).
+    ``LoadOptions(verify_first=True)`` verifies every needed block first, at
+    the cost of a second read, so that bit rot too leaves targets unchanged.
+    Stateful objects get ``load_state_dict`` only once every rank succeeded.
+
     Raises:
         CheckpointNotFoundError: no committed checkpoint at ``path``.
-        ManifestError, IntegrityError: the checkpoint is invalid or corrupt.
+        ManifestError, IntegrityError: the checkpoint is invalid or corrupt
+            (a needed file missing, of another size, or a symbolic link; a
+            checksum mismatch).
         ShardingError: missing/unexpected keys (strict), shape or dtype
-            mismatch (nothing is cast silently), a load that matches no key.
+            mismatch (nothing is cast silently), a load that matches no key,
+            a target on device ``meta`` (materialise with ``to_empty()`` first).
         Every failure is raised on every rank of ``group``.
     """
     coll = get_collectives(group)

@@ -78,11 +78,14 @@ class LoadOptions:
             buffer of 4 MiB per reader thread), then read again to load. A
             bit-rot checksum error then leaves every target untouched on every
             rank (without it, such an error is found while targets are being
-            written, and the error names the written ones). Cost: a second
-            read of every needed byte: measured 1.6x the time of a default
-            load of 256 MiB on a warm page cache (``benchmarks/bench_core.py
-            --verify-first``); on cold storage close to 2x. Needs ``checksums``;
-            a needed chunk saved without checksums is refused (IntegrityError).
+            written, and the error names the written ones). Cost: every
+            needed byte is read and hashed twice: measured 1.4-1.5x the time
+            (median) of a default load of 256 MiB of float32 from a warm page
+            cache, 1 or 4 reader threads, 2 CPUs
+            (``benchmarks/bench_verify_first.py``); where storage bandwidth
+            dominates, expect up to 2x (not measured). Extra memory: the
+            scratch buffers only. Needs ``checksums``; a needed chunk saved
+            without checksums is refused (IntegrityError).
 
     Raises:
         ValueError: ``verify_first`` without ``checksums``, or ``threads < 1``.

@@ -152,6 +152,8 @@ class Reader:
                 size = self.st.size(p)
             except (FileNotFoundError, NotADirectoryError):
                 return "missing", f"{p}: data file named by the manifest is missing"
+            except IntegrityError as e:  # a store that checks more than a size (DCP items)
+                return "size", str(e)
             want = self.m.files[name].size
             if size != want:
                 return "size", f"{p}: file is {size} bytes, the manifest declares {want}"

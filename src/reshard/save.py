@@ -338,10 +338,19 @@ def save(
     written bytes balanced); the coordinator (rank 0) writes ``manifest.json``
     last and publishes the attempt.
 
+    One call saves one checkpoint: the coordinator decides its location
+    (``path`` made canonical: absolute, symbolic links resolved) and creates
+    the attempt with a random nonce in it; before any rank writes data, every
+    rank checks that its own ``path`` names the same location and reads the
+    nonce back through its own storage. Before publishing, the coordinator
+    checks every data file is there at the size its writer reported.
+
     Args:
         state: the state tree (see DESIGN.md section 2); not mutated.
-        path: the checkpoint (local path, ``file://`` or ``memory://`` URL).
-            Missing parent directories are created.
+        path: the checkpoint (local path, ``file://`` or ``memory://`` URL),
+            the same location on every rank (spellings may differ: relative
+            or absolute, through symbolic links). Missing parent directories
+            are created.
         step: recorded in the manifest; ``latest`` orders by it.
         group: process group (default: the default group, or single-process).
         options: :class:`SaveOptions`.
@@ -352,8 +361,11 @@ def save(
 
     Raises:
         CheckpointError (or the common subclass of every rank's failure, e.g.
-        ShardingError): on every rank when any rank failed; nothing is
-        published and no older checkpoint is touched.
+        ShardingError): on every rank when any rank failed (among them: ranks
+        naming different checkpoints, a rank that cannot see the
+        coordinator's attempt (node-local storage), an IntegrityError for a
+        data file missing or short at publish); nothing is published, the
+        attempt is discarded and no older checkpoint is touched.
     """
     from .staging import raise_pending_error
 
