@@ -191,3 +191,23 @@ def r_load_unchanged(path: str, how: str) -> dict[str, Any]:
     out["extra_unchanged"] = bool((extra == -7.0).all())
     out["changed"] = sorted(k for k, same in out["unchanged"].items() if not same)
     return out
+
+
+def r_convert_per_rank(root: str) -> dict[str, Any]:
+    """convert_dcp of one DCP checkpoint with a per-rank destination."""
+    import torch.distributed.checkpoint as dcp
+
+    from reshard.dcp import convert_dcp
+
+    rank = dist.get_rank()
+    src = os.path.join(root, "dcp")
+    if rank == 0:
+        dcp.save({"w": torch.arange(12.0).reshape(3, 4)}, checkpoint_id=src, no_dist=True)
+    dist.barrier()
+    out: dict[str, Any] = {"raised": None}
+    try:
+        convert_dcp(src, os.path.join(root, f"out-{rank}"))
+    except reshard.CheckpointError as e:
+        out["raised"] = _error(e)
+    dist.barrier()
+    return out

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import reshard
-from _txn_fns import r_load_unchanged, r_save, r_save_paths
+from _txn_fns import r_convert_per_rank, r_load_unchanged, r_save, r_save_paths
 from reshard.commit import ATTEMPT_NONCE
 
 DATA0, DATA1 = "data-r00000-0.safetensors", "data-r00001-0.safetensors"
@@ -55,6 +55,13 @@ def test_same_checkpoint_spelled_relative_and_through_a_symlink(pool: Any, tmp_p
     assert sorted(os.listdir(tmp_path / "real" / "ck")) == [DATA0, DATA1, "manifest.json"]
     assert reshard.verify(tmp_path / "real" / "ck").ok
     assert ATTEMPT_NONCE not in reshard.inspect(tmp_path / "real" / "ck").files
+
+
+def test_convert_dcp_with_per_rank_destinations_fails_everywhere(pool: Any, tmp_path: Path) -> None:
+    out = pool.run(2, r_convert_per_rank, str(tmp_path))
+    for r in out:
+        assert r["raised"] is not None and "names checkpoint" in r["raised"]["message"]
+    assert sorted(os.listdir(tmp_path)) == ["dcp"]  # nothing published, no attempt left
 
 
 def test_rank_that_cannot_see_the_coordinators_storage_fails_before_writing(

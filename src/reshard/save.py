@@ -480,7 +480,14 @@ def open_attempt(st: Storage, key: str, options: SaveOptions) -> dict[str, Any]:
     check_target(st, target, overwrite=options.overwrite)
     attempt_id = new_attempt_id()
     attempt = attempt_path(st, target, attempt_id)
-    nonce = create_attempt(st, attempt, attempt_id)
+    try:
+        nonce = create_attempt(st, attempt, attempt_id)
+    except Exception:
+        try:  # nothing was published: the attempt (or the empty prefix) goes
+            st.delete_tree(attempt)
+        except Exception:  # noqa: BLE001, S110 - best effort; the creation error is what matters
+            pass
+        raise
     return {"target": target, "attempt": attempt_id, "attempt_path": attempt, "nonce": nonce}
 
 
