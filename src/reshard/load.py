@@ -309,7 +309,6 @@ class _Plan:
     unexpected: tuple[str, ...]
     objects: dict[tuple[str, tuple[int, ...]], Any]
     values: dict[str, Any]
-    verified_bytes: int
 
 
 def _unplaceable(t: torch.Tensor) -> bool:
@@ -434,10 +433,11 @@ def _check(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key: 
         values[ob.key] = v
     for p, enc in (m.values or {}).items():
         values[p] = codec.from_json(enc)
-    verified = reader.verify_only(groups) if opts.verify_first else 0
+    if opts.verify_first:
+        reader.verify_only(groups)
     return _Plan(manifest=m, reader=reader, groups=groups, rules=rules, finalize=finalize,
                  missing=tuple(missing), unexpected=tuple(unexpected), objects=objects,
-                 values=values, verified_bytes=verified)
+                 values=values)
 
 
 def _apply(plan: _Plan, ctx: dict[str, Any], st: Storage, key: str) -> LoadResult:

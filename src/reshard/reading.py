@@ -173,10 +173,10 @@ class Reader:
         raise IntegrityError(f"{len(bad)} of {len(names)} needed data file(s) unusable, nothing "
                              f"was loaded: {text}")
 
-    def verify_only(self, groups: Groups) -> int:
+    def verify_only(self, groups: Groups) -> None:
         """Read and check the checksums of every block the plan needs, without
         writing any target: each (block-aligned) span is read in segments of
-        at most 4 MiB into one scratch buffer per thread. Returns bytes read.
+        at most 4 MiB into one scratch buffer per thread.
 
         Raises:
             IntegrityError: a checksum mismatch, or a needed chunk that was
@@ -195,7 +195,7 @@ class Reader:
             spans.append((fqn, c, lo, hi))
         local = threading.local()
 
-        def check(fqn: str, c: Chunk, lo: int, hi: int) -> int:
+        def check(fqn: str, c: Chunk, lo: int, hi: int) -> None:
             scratch = getattr(local, "buf", None)
             if scratch is None:
                 scratch = local.buf = torch.empty(min(seg, max(hi - lo, 1)), dtype=torch.uint8)
@@ -207,10 +207,8 @@ class Reader:
                 part = scratch[:n]
                 self.st.read_into(path, c.offset + a, memoryview(part.numpy().data))
                 self.verify(fqn, c, a, part)
-            return hi - lo
 
-        jobs = [partial(check, *sp) for sp in spans]
-        return sum(self._execute(jobs))
+        self._execute([partial(check, *sp) for sp in spans])
 
     # -- reading and writing
     def verify(self, fqn: str, c: Chunk, lo: int, data: torch.Tensor) -> None:
