@@ -22,6 +22,7 @@ def test_layout_syntax() -> None:
     assert parse_layout("fsdp") == LayoutSpec("fsdp", None)
     assert parse_layout("fsdp4") == LayoutSpec("fsdp", 4)
     assert parse_layout("dp2") == LayoutSpec("dp", 2)
+    assert parse_layout("dp") == LayoutSpec("dp", None)
     assert parse_layout("dp2,tp1") == LayoutSpec("dp", 2)
     assert str(parse_layout("fsdp").on(2)) == "fsdp2"
     with pytest.raises(ValueError, match="tensor and pipeline"):

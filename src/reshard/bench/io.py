@@ -30,9 +30,8 @@ Per world size and backend, on real gloo ranks (:class:`reshard.testing.pool.Wor
    / world size (reshard and DCP), the state's fingerprint checked, and the
    first step there.
 
-The memory backend keeps objects in each process: with more than one rank
-its checkpoints cannot be read by the other ranks, so loads run at world 1
-only there. Outputs: a table (ratios beside figures), ``--json`` (one record
+The memory backend keeps objects in each process: the other ranks cannot
+see them (a save refuses such a location), so it runs at world 1 only. Outputs: a table (ratios beside figures), ``--json`` (one record
 per phase measurement, every rank's timings, the load average), ``--plot``.
 """
 
@@ -190,32 +189,29 @@ class Runner:
         for m in rm:
             p = ckpt if m == "load" else keep.get("dcp", "") if m == "dcp-load" else \
                 self.url(backend, scratch, f"w{world}-rss-{m}")
-            if m == "load" and backend == "memory" and world > 1:
-                continue
             out = self.run(world, ranks.rss, m, p)
             self.record("rss", m, world, backend, out)
             if m == "dcp-save":
                 self.run(world, ranks.drop, p)
         self.tick(f"w{world} {backend}: rss")
         # warm loads
-        if backend == "memory" and world > 1:
-            self.notes.append(f"memory://, world {world}: loads not measured (objects are per process)")
-        else:
-            src = {"limit-read": keep.get("reshard"), "memcpy": "", "reshard": keep["reshard"],
-                   "reshard-nocheck": keep["reshard"], "dcp": keep.get("dcp"),
-                   "dcp-threads": keep.get("dcp"), "torch-load": keep.get("torch-save"),
-                   "safetensors": keep.get("safetensors")}
-            lm = [m for m in ranks.LOAD_METHODS if src.get(m) is not None and m not in cfg["skip"]
-                  and (local or m in ("memcpy", "reshard", "reshard-nocheck"))]
-            for m in lm:
-                out = self.run(world, ranks.load, m, src[m], rep,
-                               fp if m.startswith("reshard") or m.startswith("dcp") else None)
-                self.record("load", m, world, backend, out)
-                self.tick(f"w{world} {backend}: load {m}")
-            self.run(world, ranks.load, "reshard", keep["reshard"], 1, None)
-            out = self.run(world, ranks.step_time)
-            self.record("load", "first-step", world, backend, [{"rank": i, "own_s": [s], "total_s": [s]}
-                                                              for i, s in enumerate(out)])
+        src = {"limit-read": keep.get("reshard"), "memcpy": "", "reshard": keep["reshard"],
+               "reshard-nocheck": keep["reshard"], "dcp": keep.get("dcp"),
+               "dcp-threads": keep.get("dcp"), "torch-load": keep.get("torch-save"),
+               "safetensors": keep.get("safetensors")}
+        lm = [m for m in ranks.LOAD_METHODS if src.get(m) is not None and m not in cfg["skip"]
+              and (local or m in ("memcpy", "reshard", "reshard-nocheck"))]
+        for m in lm:
+            out = self.run(world, ranks.load, m, src[m], rep,
+                           fp if m.startswith("reshard") or m.startswith("dcp") else None)
+            self.record("load", m, world, backend, out)
+            self.tick(f"w{world} {backend}: load {m}")
+        self.run(world, ranks.load, "reshard", keep["reshard"], 1, None)
+        out = self.run(world, ranks.step_time)
+        self.record("load", "first-step", world, backend, [{"rank": i, "own_s": [s], "total_s": [s]}
+                                                          for i, s in enumerate(out)])
+        for p in [p for p in keep.values() if p.startswith("memory://")]:
+            self.run(world, ranks.drop, p)  # objects held in the workers' memory
         self.run(world, ranks.release)
         # reshard to other layouts / world sizes (the source world's state released first)
         if local:
@@ -347,6 +343,10 @@ def io_cmd(model: str, world: str, layout: str, reshard_to: tuple[str, ...], bac
             runner.bar = tqdm(total=_phase_count(cfg), desc="bench io", unit="phase", leave=False)
         for b in backends:
             for w in worlds:
+                if b == "memory" and w > 1:  # reshard refuses storage the ranks do not share
+                    runner.notes.append(f"memory://, world {w}: not measured (memory:// is per "
+                                        "process; every rank must see the same checkpoint)")
+                    continue
                 runner.world_run(w, b, scratch)
     finally:
         if runner.bar is not None:

@@ -49,16 +49,17 @@ class LayoutSpec:
 
 
 def parse_layout(spec: str) -> LayoutSpec:
-    """``fsdp``, ``fsdp4``, ``dp2`` (``dp2,tp1,pp1`` too: degrees of 1 are ignored).
+    """``fsdp``, ``fsdp4``, ``dp``, ``dp2`` (``dp2,tp1,pp1`` too: degrees of 1 are
+    ignored); without a degree, the run's world size.
 
     Raises:
         ValueError: an unknown spec, or tensor/pipeline degrees above 1 (not
             available in this benchmark yet).
     """
     s = spec.strip().lower()
-    m = re.fullmatch(r"fsdp(\d*)", s)
+    m = re.fullmatch(r"(fsdp|dp)(\d*)", s)
     if m:
-        return LayoutSpec("fsdp", int(m[1]) if m[1] else None)
+        return LayoutSpec(m[1], int(m[2]) if m[2] else None)
     kw: dict[str, int] = {}
     for part in re.split(r"[,\s×x*]+", s):
         mt = re.fullmatch(r"(tp|pp|dp)(\d+)", part)
@@ -185,11 +186,20 @@ class Workload:
     model: nn.Module
     opt: torch.optim.Optimizer
     batch: torch.Tensor
+    replicated: bool = False  # dp: gradients averaged over the ranks (as DDP does)
 
     def step(self) -> float:
+        import torch.distributed as dist
+
         loss = self.model(self.batch)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        if self.replicated and dist.is_initialized() and dist.get_world_size() > 1:
+            n = dist.get_world_size()
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= n
         self.opt.step()
         return float(loss.detach())
 
@@ -261,7 +271,7 @@ def build(name: str, layout: LayoutSpec, *, synthetic_mib: float = 256.0, seq_le
             fully_shard(blk, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)
-    w = Workload(name, model, opt, batch)
+    w = Workload(name, model, opt, batch, replicated=layout.kind == "dp")
     w.step()
     return w
 
