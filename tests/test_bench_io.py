@@ -84,15 +84,3 @@ def test_bench_io_smoke(tmp_path: Path) -> None:
 def _manifest_bytes(doc: dict) -> int:
     rec = [r for r in doc["records"] if r["phase"] == "save" and r["method"] == "reshard"][-1]
     return int(rec["manifest_bytes"])
-
-
-@pytest.mark.parametrize("n", [0, 5, 8 * 1024 - 3, 64 * 1024 + 17])
-def test_parallel_block_digests_equal_serial(n: int) -> None:
-    """The threaded hashing of the synchronous save (a profile fix) gives the
-    digests of the one-thread path, block for block, uneven tails included."""
-    from reshard.shardfile import block_digests
-
-    data = memoryview(os.urandom(n))
-    serial = block_digests(data, 1024)
-    assert block_digests(data, 1024, threads=3) == serial
-    assert len(serial) == -(-n // 1024)

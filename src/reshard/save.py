@@ -170,25 +170,23 @@ def collect(
         raise ShardingError(f"names used both for a tensor and a value/object: {sorted(clash)[:5]}")
     snap = Snapshot(tensors=tensors, objects=objects, values=leaves.values, values_json=values_json,
                     aliases=aliases, value_digests=value_digests, plain=plain_fqns)
-    if copy is None:  # the caller waits for the save: hash on every core
-        finish_digests(snap, options, threads=os.cpu_count() or 1)
+    if copy is None:
+        finish_digests(snap, options)
     return snap
 
 
-def finish_digests(snap: Snapshot, options: SaveOptions, *, threads: int = 1) -> None:
+def finish_digests(snap: Snapshot, options: SaveOptions) -> None:
     """Compute block checksums (and replica digests) of the snapshot's tensors.
 
-    Runs on the caller's thread for a synchronous save (large tensors hashed
-    by ``threads`` threads) and in the background for an asynchronous one
-    (one thread: the stall then only covers the copies, and training keeps
-    the other cores)."""
+    Runs on the caller's thread for a synchronous save and in the background
+    for an asynchronous one (the stall then only covers the copies)."""
     block = options.checksum_block_bytes
     for i, (item, mv, _) in enumerate(snap.tensors):
         # every holder must compute the digest when replicas are compared: replica_id 0
         # does not mean "not replicated" (another rank may hold the same chunk), and a
         # holder without a digest ("") would disagree with one that has it
         if options.checksums or options.verify_replicas or item.fqn in snap.plain:
-            sums = block_digests(mv, block, threads=threads)
+            sums = block_digests(mv, block)
             item = msgspec.structs.replace(item, digest=digest_of(sums, len(mv)))
             snap.tensors[i] = (item, mv, sums if options.checksums else None)
 

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import struct
-import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -43,43 +41,12 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy().data).cast("B")
 
 
-#: blocks below which hashing stays on the calling thread
-_PARALLEL_MIN_BLOCKS = 8
-_HASH_POOL: ThreadPoolExecutor | None = None
-_HASH_POOL_LOCK = threading.Lock()
-
-
-def _hash_pool(threads: int) -> ThreadPoolExecutor:
-    global _HASH_POOL
-    with _HASH_POOL_LOCK:
-        if _HASH_POOL is None or _HASH_POOL._max_workers < threads:
-            _HASH_POOL = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reshard-hash")
-        return _HASH_POOL
-
-
-def block_digests(data: memoryview, block_bytes: int, *, threads: int = 1) -> tuple[str, ...]:
-    """xxh3_64 hex digest of each ``block_bytes`` block of ``data``.
-
-    With ``threads > 1``, a buffer of at least 8 blocks is hashed in that many
-    contiguous parts at once (xxhash releases the GIL): for a caller that is
-    blocked anyway (a synchronous save), not for a background save sharing
-    the cores with training.
-    """
+def block_digests(data: memoryview, block_bytes: int) -> tuple[str, ...]:
+    """xxh3_64 hex digest of each ``block_bytes`` block of ``data``."""
     n = len(data)
-    nblocks = -(-n // block_bytes)
-    if threads <= 1 or nblocks < _PARALLEL_MIN_BLOCKS:
-        return tuple(xxhash.xxh3_64_hexdigest(data[i:min(i + block_bytes, n)])
-                     for i in range(0, n, block_bytes))
-    per = -(-nblocks // threads)
-
-    def part(k0: int) -> list[str]:
-        return [xxhash.xxh3_64_hexdigest(data[k * block_bytes:min((k + 1) * block_bytes, n)])
-                for k in range(k0, min(k0 + per, nblocks))]
-
-    out: list[str] = []
-    for f in [_hash_pool(threads).submit(part, k0) for k0 in range(0, nblocks, per)]:
-        out.extend(f.result())
-    return tuple(out)
+    return tuple(
+        xxhash.xxh3_64_hexdigest(data[i : min(i + block_bytes, n)]) for i in range(0, n, block_bytes)
+    )
 
 
 def digest_of(blocks: Sequence[str], nbytes: int) -> str:
