@@ -21,7 +21,7 @@ Per world size and backend, on real gloo ranks (:class:`reshard.testing.pool.Wor
    (and DCP's save and load);
 6. warm loads (page cache warm; one untimed call first): ``limit-read``
    (single-thread sequential ``preadv`` of the checkpoint's own files into
-   preallocated memory), ``memcpy``, ``reshard.load`` with and without
+   preallocated memory; ``memcpy`` is the figure of step 4), ``reshard.load`` with and without
    checksums, DCP ``load`` (+ ``set_state_dict``) at 1 torch thread and at
    the machine's core count, ``torch.load(weights_only=True)`` and
    safetensors ``load_file`` (each + copy into the state); then the first
@@ -183,6 +183,7 @@ class Runner:
                 if m != "memcpy":
                     self.run(world, ranks.drop, p)
                 self.tick(f"w{world} {backend}: async {m}")
+        self.run(world, ranks.trim)  # the async phases' buffers, before the loads allocate theirs
         # peak RSS
         ckpt = keep["reshard"]
         rm = ["load"] + (["dcp-save", "dcp-load"] if local and "dcp" in keep else [])
@@ -195,12 +196,12 @@ class Runner:
                 self.run(world, ranks.drop, p)
         self.tick(f"w{world} {backend}: rss")
         # warm loads
-        src = {"limit-read": keep.get("reshard"), "memcpy": "", "reshard": keep["reshard"],
+        src = {"limit-read": keep.get("reshard"), "reshard": keep["reshard"],
                "reshard-nocheck": keep["reshard"], "dcp": keep.get("dcp"),
                "dcp-threads": keep.get("dcp"), "torch-load": keep.get("torch-save"),
                "safetensors": keep.get("safetensors")}
         lm = [m for m in ranks.LOAD_METHODS if src.get(m) is not None and m not in cfg["skip"]
-              and (local or m in ("memcpy", "reshard", "reshard-nocheck"))]
+              and (local or m in ("reshard", "reshard-nocheck"))]
         for m in lm:
             out = self.run(world, ranks.load, m, src[m], rep,
                            fp if m.startswith("reshard") or m.startswith("dcp") else None)

@@ -28,8 +28,8 @@ _W: dict[str, Any] = {}
 
 SAVE_METHODS = ("limit-write", "reshard", "reshard-nocheck", "dcp", "torch-save", "safetensors")
 ASYNC_METHODS = ("memcpy", "reshard-async", "dcp-async", "dcp-async-process")
-LOAD_METHODS = ("limit-read", "memcpy", "reshard", "reshard-nocheck", "dcp", "dcp-threads",
-                "torch-load", "safetensors")
+LOAD_METHODS = ("limit-read", "reshard", "reshard-nocheck", "dcp", "dcp-threads", "torch-load",
+                "safetensors")
 
 
 def _w() -> Workload:
@@ -105,20 +105,30 @@ def _flat_tensors(x: Any) -> list[torch.Tensor]:
     return out
 
 
-def release() -> None:
-    """Free this rank's workload, buffers and async staging pools (between world sizes)."""
+def trim() -> None:
+    """Free what the async phases hold: reshard's staging pools, the memcpy
+    targets, DCP's stager and its checkpoint process (and the state copies it
+    keeps in shared memory)."""
     from .. import staging
 
     staging.wait_all()
     for saver in staging._SAVERS.values():
         saver.pool.trim(set())
-    _W.clear()
+    _W.pop("copy_dst", None)
+    _W.pop("stager", None)
     from torch.distributed.checkpoint import _async_process_executor as ape
 
     proc = ape._CHECKPOINT_PROCESS  # DCP's checkpoint process, if the process mode ran
     if proc is not None:
         proc.__del__()  # asks it to terminate, then SIGTERM
         ape._CHECKPOINT_PROCESS = None
+    gc.collect()
+
+
+def release() -> None:
+    """Free this rank's workload, buffers and async staging pools (between world sizes)."""
+    trim()
+    _W.clear()
     gc.collect()
 
 
@@ -435,12 +445,9 @@ def load(method: str, path: str, repeat: int, verify_fp: float | None = None) ->
     if method == "limit-read":
         d = path
         files = sorted(os.path.join(d, f) for f in os.listdir(d) if not f.endswith(".json"))
-        if "read_buf" not in _W or _W["read_buf"].numel() != local:
-            _W["read_buf"] = torch.empty(local, dtype=torch.uint8).fill_(0)
-        mv = memoryview(_W["read_buf"].numpy().data)
+        read_buf = torch.empty(local, dtype=torch.uint8).fill_(0)  # preallocated, touched
+        mv = memoryview(read_buf.numpy().data)
         fn = lambda: _read_limit(files, mv)  # noqa: E731
-    elif method == "memcpy":
-        fn = _memcpy
     elif method in ("reshard", "reshard-nocheck"):
         opts = reshard.LoadOptions(checksums=method == "reshard")
         fn = lambda: reshard.load(w.reshard_state(), path, options=opts)  # noqa: E731

@@ -219,6 +219,11 @@ def table(doc: dict[str, Any]) -> str:
             lr = _t(s, "load", "limit-read")
             dl = min([x for x in (_t(s, "load", "dcp"), _t(s, "load", "dcp-threads")) if x] or [float("nan")])
             rows.append(("warm load", "min s", "med s", "GB/s", "x limit", "x DCP", ""))
+            if "memcpy" in a:  # the limit of a load from memory: the memcpy of the async phase
+                e = a["memcpy"]["stall"]
+                rows.append((f"  {LOAD_NAMES['memcpy']}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
+                             f"{s['logical_bytes'] / GB / e['median_s']:.2f}", _ratio(lr, e["median_s"]), "",
+                             "(the async phase's copy)"))
             for m, e in ld.items():
                 ph = e.get("phases_s")
                 note = "" if not ph else "manifest/plan/read/place " + "/".join(f"{v:.3f}" for v in ph.values())
