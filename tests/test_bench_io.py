@@ -74,6 +74,8 @@ def test_bench_io_smoke(tmp_path: Path) -> None:
     assert {"manifest", "plan", "read", "place"} == set(s["load"]["reshard"]["phases_s"])
     assert "reshard-async_ratio" in s["train"]
     assert all(r["loadavg"] for r in doc["records"])
+    assert all(len(r["rss_after"]) == r.get("target_world", 2) and all(r["rss_after"])
+               for r in doc["records"])
     phases = {r["phase"] for r in doc["records"]}
     assert phases == {"setup", "train", "save", "async", "rss", "load", "reshard"}
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"

@@ -97,9 +97,23 @@ class Runner:
                **extra: Any) -> dict[str, Any]:
         rec = {"phase": phase, "method": method, "world": world, "backend": backend,
                "model": self.cfg["model"], "layout": self.cfg["layout_of"][world],
-               "loadavg": list(os.getloadavg()), "time": time.time(), "per_rank": per_rank, **extra}
+               "loadavg": list(os.getloadavg()), "time": time.time(), "per_rank": per_rank,
+               "rss_after": self.worker_rss(extra.get("target_world", world)), **extra}
         self.records.append(rec)
         return rec
+
+    def worker_rss(self, world: int) -> list[int | None]:
+        """Resident bytes of each rank's process now (after the phase)."""
+        import psutil
+
+        group = self.pool._groups.get(world)
+        out: list[int | None] = []
+        for p in group.procs if group is not None else []:
+            try:
+                out.append(psutil.Process(p.pid).memory_info().rss)
+            except (psutil.Error, TypeError):
+                out.append(None)
+        return out
 
     def url(self, backend: str, scratch: str, name: str) -> str:
         if backend == "memory":

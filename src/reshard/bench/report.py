@@ -119,6 +119,10 @@ def summarise(records: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, A
                                                        for k, v in p["during"].items()}})
                 s["train"] = {"per_rank": trows, **{f"{k}_ratio": max(x[k]["ratio"] for x in trows)
                                                    for k in r["per_rank"][0]["during"]}}
+        rss_after = [r["rss_after"] for r in recs if r.get("rss_after") and "target" not in r]
+        if rss_after:
+            s["rss_after_max_per_rank"] = [max((x[i] or 0) for x in rss_after if len(x) > i)
+                                           for i in range(max(len(x) for x in rss_after))]
         s["ratios"] = _ratios(s)
         out[f"{backend}/w{world}"] = s
     return out
@@ -253,6 +257,10 @@ def table(doc: dict[str, Any]) -> str:
             lines.append("peak extra RSS per rank (MiB): " + "; ".join(
                 f"{m} [" + ", ".join("/".join(f"{x / MiB:.0f}" for x in e) for e in v["extra_per_rank"]) + "]"
                 for m, v in rss.items()))
+        hi = s.get("rss_after_max_per_rank")
+        if hi:
+            lines.append("resident memory per rank, highest after any phase (MiB): "
+                         + ", ".join(f"{x / MiB:.0f}" for x in hi))
         lines.append("targets: " + ", ".join(_target(k, v) for k, v in s["ratios"].items()))
     for n in doc["notes"]:
         lines.append(f"note: {n}")
