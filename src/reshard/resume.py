@@ -1,0 +1,150 @@
+"""The collective resume of :meth:`reshard.CheckpointManager.restore`.
+
+Every rank tries the same checkpoints in the same order
+(:func:`reshard.lineage.resume_order`) and reaches the same outcome for each:
+the ranks' findings are gathered (one short status per rank) before anything
+is decided, so all ranks fall back, quarantine or raise together.
+
+* ``torn``: a rank found it unloadable (a file missing, short or a symbolic
+  link, an invalid manifest, a checksum mismatch while loading:
+  ``IntegrityError`` / ``ManifestError``): the coordinator quarantines it
+  (:func:`reshard.commit.quarantine`) and every rank tries the next one.
+* ``gone``: it vanished meanwhile (``CheckpointNotFoundError``): the next one.
+* ``storage``: the store failed (``StorageError``): raised on every rank; a
+  failure that may be transient is never a reason to quarantine or to fall
+  back past a good checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from .commit import committed, quarantine, read_head, read_manifest, scan, torn_files, write_head
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    ManifestError,
+    StorageError,
+)
+from .lineage import Head, lineage_of, resume_order
+from .load import LoadResult, load
+from .records import record_path
+
+if TYPE_CHECKING:
+    from .manager import CheckpointManager
+
+
+def _probe(mgr: CheckpointManager, path: str) -> tuple[str, str, BaseException | None]:
+    """This rank's structural check of one checkpoint (no checksums)."""
+    try:
+        m = read_manifest(mgr.storage, path)
+        problems = torn_files(mgr.storage, path, m)
+    except StorageError as e:
+        return "storage", str(e), e
+    except CheckpointNotFoundError as e:
+        return "gone", str(e), None
+    except (IntegrityError, ManifestError) as e:
+        return "torn", f"{type(e).__name__}: {e}", None
+    if problems:
+        return "torn", "; ".join(list(problems.values())[:3]), None
+    return "ok", "", None
+
+
+def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step: int | None,
+                       allow_fresh_start: bool, load_kwargs: dict[str, Any]) -> LoadResult | None:
+    coll, st, root = mgr.coll, mgr.storage, mgr.root
+    entries, head_rec, err = [], None, None
+    try:
+        entries = committed(st, root)
+        head_rec = read_head(st, root)
+    except StorageError as e:
+        err = e
+    coll.agree(f"restore {root} (listing)", err)
+    lin = lineage_of(entries, Head.from_record(head_rec))
+    order = resume_order(entries, lin)
+    if step is not None:
+        order = [e for e in order if e.step == step]
+        if not order:
+            raise CheckpointNotFoundError(f"{root}: no committed checkpoint of step {step}")
+    failures: list[str] = []
+    for e in order:
+        status, detail, exc = _probe(mgr, e.path)
+        statuses = coll.all_gather_json(status)
+        if "storage" in statuses:
+            coll.agree(f"restore {e.path}", exc)
+        if "torn" not in statuses and "gone" not in statuses:
+            try:
+                res = load(state, e.path, group=mgr.group, storage=st, **load_kwargs)
+            except (IntegrityError, ManifestError) as le:
+                status, detail = "torn", f"load failed: {le}"
+            except CheckpointNotFoundError as le:
+                status, detail = "gone", str(le)
+            else:
+                status = "ok"
+            statuses = coll.all_gather_json(status)  # load agrees its errors; confirm anyway
+        if all(s == "ok" for s in statuses):
+            _write_head(mgr, e)
+            if failures:
+                res.notes["fallback"] = failures
+            return res
+        bad = sorted({r for r, s in enumerate(statuses) if s != "ok"})
+        msg = f"{e.path}: unloadable ({detail or f'on rank(s) {bad}'})"
+        if "torn" in statuses:
+            msg += _quarantine(mgr, e, msg)
+        failures.append(msg)
+        nxt = "" if e.name in lin.current or not lin.current else " of another lineage"
+        warnings.warn(f"{msg}; falling back to an older checkpoint{nxt}", RuntimeWarning,
+                      stacklevel=3)
+    quarantined = [q.name for q in scan(st, root) if q.quarantined]
+    if failures or (quarantined and not allow_fresh_start):
+        listed = "\n  ".join(failures) if failures else "(none committed)"
+        raise CheckpointError(
+            f"{root}: checkpoint(s) exist but none loads:\n  {listed}"
+            + (f"\nquarantined: {', '.join(quarantined)} (never deleted; inspect them with "
+               "`reshard verify`)" if quarantined else ""))
+    abandoned = [a.name for a in scan(st, root) if a.abandoned]
+    if abandoned and not allow_fresh_start:
+        raise CheckpointNotFoundError(
+            f"{root}: no committed checkpoint, but {len(abandoned)} abandoned attempt(s) "
+            f"{abandoned[:3]}; refusing a silent fresh start (pass allow_fresh_start=True)")
+    return None
+
+
+def _quarantine(mgr: CheckpointManager, e: Any, reason: str) -> str:
+    """Coordinator: set ``e`` aside; every rank learns the outcome."""
+    coll, st = mgr.coll, mgr.storage
+    note = ""
+    if coll.rank == 0:
+        try:
+            new = quarantine(st, mgr.root, e.name, reason=reason,
+                             attempt_id=e.manifest.attempt_id if e.manifest else None)
+            st.delete_tree(record_path(st, mgr.root, e.name))
+            note = f"; quarantined as {new}"
+        except (CheckpointError, OSError) as qe:  # it stays skipped by this restore all the same
+            note = f"; could not be quarantined ({type(qe).__name__}: {qe})"
+    return coll.broadcast_bytes(note.encode() if coll.rank == 0 else None).decode()
+
+
+def _write_head(mgr: CheckpointManager, e: Any) -> None:
+    """Coordinator writes HEAD naming ``e``; every rank adopts it."""
+    coll = mgr.coll
+    head = Head(name=e.name, id=f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-"
+                f"{os.urandom(4).hex()}", time=time.time(),
+                attempt_id=e.manifest.attempt_id if e.manifest else None, step=e.step)
+    err = None
+    if coll.rank == 0:
+        try:
+            write_head(mgr.storage, mgr.root, head.to_record())
+        except CheckpointError as we:
+            err = we
+    coll.agree(f"restore {mgr.root} (writing HEAD)", err)
+    raw = coll.broadcast_bytes(json.dumps(head.to_record()).encode() if coll.rank == 0 else None)
+    agreed = Head.from_record(json.loads(raw))
+    assert agreed is not None
+    mgr._resumed(agreed)
