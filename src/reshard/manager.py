@@ -36,7 +36,6 @@ from .commit import (
     Entry,
     committed,
     read_head,
-    read_manifest,
     read_record,
     scan,
 )
@@ -50,7 +49,7 @@ from .retention import Candidate, Decision, Policy, decide
 from .save import SaveResult, save
 from .staging import SaveHandle, async_save
 from .storage import Storage, resolve
-from .verify import latest
+from .verify import latest_entry
 
 log = logging.getLogger("reshard.manager")
 
@@ -495,10 +494,8 @@ class CheckpointManager:
     # ------------------------------------------------------------ resume
     def latest_step(self) -> int | None:
         """Step of the checkpoint :func:`reshard.latest` returns (or None)."""
-        p = latest(self.root, storage=self.storage)
-        if p is None:
-            return None
-        return read_manifest(self.storage, p.split("://", 1)[-1] if "://" in p else p).step
+        e = latest_entry(self.storage, self.root)
+        return None if e is None else e.step
 
     def restore(self, state: Mapping[str, Any], *, step: int | None = None,
                 allow_fresh_start: bool = False, **load_kwargs: Any) -> LoadResult | None:

@@ -63,8 +63,8 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
     try:
         entries = committed(st, root)
         head_rec = read_head(st, root)
-    except StorageError as e:
-        err = e
+    except StorageError as le:
+        err = le
     coll.agree(f"restore {root} (listing)", err)
     lin = lineage_of(entries, Head.from_record(head_rec))
     order = resume_order(entries, lin)

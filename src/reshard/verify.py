@@ -7,7 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from . import codec
-from .commit import committed, read_head, read_manifest, torn_files
+from .commit import Entry, committed, read_head, read_manifest, torn_files
 from .errors import CheckpointError, CheckpointNotFoundError, ShardingError
 from .manifest import Manifest
 from .planning import _check_coverage
@@ -35,20 +35,25 @@ def latest(root: str | os.PathLike[str], *, storage: Storage | None = None) -> s
     Raises:
         StorageError: listing or a stat failed (never "no checkpoint").
     """
-    from .lineage import Head, lineage_of, resume_order
-
     st, key = resolve(root, storage)
-    done = committed(st, key)
-    if not done:
-        return None
-    order = resume_order(done, lineage_of(done, Head.from_record(read_head(st, key))))
-    best = next((e for e in order if e.manifest is not None
-                 and not torn_files(st, e.path, e.manifest)), None)
+    best = latest_entry(st, key)
     if best is None:
         return None
     scheme = os.fspath(root).split("://", 1)[0] if "://" in os.fspath(root) else ""
     # a URL root gives a URL back (load must resolve it to the same store)
     return f"{scheme}://{best.path}" if scheme and scheme != "file" else best.path
+
+
+def latest_entry(st: Storage, root: str) -> Entry | None:
+    """The entry :func:`latest` returns the path of (same rules), or None."""
+    from .lineage import Head, lineage_of, resume_order
+
+    done = committed(st, root)
+    if not done:
+        return None
+    order = resume_order(done, lineage_of(done, Head.from_record(read_head(st, root))))
+    return next((e for e in order if e.manifest is not None
+                 and not torn_files(st, e.path, e.manifest)), None)
 
 
 def inspect(path: str | os.PathLike[str], *, storage: Storage | None = None) -> Manifest:
