@@ -348,20 +348,20 @@ class CheckpointManager:
                 return e.name
         return self.name_for(which)
 
-    def verify_checkpoint(self, which: str | int, *, checksums: bool = False,
+    def verify_checkpoint(self, which: str | int, *, how: str = "smoke",
                           record: bool = True) -> bool:
         """Check the checkpoint ``which`` (a name, or a step) and record the
         outcome beside it (``<name>.verified.json``, bound to the manifest's
         digest and every file's size: see :meth:`is_verified`).
 
-        With ``checksums`` False (the restore smoke test): structure check
-        (coverage, files and sizes), then a trial load into CPU memory of a
-        sample of tensors with their checksums verified. With ``checksums``
-        True: :func:`reshard.verify` of every byte. ``record=False`` changes
-        nothing on storage (a dry run)."""
+        ``how``: "smoke" (the restore smoke test: structure check of
+        coverage, files and sizes, then a trial load into CPU memory of
+        ``smoke_tensors`` tensors with their checksums verified),
+        "checksums" (:func:`reshard.verify` of every byte) or "structure"
+        (structure and sizes only). ``record=False`` changes nothing on
+        storage (a dry run)."""
         return check_and_record(self.storage, self.root, self._name(which),
-                                smoke_tensors=self.smoke_tensors, checksums=checksums,
-                                record=record)
+                                smoke_tensors=self.smoke_tensors, how=how, record=record)
 
     def is_verified(self, name: str, entry: Entry | None = None) -> bool:
         """Whether ``name`` has a passing verification record that still
@@ -448,7 +448,8 @@ class CheckpointManager:
                 return RetentionPlan(decision=d, checks=tuple(checks))
             kept = left[0].name
             rechecked.add(kept)
-            ok = self.verify_checkpoint(kept, checksums=full, record=not dry_run)
+            ok = self.verify_checkpoint(kept, how="checksums" if full else "structure",
+                                        record=not dry_run)
             checks.append((kept, "verified again with checksums" if full
                            else "verified again (structure and sizes)", ok))
             if not ok:

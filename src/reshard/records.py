@@ -60,10 +60,15 @@ def _smoke_load(storage: Storage, path: str, m: Manifest, k: int) -> None:
 
 
 def check_and_record(storage: Storage, root: str, name: str, *, smoke_tensors: int,
-                     checksums: bool, record: bool = True) -> bool:
-    """Verify ``root/name`` (every checksum with ``checksums``, else the
-    smoke test) and, with ``record``, write its bound verification record.
-    Returns whether it passed. StorageError propagates (no record then)."""
+                     how: str = "smoke", record: bool = True) -> bool:
+    """Verify ``root/name`` and, with ``record``, write its bound verification
+    record. ``how``: "smoke" (structure and sizes, then a checksummed trial
+    load of ``smoke_tensors`` tensors), "checksums" (every byte) or
+    "structure" (structure and sizes only). Returns whether it passed.
+    StorageError propagates (no record then)."""
+    if how not in ("smoke", "checksums", "structure"):
+        raise ValueError(f"how must be 'smoke', 'checksums' or 'structure', not {how!r}")
+    checksums = how == "checksums"
     path = storage.join(root, name)
     problems: list[str] = []
     digest, files = None, {}
@@ -74,7 +79,7 @@ def check_and_record(storage: Storage, root: str, name: str, *, smoke_tensors: i
         files = {f: fe.size for f, fe in m.files.items()}
         rep = verify(path, checksums=checksums, storage=storage)
         problems.extend(rep.problems)
-        if not checksums and not problems:
+        if how == "smoke" and not problems:
             _smoke_load(storage, path, m, smoke_tensors)
     except StorageError:
         raise
@@ -84,11 +89,10 @@ def check_and_record(storage: Storage, root: str, name: str, *, smoke_tensors: i
     if record:
         write_record(storage, record_path(storage, root, name),
                      {"ok": ok, "time": time.time(), "problems": problems[:20],
-                      "how": "checksums" if checksums else "smoke", "manifest_xxh3": digest,
+                      "how": how, "manifest_xxh3": digest,
                       "files": files})
     if not ok:
-        log.warning("checkpoint %s failed its %s: %s", path,
-                    "verification" if checksums else "smoke test", problems[:3])
+        log.warning("checkpoint %s failed its %s check: %s", path, how, problems[:3])
     return ok
 
 
