@@ -269,3 +269,24 @@ def test_quarantine_marker_on_a_store_without_rename() -> None:
     assert res.values["meta"] == {"step": 150, "salt": 5}
     assert f"{root}/step-00000150/manifest.json" in st._objects  # still there, quarantined
     clear_memory_storage()
+
+
+def test_resume_then_save_the_same_step_and_head_record(tmp_path: Path) -> None:
+    """A loop that saves the step it resumed at gets a suffixed name, not an
+    error; HEAD is a complete JSON record written through a temporary file."""
+    root = tmp_path / "ckpts"
+    _mgr(root).save(100, _state(100))
+    mgr = _mgr(root, keep_last=1)
+    assert mgr.restore(_blank()) is not None
+    head = json.loads((root / "HEAD").read_text())
+    assert head["name"] == "step-00000100" and head["step"] == 100 and head["id"]
+    assert not any(".tmp-" in p.name for p in root.iterdir())
+    r = mgr.save(100, _state(100, salt=1))
+    assert Path(r.path).name == "step-00000100.1"
+    assert reshard.inspect(r.path).parent == "step-00000100"
+    assert reshard.inspect(r.path).lineage == head["id"]
+    assert reshard.latest(root) == str(root / "step-00000100.1")
+    state = _blank()
+    res = _mgr(root).restore(state)
+    assert res is not None and res.values["meta"] == {"step": 100, "salt": 1}
+    assert json.loads((root / "HEAD").read_text())["name"] == "step-00000100.1"

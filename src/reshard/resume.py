@@ -89,6 +89,10 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
                 status = "ok"
             statuses = coll.all_gather_json(status)  # load agrees its errors; confirm anyway
         if all(s == "ok" for s in statuses):
+            if lin.head is not None and e.name not in lin.current:
+                warnings.warn(f"{root}: no checkpoint of the current lineage (HEAD: "
+                              f"{lin.head.name}) loads; resuming {e.name} of another lineage",
+                              RuntimeWarning, stacklevel=3)
             _write_head(mgr, e)
             if failures:
                 res.notes["fallback"] = failures
@@ -98,9 +102,7 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
         if "torn" in statuses:
             msg += _quarantine(mgr, e, msg)
         failures.append(msg)
-        nxt = "" if e.name in lin.current or not lin.current else " of another lineage"
-        warnings.warn(f"{msg}; falling back to an older checkpoint{nxt}", RuntimeWarning,
-                      stacklevel=3)
+        warnings.warn(f"{msg}; falling back to an older checkpoint", RuntimeWarning, stacklevel=3)
     quarantined = [q.name for q in scan(st, root) if q.quarantined]
     if failures or (quarantined and not allow_fresh_start):
         listed = "\n  ".join(failures) if failures else "(none committed)"
