@@ -95,22 +95,35 @@ def lineage_of(entries: Sequence[Entry], head: Head | None) -> Lineage:
             and src.manifest.attempt_id != head.attempt_id:
         src = None  # the name now holds another checkpoint
     memo: dict[str, bool] = {}
+    if src is not None:
+        memo[src.name] = False  # the source is not its own descendant
 
-    def descends(name: str, depth: int = 0) -> bool:
-        if name in memo:
-            return memo[name]
-        e = by_name.get(name)
+    def descends(name: str) -> bool:
+        """Walk parent links up from ``name`` (iteratively: chains may be long)
+        until an answer is known, then record it for the whole path."""
+        path: list[str] = []
         ok = False
-        if e is not None and e.manifest is not None and depth < len(by_name) + 1:
-            m = e.manifest
-            if src is not None and name == src.name:
-                ok = False  # the source itself is not its own descendant
-            elif m.lineage == head.id:
+        n: str | None = name
+        while n is not None and n not in memo and n not in path:
+            e = by_name.get(n)
+            m = e.manifest if e is not None else None
+            if m is None:
+                break  # a missing link (deleted): not known to descend
+            path.append(n)
+            if m.lineage == head.id:
                 ok = True
-            elif m.parent is not None and m.created_at >= head.time:
-                ok = (src is not None and m.parent == src.name) or descends(m.parent, depth + 1)
-        memo[name] = ok
-        return ok
+                break
+            if m.parent is None or m.created_at < head.time:
+                break
+            if src is not None and m.parent == src.name:
+                ok = True
+                break
+            n = m.parent
+        else:
+            ok = memo.get(n, False) if n is not None else False
+        for p in path:
+            memo[p] = ok
+        return memo.get(name, ok)
 
     desc = {n for n in names if descends(n)}
     current = set(desc)

@@ -5,9 +5,10 @@ Every rank tries the same checkpoints in the same order
 the ranks' findings are gathered (one short status per rank) before anything
 is decided, so all ranks fall back, quarantine or raise together.
 
-* ``torn``: a rank found it unloadable (a file missing, short or a symbolic
-  link, an invalid manifest, a checksum mismatch while loading:
-  ``IntegrityError`` / ``ManifestError``): the coordinator quarantines it
+* ``torn``: it is unloadable (the coordinator found a file missing, short or
+  a symbolic link; a rank found the manifest invalid; the load found a
+  checksum mismatch or a file it needs missing: ``IntegrityError`` /
+  ``ManifestError`` on any rank): the coordinator quarantines it
   (:func:`reshard.commit.quarantine`) and every rank tries the next one.
 * ``gone``: it vanished meanwhile (``CheckpointNotFoundError``): the next one.
 * ``storage``: the store failed (``StorageError``): raised on every rank; a
@@ -41,10 +42,12 @@ if TYPE_CHECKING:
 
 
 def _probe(mgr: CheckpointManager, path: str) -> tuple[str, str, BaseException | None]:
-    """This rank's structural check of one checkpoint (no checksums)."""
+    """This rank's structural check of one checkpoint (no checksums): every
+    rank reads the manifest (as its load would); the coordinator alone stats
+    every file (one stat per file in all, not per rank)."""
     try:
         m = read_manifest(mgr.storage, path)
-        problems = torn_files(mgr.storage, path, m)
+        problems = torn_files(mgr.storage, path, m) if mgr.coll.rank == 0 else {}
     except StorageError as e:
         return "storage", str(e), e
     except CheckpointNotFoundError as e:
@@ -97,8 +100,10 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
             if failures:
                 res.notes["fallback"] = failures
             return res
-        bad = sorted({r for r, s in enumerate(statuses) if s != "ok"})
-        msg = f"{e.path}: unloadable ({detail or f'on rank(s) {bad}'})"
+        bad = [r for r, s in enumerate(statuses) if s != "ok"]
+        details = coll.all_gather_json(detail if status != "ok" else "")  # only on a failure
+        why = next((d for d in details if d), "")
+        msg = f"{e.path}: unloadable ({why}{' ' if why else ''}on rank(s) {bad})"
         if "torn" in statuses:
             msg += _quarantine(mgr, e, msg)
         failures.append(msg)
