@@ -78,6 +78,10 @@ def test_restore_past_torn_then_save_that_step_no_loop(pool: Any, tmp_path: Path
     committed_part, _, rest = r.stdout.partition("quarantined (1")
     assert quarantined[0] not in committed_part and quarantined[0] in rest
     assert "committed (2)" in committed_part
+    r = CliRunner().invoke(main, ["gc", str(root), "--keep-last", "1", "--grace", "0"],
+                           catch_exceptions=False)
+    assert r.exit_code == 0 and f"kept {quarantined[0]} (quarantined" in r.stdout, r.output
+    assert (root / quarantined[0]).is_dir()
 
 
 def test_rollback_keeps_resume_source_and_new_lineage(pool: Any, tmp_path: Path) -> None:

@@ -215,6 +215,7 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         mgr = _manager_for(root, keep_last, keep_every, keep_best, metric_mode, grace)
         decision = mgr.apply_retention(dry_run=dry_run, checksums=not no_checksums, smoke_newer=True)
         gone = mgr.gc_abandoned(dry_run=dry_run)
+        quarantined = [e.name for e in scan(st, key) if e.quarantined]
     except ValueError as err:
         _fail(2, str(err))
     except CheckpointError as err:
@@ -229,6 +230,8 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         click.echo(f"{verb} abandoned attempt {name}")
     for name, why in sorted(decision.keep.items()):
         click.echo(f"kept {name} ({why})")
+    for name in quarantined:
+        click.echo(f"kept {name} (quarantined: never deleted automatically)")
     if not decision.delete and not gone:
         click.echo("nothing to delete")
 
