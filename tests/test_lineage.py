@@ -290,3 +290,10 @@ def test_resume_then_save_the_same_step_and_head_record(tmp_path: Path) -> None:
     res = _mgr(root).restore(state)
     assert res is not None and res.values["meta"] == {"step": 100, "salt": 1}
     assert json.loads((root / "HEAD").read_text())["name"] == "step-00000100.1"
+    # by name: the other checkpoint of step 100 (restore(step=100) prefers the current lineage)
+    res = _mgr(root).restore(state, step=100)
+    assert res is not None and res.path == str(root / "step-00000100.1")
+    res = _mgr(root).restore(state, name="step-00000100")
+    assert res is not None and res.values["meta"] == {"step": 100, "salt": 0}
+    with pytest.raises(reshard.CheckpointNotFoundError, match="step-00000999"):
+        _mgr(root).restore(state, name="step-00000999")

@@ -499,10 +499,12 @@ class CheckpointManager:
         return None if e is None else e.step
 
     def restore(self, state: Mapping[str, Any], *, step: int | None = None,
-                allow_fresh_start: bool = False, **load_kwargs: Any) -> LoadResult | None:
+                name: str | None = None, allow_fresh_start: bool = False,
+                **load_kwargs: Any) -> LoadResult | None:
         """Load the newest checkpoint of the current lineage that loads (or
-        the checkpoint of ``step``); collective: every rank reaches the same
-        outcome and every rank falls back together.
+        the checkpoint of ``step``: the current lineage's first when several
+        hold it; or the checkpoint called ``name``); collective: every rank
+        reaches the same outcome and every rank falls back together.
 
         Tried in :func:`reshard.lineage.resume_order`. A checkpoint that is
         unloadable (a file missing or short, a bad manifest, a checksum
@@ -524,10 +526,10 @@ class CheckpointManager:
                 loads; a mismatch with ``state`` (e.g. ShardingError).
             CheckpointNotFoundError: no committed checkpoint but abandoned
                 attempts exist (a silent fresh start would lose the run), or
-                ``step`` is not committed.
+                ``step`` (``name``) is not committed.
         """
-        return restore_collective(self, state, step=step, allow_fresh_start=allow_fresh_start,
-                                  load_kwargs=load_kwargs)
+        return restore_collective(self, state, step=step, name=name,
+                                  allow_fresh_start=allow_fresh_start, load_kwargs=load_kwargs)
 
     def _resumed(self, head: Head) -> None:
         self._lineage, self._parent, self._joined = head.id, head.name, True

@@ -60,7 +60,8 @@ def _probe(mgr: CheckpointManager, path: str) -> tuple[str, str, BaseException |
 
 
 def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step: int | None,
-                       allow_fresh_start: bool, load_kwargs: dict[str, Any]) -> LoadResult | None:
+                       name: str | None, allow_fresh_start: bool,
+                       load_kwargs: dict[str, Any]) -> LoadResult | None:
     coll, st, root = mgr.coll, mgr.storage, mgr.root
     entries, head_rec, err = [], None, None
     try:
@@ -75,6 +76,10 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
         order = [e for e in order if e.step == step]
         if not order:
             raise CheckpointNotFoundError(f"{root}: no committed checkpoint of step {step}")
+    if name is not None:
+        order = [e for e in order if e.name == name]
+        if not order:
+            raise CheckpointNotFoundError(f"{root}: no committed checkpoint named {name!r}")
     failures: list[str] = []
     for e in order:
         status, detail, exc = _probe(mgr, e.path)
