@@ -13,6 +13,8 @@ import msgspec
 import pytest
 import torch
 from click.testing import CliRunner
+from hypothesis import given
+from hypothesis import strategies as st
 
 import reshard
 from reshard.cli import main
@@ -93,6 +95,52 @@ def test_lineage_rollback_deleted_links_and_repeated_resume() -> None:
     # HEAD names a checkpoint whose name now holds another one: not the source
     other = Head(name="s100", id="run4", time=9.0, attempt_id="someone-else", step=100)
     assert lineage_of(es, other).source is None
+
+
+@given(st.lists(st.tuples(st.sampled_from(["save", "save", "save", "restart", "rollback", "delete"]),
+                          st.integers(0, 40)), max_size=40))
+def test_latest_is_the_newest_save_since_head(events: list[tuple[str, int]]) -> None:
+    """Random saves, restarts (resume the latest), rollbacks (resume any
+    existing checkpoint) and deletions (never of the resume source): the
+    first of the resume order is always the newest save since HEAD was
+    written, else HEAD's checkpoint, else (no HEAD) the newest by step."""
+    entries: dict[str, Entry] = {}
+    head: Head | None = None
+    since: list[str] = []  # saved since HEAD was written
+    step, clock, parent = 0, 0.0, None
+    for i, (ev, k) in enumerate(events):
+        clock += 1.0
+        if ev == "save":
+            step += 1 + k % 3
+            name = f"n{i}"
+            entries[name] = _entry(name, step, clock, parent=parent,
+                                   lineage=head.id if head else None)
+            parent = name
+            since.append(name)
+        elif entries and ev in ("restart", "rollback"):
+            order = resume_order(list(entries.values()), lineage_of(list(entries.values()), head))
+            to = order[0] if ev == "restart" else sorted(entries.values(), key=lambda e: e.name)[
+                k % len(entries)]
+            assert to.manifest is not None and to.manifest.step is not None
+            head = Head(name=to.name, id=f"h{i}", time=clock, attempt_id=to.manifest.attempt_id,
+                        step=to.manifest.step)
+            since, parent, step = [], to.name, to.manifest.step
+        elif entries and ev == "delete":
+            victim = sorted(entries)[k % len(entries)]
+            if head is None or victim != head.name:
+                del entries[victim]
+                since = [n for n in since if n != victim]
+        if not entries:
+            continue
+        es = list(entries.values())
+        first = resume_order(es, lineage_of(es, head))[0].name
+        if since:
+            want = max(since, key=lambda n: (entries[n].step, entries[n].manifest.created_at))  # type: ignore[union-attr]
+        elif head is not None:
+            want = str(head.name)
+        else:
+            want = max(es, key=lambda e: (e.step, e.manifest.created_at)).name  # type: ignore[union-attr]
+        assert first == want, (events[: i + 1], first, want)
 
 
 def test_old_manifest_decodes_without_lineage(tmp_path: Path) -> None:
