@@ -345,3 +345,25 @@ def test_resume_then_save_the_same_step_and_head_record(tmp_path: Path) -> None:
     assert res is not None and res.values["meta"] == {"step": 100, "salt": 0}
     with pytest.raises(reshard.CheckpointNotFoundError, match="step-00000999"):
         _mgr(root).restore(state, name="step-00000999")
+
+
+def test_restore_quarantines_a_checkpoint_with_a_damaged_manifest(tmp_path: Path) -> None:
+    root = tmp_path / "ckpts"
+    mgr = _mgr(root)
+    for s in (100, 150, 200):
+        mgr.save(s, _state(s))
+    mf = root / "step-00000150" / "manifest.json"
+    mf.write_bytes(mf.read_bytes()[:-20])  # torn manifest: ManifestError
+    newer = root / "step-00000200" / "manifest.json"  # written by a newer reader: left alone
+    newer.write_text(json.dumps({**json.loads(newer.read_text()), "format_version": 99}))
+    state = _blank()
+    with pytest.warns(RuntimeWarning, match="invalid manifest.*quarantined as step-00000150"):
+        res = _mgr(root).restore(state)
+    assert res is not None and res.step == 100
+    assert any("step-00000150" in f for f in res.notes["fallback"])
+    assert (root / "step-00000200").is_dir()
+    r = _run("ls", str(root))
+    quarantined = r.stdout.partition("quarantined (1")[2]
+    assert "step-00000150.quarantined-" in quarantined and "invalid (1" in r.stdout
+    assert "step-00000200: " in r.stdout.partition("invalid (1")[2]
+    assert _mgr(root).save(150, _state(150)).path == str(root / "step-00000150.1")

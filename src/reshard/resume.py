@@ -25,7 +25,16 @@ import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from .commit import committed, quarantine, read_head, read_manifest, scan, torn_files, write_head
+from .commit import (
+    committed,
+    quarantine,
+    read_head,
+    read_manifest,
+    read_manifest_bytes,
+    scan,
+    torn_files,
+    write_head,
+)
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -35,6 +44,7 @@ from .errors import (
 )
 from .lineage import Head, lineage_of, resume_order
 from .load import LoadResult, load
+from .manifest import FORMAT, FORMAT_VERSION, KNOWN_FEATURES
 from .records import record_path
 
 if TYPE_CHECKING:
@@ -64,12 +74,18 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
                        load_kwargs: dict[str, Any]) -> LoadResult | None:
     coll, st, root = mgr.coll, mgr.storage, mgr.root
     entries, head_rec, err = [], None, None
+    notes: list[str] = []
     try:
+        if coll.rank == 0:
+            notes = _quarantine_invalid(mgr)
         entries = committed(st, root)
         head_rec = read_head(st, root)
     except StorageError as le:
         err = le
     coll.agree(f"restore {root} (listing)", err)
+    notes = json.loads(coll.broadcast_bytes(json.dumps(notes).encode() if coll.rank == 0 else None))
+    for note in notes:
+        warnings.warn(note, RuntimeWarning, stacklevel=3)
     lin = lineage_of(entries, Head.from_record(head_rec))
     order = resume_order(entries, lin)
     if step is not None:
@@ -80,7 +96,7 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
         order = [e for e in order if e.name == name]
         if not order:
             raise CheckpointNotFoundError(f"{root}: no committed checkpoint named {name!r}")
-    failures: list[str] = []
+    failures: list[str] = list(notes)
     for e in order:
         status, detail, exc = _probe(mgr, e.path)
         statuses = coll.all_gather_json(status)
@@ -126,6 +142,36 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
             f"{root}: no committed checkpoint, but {len(abandoned)} abandoned attempt(s) "
             f"{abandoned[:3]}; refusing a silent fresh start (pass allow_fresh_start=True)")
     return None
+
+
+def _quarantine_invalid(mgr: CheckpointManager) -> list[str]:
+    """Coordinator: quarantine the checkpoints whose manifest is present but
+    invalid (unparsable, failing the schema or its own consistency checks:
+    ``ManifestError`` / ``IntegrityError``), which can never load. A manifest
+    of a newer format version, with an unknown required feature, or of
+    another format is left alone: a newer reader may load it."""
+    st, root = mgr.storage, mgr.root
+    out = []
+    for e in scan(st, root):
+        if e.manifest is not None or e.abandoned or e.quarantined or not e.problem:
+            continue
+        try:
+            raw = json.loads(read_manifest_bytes(st, e.path))
+        except (CheckpointError, ValueError):
+            raw = None
+        if isinstance(raw, dict) and (
+                raw.get("format") != FORMAT
+                or not isinstance(raw.get("format_version"), int) or raw["format_version"] > FORMAT_VERSION
+                or set(raw.get("required_features") or ()) - KNOWN_FEATURES):
+            continue
+        why = f"{e.path}: unloadable (invalid manifest: {e.problem})"
+        try:
+            new = quarantine(st, root, e.name, reason=why, attempt_id=None)
+            st.delete_tree(record_path(st, root, e.name))
+            out.append(f"{why}; quarantined as {new}")
+        except CheckpointError as qe:
+            out.append(f"{why}; could not be quarantined ({type(qe).__name__}: {qe})")
+    return out
 
 
 def _quarantine(mgr: CheckpointManager, e: Any, reason: str) -> str:
