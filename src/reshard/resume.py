@@ -69,42 +69,68 @@ def _probe(mgr: CheckpointManager, path: str) -> tuple[str, str, BaseException |
     return "ok", "", None
 
 
+def _plan(mgr: CheckpointManager, step: int | None, name: str | None) -> dict[str, Any]:
+    """Coordinator: quarantine damaged manifests, list the committed
+    checkpoints and order them (:func:`resume_order`), keeping those of
+    ``step`` / ``name``."""
+    st, root = mgr.storage, mgr.root
+    notes = _quarantine_invalid(mgr)
+    entries = committed(st, root)
+    lin = lineage_of(entries, Head.from_record(read_head(st, root)))
+    order = resume_order(entries, lin)
+    if step is not None:
+        order = [e for e in order if e.step == step]
+    if name is not None:
+        order = [e for e in order if e.name == name]
+    return {"notes": notes, "order": [e.name for e in order],
+            "other": [e.name for e in order if lin.head is not None and e.name not in lin.current],
+            "head": lin.head.name if lin.head is not None else None,
+            "attempt": {e.name: e.manifest.attempt_id for e in order if e.manifest is not None},
+            "step": {e.name: e.step for e in order}}
+
+
+def _rest(mgr: CheckpointManager) -> dict[str, Any]:
+    """Coordinator: what is left under the root when nothing loaded."""
+    es = scan(mgr.storage, mgr.root)
+    return {"quarantined": [q.name for q in es if q.quarantined],
+            "abandoned": [a.name for a in es if a.abandoned]}
+
+
+def _coordinated(mgr: CheckpointManager, what: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on the coordinator, its JSON result on every rank (its
+    failure raised on every rank)."""
+    coll = mgr.coll
+    out, err = None, None
+    if coll.rank == 0:
+        try:
+            out = fn(*args)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by agree()
+            err = e
+    coll.agree(what, err)
+    return json.loads(coll.broadcast_bytes(json.dumps(out).encode() if coll.rank == 0 else None))
+
+
 def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step: int | None,
                        name: str | None, allow_fresh_start: bool,
                        load_kwargs: dict[str, Any]) -> LoadResult | None:
     coll, st, root = mgr.coll, mgr.storage, mgr.root
-    entries, head_rec, err = [], None, None
-    notes: list[str] = []
-    try:
-        if coll.rank == 0:
-            notes = _quarantine_invalid(mgr)
-        entries = committed(st, root)
-        head_rec = read_head(st, root)
-    except StorageError as le:
-        err = le
-    coll.agree(f"restore {root} (listing)", err)
-    notes = json.loads(coll.broadcast_bytes(json.dumps(notes).encode() if coll.rank == 0 else None))
-    for note in notes:
+    plan = _coordinated(mgr, f"restore {root} (listing)", _plan, mgr, step, name)
+    for note in plan["notes"]:
         warnings.warn(note, RuntimeWarning, stacklevel=3)
-    lin = lineage_of(entries, Head.from_record(head_rec))
-    order = resume_order(entries, lin)
-    if step is not None:
-        order = [e for e in order if e.step == step]
-        if not order:
-            raise CheckpointNotFoundError(f"{root}: no committed checkpoint of step {step}")
-    if name is not None:
-        order = [e for e in order if e.name == name]
-        if not order:
-            raise CheckpointNotFoundError(f"{root}: no committed checkpoint named {name!r}")
-    failures: list[str] = list(notes)
-    for e in order:
-        status, detail, exc = _probe(mgr, e.path)
+    if step is not None and not plan["order"]:
+        raise CheckpointNotFoundError(f"{root}: no committed checkpoint of step {step}")
+    if name is not None and not plan["order"]:
+        raise CheckpointNotFoundError(f"{root}: no committed checkpoint named {name!r}")
+    failures: list[str] = list(plan["notes"])
+    for cname in plan["order"]:
+        path = st.join(root, cname)
+        status, detail, exc = _probe(mgr, path)
         statuses = coll.all_gather_json(status)
         if "storage" in statuses:
-            coll.agree(f"restore {e.path}", exc)
+            coll.agree(f"restore {path}", exc)
         if "torn" not in statuses and "gone" not in statuses:
             try:
-                res = load(state, e.path, group=mgr.group, storage=st, **load_kwargs)
+                res = load(state, path, group=mgr.group, storage=st, **load_kwargs)
             except (IntegrityError, ManifestError) as le:
                 status, detail = "torn", f"load failed: {le}"
             except CheckpointNotFoundError as le:
@@ -113,30 +139,31 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
                 status = "ok"
             statuses = coll.all_gather_json(status)  # load agrees its errors; confirm anyway
         if all(s == "ok" for s in statuses):
-            if lin.head is not None and e.name not in lin.current:
+            if cname in plan["other"]:
                 warnings.warn(f"{root}: no checkpoint of the current lineage (HEAD: "
-                              f"{lin.head.name}) loads; resuming {e.name} of another lineage",
+                              f"{plan['head']}) loads; resuming {cname} of another lineage",
                               RuntimeWarning, stacklevel=3)
-            _write_head(mgr, e)
+            _write_head(mgr, cname, plan["attempt"].get(cname), plan["step"].get(cname))
             if failures:
                 res.notes["fallback"] = failures
             return res
         bad = [r for r, s in enumerate(statuses) if s != "ok"]
         details = coll.all_gather_json(detail if status != "ok" else "")  # only on a failure
         why = next((d for d in details if d), "")
-        msg = f"{e.path}: unloadable ({why}{' ' if why else ''}on rank(s) {bad})"
+        msg = f"{path}: unloadable ({why}{' ' if why else ''}on rank(s) {bad})"
         if "torn" in statuses:
-            msg += _quarantine(mgr, e, msg)
+            msg += _quarantine(mgr, cname, plan["attempt"].get(cname), msg)
         failures.append(msg)
         warnings.warn(f"{msg}; falling back to an older checkpoint", RuntimeWarning, stacklevel=3)
-    quarantined = [q.name for q in scan(st, root) if q.quarantined]
+    rest = _coordinated(mgr, f"restore {root} (listing)", _rest, mgr)
+    quarantined = rest["quarantined"]
     if failures or (quarantined and not allow_fresh_start):
         listed = "\n  ".join(failures) if failures else "(none committed)"
         raise CheckpointError(
             f"{root}: checkpoint(s) exist but none loads:\n  {listed}"
             + (f"\nquarantined: {', '.join(quarantined)} (never deleted; inspect them with "
                "`reshard verify`)" if quarantined else ""))
-    abandoned = [a.name for a in scan(st, root) if a.abandoned]
+    abandoned = rest["abandoned"]
     if abandoned and not allow_fresh_start:
         raise CheckpointNotFoundError(
             f"{root}: no committed checkpoint, but {len(abandoned)} abandoned attempt(s) "
@@ -174,32 +201,31 @@ def _quarantine_invalid(mgr: CheckpointManager) -> list[str]:
     return out
 
 
-def _quarantine(mgr: CheckpointManager, e: Any, reason: str) -> str:
-    """Coordinator: set ``e`` aside; every rank learns the outcome."""
+def _quarantine(mgr: CheckpointManager, name: str, attempt_id: str | None, reason: str) -> str:
+    """Coordinator: set ``name`` aside; every rank learns the outcome."""
     coll, st = mgr.coll, mgr.storage
     note = ""
     if coll.rank == 0:
         try:
-            new = quarantine(st, mgr.root, e.name, reason=reason,
-                             attempt_id=e.manifest.attempt_id if e.manifest else None)
-            st.delete_tree(record_path(st, mgr.root, e.name))
+            new = quarantine(st, mgr.root, name, reason=reason, attempt_id=attempt_id)
+            st.delete_tree(record_path(st, mgr.root, name))
             note = f"; quarantined as {new}"
-        except (CheckpointError, OSError) as qe:  # it stays skipped by this restore all the same
+        except Exception as qe:  # noqa: BLE001 - it stays skipped by this restore all the same
             note = f"; could not be quarantined ({type(qe).__name__}: {qe})"
     return coll.broadcast_bytes(note.encode() if coll.rank == 0 else None).decode()
 
 
-def _write_head(mgr: CheckpointManager, e: Any) -> None:
-    """Coordinator writes HEAD naming ``e``; every rank adopts it."""
+def _write_head(mgr: CheckpointManager, name: str, attempt_id: str | None,
+                step: int | None) -> None:
+    """Coordinator writes HEAD naming ``name``; every rank adopts it."""
     coll = mgr.coll
-    head = Head(name=e.name, id=f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-"
-                f"{os.urandom(4).hex()}", time=time.time(),
-                attempt_id=e.manifest.attempt_id if e.manifest else None, step=e.step)
+    head = Head(name=name, id=f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-"
+                f"{os.urandom(4).hex()}", time=time.time(), attempt_id=attempt_id, step=step)
     err = None
     if coll.rank == 0:
         try:
             write_head(mgr.storage, mgr.root, head.to_record())
-        except CheckpointError as we:
+        except Exception as we:  # noqa: BLE001 - raised on every rank by agree()
             err = we
     coll.agree(f"restore {mgr.root} (writing HEAD)", err)
     raw = coll.broadcast_bytes(json.dumps(head.to_record()).encode() if coll.rank == 0 else None)
