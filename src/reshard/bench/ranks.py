@@ -105,6 +105,18 @@ def _flat_tensors(x: Any) -> list[torch.Tensor]:
     return out
 
 
+def _malloc_trim() -> None:
+    """Give freed heap memory back to the OS (glibc): the state-sized copies of
+    the peers (tensors under glibc's 32 MiB mmap threshold come from the heap)
+    otherwise stay resident after they are freed and add up over the phases."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def trim() -> None:
     """Free what the async phases hold: reshard's staging pools, the memcpy
     targets, DCP's stager and its checkpoint process (and the state copies it
@@ -123,6 +135,7 @@ def trim() -> None:
         proc.__del__()  # asks it to terminate, then SIGTERM
         ape._CHECKPOINT_PROCESS = None
     gc.collect()
+    _malloc_trim()
 
 
 def release() -> None:
@@ -490,6 +503,8 @@ def load(method: str, path: str, repeat: int, verify_fp: float | None = None) ->
     finally:
         torch.set_num_threads(threads)
     res.setdefault("bytes", local)
+    gc.collect()
+    _malloc_trim()  # torch.load / load_file / DCP buffers: freed, and given back
     if verify_fp is not None:
         got_fp = fingerprint()
         res["fingerprint_ok"] = abs(got_fp - verify_fp) <= 1e-9 * max(1.0, abs(verify_fp))
