@@ -8,8 +8,10 @@ and validates. Two publish strategies, chosen by the storage's capabilities
   ``<path>.incomplete-<attempt_id>/``; the manifest is written last and fsynced,
   then the directory is renamed to ``<path>`` and the parent fsynced.
 * manifest marker (object stores, ``memory://``): data is written under
-  ``<path>/`` directly and the manifest last; before it exists, readers see
-  no checkpoint.
+  ``<path>/`` directly, in keys that carry the attempt id
+  (:mod:`reshard.attempts`), and the manifest last with a conditional put
+  (``If-None-Match: *``): exactly one attempt publishes a step; before the
+  manifest exists, readers see no checkpoint.
 """
 
 from __future__ import annotations
@@ -98,9 +100,10 @@ def publish(storage: Storage, attempt: str, path: str, manifest: Manifest, *, ov
     With ``overwrite`` on a rename-capable store, an existing checkpoint is
     moved aside, the new one renamed into place, then the old one deleted.
     """
-    storage.write_bytes(storage.join(attempt, MANIFEST_NAME), encode_manifest(manifest), durable=durable)
     if not storage.capabilities.atomic_rename:
+        publish_marker(storage, path, manifest)
         return
+    storage.write_bytes(storage.join(attempt, MANIFEST_NAME), encode_manifest(manifest), durable=durable)
     if durable:
         storage.fsync_dir(attempt)
     retired = None
@@ -116,6 +119,23 @@ def publish(storage: Storage, attempt: str, path: str, manifest: Manifest, *, ov
         storage.fsync_dir(storage.parent(path) or "/")
     if retired is not None:
         storage.delete_tree(retired)
+
+
+def publish_marker(storage: Storage, path: str, manifest: Manifest) -> None:
+    """Publish on a store without rename: put ``path/manifest.json`` only if
+    absent (the data objects, named by the manifest, are already durable).
+
+    Raises:
+        FileExistsError: another writer published this checkpoint first; this
+            attempt's objects are not named by it and are discarded by the caller.
+    """
+    try:
+        storage.put_if_absent(storage.join(path, MANIFEST_NAME), encode_manifest(manifest))
+    except FileExistsError:
+        raise FileExistsError(
+            f"{path}: another writer published this checkpoint first (conditional put of "
+            f"{MANIFEST_NAME} refused); attempt {manifest.attempt_id} published nothing "
+            "(save under a new step)") from None
 
 
 def read_manifest(storage: Storage, path: str, *, hmac_key: bytes | None = None) -> Manifest:

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import xxhash
 
-from . import codec
+from . import attempts, codec
 from .collectives import Collectives, get_collectives
 from .commit import attempt_path, check_target, new_attempt_id, publish, sign_manifest
 from .errors import CheckpointError, ShardingError, StorageError, outcome, raise_agreed
@@ -369,7 +369,22 @@ def run_save(
     step: int | None, options: SaveOptions, t0: float, on_attempt: Any = None, abort: Any = None,
 ) -> SaveResult:
     """Plan, persist, validate and publish a collected snapshot (shared by
-    ``save`` and the background thread of ``async_save``)."""
+    ``save`` and the background thread of ``async_save``). On a store without
+    atomic rename the coordinator holds a lease on the attempt meanwhile."""
+    leases: list[attempts.AttemptLease] = []
+    try:
+        return _run_save(coll, st, key, snap, err, step=step, options=options, t0=t0,
+                         on_attempt=on_attempt, abort=abort, leases=leases)
+    finally:
+        for lease in leases:
+            lease.stop()
+
+
+def _run_save(
+    coll: Collectives, st: Storage, key: str, snap: Snapshot | None, err: BaseException | None, *,
+    step: int | None, options: SaveOptions, t0: float, on_attempt: Any, abort: Any,
+    leases: list[attempts.AttemptLease],
+) -> SaveResult:
     timings: dict[str, float] = {"stage": time.perf_counter() - t0}
     rank = coll.rank
     local: dict[str, Any] = {}
@@ -380,6 +395,8 @@ def run_save(
         if rank == 0:
             local["attempt"] = new_attempt_id()
             check_target(st, key, overwrite=options.overwrite)
+            if not st.capabilities.atomic_rename:  # before any rank writes a data object
+                leases.append(attempts.AttemptLease(st, key, local["attempt"]).start())
         lp = LocalPlan(rank=rank, tensors=tuple(t for t, _, _ in snap.tensors),
                        objects=tuple(o for o, _ in snap.objects), aliases=snap.aliases)
         local["plan"] = msgspec.to_builtins(lp)
@@ -397,6 +414,8 @@ def run_save(
     _check_values(gathered)
     aliases = _merge_aliases(plans)
     plan = plan_save(plans, files_per_rank=options.files_per_rank)
+    if not st.capabilities.atomic_rename:  # attempts under one prefix never share a key
+        plan = attempts.name_plan(plan, attempt_id)
     timings["plan"] = time.perf_counter() - t1
     if on_attempt is not None:
         on_attempt(attempt)
@@ -412,7 +431,8 @@ def run_save(
     except Exception as e:  # noqa: BLE001
         err = e
     timings["write"] = time.perf_counter() - t2
-    reports = agree_or_discard(coll, st, attempt, "save", outcome(rank, err, written=written), err)
+    reports = agree_or_discard(coll, st, attempt, "save", outcome(rank, err, written=written), err,
+                               attempt_id=attempt_id)
     t3 = time.perf_counter()
     manifest = None
     err = None
@@ -426,7 +446,8 @@ def run_save(
             publish(st, attempt, key, manifest, overwrite=options.overwrite, durable=options.durable)
         except Exception as e:  # noqa: BLE001
             err = e
-    agree_or_discard(coll, st, attempt, "save (publish)", outcome(rank, err), err)
+    agree_or_discard(coll, st, attempt, "save (publish)", outcome(rank, err), err,
+                     attempt_id=attempt_id)
     timings["commit"] = time.perf_counter() - t3
     total = sum(f["size"] for r in reports for f in r["written"]["files"])
     nfiles = sum(len(r["written"]["files"]) for r in reports)
@@ -436,7 +457,8 @@ def run_save(
 
 
 def agree_or_discard(coll: Collectives, st: Storage, attempt: str, what: str,
-                     mine: dict[str, Any], err: BaseException | None) -> list[dict[str, Any]]:
+                     mine: dict[str, Any], err: BaseException | None, *,
+                     attempt_id: str | None = None) -> list[dict[str, Any]]:
     """Gather every rank's outcome of a save phase; if any failed, discard the
     attempt (coordinator) and raise the agreed error on every rank. Returns the
     gathered outcomes."""
@@ -444,16 +466,24 @@ def agree_or_discard(coll: Collectives, st: Storage, attempt: str, what: str,
     try:
         raise_agreed(what, gathered, err)
     except CheckpointError:
-        discard_attempt(coll, st, attempt)
+        discard_attempt(coll, st, attempt, attempt_id=attempt_id)
         raise
     return gathered
 
 
-def discard_attempt(coll: Collectives, st: Storage, attempt: str) -> None:
+def discard_attempt(coll: Collectives, st: Storage, attempt: str, *,
+                    attempt_id: str | None = None) -> None:
     """Remove a failed attempt (coordinator only, after every rank stopped
     writing). Never touches a committed checkpoint: on rename-capable stores
-    the attempt is its own directory; on others nothing was published."""
+    the attempt is its own directory; on others only the objects (and open
+    multipart uploads) whose keys carry ``attempt_id`` are deleted."""
     if coll.rank != 0:
+        return
+    if attempt_id is not None and not st.capabilities.atomic_rename:
+        try:
+            attempts.discard(st, attempt, attempt_id)
+        except Exception:  # noqa: BLE001 - best effort; gc removes what is left
+            pass
         return
     try:
         if st.capabilities.atomic_rename or not st.exists(st.join(attempt, MANIFEST_NAME)):
