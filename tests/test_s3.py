@@ -9,9 +9,9 @@ import time
 
 import pytest
 import torch
-from _s3_fns import COLS, ROWS, full_weight, load_state, save_expect_failure, save_state
 
 import reshard
+from _s3_fns import COLS, ROWS, full_weight, load_state, save_expect_failure, save_state
 from reshard import attempts
 from reshard.manifest import MANIFEST_NAME
 from reshard.storage import resolve
@@ -180,3 +180,33 @@ def test_quarter_of_a_tensor_reads_a_quarter_of_its_bytes(s3e) -> None:
     data = s3e.proxy.stats.get_bytes - manifest_bytes
     quarter = w.numel() * 4 // 4
     assert quarter <= data <= quarter + (16 << 10), (data, quarter)
+
+
+def test_cli_on_s3_urls(s3e) -> None:
+    from click.testing import CliRunner
+
+    from reshard.cli import main
+
+    root = s3e.url("cli")
+    mgr = reshard.CheckpointManager(root, preempt_signals=())
+    for step in (1, 2):
+        mgr.save(step, {"w": torch.arange(32.0) * step, "step": step})
+    st, key = resolve(root)
+    dead = "20260101T000000-deadbeef"
+    path = st.join(key, "step-00000003")
+    st.write_bytes(st.join(path, attempts.data_name(dead, "data-r00000-0.safetensors")), b"x" * 10)
+    run = CliRunner().invoke
+    out = run(main, ["ls", root])
+    assert out.exit_code == 0, out.output
+    assert "step-00000001" in out.output and "step-00000002" in out.output
+    out = run(main, ["inspect", root + "/step-00000002"])
+    assert out.exit_code == 0 and "w" in out.output, out.output
+    out = run(main, ["verify", root + "/step-00000002"])
+    assert out.exit_code == 0, out.output
+    out = run(main, ["gc", root, "--grace", "0"])
+    assert out.exit_code == 0, out.output
+    assert f"step-00000003/{dead}" in out.output
+    assert not st.exists(path)
+    assert reshard.latest(root) == root + "/step-00000002" and reshard.verify(reshard.latest(root)).ok
+    out = run(main, ["inspect", root + "/step-00000003"])
+    assert out.exit_code == 2, out.output

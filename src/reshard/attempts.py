@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 
 from .manifest import MANIFEST_NAME
-from .planning import SavePlan, WriteItem
+from .planning import SavePlan
 from .storage import Storage
 
 log = logging.getLogger("reshard.attempts")

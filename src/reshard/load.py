@@ -285,7 +285,7 @@ class _Reader:
         mv = memoryview(u8.numpy().data)
         # read in block-aligned segments and verify each while it is still in cache
         b = self.m.checksum_block_bytes
-        seg = b * max(1, _SEGMENT_BYTES // b)
+        seg = b * max(1, (self.st.read_segment_bytes or _SEGMENT_BYTES) // b)
         for a in range(0, max(len(mv), 1), seg):
             self.st.read_into(path, c.offset + a, mv[a:a + seg])
             self.verify(fqn, c, a, u8[a:a + seg])

@@ -320,8 +320,15 @@ class CheckpointManager:
 
     def gc_abandoned(self, grace_s: float | None = None, *, dry_run: bool = False) -> list[str]:
         """Delete ``*.incomplete-*`` attempts older than ``grace_s`` seconds
-        (never one of this manager's in-flight saves)."""
+        (never one of this manager's in-flight saves). On a store without
+        atomic rename (S3): the attempts whose lease has expired, and their
+        open multipart uploads (:func:`reshard.attempts.gc_root`); returns
+        ``<checkpoint>/<attempt id>`` names."""
         grace = self.gc_grace_s if grace_s is None else grace_s
+        if not self.storage.capabilities.atomic_rename:  # attempts live under the final prefix
+            from .attempts import gc_root
+
+            return list(gc_root(self.storage, self.root, grace_s=grace, dry_run=dry_run).attempts)
         now = time.time()
         inflight = {self.name_for(s) for s, _ in self._pending}
         out = []

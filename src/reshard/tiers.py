@@ -35,8 +35,15 @@ import msgspec
 
 from . import attempts
 from .collectives import get_collectives
-from .commit import attempt_path, check_target, committed, new_attempt_id, publish, read_manifest
-from .commit import sign_manifest
+from .commit import (
+    attempt_path,
+    check_target,
+    committed,
+    new_attempt_id,
+    publish,
+    read_manifest,
+    sign_manifest,
+)
 from .errors import CheckpointError, IntegrityError, StorageError
 from .load import LoadResult
 from .manager import CheckpointManager

@@ -71,9 +71,14 @@ class Storage(ABC):
     Attributes:
         bytes_read: total bytes returned by reads since creation (counted
             across threads), for tests and benchmarks.
+        read_segment_bytes: bytes a reader should ask for in one
+            ``read_into`` call of a large chunk (None: the reader's default,
+            sized for the page cache; object stores want larger requests,
+            which they split into parallel ranged GETs themselves).
     """
 
     capabilities: Capabilities
+    read_segment_bytes: int | None = None
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 from ..errors import IntegrityError, StorageError
@@ -129,12 +130,13 @@ def _status(e: BaseException) -> tuple[int, str]:
 
 
 def _retryable(e: BaseException) -> bool:
-    from botocore.exceptions import BotoCoreError, ClientError
+    from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
 
     if isinstance(e, ClientError):
         status, code = _status(e)
         return status >= 500 or status == 429 or code in _RETRY_CODES
-    if isinstance(e, BotoCoreError | ConnectionError | TimeoutError):
+    # connection refused/reset/closed, timeouts, a body cut short; never a bad parameter
+    if isinstance(e, HTTPClientError | IncompleteReadError | ConnectionError | TimeoutError):
         return True
     name = type(e).__name__  # urllib3's ProtocolError / IncompleteRead from a reset stream
     return name in ("ProtocolError", "IncompleteRead", "ReadTimeoutError", "SSLError")
@@ -247,6 +249,7 @@ class S3Storage(Storage):
     def __init__(self, config: S3Config | None = None):
         super().__init__()
         self.config = config or S3Config.from_env()
+        self.read_segment_bytes = self.config.range_bytes * 8  # 8 parallel ranged GETs per call
         self.client = _client()
         self._pool = _pool("reshard-s3-put", self.config.max_workers)
         self._get_pool = _pool("reshard-s3-get", self.config.max_workers)
@@ -338,7 +341,7 @@ class S3Storage(Storage):
             kw: dict[str, Any] = {"Bucket": b, "Prefix": k}
             if token:
                 kw["ContinuationToken"] = token
-            r = self._call("list", prefix, lambda kw=kw: self.client.list_objects_v2(**kw))
+            r = self._call("list", prefix, partial(self.client.list_objects_v2, **kw))
             out.extend(f"{b}/{o['Key']}" for o in r.get("Contents", ()))
             token = r.get("NextContinuationToken")
             if not r.get("IsTruncated") or not token:
@@ -353,8 +356,8 @@ class S3Storage(Storage):
         for b, ks in by_bucket.items():
             for i in range(0, len(ks), 1000):
                 objs = [{"Key": k} for k in ks[i:i + 1000]]
-                r = self._call("delete", f"{b}/{ks[i]}", lambda objs=objs, b=b: self.client.delete_objects(
-                    Bucket=b, Delete={"Objects": objs, "Quiet": True}))
+                r = self._call("delete", f"{b}/{ks[i]}", partial(
+                    self.client.delete_objects, Bucket=b, Delete={"Objects": objs, "Quiet": True}))
                 if r.get("Errors"):
                     e = r["Errors"][0]
                     raise StorageError(f"s3 delete s3://{b}/{e.get('Key')}: {e.get('Code')}: "
@@ -386,7 +389,7 @@ class S3Storage(Storage):
         out: list[tuple[str, str, float]] = []
         kw: dict[str, Any] = {"Bucket": b, "Prefix": k}
         while True:
-            r = self._call("list uploads", prefix, lambda kw=kw: self.client.list_multipart_uploads(**kw))
+            r = self._call("list uploads", prefix, partial(self.client.list_multipart_uploads, **kw))
             for u in r.get("Uploads", ()):
                 out.append((f"{b}/{u['Key']}", u["UploadId"], u["Initiated"].timestamp()))
             if not r.get("IsTruncated"):
@@ -491,7 +494,7 @@ class S3Storage(Storage):
         names: set[str] = set()
         kw: dict[str, Any] = {"Bucket": b, "Prefix": pre, "Delimiter": "/"}
         while True:
-            r = self._call("list", path, lambda kw=kw: self.client.list_objects_v2(**kw))
+            r = self._call("list", path, partial(self.client.list_objects_v2, **kw))
             names.update(o["Key"][len(pre):] for o in r.get("Contents", ()))
             names.update(p["Prefix"][len(pre):].rstrip("/") for p in r.get("CommonPrefixes", ()))
             token = r.get("NextContinuationToken")
