@@ -4,6 +4,7 @@ multi-rank cases. No client call is mocked."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -210,3 +211,35 @@ def test_cli_on_s3_urls(s3e) -> None:
     assert reshard.latest(root) == root + "/step-00000002" and reshard.verify(reshard.latest(root)).ok
     out = run(main, ["inspect", root + "/step-00000003"])
     assert out.exit_code == 2, out.output
+
+
+def test_export_hf_to_s3(s3e, tmp_path) -> None:
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from reshard.cli import main
+
+    url = s3e.url("ckpt") + "/step-00000001"
+    model = {"emb": torch.randn(64, 1024), "head": torch.randn(128, 1024),
+             "norm": torch.ones(1024, dtype=torch.bfloat16)}
+    reshard.save({"model": model, "optim": {"m": torch.zeros(8)}}, url, step=1)
+    out = s3e.url("hf")
+    res = CliRunner().invoke(main, ["export", url, out, "--max-shard-size", "300KiB"])
+    assert res.exit_code == 0, res.output
+    keys = _keys(s3e, out)
+    assert "model.safetensors.index.json" in keys and len(keys) == 4, keys  # 3 shards + index
+    c = s3e.server.client()
+    prefix = out.split("/", 3)[3]
+    index = json.loads(c.get_object(Bucket=s3e.bucket, Key=f"{prefix}/model.safetensors.index.json")
+                       ["Body"].read())
+    got: dict[str, torch.Tensor] = {}
+    for name in sorted(set(index["weight_map"].values())):
+        local = tmp_path / name
+        c.download_file(s3e.bucket, f"{prefix}/{name}", str(local))
+        got.update(load_file(str(local)))
+    assert set(got) == {"model.emb", "model.head", "model.norm"}
+    assert all(torch.equal(got[f"model.{k}"], v) for k, v in model.items())
+    assert _uploads(s3e, out) == []
+    # exporting again without --overwrite is refused; nothing changes
+    res = CliRunner().invoke(main, ["export", url, out])
+    assert res.exit_code == 1 and "already holds model files" in res.output
