@@ -243,3 +243,33 @@ def test_export_hf_to_s3(s3e, tmp_path) -> None:
     # exporting again without --overwrite is refused; nothing changes
     res = CliRunner().invoke(main, ["export", url, out])
     assert res.exit_code == 1 and "already holds model files" in res.output
+
+
+def test_delete_removes_the_manifest_first(s3e) -> None:
+    url = s3e.url("ckpt") + "/step-00000001"
+    reshard.save({"w": torch.arange(8.0), "v": torch.ones(3)}, url, step=1)
+    st, key = resolve(url)
+    s3e.proxy.reset_stats()
+    st.delete_tree(key)
+    deletes = [body for m, _, q, body in s3e.proxy.stats.log if m == "POST" and "delete" in q]
+    assert len(deletes) == 2, s3e.proxy.stats.log
+    assert deletes[0].count(b"<Key>") == 1 and MANIFEST_NAME.encode() in deletes[0]
+    assert MANIFEST_NAME.encode() not in deletes[1]
+    assert _keys(s3e, url) == []
+
+
+def test_lease_is_renewed_and_async_save(s3e) -> None:
+    url = s3e.url("ckpt") + "/step-00000001"
+    st, key = resolve(url)
+    lease = attempts.AttemptLease(st, key, "20260101T000000-1ea5e001", ttl_s=0.6).start()
+    first = json.loads(st.read_bytes(lease.key))["expires"]
+    time.sleep(0.9)
+    assert lease.renewals >= 2 and json.loads(st.read_bytes(lease.key))["expires"] > first + 0.3
+    lease.stop()
+    assert not st.exists(lease.key)
+    # an async save commits through the same protocol
+    h = reshard.async_save({"w": torch.arange(16.0)}, url, step=1)
+    res = h.wait(timeout=60)
+    w = torch.zeros(16)
+    reshard.load({"w": w}, url)
+    assert torch.equal(w, torch.arange(16.0)) and reshard.inspect(url).attempt_id == res.attempt_id

@@ -78,9 +78,12 @@ class Fault:
 @dataclass
 class Stats:
     """Counters since the last :meth:`FaultProxy.reset_stats` (bytes are
-    response-body bytes; ``get_bytes`` counts GETs of objects only)."""
+    response-body bytes; ``get_bytes`` counts GETs of objects only).
+    ``log`` holds ``(method, path, query, body)`` of every request in arrival
+    order (bodies of POST requests only, e.g. multi-object deletes)."""
 
     requests: dict[str, int] = field(default_factory=dict)
+    log: list[tuple[str, str, str, bytes]] = field(default_factory=list)
     get_bytes: int = 0
     put_bytes: int = 0
     injected: int = 0
@@ -153,6 +156,7 @@ class FaultProxy:
         body = h.rfile.read(n) if n else b""
         with self._lock:
             self.stats.requests[method] = self.stats.requests.get(method, 0) + 1
+            self.stats.log.append((method, u.path, u.query, body if method == "POST" else b""))
             self.stats.put_bytes += len(body)
         fault = self._pick(method, u.path, u.query)
         if fault is not None and fault.action == "status":
