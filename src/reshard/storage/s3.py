@@ -60,8 +60,9 @@ class S3Config:
         max_workers: threads uploading parts / fetching ranges (per storage).
         inflight_parts: parts of one object buffered or in flight at once
             (bounds memory to ``inflight_parts * part_bytes`` per stream).
-        deadline_s: seconds one request may take across its retries
-            (``RESHARD_S3_DEADLINE_S``).
+        deadline_s: seconds after the first try of a request past which it
+            is not retried again (``RESHARD_S3_DEADLINE_S``); one try is
+            itself bounded by the client's 10 s connect and 60 s read timeouts.
         backoff_s, backoff_cap_s: first and largest backoff, seconds.
     """
 
