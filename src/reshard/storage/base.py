@@ -14,7 +14,7 @@ when ``durable``) -> [coordinator] ``size`` of every data file ->
 ``delete_tree(nonce)`` -> ``write_bytes(manifest)`` -> ``rename_dir``
 (atomic-rename stores only) -> ``fsync_dir``. Without atomic rename the
 coordinator also writes (and renews, from a background thread) the
-attempt's lease before the nonce, and the manifest is published with
+attempt's lease right after the nonce, and the manifest is published with
 ``put_if_absent``; failed attempts are removed with ``delete_tree`` of each
 of their keys and ``abort_upload`` of their open uploads.
 During a load: ``read_bytes(manifest)`` -> ``size``/``is_link`` of every
