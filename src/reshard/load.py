@@ -21,13 +21,12 @@ import xxhash
 from . import codec
 from .collectives import Collectives, get_collectives
 from .commit import read_manifest
+from .coordination_load import KeyCensus, key_census, read_shared
 from .errors import (
     CheckpointNotFoundError,
     IntegrityError,
     ManifestError,
     ShardingError,
-    outcome,
-    raise_agreed,
 )
 from .manifest import Chunk, Manifest, TensorEntry
 from .options import LoadOptions
@@ -354,31 +353,27 @@ def load(
     err: BaseException | None = None
     if manifest is None:
         try:
-            st, manifest = _read_or_dcp(st, key, opts)
+            st, manifest = _read_shared(coll, st, key, opts)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             err = e
-    keys: dict[str, Any] = {}
     ctx: dict[str, Any] = {}
     try:
         if err is not None:
             raise err
         ctx = _prepare(state, st, key, opts, transforms, coll, manifest)
-        keys = ctx["requested"]
     except Exception as e:  # noqa: BLE001
         err = e
-    # agree on the manifest and gather requested keys (to find unexpected ones)
-    reports = coll.all_gather_json(outcome(coll.rank, err, keys=sorted(keys)))
-    raise_agreed("load", reports, err)
+    # agree on the manifest (one all-reduce); the coordinator finds the keys no rank requested
+    coll.agree("load", err)
+    census = key_census(coll, ctx["manifest"], ctx["requested"], transforms)
     err = None
     result: LoadResult | None = None
     try:
-        requested_anywhere = set().union(*(r["keys"] for r in reports))
-        result = _execute(ctx, requested_anywhere, st, key, opts, strict,
+        result = _execute(ctx, census, st, key, opts, strict,
                           [*allow_missing, *extra_allow_missing(transforms)], transforms)
     except Exception as e:  # noqa: BLE001
         err = e
-    reports = coll.all_gather_json(outcome(coll.rank, err))
-    raise_agreed("load", reports, err)
+    coll.agree("load", err)
     assert result is not None
     # hand loaded plain values to Stateful objects, only once every rank succeeded
     err = None
@@ -387,10 +382,19 @@ def load(
             obj.load_state_dict(rebuild())
     except Exception as e:  # noqa: BLE001
         err = e
-    reports = coll.all_gather_json(outcome(coll.rank, err))
-    raise_agreed("load (load_state_dict)", reports, err)
+    coll.agree("load (load_state_dict)", err)
     return LoadResult(**{**result.__dict__, "bytes_read": base.bytes_read - before,
                          "duration_s": time.perf_counter() - t0})
+
+
+def _read_shared(coll: Collectives, st: Storage, key: str, opts: LoadOptions) -> tuple[Storage, Manifest]:
+    """The manifest read once by the coordinator and broadcast (see
+    :func:`reshard.coordination_load.read_shared`); a DCP checkpoint, or any
+    failure, is opened by every rank itself (:func:`_read_or_dcp`)."""
+    m = read_shared(coll, st, key, hmac_key=opts.hmac_key)
+    if m is None:
+        return _read_or_dcp(st, key, opts)
+    return st, m
 
 
 def _read_or_dcp(st: Storage, key: str, opts: LoadOptions) -> tuple[Storage, Manifest]:
@@ -474,7 +478,7 @@ def _prepare_hooks(state: Any, m: Manifest, notes: dict[str, Any]) -> None:
             stack.extend(reversed(x))
 
 
-def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key: str,
+def _execute(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
              opts: LoadOptions, strict: bool, allow_missing: Sequence[Any],
              transforms: Sequence[Any]) -> LoadResult:
     m: Manifest = ctx["manifest"]
@@ -486,11 +490,11 @@ def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key
     available = saved | provided_by(transforms, m)
     requested: dict[str, str] = ctx["requested"]
     missing = sorted(k for k in requested if k not in available)
-    unexpected = sorted(saved - requested_anywhere)
-    if requested_anywhere and not (available & requested_anywhere):
+    unexpected = list(census.unexpected)
+    if census.any_requested and not census.any_matched:
         raise ShardingError(
             f"{key}: no requested key matches the checkpoint (requested e.g. "
-            f"{sorted(requested_anywhere)[:3]}, saved e.g. {sorted(saved)[:3]}); "
+            f"{sorted(requested)[:3]}, saved e.g. {sorted(saved)[:3]}); "
             "check prefixes or pass a rename transform"
         )
     refused = m.extra.get("dcp_skipped_values") or {}
