@@ -43,28 +43,14 @@ _MASK = (1 << 62) - 1
 # ----------------------------------------------------------------------------- messages
 
 
-class WireTensor(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """A :class:`~reshard.planning.LocalTensorItem` on the wire; ``fqn`` indexes
-    the plan's fqn table."""
-
-    fqn: int
-    dtype: str
-    global_shape: tuple[int, ...]
-    global_offset: tuple[int, ...]
-    local_shape: tuple[int, ...]
-    flattened_range: tuple[int, int] | None
-    replica_id: int | tuple[int, ...]
-    nbytes: int
-    digest: str
+class WireTensor(LocalTensorItem, array_like=True, frozen=True, gc=False):
+    """A :class:`~reshard.planning.LocalTensorItem` encoded as an array (the
+    planner reads it as it is: decoding is the only per-item cost). A table of
+    interned fqns did not pay here: a rank's fqns are nearly all distinct."""
 
 
-class WireObject(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    key: str
-    global_shape: tuple[int, ...]
-    global_offset: tuple[int, ...]
-    replica_id: int | tuple[int, ...]
-    nbytes: int
-    digest: str
+class WireObject(LocalObjectItem, array_like=True, frozen=True, gc=False):
+    """A :class:`~reshard.planning.LocalObjectItem` encoded as an array."""
 
 
 class WirePlan(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -72,7 +58,6 @@ class WirePlan(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
     rank: int
     struct_hash: int
-    fqns: list[str]
     tensors: list[WireTensor]
     objects: list[WireObject]
     aliases: dict[str, str]
@@ -126,28 +111,16 @@ def values_hash(value_digests: dict[str, str]) -> int:
 
 
 def encode_plan(lp: LocalPlan, struct_hash: int, value_digests: dict[str, str]) -> bytes:
-    table: dict[str, int] = {}
-    tensors = [WireTensor(fqn=table.setdefault(t.fqn, len(table)), dtype=t.dtype,
-                          global_shape=t.global_shape, global_offset=t.global_offset,
-                          local_shape=t.local_shape, flattened_range=t.flattened_range,
-                          replica_id=t.replica_id, nbytes=t.nbytes, digest=t.digest)
-               for t in lp.tensors]
-    objects = [WireObject(key=o.key, global_shape=o.global_shape, global_offset=o.global_offset,
-                          replica_id=o.replica_id, nbytes=o.nbytes, digest=o.digest) for o in lp.objects]
-    return _ENC.encode(WirePlan(rank=lp.rank, struct_hash=struct_hash, fqns=list(table),
-                                tensors=tensors, objects=objects, aliases=dict(lp.aliases),
-                                value_digests=value_digests))
+    tf, of = LocalTensorItem.__struct_fields__, LocalObjectItem.__struct_fields__
+    tensors = [WireTensor(*[getattr(t, f) for f in tf]) for t in lp.tensors]
+    objects = [WireObject(*[getattr(o, f) for f in of]) for o in lp.objects]
+    return _ENC.encode(WirePlan(rank=lp.rank, struct_hash=struct_hash, tensors=tensors, objects=objects,
+                                aliases=dict(lp.aliases), value_digests=value_digests))
 
 
 def decode_plan(raw: bytes) -> tuple[LocalPlan, int, dict[str, str]]:
     w = _DEC_PLAN.decode(raw)
-    names = w.fqns
-    tensors = tuple(LocalTensorItem(names[t.fqn], t.dtype, t.global_shape, t.global_offset,
-                                    t.local_shape, t.flattened_range, t.replica_id, t.nbytes, t.digest)
-                    for t in w.tensors)
-    objects = tuple(LocalObjectItem(o.key, o.global_shape, o.global_offset, o.replica_id, o.nbytes,
-                                    o.digest) for o in w.objects)
-    return (LocalPlan(rank=w.rank, tensors=tensors, objects=objects, aliases=w.aliases),
+    return (LocalPlan(rank=w.rank, tensors=tuple(w.tensors), objects=tuple(w.objects), aliases=w.aliases),
             w.struct_hash, w.value_digests)
 
 
@@ -218,25 +191,20 @@ def coordinate(messages: Sequence[bytes], *, files_per_rank: int) -> tuple[list[
     for _, sh, _ in decoded:
         h.update(sh.to_bytes(8, "little"))
     plan_id = (h.intdigest() & _MASK) | 1
-    # replica groups: chunks (and object elements) with more than one holder
-    holders: dict[tuple[Any, ...], list[tuple[int, int, int]]] = defaultdict(list)
-    for p in plans:
-        for i, t in enumerate(p.tensors):
-            holders[(0, t.fqn, t.global_offset, t.local_shape, t.flattened_range)].append((p.rank, 0, i))
-        for i, o in enumerate(p.objects):
-            holders[(1, o.key, o.global_offset)].append((p.rank, 1, i))
+    # replica groups (more than one holder): their digests are compared at every save
     checks: list[list[tuple[int, int]]] = [[] for _ in plans]
     replicas: list[list[tuple[int, int]]] = []
     names: list[str] = []
-    for key, hs in holders.items():
-        if len(hs) < 2:
-            continue
+    for hs in plan.replicas:
         group = []
-        for r, kind, i in hs:
+        for kind, r, i in hs:
+            k = 0 if kind == "tensor" else 1
             group.append((r, len(checks[r])))
-            checks[r].append((kind, i))
+            checks[r].append((k, i))
         replicas.append(group)
-        names.append(f"{key[1]} at {list(key[2])}")
+        kind, r, i = hs[0]
+        it = plans[r].tensors[i] if kind == "tensor" else plans[r].objects[i]
+        names.append(f"{getattr(it, 'fqn', None) or getattr(it, 'key', '')} at {list(it.global_offset)}")
     assignments = []
     for p in plans:
         files = list(plan.files.get(p.rank, ()))
@@ -398,13 +366,15 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
         parts: list[bytes] | None = None
         err = None
         if got is not None:
+            tc = time.perf_counter()
             try:
                 parts, layout = coordinate(got, files_per_rank=ctx.files_per_rank)
             except Exception as e:  # noqa: BLE001
                 err = e
+            ctx.timings["coordinate"] = time.perf_counter() - tc
         yield from agree_steps(rank, "save", err)
         assignment = _DEC_ASSIGN.decode((yield ("scatter_bytes", parts)))
-    ctx.timings["plan"] = time.perf_counter() - t0
+    ctx.timings["plan"] = time.perf_counter() - t0  # wall clock, waiting included
     t1 = time.perf_counter()
     err = None
     report, mine = b"", 0
@@ -425,9 +395,11 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
     manifest = None
     totals = [0, 0]
     if reports is not None:
+        tm = time.perf_counter()
         try:
             assert layout is not None
             manifest = build_manifest(layout, reports, attempt_id=attempt, **ctx.manifest_args())
+            ctx.timings["manifest_build"] = time.perf_counter() - tm
             ctx.publish(attempt, manifest)
             totals = [manifest.total_bytes, len(manifest.files)]
         except Exception as e:  # noqa: BLE001
