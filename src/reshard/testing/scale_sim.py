@@ -186,7 +186,6 @@ def simulate_one(model: str, layout: Layout, target: Layout, *, optimizer: str =
         "load_census_coordinator_s": round(st3.seconds[0], 3),
         "load_manifest_broadcast_recv_bytes": len(raw) + 8,
     }
-    log(f"  world {n}: done")
     return row
 
 
