@@ -76,7 +76,7 @@ def test_scale_8_ranks(pool: WorkerPool, tmp_path) -> None:
 
 @pytest.mark.timeout(300)
 def test_scale_16_ranks_and_bytes_received(pool: WorkerPool, tmp_path) -> None:
-    small = pool.run(4, fns.r_scale, str(tmp_path / "w4"), False)
+    small = pool.run(4, fns.r_scale, str(tmp_path / "w04"), False)  # paths of equal length
     large = pool.run(16, fns.r_scale, str(tmp_path / "w16"), False, timeout=280)
     _common(large, 16)
     for i, what in enumerate(("planned", "cached")):

@@ -298,10 +298,12 @@ PLAN_CACHE: dict[Any, CacheEntry] = {}
 class RankSave:
     """One rank's inputs to :func:`save_steps`.
 
-    ``begin()`` (coordinator only): check the target, return the attempt id.
-    ``persist(attempt_id, assignment) -> (report bytes, bytes written)``.
-    ``publish(attempt_id, manifest)``, ``discard(attempt_id)``: coordinator only.
-    ``digests(assignment)``: this rank's current digests of its check items.
+    ``begin()`` (coordinator only): check the target, create the attempt and
+    return what every rank needs to find it (JSON-safe, with at least
+    ``"attempt"``, the attempt id); broadcast to every rank as ``info``.
+    ``check_location(info)`` (every rank, before writing): this rank sees it.
+    ``persist(info, assignment) -> (report bytes, bytes written)``.
+    ``publish(info, manifest)``, ``discard(info)``: coordinator only.
     """
 
     rank: int
@@ -310,10 +312,11 @@ class RankSave:
     value_digests: dict[str, str]
     err: BaseException | None
     files_per_rank: int
-    begin: Callable[[], str]
-    persist: Callable[[str, Assignment], tuple[bytes, int]]
-    publish: Callable[[str, Manifest], None]
-    discard: Callable[[str], None]
+    begin: Callable[[], dict[str, Any]]
+    check_location: Callable[[dict[str, Any]], None]
+    persist: Callable[[dict[str, Any], Assignment], tuple[bytes, int]]
+    publish: Callable[[dict[str, Any], Manifest], None]
+    discard: Callable[[dict[str, Any]], None]
     manifest_args: Callable[[], dict[str, Any]]
     cache: CacheEntry | None = None
     new_cache: CacheEntry | None = None
@@ -336,7 +339,7 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
     every rank when any rank failed. On success ``ctx.new_cache`` holds the
     entry to cache (None when the save failed)."""
     rank, err = ctx.rank, ctx.err
-    attempt = ""
+    info: dict[str, Any] | None = None
     sh = vh = 0
     if err is None:
         try:
@@ -344,42 +347,61 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
             sh = structure_hash(ctx.plan, world_size=ctx.world_size, files_per_rank=ctx.files_per_rank)
             vh = values_hash(ctx.value_digests)
             if rank == 0:
-                attempt = ctx.begin()
+                info = ctx.begin()
         except Exception as e:  # noqa: BLE001 - agreed below
             err = e
     c = ctx.cache
     changed = 0 if c is not None and c.struct_hash == sh else 1
     pid = c.plan_id if c is not None else 0
-    red = yield from agree_steps(rank, "save", err, [changed, pid, -pid, vh, -vh])
+
+    def discard() -> None:
+        if rank == 0 and info is not None:
+            ctx.discard(info)
+
+    try:
+        red = yield from agree_steps(rank, "save", err, [changed, pid, -pid, vh, -vh])
+    except CheckpointError:
+        discard()
+        raise
     cached = red[0] == 0 and red[1] == -red[2] != 0 and red[3] == -red[4]
     assert ctx.plan is not None
     t0 = time.perf_counter()
-    attempt = (yield ("broadcast_bytes", attempt.encode() if rank == 0 else None)).decode()
+    raw = yield ("broadcast_bytes", msgspec.json.encode(info) if rank == 0 else None)
+    info = msgspec.json.decode(raw)
+    assert info is not None
     layout: Layout | None = None
-    if cached:
-        assert c is not None
-        assignment = c.assignment
-        layout = c.layout
-    else:
-        msg = encode_plan(ctx.plan, sh, ctx.value_digests)
-        got = yield ("gather_bytes", msg)
-        parts: list[bytes] | None = None
-        err = None
-        if got is not None:
-            tc = time.perf_counter()
-            try:
-                parts, layout = coordinate(got, files_per_rank=ctx.files_per_rank)
-            except Exception as e:  # noqa: BLE001
-                err = e
-            ctx.timings["coordinate"] = time.perf_counter() - tc
-        yield from agree_steps(rank, "save", err)
-        assignment = _DEC_ASSIGN.decode((yield ("scatter_bytes", parts)))
+    err = None
+    try:
+        ctx.check_location(info)
+    except Exception as e:  # noqa: BLE001 - agreed below, before any data is written
+        err = e
+    try:
+        if cached:
+            assert c is not None
+            assignment = c.assignment
+            layout = c.layout
+            yield from agree_steps(rank, "save (attempt location)", err)
+        else:
+            got = yield ("gather_bytes", encode_plan(ctx.plan, sh, ctx.value_digests))
+            parts: list[bytes] | None = None
+            if got is not None and err is None:
+                tc = time.perf_counter()
+                try:
+                    parts, layout = coordinate(got, files_per_rank=ctx.files_per_rank)
+                except Exception as e:  # noqa: BLE001
+                    err = e
+                ctx.timings["coordinate"] = time.perf_counter() - tc
+            yield from agree_steps(rank, "save", err)
+            assignment = _DEC_ASSIGN.decode((yield ("scatter_bytes", parts)))
+    except CheckpointError:
+        discard()
+        raise
     ctx.timings["plan"] = time.perf_counter() - t0  # wall clock, waiting included
     t1 = time.perf_counter()
     err = None
     report, mine = b"", 0
     try:
-        report, mine = ctx.persist(attempt, assignment)
+        report, mine = ctx.persist(info, assignment)
     except Exception as e:  # noqa: BLE001
         err = e
     ctx.timings["write"] = time.perf_counter() - t1
@@ -387,8 +409,7 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
     try:
         yield from agree_steps(rank, "save", err)
     except CheckpointError:
-        if rank == 0:
-            ctx.discard(attempt)
+        discard()
         raise
     reports = yield ("gather_bytes", report)
     err = None
@@ -398,23 +419,22 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
         tm = time.perf_counter()
         try:
             assert layout is not None
-            manifest = build_manifest(layout, reports, attempt_id=attempt, **ctx.manifest_args())
+            manifest = build_manifest(layout, reports, attempt_id=str(info["attempt"]), **ctx.manifest_args())
             ctx.timings["manifest_build"] = time.perf_counter() - tm
-            ctx.publish(attempt, manifest)
+            ctx.publish(info, manifest)
             totals = [manifest.total_bytes, len(manifest.files)]
         except Exception as e:  # noqa: BLE001
             err = e
     try:
         totals = yield from agree_steps(rank, "save (publish)", err, totals)
     except CheckpointError:
-        if rank == 0:
-            ctx.discard(attempt)
+        discard()
         raise
     ctx.timings["commit"] = time.perf_counter() - t2
     ctx.new_cache = CacheEntry(struct_hash=sh, plan_id=assignment.plan_id, assignment=assignment,
                                layout=layout if rank == 0 else None)
-    return SaveOutcome(attempt_id=attempt, cached=cached, bytes_written=mine, total_bytes=totals[0],
-                       num_files=totals[1], manifest=manifest)
+    return SaveOutcome(attempt_id=str(info["attempt"]), cached=cached, bytes_written=mine,
+                       total_bytes=totals[0], num_files=totals[1], manifest=manifest)
 
 
 def report_bytes(files: Sequence[tuple[int, str]], writes: Sequence[tuple[int, int, list[str]]],

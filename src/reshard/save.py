@@ -14,7 +14,15 @@ import xxhash
 
 from . import codec
 from .collectives import Collectives, drive, get_collectives, group_key
-from .commit import attempt_path, check_target, new_attempt_id, publish, sign_manifest
+from .commit import (
+    attempt_path,
+    check_attempt,
+    check_target,
+    create_attempt,
+    new_attempt_id,
+    publish,
+    sign_manifest,
+)
 from .coordination import (
     PLAN_CACHE,
     Assignment,
@@ -23,7 +31,7 @@ from .coordination import (
     report_bytes,
     save_steps,
 )
-from .errors import CheckpointError, ShardingError, StorageError, raise_agreed
+from .errors import CheckpointError, ShardingError, StorageError, outcome, raise_agreed
 from .manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -262,10 +270,19 @@ def save(
     written bytes balanced); the coordinator (rank 0) writes ``manifest.json``
     last and publishes the attempt.
 
+    One call saves one checkpoint: the coordinator decides its location
+    (``path`` made canonical: absolute, symbolic links resolved) and creates
+    the attempt with a random nonce in it; before any rank writes data, every
+    rank checks that its own ``path`` names the same location and reads the
+    nonce back through its own storage. Before publishing, the coordinator
+    checks every data file is there at the size its writer reported.
+
     Args:
         state: the state tree (see DESIGN.md section 2); not mutated.
-        path: the checkpoint (local path, ``file://`` or ``memory://`` URL).
-            Missing parent directories are created.
+        path: the checkpoint (local path, ``file://`` or ``memory://`` URL),
+            the same location on every rank (spellings may differ: relative
+            or absolute, through symbolic links). Missing parent directories
+            are created.
         step: recorded in the manifest; ``latest`` orders by it.
         group: process group (default: the default group, or single-process).
         options: :class:`SaveOptions`.
@@ -276,8 +293,11 @@ def save(
 
     Raises:
         CheckpointError (or the common subclass of every rank's failure, e.g.
-        ShardingError): on every rank when any rank failed; nothing is
-        published and no older checkpoint is touched.
+        ShardingError): on every rank when any rank failed (among them: ranks
+        naming different checkpoints, a rank that cannot see the
+        coordinator's attempt (node-local storage), an IntegrityError for a
+        data file missing or short at publish); nothing is published, the
+        attempt is discarded and no older checkpoint is touched.
     """
     from .staging import raise_pending_error
 
@@ -312,28 +332,26 @@ def run_save(
                        objects=tuple(o for o, _ in snap.objects), aliases=snap.aliases)
     gkey = group_key(coll)
 
-    def begin() -> str:
-        check_target(st, key, overwrite=options.overwrite)
-        return new_attempt_id()
+    def check_location(info: dict[str, Any]) -> None:
+        check_attempt_location(coll.rank, st, key, info)
 
-    def do_persist(attempt_id: str, assignment: Assignment) -> tuple[bytes, int]:
+    def do_persist(info: dict[str, Any], assignment: Assignment) -> tuple[bytes, int]:
         assert snap is not None and lp is not None
         integrity_check_assignment(assignment, lp)
-        attempt = attempt_path(st, key, attempt_id)
+        attempt = info["attempt_path"]
         if on_attempt is not None:
             on_attempt(attempt)
-        try:
-            st.makedirs(attempt)
+        try:  # into the coordinator's attempt, which this rank has been shown to see
             return persist(st, attempt, snap, assignment, options)
         except OSError as e:  # a backend that raised a bare OSError: the store failed
             raise StorageError(f"{key}: writing rank {rank}'s files failed: {type(e).__name__}: {e}") from e
 
-    def do_publish(attempt_id: str, manifest: Manifest) -> None:
+    def do_publish(info: dict[str, Any], manifest: Manifest) -> None:
         if abort is not None and abort.is_set():
             raise CheckpointError(f"{key}: save abandoned before publishing")
         if options.hmac_key is not None:
             manifest = sign_manifest(manifest, options.hmac_key)
-        publish(st, attempt_path(st, key, attempt_id), key, manifest, overwrite=options.overwrite,
+        publish(st, info["attempt_path"], info["target"], manifest, overwrite=options.overwrite,
                 durable=options.durable)
         published.append(manifest)
 
@@ -346,8 +364,9 @@ def run_save(
     published: list[Manifest] = []
     ctx = RankSave(rank=rank, world_size=coll.world_size, plan=lp,
                    value_digests=snap.value_digests if snap is not None else {}, err=err,
-                   files_per_rank=options.files_per_rank, begin=begin, persist=do_persist,
-                   publish=do_publish, discard=lambda a: discard_attempt(coll, st, attempt_path(st, key, a)),
+                   files_per_rank=options.files_per_rank, begin=lambda: open_attempt(st, key, options),
+                   check_location=check_location, persist=do_persist, publish=do_publish,
+                   discard=lambda info: discard_attempt(coll, st, info["attempt_path"]),
                    manifest_args=manifest_args, cache=PLAN_CACHE.pop(gkey, None))
     out = drive(coll, save_steps(ctx))
     if ctx.new_cache is not None:
@@ -357,6 +376,70 @@ def run_save(
     return SaveResult(path=key, step=step, attempt_id=out.attempt_id, bytes_written=out.bytes_written,
                       total_bytes=out.total_bytes, num_files=out.num_files, timings=timings,
                       manifest=published[0] if published else None)
+
+
+def open_attempt(st: Storage, key: str, options: SaveOptions) -> dict[str, Any]:
+    """Coordinator, before any rank writes: decide where the checkpoint goes.
+
+    ``key`` is made canonical (``Storage.canonical``: absolute, symbolic
+    links resolved), checked (:func:`~reshard.commit.check_target`), and the
+    attempt is created with a nonce in it (:func:`~reshard.commit.create_attempt`).
+    Returns what every rank needs (JSON-safe): ``target`` (the canonical
+    checkpoint location), ``attempt`` (id), ``attempt_path`` and ``nonce``.
+    """
+    target = st.canonical(key)
+    check_target(st, target, overwrite=options.overwrite)
+    attempt_id = new_attempt_id()
+    attempt = attempt_path(st, target, attempt_id)
+    try:
+        nonce = create_attempt(st, attempt, attempt_id)
+    except Exception:
+        try:  # nothing was published: the attempt (or the empty prefix) goes
+            st.delete_tree(attempt)
+        except Exception:  # noqa: BLE001, S110 - best effort; the creation error is what matters
+            pass
+        raise
+    return {"target": target, "attempt": attempt_id, "attempt_path": attempt, "nonce": nonce}
+
+
+def check_attempt_location(rank: int, st: Storage, key: str, coord: dict[str, Any]) -> None:
+    """This rank names the coordinator's checkpoint (same canonical spelling)
+    and sees the coordinator's attempt (reads the nonce back through its own
+    storage).
+
+    Raises:
+        CheckpointError: a different checkpoint, or the attempt is not visible.
+    """
+    mine = st.canonical(key)
+    if mine != coord["target"]:
+        raise CheckpointError(
+            f"rank {rank} names checkpoint {mine!r}, the coordinator (rank 0) names "
+            f"{coord['target']!r}: every rank must pass the same checkpoint path (no per-rank "
+            "names, relative paths resolved in one directory)")
+    check_attempt(st, coord["attempt_path"], coord["nonce"], rank=rank)
+
+
+def agree_attempt_location(coll: Collectives, st: Storage, key: str, coord: dict[str, Any]) -> None:
+    """Every rank, before writing any data: the checkpoint this rank named is
+    the coordinator's (same canonical spelling), and this rank sees the
+    coordinator's attempt (it reads the nonce back through its own storage).
+    Agreed: on any rank's failure every rank raises and the attempt is
+    discarded, before any data is written.
+
+    Args:
+        coord: the coordinator's :func:`open_attempt` result.
+
+    Raises:
+        CheckpointError: ranks name different checkpoints, or a rank cannot
+            see the coordinator's attempt (node-local storage).
+    """
+    err: BaseException | None = None
+    try:
+        check_attempt_location(coll.rank, st, key, coord)
+    except Exception as e:  # noqa: BLE001 - agreed below
+        err = e
+    agree_or_discard(coll, st, coord["attempt_path"], "save (attempt location)",
+                     outcome(coll.rank, err), err)
 
 
 def agree_or_discard(coll: Collectives, st: Storage, attempt: str, what: str,

@@ -52,8 +52,8 @@ def scale_target(top: Layout, top_target: Layout, layout: Layout) -> Layout:
                   dp=f(top.dp, top_target.dp, layout.dp), ep=layout.ep)
 
 
-def _fake_persist(plan: LocalPlan) -> Callable[[str, Assignment], tuple[bytes, int]]:
-    def persist(attempt: str, a: Assignment) -> tuple[bytes, int]:
+def _fake_persist(plan: LocalPlan) -> Callable[[dict[str, Any], Assignment], tuple[bytes, int]]:
+    def persist(info: dict[str, Any], a: Assignment) -> tuple[bytes, int]:
         per_file = [8 + 128 * sum(1 for w in a.writes if w[2] == k) for k in range(len(a.files))]
         writes = []
         for kind, i, fi in a.writes:
@@ -72,13 +72,14 @@ def _save(plans: list[LocalPlan], caches: list[CacheEntry | None]) -> tuple[list
     n = len(plans)
     out: dict[str, Any] = {}
 
-    def publish(attempt: str, m: Manifest) -> None:
+    def publish(info: dict[str, Any], m: Manifest) -> None:
         t0 = time.perf_counter()
         out["raw"] = encode_manifest(m)
         out["encode_s"] = time.perf_counter() - t0
 
     ctxs = [RankSave(rank=r, world_size=n, plan=plans[r], value_digests={"step": "1"}, err=None,
-                     files_per_rank=1, begin=lambda: "sim-attempt", persist=_fake_persist(plans[r]),
+                     files_per_rank=1, begin=lambda: {"attempt": "sim-attempt"},
+                     check_location=lambda info: None, persist=_fake_persist(plans[r]),
                      publish=publish, discard=lambda a: None,
                      manifest_args=lambda: dict(step=1, checksum_block_bytes=BLOCK, schema_version=None,
                                                 mesh=None, values={}, extra={}),
