@@ -85,3 +85,34 @@ def test_scale_16_ranks_and_bytes_received(pool: WorkerPool, tmp_path) -> None:
         assert m16 <= m4, (what, m4, m16, [o["recv"][i] for o in large])
     assert max(o["recv"][1] for o in large[1:]) <= 1024
     assert large[1]["calls"][1].get("gather", 0) == 1  # the write reports only
+
+
+def test_block_digests_beside_the_data(tmp_path) -> None:
+    """The manifest holds one digest per chunk; the per-block digests live in the
+    shard file's block table, checked against it on every read."""
+    import torch
+
+    import reshard
+    from reshard.options import SaveOptions
+
+    w = torch.arange(4096, dtype=torch.float32)
+    ck = tmp_path / "ck"
+    reshard.save({"w": w, "n": 3}, ck, options=SaveOptions(checksum_block_bytes=1024))
+    m = reshard.inspect(ck)
+    (c,) = m.tensors["w"].chunks
+    assert c.checksums == () and len(c.digest) == 16 and c.block_index == 0
+    fe = m.files[c.file]
+    assert fe.blocks == 16 and c.offset + c.length == fe.size - 8 * 16
+    assert reshard.verify(ck).ok
+    raw = bytearray((ck / c.file).read_bytes())
+    raw[-3] ^= 1  # a digest in the table
+    (ck / c.file).write_bytes(bytes(raw))
+    rep = reshard.verify(ck)
+    assert not rep.ok and any("block table" in p for p in rep.problems), rep.problems
+    with pytest.raises(reshard.IntegrityError, match="block table was altered"):
+        reshard.load({"w": torch.zeros(4096)}, ck, strict=False)
+    raw[-3] ^= 1
+    raw[c.offset + 5000] ^= 1  # a data byte of block 4
+    (ck / c.file).write_bytes(bytes(raw))
+    with pytest.raises(reshard.IntegrityError, match=r"checksum mismatch in 'w' .*block 4"):
+        reshard.load({"w": torch.zeros(4096)}, ck, strict=False)

@@ -78,11 +78,12 @@ class Assignment(msgspec.Struct, array_like=True, frozen=True, gc=False):
 
 class Report(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """What a rank sends the coordinator after writing (gather): per file of its
-    assignment ``(size, checksum)``; per write ``(offset, length, block
-    checksums)`` in bytes; the digests of its ``check`` items."""
+    assignment ``(size, checksum, block-table entries)``; per write ``(offset,
+    length, root digest, first block index)`` (bytes; the per-block digests
+    stay in the file's block table); the digests of its ``check`` items."""
 
-    files: list[tuple[int, str]]
-    writes: list[tuple[int, int, list[str]]]
+    files: list[tuple[int, str, int]]
+    writes: list[tuple[int, int, str, int]]
     digests: list[str]
 
 
@@ -245,22 +246,22 @@ def build_manifest(layout: Layout, reports: Sequence[bytes], *, attempt_id: str,
     objects: dict[str, tuple[tuple[int, ...], list[ObjectChunk]]] = {}
     files: dict[str, FileEntry] = {}
     for lp, a, rep in zip(layout.plans, layout.assignments, reps, strict=True):
-        for name, (size, checksum) in zip(a.files, rep.files, strict=True):
-            files[name] = FileEntry(size=size, checksum=checksum)
-        for (kind, i, fi), (off, length, sums) in zip(a.writes, rep.writes, strict=True):
+        for name, (size, checksum, blocks) in zip(a.files, rep.files, strict=True):
+            files[name] = FileEntry(size=size, checksum=checksum, blocks=blocks)
+        for (kind, i, fi), (off, length, root, bi) in zip(a.writes, rep.writes, strict=True):
             if kind == 0:
                 it = lp.tensors[i]
                 e = tensors.get(it.fqn)
                 if e is None:
                     e = tensors[it.fqn] = (it.dtype, it.global_shape, [])
-                e[2].append(Chunk(it.global_offset, it.local_shape, a.files[fi], off, length,
-                                  tuple(sums), it.flattened_range))
+                e[2].append(Chunk(it.global_offset, it.local_shape, a.files[fi], off, length, (),
+                                  it.flattened_range, root, bi))
             else:
                 ob = lp.objects[i]
                 oe = objects.get(ob.key)
                 if oe is None:
                     oe = objects[ob.key] = (ob.global_shape, [])
-                oe[1].append(ObjectChunk(ob.global_offset, a.files[fi], off, length, tuple(sums)))
+                oe[1].append(ObjectChunk(ob.global_offset, a.files[fi], off, length, (), root, bi))
     return Manifest(
         attempt_id=attempt_id, created_at=round(time.time(), 3), world_size=len(layout.plans),
         checksum_block_bytes=checksum_block_bytes, schema_version=schema_version, step=step, mesh=mesh,
@@ -437,7 +438,7 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
                        total_bytes=totals[0], num_files=totals[1], manifest=manifest)
 
 
-def report_bytes(files: Sequence[tuple[int, str]], writes: Sequence[tuple[int, int, list[str]]],
+def report_bytes(files: Sequence[tuple[int, str, int]], writes: Sequence[tuple[int, int, str, int]],
                  digests: Sequence[str]) -> bytes:
     return _ENC.encode(Report(files=list(files), writes=list(writes), digests=list(digests)))
 

@@ -30,6 +30,7 @@ from .manifest import Manifest, ObjectChunk, TensorEntry
 from .options import LoadOptions
 from .planning import Request, check_entry_coverage, plan_reads
 from .reading import Groups, Reader, Target
+from .shardfile import BlockTables
 from .sharding import ShardedObject, ShardedTensor
 from .storage import Storage, resolve
 from .transforms import consumed_by, extra_allow_missing, manifest_view, provided_by
@@ -426,9 +427,9 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
     values: dict[str, Any] = {}
     for ob, oc in wanted:
         raw = st.read_bytes(st.join(key, oc.file), oc.offset, oc.length)
-        if opts.checksums and oc.checksums:
+        if opts.checksums and BlockTables.has(oc):
             b = m.checksum_block_bytes
-            for k, digest in enumerate(oc.checksums):
+            for k, digest in enumerate(reader.tables.sums(oc)):
                 if xxhash.xxh3_64_hexdigest(raw[k * b:(k + 1) * b]) != digest:
                     raise IntegrityError(f"{st.join(key, oc.file)}: checksum mismatch in object "
                                          f"{ob.key!r} element {list(ob.global_offset)}")

@@ -204,9 +204,9 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
     per_file: list[list[tuple[int, int, int]]] = [[] for _ in assignment.files]
     for pos, (kind, i, fi) in enumerate(assignment.writes):
         per_file[fi].append((pos, kind, i))
-    placed: list[tuple[int, int, list[str]]] = [(0, 0, [])] * len(assignment.writes)
+    placed: list[tuple[int, int, str, int]] = [(0, 0, "", -1)] * len(assignment.writes)
 
-    def write_one(fi: int) -> tuple[int, str]:
+    def write_one(fi: int) -> tuple[int, str, int]:
         items: list[FileItem] = []
         for _pos, kind, i in per_file[fi]:
             if kind == 0:
@@ -221,10 +221,13 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
                                       data=memoryview(raw), itemsize=1))
         size, checksum, written = write_shard_file(
             storage, storage.join(attempt, assignment.files[fi]), items,
-            block_bytes=options.checksum_block_bytes, checksums=options.checksums, durable=options.durable)
+            block_bytes=options.checksum_block_bytes, checksums=options.checksums, durable=options.durable,
+            block_table=True)
+        blocks = 0
         for (pos, _, _), w in zip(per_file[fi], written, strict=True):
-            placed[pos] = (w.offset, w.length, list(w.checksums))
-        return size, checksum
+            placed[pos] = (w.offset, w.length, w.root, w.block_index)
+            blocks += len(w.checksums) if w.block_index >= 0 else 0
+        return size, checksum, blocks
 
     n = len(assignment.files)
     if n <= 1:
@@ -234,7 +237,7 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
             files = list(ex.map(write_one, range(n)))
     digests = [snap.tensors[i][0].digest if kind == 0 else snap.objects[i][0].digest
                for kind, i in assignment.check]
-    return report_bytes(files, placed, digests), sum(size for size, _ in files)
+    return report_bytes(files, placed, digests), sum(f[0] for f in files)
 
 
 def check_step(step: Any) -> int | None:

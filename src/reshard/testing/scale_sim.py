@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import xxhash
+
 from ..coordination import Assignment, CacheEntry, RankSave, report_bytes, save_steps
 from ..coordination_load import key_census_steps, saved_keys
 from ..manifest import Manifest, decode_manifest, encode_manifest
@@ -55,14 +57,18 @@ def scale_target(top: Layout, top_target: Layout, layout: Layout) -> Layout:
 def _fake_persist(plan: LocalPlan) -> Callable[[dict[str, Any], Assignment], tuple[bytes, int]]:
     def persist(info: dict[str, Any], a: Assignment) -> tuple[bytes, int]:
         per_file = [8 + 128 * sum(1 for w in a.writes if w[2] == k) for k in range(len(a.files))]
+        blocks = [0] * len(a.files)
         writes = []
         for kind, i, fi in a.writes:
             n = plan.tensors[i].nbytes if kind == 0 else plan.objects[i].nbytes
             off = per_file[fi]
-            base = (plan.rank << 40) ^ (i << 20)
-            writes.append((off, n, [f"{base + k:016x}" for k in range(-(-n // BLOCK))]))
+            # the root of the item's blocks; the 8-byte block digests go into the file's table
+            root = xxhash.xxh3_64_hexdigest(f"{plan.rank}:{i}".encode())
+            writes.append((off, n, root, blocks[fi]))
             per_file[fi] = off + n
-        files = [(size, f"{plan.rank:08x}{k:08x}") for k, size in enumerate(per_file)]
+            blocks[fi] += -(-n // BLOCK)
+        files = [(size + 8 * blocks[k], f"{plan.rank:08x}{k:08x}", blocks[k])
+                 for k, size in enumerate(per_file)]
         digests = [plan.tensors[i].digest if kind == 0 else plan.objects[i].digest for kind, i in a.check]
         return report_bytes(files, writes, digests), sum(per_file)
     return persist
