@@ -119,7 +119,7 @@ def drive(coll: Collectives, steps: Generator[Request, Any, T]) -> T:
         while True:
             req = steps.send(getattr(coll, req[0])(*req[1:]))
     except StopIteration as stop:
-        return stop.value  # type: ignore[no-any-return]
+        return stop.value
 
 
 def agree_steps(rank: int, what: str, exc: BaseException | None,
@@ -170,8 +170,10 @@ def _representatives(failures: dict[int, RankFailure]) -> list[RankFailure]:
 def _reduce(vectors: Sequence[Sequence[int]], op: str) -> list[int]:
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    fn = {"sum": sum, "max": max, "min": min}[op]
-    return [int(fn(col)) for col in zip(*vectors, strict=True)]
+    cols = list(zip(*vectors, strict=True))
+    if op == "sum":
+        return [int(sum(c)) for c in cols]
+    return [int(max(c) if op == "max" else min(c)) for c in cols]
 
 
 class SingleProcess(Collectives):

@@ -42,7 +42,8 @@ def read_shared_steps(rank: int, read: Any, decode: Any) -> Generator[Request, A
     got = yield ("broadcast_bytes", raw if rank == 0 else None)
     if not got:
         return None
-    return decode(got)  # type: ignore[no-any-return]
+    m: Manifest = decode(got)
+    return m
 
 
 def read_shared(coll: Collectives, st: Storage, key: str, *, hmac_key: bytes | None = None,

@@ -170,10 +170,10 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePla
         if prev is None:
             meta[fqn] = (dtype, gshape, r0)
         elif prev[0] != dtype or prev[1] != gshape:
-            a, b = (prev, (dtype, gshape, r0)) if prev[2] <= r0 else ((dtype, gshape, r0), prev)
+            one, two = (prev, (dtype, gshape, r0)) if prev[2] <= r0 else ((dtype, gshape, r0), prev)
             raise ShardingError(
-                f"{fqn}: rank {a[2]} declares dtype {a[0]} global_shape {list(a[1])}, "
-                f"rank {b[2]} declares dtype {b[0]} global_shape {list(b[1])}"
+                f"{fqn}: rank {one[2]} declares dtype {one[0]} global_shape {list(one[1])}, "
+                f"rank {two[2]} declares dtype {two[0]} global_shape {list(two[1])}"
             )
         per_fqn[fqn][(off, shape, fr)] = gholders[g]
     if differ:
