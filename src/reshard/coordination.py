@@ -196,14 +196,15 @@ def coordinate(messages: Sequence[bytes], *, files_per_rank: int) -> tuple[list[
     checks: list[list[tuple[int, int]]] = [[] for _ in plans]
     replicas: list[list[tuple[int, int]]] = []
     names: list[str] = []
-    for hs in plan.replicas:
+    for kind, hs in plan.replicas:
+        k = 0 if kind == "tensor" else 1
         group = []
-        for kind, r, i in hs:
-            k = 0 if kind == "tensor" else 1
-            group.append((r, len(checks[r])))
-            checks[r].append((k, i))
+        for r, i in hs:
+            cr = checks[r]
+            group.append((r, len(cr)))
+            cr.append((k, i))
         replicas.append(group)
-        kind, r, i = hs[0]
+        r, i = hs[0]
         it = plans[r].tensors[i] if kind == "tensor" else plans[r].objects[i]
         names.append(f"{getattr(it, 'fqn', None) or getattr(it, 'key', '')} at {list(it.global_offset)}")
     assignments = []

@@ -103,15 +103,15 @@ class SavePlan:
         writes: rank -> the items that rank writes, in file order.
         files: rank -> the file names that rank writes.
         bytes_per_rank: rank -> bytes of data it writes.
-        replicas: the holders ``(kind, rank, local index)`` of every chunk or
-            object element held by more than one rank (their digests are
-            compared at every save, cached or not).
+        replicas: ``(kind, [(rank, local index), ...])``: the holders of every
+            chunk or object element held by more than one rank (their digests
+            are compared at every save, cached or not).
     """
 
     writes: dict[int, tuple[WriteItem, ...]]
     files: dict[int, tuple[str, ...]]
     bytes_per_rank: dict[int, int]
-    replicas: tuple[tuple[tuple[str, int, int], ...], ...] = ()
+    replicas: tuple[tuple[str, list[tuple[int, int]]], ...] = ()
 
 
 def data_file_name(rank: int, index: int) -> str:
@@ -147,11 +147,12 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePla
     gdigest: list[str] = []
     gbytes: list[int] = []
     differ: list[int] = []
+    lookup = gindex.get
     for p in plans:
         r = p.rank
         for i, it in enumerate(p.tensors):
             key = (it.fqn, it.dtype, it.global_shape, it.global_offset, it.local_shape, it.flattened_range)
-            g = gindex.get(key)
+            g = lookup(key)
             if g is None:
                 gindex[key] = len(gkeys)
                 gkeys.append(key)
@@ -226,7 +227,7 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePla
     load: dict[int, int] = {p.rank: 0 for p in plans}
     chosen: dict[int, list[tuple[str, int, int]]] = defaultdict(list)  # rank -> (kind, index, nbytes)
     multi: list[tuple[int, int, str, list[tuple[int, int]]]] = []
-    replicas: list[tuple[tuple[str, int, int], ...]] = []
+    replicas: list[tuple[str, list[tuple[int, int]]]] = []
     for g, hs in enumerate(gholders):
         if len(hs) == 1:
             r, i = hs[0]
@@ -234,7 +235,7 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePla
             load[r] += gbytes[g]
         else:
             multi.append((gbytes[g], len(multi), "tensor", hs))
-            replicas.append(tuple(("tensor", r, i) for r, i in hs))
+            replicas.append(("tensor", hs))
     for elems in oholders.values():
         for hs in elems.values():
             n = by_rank[hs[0][0]].objects[hs[0][1]].nbytes
@@ -243,7 +244,7 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePla
                 load[hs[0][0]] += n
             else:
                 multi.append((n, len(multi), "object", hs))
-                replicas.append(tuple(("object", r, i) for r, i in hs))
+                replicas.append(("object", hs))
     multi.sort(key=lambda t: (-t[0], t[1]))  # largest first; ties keep gather order
     for n, _, kind, hs in multi:
         loads = [load[r] for r, _ in hs]
