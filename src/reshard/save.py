@@ -362,7 +362,8 @@ def run_save(
         assert snap is not None
         return dict(step=step, checksum_block_bytes=options.checksum_block_bytes,
                     schema_version=options.schema_version, mesh=options.mesh,
-                    values=snap.values_json, extra=dict(options.extra))
+                    values=snap.values_json, extra=dict(options.extra), parent=options.parent,
+                    lineage=options.lineage)
 
     published: list[Manifest] = []
     ctx = RankSave(rank=rank, world_size=coll.world_size, plan=lp,
