@@ -8,13 +8,19 @@ and the scale simulator (which runs N of them in lockstep in one process,
 :mod:`reshard.testing.simulate`) execute the same rank and coordinator code::
 
     all ranks   agree (1 all-reduce): failures, structure hash vs cache, values hash
-    coordinator broadcast attempt id
+    coordinator broadcast the attempt (target, attempt path, nonce); every rank
+                checks it sees the attempt before writing (agreed below)
     (planned)   gather local plans -> coordinator: validate, dedup, balance (plan_save)
                 -> agree -> scatter: each rank receives only its own assignment
-    (cached)    every rank reuses its cached assignment: nothing more is exchanged
+    (cached)    every rank reuses its cached assignment -> agree (location only)
     all ranks   write their files -> agree -> gather write reports -> coordinator
     coordinator rebuild the manifest from the layout + reports, compare replica
                 digests, publish -> agree (carrying the totals)
+
+The cache lives in this process (:data:`PLAN_CACHE`, per group); it is
+invalidated on every rank by any change on any rank (the all-reduce of the
+structure hash), and dropped by any failed save. It is not rebuilt from a
+committed manifest after a restart: the first save of a new process plans.
 
 Messages are msgpack (msgspec) records encoded as arrays, with each rank's fqns
 interned in a table. Nothing here does I/O: writing, publishing and discarding
@@ -443,10 +449,6 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
 def report_bytes(files: Sequence[tuple[int, str, int]], writes: Sequence[tuple[int, int, str, int]],
                  digests: Sequence[str]) -> bytes:
     return _ENC.encode(Report(files=list(files), writes=list(writes), digests=list(digests)))
-
-
-def local_digest(plan: LocalPlan, kind: int, index: int) -> str:
-    return plan.tensors[index].digest if kind == 0 else plan.objects[index].digest
 
 
 def integrity_check_assignment(a: Assignment, plan: LocalPlan) -> None:
