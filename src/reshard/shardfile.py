@@ -236,9 +236,9 @@ class BlockTables:
         raw = self._table(c.file)[8 * c.block_index:8 * (c.block_index + n)]
         if len(raw) != 8 * n or block_root(raw) != c.digest:
             raise IntegrityError(
-                f"{self.st.join(self.ckpt, c.file)}: the block digests of the chunk at file bytes "
-                f"[{c.offset}, {c.offset + c.length}) do not match the manifest's digest (the file's "
-                "block table was altered or truncated)")
+                f"{self.st.join(self.ckpt, c.file)}: checksum mismatch: the block digests of the chunk "
+                f"at file bytes [{c.offset}, {c.offset + c.length}) do not match the manifest's digest "
+                "(the file's block table was altered or truncated)")
         got = tuple(raw[8 * k:8 * k + 8].hex() for k in range(n))
         self._sums[key] = got
         return got
