@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from .manifest import MANIFEST_NAME
 from .planning import SavePlan
@@ -58,6 +59,21 @@ def name_plan(plan: SavePlan, attempt_id: str) -> SavePlan:
         writes={r: tuple(dataclasses.replace(w, file=data_name(attempt_id, w.file)) for w in ws)
                 for r, ws in plan.writes.items()},
         files={r: tuple(data_name(attempt_id, f) for f in fs) for r, fs in plan.files.items()})
+
+
+def rename_files(m: Any, names: dict[str, str]) -> Any:
+    """Manifest ``m`` with its data files renamed by ``names`` (in ``files``
+    and in every chunk that names them)."""
+    import msgspec
+
+    return msgspec.structs.replace(
+        m, files={names[n]: fe for n, fe in m.files.items()},
+        tensors={k: msgspec.structs.replace(te, chunks=tuple(
+            msgspec.structs.replace(c, file=names[c.file]) for c in te.chunks))
+            for k, te in m.tensors.items()},
+        objects={k: msgspec.structs.replace(oe, chunks=tuple(
+            msgspec.structs.replace(c, file=names[c.file]) for c in oe.chunks))
+            for k, oe in m.objects.items()})
 
 
 def lease_key(storage: Storage, path: str, attempt_id: str) -> str:

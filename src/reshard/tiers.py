@@ -151,6 +151,14 @@ def copy_checkpoint(src: Storage, src_path: str, dst: Storage, dst_path: str, *,
         raise CheckpointError(f"{src_path}: the manifest is signed; copying it to another tier "
                               "renames its files and needs the HMAC key to sign it again")
     check_target(dst, dst_path, overwrite=False)
+    from .verify import verify
+
+    # every block and file checksum of the source, wherever the manifest keeps them (chunk
+    # lists or the files' block tables); the copy below re-checks chunk-listed ones in flight
+    rep = verify(src_path, checksums=True, storage=src)
+    if not rep.ok:
+        raise IntegrityError(f"{src_path}: refusing to copy a corrupt checkpoint: "
+                             + "; ".join(rep.problems[:3]))
     aid = new_attempt_id()
     rename = dst.capabilities.atomic_rename
     names = {n: n if rename else attempts.data_name(aid, n) for n in m.files}
