@@ -86,3 +86,13 @@ def test_bench_io_smoke(tmp_path: Path) -> None:
 def _manifest_bytes(doc: dict) -> int:
     rec = [r for r in doc["records"] if r["phase"] == "save" and r["method"] == "reshard"][-1]
     return int(rec["manifest_bytes"])
+
+
+def test_bench_scale_smoke_beside_io() -> None:
+    """`reshard bench scale` on a tiny layout, in the same group as `io`."""
+    r = CliRunner().invoke(main, ["bench", "--help"])
+    assert r.exit_code == 0 and "io" in r.output and "scale" in r.output
+    r = CliRunner().invoke(main, ["bench", "scale", "--tp", "2", "--pp", "2", "--dp", "2", "--model",
+                                  "llama-8b", "--only-largest"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "8 ranks" in r.output

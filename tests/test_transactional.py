@@ -94,7 +94,9 @@ def test_single_process_save_leaves_no_nonce(tmp_path: Path) -> None:
     from reshard.storage import MemoryStorage
 
     keys = [k for k in MemoryStorage()._objects if k.startswith("txn-single/")]
-    assert sorted(keys) == [f"txn-single/ck/{DATA0}", "txn-single/ck/manifest.json"]
+    m = reshard.inspect("memory://txn-single/ck")  # no rename: data keys carry the attempt id
+    assert list(m.files) == [f"att-{m.attempt_id}.{DATA0}"]
+    assert sorted(keys) == [f"txn-single/ck/att-{m.attempt_id}.{DATA0}", "txn-single/ck/manifest.json"]
 
 
 # ----------------------------------------------------------------------------- load
@@ -163,8 +165,10 @@ def test_refused_request_changes_no_target_anywhere(pool: Any, tmp_path: Path, h
 
 
 def _flip_last_byte(f: Path) -> None:
+    """Flip the last byte of the file's last tensor (before its block-digest table)."""
+    blocks = reshard.inspect(str(f.parent)).files[f.name].blocks
     data = bytearray(f.read_bytes())
-    data[-1] ^= 0x40
+    data[-1 - 8 * blocks] ^= 0x40
     f.write_bytes(bytes(data))
 
 
@@ -222,11 +226,12 @@ def test_verify_first_loads_exactly_and_refuses_unverifiable(tmp_path: Path) -> 
 def test_meta_targets_are_refused_before_reading(pool: Any, tmp_path: Path) -> None:
     ck = _saved(pool, tmp_path)
     out = pool.run(2, r_load_unchanged, str(ck), "meta")
-    for r in out:
+    for rank, r in enumerate(out):
         assert r["raised"]["type"] == "ShardingError"
         msg = r["raised"]["message"]
         assert "'model.w' on device 'meta'" in msg and "materialise with `to_empty()` first" in msg
-        assert r["bytes_read"] == r["manifest_bytes"]  # nothing read but the manifest
+        # nothing read but the manifest, by the coordinator (it reaches the others by broadcast)
+        assert r["bytes_read"] == (r["manifest_bytes"] if rank == 0 else 0)
         assert r["still_meta"]
 
 

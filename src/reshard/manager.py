@@ -193,9 +193,9 @@ class CheckpointManager:
         timed = iv is not None and time.monotonic() - self.last_save_time >= iv
         pre = self._preempt.is_set()
         if self.coll.world_size > 1:
-            votes = self.coll.all_gather_json([timed if self.coll.rank == 0 else False, pre])
-            timed = bool(votes[0][0])
-            pre = any(v[1] for v in votes)
+            # one all-reduce: the coordinator's clock decides "timed", any rank's signal "pre"
+            votes = self.coll.all_reduce_ints([int(timed and self.coll.rank == 0), int(pre)], "max")
+            timed, pre = bool(votes[0]), bool(votes[1])
             if pre:
                 self._preempt.set()
         return want or timed or pre
@@ -472,8 +472,15 @@ class CheckpointManager:
     def gc_abandoned(self, grace_s: float | None = None, *, dry_run: bool = False) -> list[str]:
         """Delete ``*.incomplete-*`` attempts older than ``grace_s`` seconds
         (never one of this manager's in-flight saves, never a quarantined
-        checkpoint)."""
+        checkpoint). On a store without atomic rename (S3): the attempts
+        whose lease has expired, and their open multipart uploads
+        (:func:`reshard.attempts.gc_root`); returns ``<checkpoint>/<attempt
+        id>`` names."""
         grace = self.gc_grace_s if grace_s is None else grace_s
+        if not self.storage.capabilities.atomic_rename:  # attempts live under the final prefix
+            from .attempts import gc_root
+
+            return list(gc_root(self.storage, self.root, grace_s=grace, dry_run=dry_run).attempts)
         now = time.time()
         inflight = set(self._pending_names())
         out = []

@@ -1,19 +1,5 @@
-"""``reshard bench``: the benchmark commands.
-
-The ``bench`` click group lives here (not in :mod:`reshard.cli`) so that every
-benchmark command registers into the same group from its own module
-(``reshard bench io``: :mod:`reshard.bench.io`; ``reshard bench scale``
-attaches to the same group): a command module decorates its function with
-``@bench.command(...)``, and :mod:`reshard.cli` imports the command modules and
-adds the group once with ``main.add_command(bench)``.
+"""``reshard bench io`` (:mod:`reshard.bench.io`): checkpoint I/O of a real
+model state on real gloo ranks, with its peers and the machine's limits.
+The ``bench`` click group is :func:`reshard.cli.bench_group`; ``io`` is
+attached to it there (``reshard bench scale`` is defined in :mod:`reshard.cli`).
 """
-
-from __future__ import annotations
-
-import click
-
-
-@click.group("bench")
-def bench() -> None:
-    """Benchmarks: reshard against its peers and the machine's limits, measured in one run."""
-

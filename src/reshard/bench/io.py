@@ -48,7 +48,6 @@ from typing import Any
 
 import click
 
-from . import bench
 from .models import MODELS, parse_layout
 
 GB = 1e9
@@ -271,7 +270,7 @@ def _phase_count(cfg: dict[str, Any]) -> int:
     return per * len(cfg["worlds"]) * len(cfg["backends"])
 
 
-@bench.command("io")
+@click.command("io")
 @click.option("--model", type=click.Choice(list(MODELS)), default="synthetic", show_default=True,
               help="Workload (real nn.Module state with AdamW moments).")
 @click.option("--world", "world", default="1,2", show_default=True, help="World sizes, e.g. 1,2,4.")
@@ -363,6 +362,11 @@ def io_cmd(model: str, world: str, layout: str, reshard_to: tuple[str, ...], bac
                                         "process; every rank must see the same checkpoint)")
                     continue
                 runner.world_run(w, b, scratch)
+                if json_path:  # what is measured so far survives a later failure
+                    with open(json_path, "w") as f:
+                        json.dump({"config": {**cfg, "skip": sorted(cfg["skip"])}, "meta": meta,
+                                   "notes": runner.notes, "partial": True, "records": runner.records},
+                                  f, indent=1, default=str)
     finally:
         if runner.bar is not None:
             runner.bar.close()
