@@ -104,7 +104,7 @@ def r_load_rows(path: str, shapes: dict[str, tuple[tuple[int, ...], str]]) -> di
 
 def r_convert(src: str, dst: str) -> dict[str, Any]:
     """convert_dcp on every rank of the default group (files shared out)."""
-    from reshard.dcp import convert_dcp
+    from reshard.formats.dcp_convert import convert_dcp
 
     res = convert_dcp(src, dst, file_bytes=200)
     return {"bytes_written": res.bytes_written, "num_files": res.num_files,

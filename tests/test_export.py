@@ -1,4 +1,4 @@
-"""Export to / import from Hugging Face safetensors (reshard.export): a
+"""Export to / import from Hugging Face safetensors (reshard.formats): a
 checkpoint saved on 2 gloo ranks (row-, column-, unevenly and flat (ZeRO) sharded tensors,
 replicated tensors, a tied alias, AdamW-like optimizer state, objects and
 values) exported, checked with ``safetensors.torch.load_file``, and imported
@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 import reshard
 from reshard.cli import main
 from reshard.errors import CheckpointNotFoundError, ManifestError
-from reshard.export import INDEX_NAME, SINGLE_NAME, export_hf, hf_manifest, import_hf, parse_size
+from reshard.formats.hf_export import INDEX_NAME, SINGLE_NAME, export_hf, parse_size
+from reshard.formats.hf_import import hf_manifest, import_hf
 from reshard.storage import LocalStorage
 from reshard.transforms import Rename, Reset, Transpose
 
@@ -202,7 +203,7 @@ def test_export_one_file_bf16_rename_copy(ckpt: Path, tmp_path: Path) -> None:
 def test_export_streams_row_blocks(ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensors larger than READ_BLOCK_BYTES are read and written in blocks of
     rows (through row- and column-sharded chunks, with and without a cast)."""
-    import reshard.export as ex
+    import reshard.formats.hf_export as ex
 
     monkeypatch.setattr(ex, "READ_BLOCK_BYTES", 200)
     m = reshard.inspect(ckpt)

@@ -120,7 +120,7 @@ def test_minilm_forward_is_the_real_model() -> None:
     sentences (0.755 for the pair below, sentence-transformers' own value)."""
     from tokenizers import Tokenizer
 
-    from reshard.export import import_hf
+    from reshard.formats.hf_import import import_hf
     from reshard.testing.data import minilm_dir
     from reshard.testing.model import MicroBatch
 
@@ -148,7 +148,7 @@ def test_minilm_import_tp2_save_load_tp1_export(pool: WorkerPool, tmp_path) -> N
     decoder is tied to the word embeddings again; the head is exported too."""
     from safetensors import safe_open
 
-    from reshard.export import export_hf
+    from reshard.formats.hf_export import export_hf
     from reshard.testing.data import minilm_dir
 
     ckpt, out = str(tmp_path / "ckpt"), tmp_path / "hf"

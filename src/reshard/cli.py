@@ -456,7 +456,7 @@ def export_cmd(ckpt: str, out: str, fmt: str, dtype: str | None, max_shard_size:
                copies: tuple[str, ...], includes: tuple[str, ...], overwrite: bool) -> None:
     """Export the model tensors of checkpoint CKPT to the directory OUT
     (streaming, one tensor in memory at a time; optimizer state dropped)."""
-    from .export import export_hf, parse_dtype, parse_size
+    from .formats.hf_export import export_hf, parse_dtype, parse_size
 
     try:
         limit = parse_size(max_shard_size)
@@ -503,7 +503,7 @@ def convert_cmd(src_format: str, src: str, dst: str, step: int | None, overwrite
 
     Exits 1 if SRC is refused or invalid, 2 if there is no checkpoint at SRC.
     """
-    from .dcp import convert_dcp
+    from .formats.dcp_convert import convert_dcp
     from .options import SaveOptions
 
     t0 = time.perf_counter()

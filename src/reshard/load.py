@@ -337,7 +337,7 @@ def load(
         manifest: read through this manifest instead of ``path/manifest.json``
             (foreign formats: a DCP checkpoint or a Hugging Face directory
             presented as a reshard manifest over a storage that serves their
-            bytes; see :mod:`reshard.dcp` and :mod:`reshard.export`).
+            bytes; see :mod:`reshard.formats.dcp` and :mod:`reshard.formats.hf_export`).
 
     Raises:
         CheckpointNotFoundError: no committed checkpoint at ``path``.
@@ -395,12 +395,12 @@ def load(
 
 def _read_or_dcp(st: Storage, key: str, opts: LoadOptions) -> tuple[Storage, Manifest]:
     """The manifest at ``key``; where there is none but a PyTorch DCP
-    ``.metadata``, the DCP checkpoint presented by :func:`reshard.dcp.open_dcp`
+    ``.metadata``, the DCP checkpoint presented by :func:`reshard.formats.dcp.open_dcp`
     (unsigned: refused when an HMAC key is given)."""
     try:
         return st, read_manifest(st, key, hmac_key=opts.hmac_key)
     except CheckpointNotFoundError:
-        from .dcp import DCP_METADATA, open_dcp
+        from .formats.dcp import DCP_METADATA, open_dcp
 
         if not st.exists(st.join(key, DCP_METADATA)):
             raise

@@ -347,7 +347,7 @@ def save(
         ShardingError): on every rank when any rank failed; nothing is
         published and no older checkpoint is touched.
     """
-    from .staging import raise_pending_error
+    from .pending import raise_pending_error
 
     step = check_step(step)
     coll = get_collectives(group)

@@ -369,7 +369,7 @@ def run_demo(cfg: DemoConfig) -> int:
                 f"max |diff| {drift:.3e}")
         # 5. final checkpoint and export to Hugging Face safetensors
         final = pool.run(lb.world_size, r_save, "b", str(root), cfg.every, timeout=600)[0]
-        from ..export import export_hf
+        from ..formats.hf_export import export_hf
 
         hf_out = out / "hf"
         t0 = time.perf_counter()

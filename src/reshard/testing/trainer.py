@@ -412,7 +412,7 @@ class Trainer:
     def import_hf(self, hf_dir: str, **kw: Any) -> reshard.LoadResult:
         """The model weights from a Hugging Face directory (bert: the MLM head
         is not in it and keeps its initialisation from ``head_seed``)."""
-        from ..export import import_hf
+        from ..formats.hf_import import import_hf
 
         kw.setdefault("allow_missing", [("cls.*", "keep")])
         res = import_hf({"model": reshard.ModelState(self.module, layout=self.module.layout)},

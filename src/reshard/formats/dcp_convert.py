@@ -1,4 +1,4 @@
-"""Convert a PyTorch DCP checkpoint into a reshard checkpoint (see :mod:`reshard.dcp`).
+"""Convert a PyTorch DCP checkpoint into a reshard checkpoint (see :mod:`reshard.formats.dcp`).
 """
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import os
 import time
 from typing import Any
 
+from ..errors import IntegrityError
+from ..manifest import Chunk, FileEntry, Manifest, TensorEntry, validate_manifest
+from ..sharding import itemsize
+from ..storage import Storage, resolve
 from .dcp import DCPStorage, open_dcp
-from .errors import IntegrityError
-from .manifest import Chunk, FileEntry, Manifest, TensorEntry, validate_manifest
-from .sharding import itemsize
-from .storage import Storage, resolve
 
 # --------------------------------------------------------------------------- conversion
 
@@ -64,13 +64,13 @@ def convert_dcp(
         failure is raised on every rank (as the common class of every rank's
         error) and publishes nothing.
     """
-    from .collectives import get_collectives
-    from .commit import attempt_path, check_target, new_attempt_id, publish, sign_manifest
-    from .errors import outcome, raise_agreed
-    from .manifest import MANIFEST_NAME
-    from .options import SaveOptions
-    from .save import SaveResult, agree_or_discard
-    from .shardfile import FileItem, tensor_bytes, write_shard_file
+    from ..collectives import get_collectives
+    from ..commit import attempt_path, check_target, new_attempt_id, publish, sign_manifest
+    from ..errors import outcome, raise_agreed
+    from ..manifest import MANIFEST_NAME
+    from ..options import SaveOptions
+    from ..save import SaveResult, agree_or_discard
+    from ..shardfile import FileItem, tensor_bytes, write_shard_file
 
     opts: SaveOptions = options or SaveOptions()
     coll = get_collectives(group)

@@ -11,16 +11,16 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .collectives import get_collectives
-from .errors import CheckpointNotFoundError, ManifestError, ShardingError
-from .export import INDEX_NAME, MAX_HEADER_BYTES, MAX_INDEX_BYTES, SINGLE_NAME
-from .load import LoadResult, load
-from .manifest import Chunk, FileEntry, Manifest, TensorEntry, check_file_name, validate_manifest
-from .options import LoadOptions
-from .sharding import (
+from ..collectives import get_collectives
+from ..errors import CheckpointNotFoundError, ManifestError, ShardingError
+from ..load import LoadResult, load
+from ..manifest import Chunk, FileEntry, Manifest, TensorEntry, check_file_name, validate_manifest
+from ..options import LoadOptions
+from ..sharding import (
     dtype_from_safetensors,
 )
-from .storage import Storage, resolve
+from ..storage import Storage, resolve
+from .hf_export import INDEX_NAME, MAX_HEADER_BYTES, MAX_INDEX_BYTES, SINGLE_NAME
 
 # ----------------------------------------------------------------------------- import
 

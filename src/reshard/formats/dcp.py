@@ -32,7 +32,8 @@ API:
   it, for ``reshard.load(state, path, storage=..., manifest=...)``.
   ``reshard.load(state, path)`` does this by itself when ``path`` holds a
   ``.metadata`` and no ``manifest.json``.
-* :func:`convert_dcp` -- write a committed reshard checkpoint from a DCP one.
+* :func:`reshard.formats.dcp_convert.convert_dcp` -- write a committed reshard
+  checkpoint from a DCP one.
 
 Only the default ``torch_save`` serialization of ``FileSystemWriter`` is
 supported; stream transforms (``transform_descriptors``, e.g. compression
@@ -54,16 +55,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import codec
-from .errors import CheckpointError, IntegrityError, ManifestError, ShardingError, StorageError
-from .manifest import Chunk, FileEntry, Manifest, TensorEntry, check_file_name, validate_manifest
-from .sharding import dtype_name, itemsize, numel
-from .storage import Capabilities, Storage, WriteStream, resolve
+from .. import codec
+from ..errors import CheckpointError, IntegrityError, ManifestError, ShardingError, StorageError
+from ..manifest import Chunk, FileEntry, Manifest, TensorEntry, check_file_name, validate_manifest
+from ..sharding import dtype_name, itemsize, numel
+from ..storage import Capabilities, Storage, WriteStream, resolve
 
 __all__ = [
     "DCP_METADATA",
     "DCPStorage",
-    "convert_dcp",
     "is_dcp_checkpoint",
     "open_dcp",
     "read_dcp_metadata",
@@ -113,7 +113,7 @@ def _make_tables() -> tuple[dict[tuple[str, str], Any], dict[str, type]]:
     records: dict[str, type] = {}
     for mod, name in _RECORD_CLASSES:
         base = getattr(mods[mod], name)
-        sub = type(name, (base,), {"__module__": f"reshard.dcp.<{mod}>"})
+        sub = type(name, (base,), {"__module__": f"reshard.formats.dcp.<{mod}>"})
         records[name] = sub
         allowed[(mod, name)] = sub
     base_props = md.TensorProperties
@@ -205,7 +205,7 @@ def read_dcp_metadata(path: str | os.PathLike[str], *, storage: Storage | None =
 
 
 def _read_metadata(st: Storage, key: str) -> Any:
-    from .errors import CheckpointNotFoundError
+    from ..errors import CheckpointNotFoundError
 
     mpath = st.join(key, DCP_METADATA)
     if st.is_link(mpath):
@@ -232,7 +232,7 @@ def _read_metadata(st: Storage, key: str) -> Any:
 
 def is_dcp_checkpoint(path: str | os.PathLike[str], *, storage: Storage | None = None) -> bool:
     """``path`` holds a DCP ``.metadata`` (and no reshard ``manifest.json``)."""
-    from .manifest import MANIFEST_NAME
+    from ..manifest import MANIFEST_NAME
 
     st, key = resolve(path, storage)
     return st.exists(st.join(key, DCP_METADATA)) and not st.exists(st.join(key, MANIFEST_NAME))
@@ -329,7 +329,7 @@ class DCPStorage(Storage):
 
     def tensor(self, name: str) -> torch.Tensor:
         """Virtual file ``name`` decoded as its tensor (dtype and shape of the chunk)."""
-        from .sharding import torch_dtype
+        from ..sharding import torch_dtype
 
         it = self.items[name]
         return self.chunk(name).view(torch_dtype(it.dtype)).reshape(it.shape)
@@ -692,6 +692,3 @@ def open_dcp(
                             f"{type(e).__name__}: {e}") from None
     return DCPStorage(st, key, items, cache_bytes=cache_bytes), m
 
-
-# conversion lives in its own module; kept importable from here
-from .dcp_convert import convert_dcp  # noqa: E402

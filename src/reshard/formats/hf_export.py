@@ -43,14 +43,14 @@ import msgspec
 import torch
 import xxhash
 
-from .collectives import SingleProcess
-from .commit import read_manifest
-from .errors import ManifestError
-from .load import load
-from .manifest import Manifest, TensorEntry
-from .options import LoadOptions
-from .shardfile import tensor_bytes
-from .sharding import (
+from ..collectives import SingleProcess
+from ..commit import read_manifest
+from ..errors import ManifestError
+from ..load import load
+from ..manifest import Manifest, TensorEntry
+from ..options import LoadOptions
+from ..shardfile import tensor_bytes
+from ..sharding import (
     ShardedTensor,
     dtype_name,
     itemsize,
@@ -58,7 +58,7 @@ from .sharding import (
     safetensors_code,
     torch_dtype,
 )
-from .storage import Storage, resolve
+from ..storage import Storage, resolve
 
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -180,7 +180,7 @@ def _output_names(m: Manifest, transforms: Sequence[Any]
     """``({output name: saved fqn} of tensors, {output alias: (saved alias,
     output name of its target)})``
     after the manifest-level transforms (Rename, Reset)."""
-    from .transforms import manifest_view
+    from ..transforms import manifest_view
 
     for t in transforms:
         if not hasattr(t, "apply_manifest"):
@@ -579,7 +579,4 @@ def _validate_shard(path: str, order: list[_Item], digests: Mapping[str, str]) -
         os.close(fd)
 
 
-# import lives in its own module; kept importable from here
-from .hf_import import hf_manifest, import_hf  # noqa: E402
-
-__all__ = ["ExportResult", "export_hf", "hf_manifest", "import_hf", "parse_dtype", "parse_size"]
+__all__ = ["ExportResult", "export_hf", "parse_dtype", "parse_size"]
