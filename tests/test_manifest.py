@@ -131,7 +131,7 @@ def test_chunk_naming_unlisted_file_is_refused() -> None:
         dec(d)
 
 
-@pytest.mark.parametrize("dtype", ["complex64", "object", "float128", "F32", ""])
+@pytest.mark.parametrize("dtype", ["complex32", "object", "float128", "F32", ""])
 def test_dtype_not_on_allow_list(dtype: str) -> None:
     d = base()
     d["tensors"]["w"]["dtype"] = dtype

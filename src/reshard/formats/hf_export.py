@@ -51,11 +51,12 @@ from ..manifest import Manifest, TensorEntry
 from ..options import LoadOptions
 from ..shardfile import tensor_bytes
 from ..sharding import (
+    VIEW_METADATA_PREFIX,
     ShardedTensor,
     dtype_name,
     itemsize,
     numel,
-    safetensors_code,
+    safetensors_entry,
     torch_dtype,
 )
 from ..storage import Storage, resolve
@@ -228,11 +229,14 @@ def _header(items: list[_Item]) -> tuple[bytes, list[_Item]]:
     8 bytes) and the data order: larger item sizes first, so every tensor
     starts at a multiple of its item size."""
     order = sorted(items, key=lambda it: (-itemsize(it.dtype), it.out))
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    meta: dict[str, str] = {"format": "pt"}
+    header: dict[str, Any] = {"__metadata__": meta}
     pos = 0
     for it in order:
-        header[it.out] = {"dtype": safetensors_code(it.dtype), "shape": list(it.shape),
-                          "data_offsets": [pos, pos + it.nbytes]}
+        code, shape = safetensors_entry(it.dtype, it.shape)
+        if shape != list(it.shape):  # a view (complex128 as float64 pairs): record it
+            meta[VIEW_METADATA_PREFIX + it.out] = it.dtype
+        header[it.out] = {"dtype": code, "shape": shape, "data_offsets": [pos, pos + it.nbytes]}
         pos += it.nbytes
     hb = json.dumps(header, separators=(",", ":")).encode("utf-8")
     hb += b" " * (-len(hb) % 8)
@@ -553,9 +557,10 @@ def _validate_shard(path: str, order: list[_Item], digests: Mapping[str, str]) -
         for name, it in want.items():
             sl = f.get_slice(name)
             code, shape = sl.get_dtype(), tuple(sl.get_shape())
-            if code != safetensors_code(it.dtype) or shape != it.shape:
+            wcode, wshape = safetensors_entry(it.dtype, it.shape)
+            if code != wcode or list(shape) != wshape:
                 raise ManifestError(f"{path}: {name}: reads back as {code} {list(shape)}, "
-                                    f"written as {safetensors_code(it.dtype)} {list(it.shape)}")
+                                    f"written as {wcode} {wshape}")
     fd = os.open(path, os.O_RDONLY)
     try:
         (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))

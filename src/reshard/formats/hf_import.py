@@ -17,7 +17,9 @@ from ..load import LoadResult, load
 from ..manifest import Chunk, FileEntry, Manifest, TensorEntry, check_file_name, validate_manifest
 from ..options import LoadOptions
 from ..sharding import (
+    VIEW_METADATA_PREFIX,
     dtype_from_safetensors,
+    safetensors_view,
 )
 from ..storage import Storage, resolve
 from .hf_export import INDEX_NAME, MAX_HEADER_BYTES, MAX_INDEX_BYTES, SINGLE_NAME
@@ -74,11 +76,14 @@ def _file_tensors(st: Storage, path: str, name: str) -> tuple[int, dict[str, Ten
         if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)
                 and 0 <= offs[0] <= offs[1]):
             raise ManifestError(f"{where}: bad data_offsets {offs!r}")
+        view = meta.get(VIEW_METADATA_PREFIX + tname) if isinstance(meta, dict) else None
         try:
-            dt = dtype_from_safetensors(code)
+            if view is not None:  # complex128 stored as float64 pairs
+                dt, shp = safetensors_view(str(view), code, shape)
+            else:
+                dt, shp = dtype_from_safetensors(code), tuple(shape)
         except ShardingError as e:
             raise ManifestError(f"{where}: {e}") from None
-        shp = tuple(shape)
         out[tname] = TensorEntry(dtype=dt, global_shape=shp, chunks=(
             Chunk(global_offset=(0,) * len(shp), local_shape=shp, file=name,
                   offset=base + offs[0], length=offs[1] - offs[0]),))
