@@ -20,6 +20,7 @@ its own samples, so the lists differ per rank). It is saved as element
 ``(dp_rank,)`` of a ShardedObject grid ``pending`` of shape ``(dp_size,)``:
 
 * same DP size: every rank gets its own leftovers back;
+* another DP size and no leftovers on any saved rank: nothing to move, loads;
 * another DP size, ``on_dp_change="raise"`` (the default): ShardingError on
   every rank, naming the saved and current DP sizes and the rule to pass;
 * another DP size, ``on_dp_change="redistribute"``: the documented rule --
@@ -42,9 +43,12 @@ from typing import Any
 
 import torch
 
+from .. import codec
 from ..errors import ShardingError
 from ..manifest import Manifest
 from ..sharding import ShardedObject
+
+_EMPTY = codec.encode([])
 
 #: ``on_dp_change`` rules for per-rank packing leftovers
 DP_CHANGE_RULES = ("raise", "redistribute")
@@ -158,7 +162,9 @@ class DataCursor:
             "global_batch_size": self.global_batch_size, "dataset_len": self.dataset_len,
             "shuffle": self.shuffle}
         saved = self._load_pending
-        if saved == "value":
+        if saved == "empty":
+            pass
+        elif saved == "value":
             sd["pending"] = list(self.pending)
         elif isinstance(saved, int):  # read every saved rank's leftovers
             sd["pending"] = [ShardedObject("pending", [], global_shape=(saved,), global_offset=(i,))
@@ -188,6 +194,11 @@ class DataCursor:
         if len(saved) != 1:
             raise ShardingError(f"DataCursor: pending saved as a grid of {list(saved)}, expected one "
                                 "element per DP rank")
+        if all(c.length == len(_EMPTY) for c in oe.chunks):  # no leftovers anywhere: nothing to move
+            from ..load import HANDLED
+
+            self._load_pending = "empty"
+            return {HANDLED: ["pending"]}
         if self.on_dp_change == "raise":
             raise ShardingError(
                 f"DataCursor: packing leftovers (pending) were saved by {saved[0]} DP ranks and this "
@@ -204,7 +215,7 @@ class DataCursor:
             if sd[k] != getattr(self, k):
                 raise ShardingError(f"DataCursor: saved {k}={sd[k]!r}, this run has "
                                     f"{getattr(self, k)!r}; the data order would change")
-        pend = sd["pending"]
+        pend = sd.get("pending", [])
         if isinstance(pend, list) and pend and isinstance(pend[0], ShardedObject):
             parts = [list(ob.value) for ob in sorted(pend, key=lambda o: o.global_offset)]
             mine = redistribute_pending(parts, self.dp_size)[self.dp_rank]
