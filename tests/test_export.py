@@ -370,7 +370,7 @@ def test_cli_export(ckpt: Path, tmp_path: Path) -> None:
     assert got["model.embed.weight"].dtype == torch.bfloat16
     assert torch.equal(got["model.embed.weight"], _model_ref()["model.embed.weight"].to(torch.bfloat16))
     r = CliRunner().invoke(main, ["export", str(ckpt), str(out)])
-    assert r.exit_code == 1 and "FileExistsError" in r.output
+    assert r.exit_code == 2 and "--overwrite" in r.output
     r = CliRunner().invoke(main, ["export", str(tmp_path / "nothing"), str(tmp_path / "o2")])
     assert r.exit_code == 2
     r = CliRunner().invoke(main, ["export", str(ckpt), str(tmp_path / "o3"), "--dtype", "int3"])

@@ -49,7 +49,7 @@ class Collectives(ABC):
             r: RankFailure.from_json(rep) for r, rep in enumerate(reports) if rep is not None
         }
         if failures:
-            err = agreed_error(what, failures)
+            err = agreed_error(what, failures, world_size=self.world_size)
             if exc is not None:
                 raise err from exc
             raise err

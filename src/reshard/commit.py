@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import re
 import time
 from dataclasses import dataclass
 from hashlib import sha256
@@ -160,9 +161,11 @@ class Entry:
 
 
 def scan(storage: Storage, root: str) -> list[Entry]:
-    """Every child of ``root``: committed checkpoints (with valid manifests),
-    abandoned attempts, and directories with an invalid or missing manifest
-    (``problem`` says which). Committed ones are ordered by (step, commit time).
+    """Every child of ``root`` that is ours: committed checkpoints (with valid
+    manifests), abandoned attempts (``*.incomplete-*`` / ``*.retired-*``, or a
+    directory of reshard shard files without a manifest), and directories with
+    an invalid manifest (``problem`` says which). Other children (e.g.
+    ``tensorboard/``) are left out. Committed ones are ordered by (step, commit time).
 
     Raises:
         StorageError: listing failed (never reported as "no checkpoints").
@@ -181,7 +184,9 @@ def scan(storage: Storage, root: str) -> list[Entry]:
         try:
             m = read_manifest(storage, p)
         except CheckpointNotFoundError:
-            if _is_dir_like(storage, p):
+            # only a directory holding our shard files is an attempt; anything
+            # else (tensorboard/, logs/) is not ours: never listed, never deleted
+            if _holds_shard_files(storage, p):
                 out.append(Entry(path=p, name=name, manifest=None, abandoned=True,
                                  problem="no manifest", mtime=storage.modified_time(p)))
             continue
@@ -192,10 +197,12 @@ def scan(storage: Storage, root: str) -> list[Entry]:
     return out
 
 
-def _is_dir_like(storage: Storage, p: str) -> bool:
+_SHARD_FILE = re.compile(r"^data-r\d{5}-\d+\.safetensors$")  # planning.data_file_name
+
+
+def _holds_shard_files(storage: Storage, p: str) -> bool:
     try:
-        storage.list_dir(p)
-        return True
+        return any(_SHARD_FILE.match(n) for n in storage.list_dir(p))
     except (FileNotFoundError, NotADirectoryError):
         return False
 

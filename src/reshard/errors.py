@@ -109,17 +109,24 @@ _BY_NAME: dict[str, type[CheckpointError]] = {
 }
 
 
-def agreed_error(what: str, failures: dict[int, RankFailure]) -> CheckpointError:
+def agreed_error(what: str, failures: dict[int, RankFailure], *,
+                 world_size: int | None = None) -> CheckpointError:
     """Build the error every rank raises after an all-ranks agreement step.
 
     The class is the common reshard class of all failures when they agree
     (e.g. every failing rank raised ``ShardingError``), else ``CheckpointError``.
-    The message lists each failing rank, its exception type and message.
+    The message lists each failing rank, its exception type and message; in a
+    world of one rank (``world_size`` 1) it is that rank's message alone (with
+    the exception type when it is not the class raised), without rank framing.
     """
     names = {f.type_name for f in failures.values()}
     cls: type[CheckpointError] = CheckpointError
     if len(names) == 1:
         cls = _BY_NAME.get(next(iter(names)), CheckpointError)
+    if world_size == 1 and len(failures) == 1:
+        f = next(iter(failures.values()))
+        msg = f.message if f.type_name == cls.__name__ else f"{what} failed: {f.type_name}: {f.message}"
+        return cls(msg, failures=failures)
     lines = [f"{what} failed on {len(failures)} rank(s):"]
     for rank in sorted(failures):
         f = failures[rank]
@@ -141,4 +148,4 @@ def raise_agreed(what: str, gathered: list[dict[str, object]], mine: BaseExcepti
     failures = {r: RankFailure.from_json(g["error"])  # type: ignore[arg-type]
                 for r, g in enumerate(gathered) if g.get("error")}
     if failures:
-        raise agreed_error(what, failures) from mine
+        raise agreed_error(what, failures, world_size=len(gathered)) from mine

@@ -246,14 +246,20 @@ class _Reader:
                 cur.append(r)
             if cur:
                 jobs.append(partial(self._read_span, name, cur))
-        if self.opts.threads > 1 and len(jobs) > 1:
-            with ThreadPoolExecutor(max_workers=min(self.opts.threads, len(jobs)),
-                                    thread_name_prefix="reshard-read") as ex:
-                for f in [ex.submit(j) for j in jobs]:
-                    f.result()
-        else:
-            for j in jobs:
-                j()
+        from .progress import bar, wanted
+
+        with bar(len(jobs), "load", enabled=wanted(self.opts.progress),
+                 unit="reads") as pb:
+            if self.opts.threads > 1 and len(jobs) > 1:
+                with ThreadPoolExecutor(max_workers=min(self.opts.threads, len(jobs)),
+                                        thread_name_prefix="reshard-read") as ex:
+                    for f in [ex.submit(j) for j in jobs]:
+                        f.result()
+                        pb.update(1)
+            else:
+                for j in jobs:
+                    j()
+                    pb.update(1)
 
     def _direct_ok(self, c: Chunk, item: ReadItem, t: _Target, lo: int, hi: int) -> bool:
         if (lo, hi) != (0, c.length) or item.byte_start != 0 or item.byte_stop != c.length:
@@ -373,7 +379,8 @@ def load(
     result: LoadResult | None = None
     try:
         requested_anywhere = set().union(*(r["keys"] for r in reports))
-        result = _execute(ctx, requested_anywhere, st, key, opts, strict,
+        quiet = opts if coll.rank == 0 else dataclasses.replace(opts, progress=False)  # one bar
+        result = _execute(ctx, requested_anywhere, st, key, quiet, strict,
                           [*allow_missing, *extra_allow_missing(transforms)], transforms)
     except Exception as e:  # noqa: BLE001
         err = e

@@ -33,6 +33,8 @@ class SaveOptions:
         max_pending: asynchronous saves in flight at most (async_save).
         if_busy: what a further async_save does at ``max_pending``: "block"
             until the oldest commits, or "skip" it with a warning.
+        progress: a progress bar on stderr for rank 0's writes (bytes); None:
+            only when the environment variable ``RESHARD_PROGRESS=1``.
     """
 
     checksums: bool = True
@@ -47,6 +49,7 @@ class SaveOptions:
     verify_replicas: bool = True
     max_pending: int = 1
     if_busy: str = "block"
+    progress: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_pending < 1:
@@ -73,6 +76,8 @@ class LoadOptions:
         schema_version: the schema the caller expects; a checkpoint recorded
             with another one raises unless a transform migrates it.
         hmac_key: verify the manifest's HMAC with this key (refuse unsigned).
+        progress: a progress bar on stderr for rank 0's reads; None: only when
+            the environment variable ``RESHARD_PROGRESS=1``.
     """
 
     checksums: bool = True
@@ -80,3 +85,4 @@ class LoadOptions:
     direct_read_min_bytes: int = 1 << 20
     schema_version: str | None = None
     hmac_key: bytes | None = None
+    progress: bool | None = None

@@ -247,11 +247,19 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, plan: SavePlan, rank
                           for (kind, i), w in zip(entries, written, strict=True)]}
 
     names = list(files)
-    if len(names) <= 1:
-        results = [write_one(n) for n in names]
-    else:
-        with ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="reshard-write") as ex:
-            results = list(ex.map(write_one, names))
+    from .progress import bar, wanted
+
+    with bar(None, "save", enabled=rank == 0 and wanted(options.progress)) as pb:
+        def write_counted(n: str) -> dict[str, Any]:
+            r = write_one(n)
+            pb.update(r["size"])
+            return r
+
+        if len(names) <= 1:
+            results = [write_counted(n) for n in names]
+        else:
+            with ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="reshard-write") as ex:
+                results = list(ex.map(write_counted, names))
     return {"files": results}
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import codec
 from .commit import committed, read_manifest
@@ -62,13 +63,14 @@ class VerifyReport:
 
 
 def verify(path: str | os.PathLike[str], *, checksums: bool = True,
-           storage: Storage | None = None) -> VerifyReport:
+           storage: Storage | None = None, progress: bool | None = None) -> VerifyReport:
     """Check a checkpoint's structure and, by default, every checksum.
 
     Structure: the manifest validates; every logical element of every tensor
     is covered exactly once; every object grid is complete; every file exists,
     is not a symbolic link, and has its declared size. Checksums: every block
-    of every chunk and every whole file.
+    of every chunk and every whole file. ``progress``: a progress bar (bytes
+    checksummed) on stderr; None: only with ``RESHARD_PROGRESS=1``.
 
     Raises:
         CheckpointNotFoundError: no manifest at ``path``. Every other problem
@@ -122,12 +124,16 @@ def verify(path: str | os.PathLike[str], *, checksums: bool = True,
         good_files.add(name)
     checked = 0
     if checksums:
-        checked = _verify_checksums(st, key, m, good_files, problems)
+        from .progress import bar, wanted
+
+        with bar(sum(m.files[n].size for n in good_files), "verify", enabled=wanted(progress)) as pb:
+            checked = _verify_checksums(st, key, m, good_files, problems, pb)
     return VerifyReport(path=key, ok=not problems, problems=tuple(problems), bytes_checked=checked,
                         manifest=m)
 
 
-def _verify_checksums(st: Storage, key: str, m: Manifest, files: set[str], problems: list[str]) -> int:
+def _verify_checksums(st: Storage, key: str, m: Manifest, files: set[str], problems: list[str],
+                      pb: Any) -> int:
     """Recompute every block digest of every chunk and object, and every
     file's hash tree from them, reading each file once. Returns bytes read."""
     b = m.checksum_block_bytes
@@ -148,6 +154,7 @@ def _verify_checksums(st: Storage, key: str, m: Manifest, files: set[str], probl
         first = items[0][0] if items else fe.size
         prefix = st.read_bytes(p, 0, first)
         checked += first
+        pb.update(first)
         tree: list[tuple[str, ...]] = []
         step = b * max(1, _READ // b)  # whole blocks per read
         for off, length, want, what in items:
@@ -155,6 +162,7 @@ def _verify_checksums(st: Storage, key: str, m: Manifest, files: set[str], probl
             for a in range(0, length, step):
                 data = st.read_bytes(p, off + a, min(step, length - a))
                 got.extend(block_digests(memoryview(data), b))
+                pb.update(len(data))
             checked += length
             tree.append(tuple(got))
             if want and tuple(got) != tuple(want):

@@ -47,7 +47,7 @@ def convert_dcp(
     Args:
         step: recorded in the new manifest.
         options: :class:`reshard.SaveOptions` (checksums, block size,
-            durable, overwrite, schema_version, extra, hmac_key).
+            durable, overwrite, schema_version, extra, hmac_key, progress).
         file_bytes: target size of one shard file.
         skip_unsafe_values: convert even when some BYTE_IO values cannot be
             decoded with ``torch.load(weights_only=True)`` (they are left out
@@ -113,6 +113,10 @@ def convert_dcp(
     mine = [(k, f) for k, f in enumerate(files) if k % world == rank]
     written: list[dict[str, Any]] = []
     err = None
+    from ..progress import bar, wanted
+
+    pb = bar(sum(m.tensors[f].chunks[ci].length for _k, mem in mine for f, ci in mem), "convert",
+             enabled=rank == 0 and wanted(opts.progress))
     try:
         if mine:
             dst_st.makedirs(attempt)
@@ -129,11 +133,14 @@ def convert_dcp(
                 dst_st, dst_st.join(attempt, name), fitems, block_bytes=opts.checksum_block_bytes,
                 checksums=opts.checksums, durable=opts.durable)
             del fitems
+            pb.update(sum(w.length for w in wr))
             written.append({"name": name, "size": fsize, "checksum": checksum,
                             "items": [[fqn, ci, w.offset, w.length, list(w.checksums)]
                                       for (fqn, ci), w in zip(members, wr, strict=True)]})
     except Exception as e:  # noqa: BLE001
         err = e
+    finally:
+        pb.close()
     t2 = time.perf_counter()
     reports = agree_or_discard(coll, dst_st, attempt, "convert_dcp",
                                outcome(rank, err, written=written), err)

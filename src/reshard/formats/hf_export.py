@@ -49,6 +49,7 @@ from ..errors import ManifestError
 from ..load import load
 from ..manifest import Manifest, TensorEntry
 from ..options import LoadOptions
+from ..progress import bar, wanted
 from ..shardfile import tensor_bytes
 from ..sharding import (
     VIEW_METADATA_PREFIX,
@@ -278,6 +279,7 @@ def export_hf(
     validate: bool = True,
     options: LoadOptions | None = None,
     storage: Storage | None = None,
+    progress: bool | None = None,
 ) -> ExportResult:
     """Write the model tensors of the checkpoint ``ckpt`` as a Hugging Face
     safetensors directory ``out_dir``, one tensor (or one block of at most
@@ -313,6 +315,8 @@ def export_hf(
         options: LoadOptions for the reads (checksums on by default, HMAC key).
         storage: a backend for ``ckpt`` instead of resolving its URL. The
             output is written to the local file system.
+        progress: a progress bar (bytes written) on stderr; None: only with
+            ``RESHARD_PROGRESS=1`` (see :mod:`reshard.progress`).
 
     Shards are written under temporary names, fsync'd, validated, renamed
     into place; the index is written last.
@@ -380,11 +384,12 @@ def export_hf(
     written = 0
     tmps: list[str] = []
     one = SingleProcess()
+    pb = bar(sum(it.nbytes for it in items), "export", enabled=wanted(progress))
     try:
         for fname, shard in zip(files, shards, strict=True):
             tmp = os.path.join(out, f".{fname}.partial")
             tmps.append(tmp)
-            written += _write_shard(st, key, m, tmp, shard, opts, one, validate)
+            written += _write_shard(st, key, m, tmp, shard, opts, one, validate, pb)
             for it in shard:
                 weight_map[it.out] = fname
         for tmp, fname in zip(tmps, files, strict=True):
@@ -416,6 +421,7 @@ def export_hf(
             tmps = []
         _fsync_dir(out)
     finally:
+        pb.close()
         for tmp in tmps:
             try:
                 os.unlink(tmp)
@@ -510,7 +516,7 @@ def _read_block(st: Storage, key: str, m: Manifest, it: _Item, blk: _Block,
 
 
 def _write_shard(st: Storage, key: str, m: Manifest, path: str, shard: list[_Item],
-                 opts: LoadOptions, one: SingleProcess, validate: bool) -> int:
+                 opts: LoadOptions, one: SingleProcess, validate: bool, pb: Any) -> int:
     """Write one shard: its header, then each tensor streamed in blocks (see
     :func:`_blocks`), cast if asked; fsync; validate."""
     prefix, order = _header(shard)
@@ -531,6 +537,7 @@ def _write_shard(st: Storage, key: str, m: Manifest, path: str, shard: list[_Ite
                 _write_all(fd, data)
                 h.update(data)
                 total += len(data)
+                pb.update(len(data))
                 del t, data
             digests[it.out] = h.hexdigest()
         os.fsync(fd)
