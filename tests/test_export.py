@@ -63,19 +63,19 @@ def r_save(path: str) -> None:
     b, nb = _rows(256, rank, world)
     r0, r1 = ROWS[rank], ROWS[rank + 1]
     model = {
-        "embed": st("model.embed.weight", emb_local, global_shape=(50, 16), global_offset=(a, 0)),
+        "embed": st("embed.weight", emb_local, global_shape=(50, 16), global_offset=(a, 0)),
         # tied: the same local buffer under a second fqn -> a manifest alias
-        "lm_head": st("model.lm_head.weight", emb_local, global_shape=(50, 16), global_offset=(a, 0)),
-        "q": st.from_rank_offsets("model.layers.0.attn.q.weight",
+        "lm_head": st("lm_head.weight", emb_local, global_shape=(50, 16), global_offset=(a, 0)),
+        "q": st.from_rank_offsets("layers.0.attn.q.weight",
                                   q[:, 12 * rank:12 * (rank + 1)].clone(), (1, rank, world)),
-        "up": st("model.layers.0.mlp.up.weight", up[r0:r1].clone(), global_shape=(40, 24),
+        "up": st("layers.0.mlp.up.weight", up[r0:r1].clone(), global_shape=(40, 24),
                  global_offset=(r0, 0)),
-        "big": st("model.big.weight", big[b:b + nb].clone(), global_shape=(256, 64),
+        "big": st("big.weight", big[b:b + nb].clone(), global_shape=(256, 64),
                   global_offset=(b, 0)),
-        "flat": st("model.flat.weight", ref["model.flat.weight"].reshape(-1)[30 * rank:30 + 33 * rank].clone(),
+        "flat": st("flat.weight", ref["model.flat.weight"].reshape(-1)[30 * rank:30 + 33 * rank].clone(),
                    global_shape=(9, 7), global_offset=(0, 0), local_shape=(9, 7),
                    flattened_range=slice(30 * rank, 30 + 33 * rank)),
-        "tpflat": st("model.tpflat.weight",
+        "tpflat": st("tpflat.weight",
                      ref["model.tpflat.weight"][:, 3 * rank:3 * rank + 3].reshape(-1).clone(),
                      global_shape=(10, 6), global_offset=(0, 3 * rank), local_shape=(10, 3),
                      flattened_range=slice(0, 30)),
@@ -84,11 +84,11 @@ def r_save(path: str) -> None:
         "scale": ref["model.scale"].clone(),
     }
     optim = {
-        "m": st("optim.state.model.embed.weight.exp_avg", emb_local * 0.1, global_shape=(50, 16),
+        "m": st("state.model.embed.weight.exp_avg", emb_local * 0.1, global_shape=(50, 16),
                 global_offset=(a, 0)),
-        "v": st("optim.state.model.embed.weight.exp_avg_sq", emb_local * emb_local,
+        "v": st("state.model.embed.weight.exp_avg_sq", emb_local * emb_local,
                 global_shape=(50, 16), global_offset=(a, 0)),
-        "step": st("optim.state.model.embed.weight.step", torch.tensor(3.0), global_shape=(),
+        "step": st("state.model.embed.weight.step", torch.tensor(3.0), global_shape=(),
                    global_offset=()),
         "lr": 1e-3,
     }

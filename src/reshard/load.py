@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import msgspec
 import torch
 import xxhash
 
@@ -29,14 +30,14 @@ from .errors import (
     outcome,
     raise_agreed,
 )
-from .manifest import Chunk, Manifest, TensorEntry
+from .manifest import FORMAT_VERSION, Chunk, Manifest, TensorEntry
 from .options import LoadOptions
 from .planning import ReadItem, Request, _strides, check_entry_coverage, plan_reads
 from .sharding import ShardedTensor, torch_dtype
 from .storage import Storage, resolve
 from .transforms import consumed_by, extra_allow_missing, manifest_view, provided_by
 from .transforms import resolve as resolve_target
-from .tree import flatten
+from .tree import flatten, join, positions, scoped_manifest, v1_rules
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +77,10 @@ class LoadResult:
 #: it consumes by a rule of its own (e.g. RNG streams re-derived for another
 #: grid), so they are not reported as unexpected.
 HANDLED = "reshard.handled_keys"
+
+#: ``LoadResult.notes`` entry of a checkpoint of an earlier format version
+#: whose names were migrated: ``{"from_format_version": 1, "renamed": {new: old}}``.
+MIGRATED = "reshard.format_migration"
 
 MissingRule = str | Callable[[str, torch.Tensor], None]
 
@@ -433,6 +438,10 @@ def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
     loaded_values: dict[str, Any] = {}
     loaded_objects: dict[tuple[str, tuple[int, ...]], Any] = {}
     leaves = flatten(state, loaded_values=loaded_values, loaded_objects=loaded_objects)
+    if m.format_version < FORMAT_VERSION:
+        version = m.format_version
+        m, moved = _migrate_v1(m, leaves.legacy)
+        notes[MIGRATED] = {"from_format_version": version, "renamed": moved}
     sts: list[ShardedTensor] = list(leaves.tensors)
     for p, t in leaves.plain.items():
         sts.append(ShardedTensor(p, t, global_shape=tuple(t.shape), global_offset=(0,) * t.dim()))
@@ -461,24 +470,49 @@ def _prepare_hooks(state: Any, m: Manifest, notes: dict[str, Any]) -> None:
     object with ``reshard_prepare_load(manifest) -> dict | None`` (e.g. an
     OptimizerState that creates the state tensors of a fresh optimizer, or an
     RNGState that must re-derive streams for another grid) is called once,
-    before the state tree is walked. Returned dicts are merged into
-    ``LoadResult.notes``."""
-    seen: set[int] = set()
-    stack: list[Any] = [state]
-    while stack:  # iterative: no self-referencing closure keeping the manifest alive
-        x = stack.pop()
-        if id(x) in seen:
-            continue
-        seen.add(id(x))
+    before the state tree is walked, with the manifest as seen from its
+    position in the tree (:func:`reshard.tree.scoped_manifest`: names relative
+    to it). The notes it returns are relative too: they are merged into
+    ``LoadResult.notes`` under its path (its ``HANDLED`` keys likewise)."""
+    for path, x in positions(state):
         hook = getattr(x, "reshard_prepare_load", None)
-        if callable(hook) and not isinstance(x, type):
-            out = hook(m)
-            if out:
-                notes.update(out)
-        if isinstance(x, Mapping):
-            stack.extend(reversed(list(x.values())))
-        elif isinstance(x, (list, tuple)):
-            stack.extend(reversed(x))
+        if not callable(hook) or isinstance(x, type):
+            continue
+        out = hook(scoped_manifest(m, path, v1_rules(x)))
+        for k, v in (out or {}).items():
+            if k == HANDLED:
+                notes.setdefault(HANDLED, []).extend(join(path, h) for h in v)
+            else:
+                notes[join(path, k)] = v
+
+
+def _migrate_v1(m: Manifest, legacy: dict[str, str]) -> tuple[Manifest, dict[str, str]]:
+    """A format-version-1 manifest with its names moved to those of the
+    target tree (version 1 named a ShardedTensor or ShardedObject by its fqn
+    alone, without its container's path). ``legacy``: new key -> old name.
+    Returns the migrated view and the names it moved (new -> old)."""
+    moved = {new: old for new, old in legacy.items()
+             if new not in m.tensors and new not in m.objects
+             and (old in m.tensors or old in m.objects or old in m.aliases)}
+    if not moved:
+        return msgspec.structs.replace(m, format_version=FORMAT_VERSION), {}
+    kept = set(legacy)  # an old name that is also a key of the target stays as it is
+    first: dict[str, str] = {}
+    for new, old in moved.items():
+        first.setdefault(old, new)
+
+    def rn(k: str) -> str:
+        return k if k in kept else first.get(k, k)
+
+    def move(d: dict[str, Any]) -> dict[str, Any]:
+        out = {rn(k): v for k, v in d.items()}
+        out.update({new: d[old] for new, old in moved.items() if old in d})
+        return out
+
+    aliases = {rn(k): rn(t) for k, t in m.aliases.items()}
+    aliases.update({new: rn(m.aliases[old]) for new, old in moved.items() if old in m.aliases})
+    return msgspec.structs.replace(m, format_version=FORMAT_VERSION, tensors=move(m.tensors),
+                                   objects=move(m.objects), aliases=aliases), moved
 
 
 def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key: str,

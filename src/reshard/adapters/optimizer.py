@@ -1,21 +1,23 @@
 """OptimizerState: optimizer state keyed by parameter fqn, never by position.
 
-Saved names (``prefix`` defaults to ``"optim."``):
+Saved names, relative to the adapter's position in the state tree (under
+``"optim"``: ``optim.state.<param fqn>.<key>``, the keys DCP's
+``get_state_dict`` gives the same optimizer):
 
-* ``{prefix}state.{param_fqn}.{key}``: a state tensor (``exp_avg``,
+* ``state.{param_fqn}.{key}``: a state tensor (``exp_avg``,
   ``momentum_buffer``, an FP32 master weight, ...). Shaped like its parameter,
   it is sharded exactly like the parameter (same global shape, offsets,
   replica and flattened range); a 0-dim tensor (``step``) keeps its dtype and
   shape; a Python scalar is stored as an object.
-* ``{prefix}param_group.{param_fqn}``: the hyperparameters of the parameter's
+* ``param_group.{param_fqn}``: the hyperparameters of the parameter's
   group (``lr``, ``betas``, ...), restored by parameter name at load.
-* ``{prefix}grad.{param_fqn}``: gradients, only with ``save_grads=True``;
+* ``grad.{param_fqn}``: gradients, only with ``save_grads=True``;
   restored into ``.grad`` at load.
 
 At load into a fresh optimizer that has never stepped, the state tensors are
 created from the manifest (no dummy optimizer step). Parameters with no saved
-state stay without state; ``LoadResult.notes[f"{prefix}params_without_state"]``
-lists them.
+state stay without state; ``LoadResult.notes["params_without_state"]``
+lists them (``optim.params_without_state`` under ``"optim"``).
 """
 
 from __future__ import annotations
@@ -53,20 +55,22 @@ class OptimizerState:
         optimizer: any optimizer whose per-parameter state is tensors shaped
             like the parameter plus scalars (Adam/AdamW, SGD, ...).
         layout: see :data:`OptimLayout` (ZeRO-1: replicated parameters, state
-            flat-sharded over DP with ``flattened_range``).
-        prefix: prepended to every saved name.
+            flat-sharded over DP with ``flattened_range``); the ShardedTensors
+            it returns are named relative to the adapter
+            (``state.{param_fqn}.{key}``).
         save_grads: save non-zero gradients too. Without it, saving while a
             parameter holds a non-zero gradient (gradient accumulation in
             progress: not a step boundary) raises CheckpointError.
     """
 
+    #: format version 1 named the state ``optim.state.{fqn}.{key}`` wherever the adapter sat
+    _reshard_v1_names = (("optim.", ""),)
+
     def __init__(self, model: nn.Module | ModelState, optimizer: torch.optim.Optimizer, *,
-                 layout: OptimLayout | None = None, prefix: str = "optim.",
-                 save_grads: bool = False):
+                 layout: OptimLayout | None = None, save_grads: bool = False):
         self.model_state = model if isinstance(model, ModelState) else ModelState(model)
         self.optimizer = optimizer
         self.layout = layout
-        self.prefix = prefix
         self.save_grads = save_grads
         self._loading = False
         self._load_grads: frozenset[str] = frozenset()  # params whose saved grad this load restores
@@ -74,7 +78,7 @@ class OptimizerState:
 
     # -- naming
     def _fqns(self) -> dict[int, str]:
-        return {id(p): n for n, p in self.model_state.model.named_parameters()}
+        return {id(p): n for n, p in self.model_state.named_parameters()}
 
     def _params(self) -> list[tuple[str | None, torch.Tensor, dict[str, Any]]]:
         names = self._fqns()
@@ -89,13 +93,13 @@ class OptimizerState:
         return out
 
     def _name(self, fqn: str, key: str) -> str:
-        return f"{self.prefix}state.{fqn}.{key}"
+        return f"state.{fqn}.{key}"
 
-    def _view_fqn(self, view_fqn: str) -> str:
-        """A model view's fqn without the ModelState prefix (the parameter's
-        own fqn unless the model layout renamed it)."""
-        pre = self.model_state.prefix
-        return view_fqn[len(pre):] if pre and view_fqn.startswith(pre) else view_fqn
+    @staticmethod
+    def _view_fqn(view_fqn: str) -> str:
+        """A model view's fqn (the parameter's own fqn unless the model layout
+        renamed it)."""
+        return view_fqn
 
     def _bases(self, fqn: str, p: torch.Tensor) -> list[str]:
         """The names under which parameter ``fqn``'s state is saved: its own,
@@ -109,9 +113,9 @@ class OptimizerState:
         if base == fqn:
             return name
         head, sep, tail = name.rpartition(f".{fqn}.")
-        if sep:  # f"{prefix}state.{fqn}.{key}"
+        if sep:  # f"state.{fqn}.{key}"
             return f"{head}.{base}.{tail}"
-        assert name.endswith(f".{fqn}")  # f"{prefix}grad.{fqn}"
+        assert name.endswith(f".{fqn}")  # f"grad.{fqn}"
         return name[:-len(fqn)] + base
 
     # -- describing state
@@ -168,18 +172,18 @@ class OptimizerState:
                 else:
                     objects.extend(ShardedObject(self._name(b, key), v) for b in bases)
             hp = {k: v for k, v in g.items() if k != "params"}
-            objects.extend(ShardedObject(f"{self.prefix}param_group.{b}", hp) for b in bases)
+            objects.extend(ShardedObject(f"param_group.{b}", hp) for b in bases)
             grad = p.grad
             if loading:
                 if fqn in self._load_grads and grad is not None:
                     tensors.extend(self._state_tensors(fqn, p, "grad", grad,
-                                                       name=f"{self.prefix}grad.{fqn}"))
+                                                       name=f"grad.{fqn}"))
             elif grad is not None and bool(_local(grad).count_nonzero()):
                 if not self.save_grads:
                     accumulating.append(fqn or "<unnamed>")
                 elif fqn is not None:
                     tensors.extend(self._state_tensors(fqn, p, "grad", grad,
-                                                       name=f"{self.prefix}grad.{fqn}"))
+                                                       name=f"grad.{fqn}"))
         if accumulating:
             raise CheckpointError(
                 f"parameters {accumulating[:5]} hold gradients: saving in the middle of gradient "
@@ -192,7 +196,7 @@ class OptimizerState:
     def reshard_prepare_load(self, m: Manifest) -> dict[str, Any]:
         """Create the state of parameters that have saved state but none yet."""
         self._loading = True
-        pre = f"{self.prefix}state."
+        pre = "state."
         saved: dict[str, dict[str, Any]] = {}
         keys: dict[str, Any] = {}
         fqn: str | None  # a saved name's owner here; None below for layout-named parameters
@@ -210,7 +214,7 @@ class OptimizerState:
                 fqn, _, key = name[len(pre):].rpartition(".")
                 saved.setdefault(fqn, {}).setdefault(key, m.tensors[target])
         # saved gradients (save_grads=True) are restored: allocate a destination
-        gpre = f"{self.prefix}grad."
+        gpre = "grad."
         grads = {n[len(gpre):] for n in m.tensors if n.startswith(gpre)}
         with_grad: set[str] = set()
         for fqn, p, _ in self._params() if grads else ():
@@ -240,7 +244,7 @@ class OptimizerState:
             for key in [k for k, v in st.items() if v is None]:
                 st[key] = 0  # placeholder for a scalar object, replaced at load
         self.params_without_state = tuple(without)
-        return {f"{self.prefix}params_without_state": list(without)} if without else {}
+        return {"params_without_state": list(without)} if without else {}
 
     @staticmethod
     def _new_state(p: torch.Tensor, te: Any) -> torch.Tensor:
@@ -253,7 +257,7 @@ class OptimizerState:
         self._loading = False
         by_name = {b: (p, g) for fqn, p, g in self._params() if fqn is not None
                    for b in self._bases(fqn, p)}
-        pre_state, pre_group = f"{self.prefix}state.", f"{self.prefix}param_group."
+        pre_state, pre_group = "state.", "param_group."
         for ob in sd.get("objects", []):
             if ob.key.startswith(pre_group):
                 p, g = by_name[ob.key[len(pre_group):]]

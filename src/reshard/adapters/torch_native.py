@@ -2,10 +2,14 @@
 optimizers, through ``torch.distributed.checkpoint.state_dict`` (DCP's
 ``get_state_dict`` / ``set_state_dict``) rather than a traversal of our own.
 
-Saved names are the same as :class:`~reshard.ModelState` and
-:class:`~reshard.OptimizerState` (``{fqn}``, ``optim.state.{fqn}.{key}``,
-``optim.param_group.{fqn}``), so a checkpoint saved from an FSDP2 model loads
-into a manually sharded one and back. DTensors are saved from their
+Saved names, relative to the adapter's position in the state tree, are
+``model.{fqn}``, ``optim.state.{fqn}.{key}`` and ``optim.param_group.{fqn}``:
+those of :class:`~reshard.ModelState` under ``"model"`` beside
+:class:`~reshard.OptimizerState` under ``"optim"`` (so ``{"app": TorchState(m,
+opt)}`` and ``{"app": {"model": ModelState(m), "optim": OptimizerState(m,
+opt)}}`` load each other's checkpoints, and the tensor keys equal DCP's for the
+"AppState" of its tutorial, ``{"model": msd, "optim": osd}``). Wrapper
+prefixes (DDP, FSDP1, torch.compile) are stripped by ``get_state_dict``. DTensors are saved from their
 placements and filled in place at load in their own (possibly different) mesh
 and placements; no rank materialises a full tensor.
 
@@ -42,17 +46,18 @@ class TorchState:
         cpu_offload: ask ``get_state_dict`` for CPU copies (optimizer state
             offloaded to the host); loaded values are copied back by
             ``set_state_dict``.
-        prefix: prefix of the optimizer names (default "optim.").
     """
 
+    #: format version 1 saved the model's tensors without the "model." component
+    _reshard_v1_names = (("optim.", "optim."), ("", "model."))
+
     def __init__(self, model: nn.Module, optimizers: torch.optim.Optimizer | Sequence[Any] = (), *,
-                 cpu_offload: bool = False, prefix: str = "optim."):
+                 cpu_offload: bool = False):
         self.model = model
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = (optimizers,)
         self.optimizers = tuple(optimizers)
         self.cpu_offload = cpu_offload
-        self.prefix = prefix
         self._msd: dict[str, Any] | None = None
         self._osd: dict[str, Any] | None = None
 
@@ -70,12 +75,12 @@ class TorchState:
         objects: list[ShardedObject] = []
         for fqn, t in msd.items():
             if isinstance(t, torch.Tensor):
-                tensors.extend(_describe(fqn, t))
+                tensors.extend(_describe(f"model.{fqn}", t))
             else:  # extra state
-                objects.append(ShardedObject(fqn, t))
+                objects.append(ShardedObject(f"model.{fqn}", t))
         for fqn, st in (osd.get("state") or {}).items():
             for key, v in st.items():
-                name = f"{self.prefix}state.{fqn}.{key}"
+                name = f"optim.state.{fqn}.{key}"
                 if isinstance(v, torch.Tensor):
                     tensors.extend(_describe(name, v))
                 else:
@@ -83,7 +88,7 @@ class TorchState:
         for g in osd.get("param_groups") or []:
             hp = {k: v for k, v in g.items() if k != "params"}
             for fqn in g["params"]:
-                objects.append(ShardedObject(f"{self.prefix}param_group.{fqn}", hp))
+                objects.append(ShardedObject(f"optim.param_group.{fqn}", hp))
         return {"tensors": tensors, "objects": objects}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -91,7 +96,7 @@ class TorchState:
 
         assert self._msd is not None and self._osd is not None
         msd, osd = self._msd, self._osd
-        pre_state, pre_group = f"{self.prefix}state.", f"{self.prefix}param_group."
+        pre_state, pre_group = "optim.state.", "optim.param_group."
         hparams: dict[str, dict[str, Any]] = {}
         for ob in sd.get("objects", []):
             if ob.key.startswith(pre_group):
@@ -99,8 +104,8 @@ class TorchState:
             elif ob.key.startswith(pre_state):
                 fqn, _, key = ob.key[len(pre_state):].rpartition(".")
                 osd["state"][fqn][key] = ob.value
-            else:
-                msd[ob.key] = ob.value
+            elif ob.key.startswith("model."):
+                msd[ob.key[len("model."):]] = ob.value
         for g in osd.get("param_groups") or []:
             for fqn in g["params"]:
                 if fqn in hparams:
