@@ -102,8 +102,24 @@ def test_one_process_takes_every_leftover(ckpt: str) -> None:
     assert cur.pending == [s for r in range(SAVED_DP) for s in LEFT[r]]
 
 
+class _OldCursor:
+    """The state dict of a DataCursor from before leftovers were per rank."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": 5, "epoch": 0, "consumed": 8, "global_batch_size": 8, "dataset_len": 16,
+                "shuffle": True, "pending": [3, 4]}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        raise AssertionError("not loaded")
+
+
 def test_rule_and_argument_checks(tmp_path: Path) -> None:
     assert redistribute_pending([[1, 2, 3], [], [4]], 3) == [[1, 2], [3], [4]]
     assert redistribute_pending([[]], 2) == [[], []]
     with pytest.raises(ValueError, match="on_dp_change"):
         reshard.DataCursor(16, 8, on_dp_change="drop")
+    # a checkpoint that kept pending as one common list still loads
+    reshard.save({"data": _OldCursor()}, tmp_path / "old")
+    cur = _cursor()
+    reshard.load({"data": cur}, tmp_path / "old")
+    assert cur.pending == [3, 4] and cur.consumed == 8
