@@ -308,10 +308,13 @@ def test_undecodable_value_skipped_with_note(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     _replace_item(ck, "cfg.lr", pickle.dumps(_payloads(marker)["os.system"]))
     _st, m = open_dcp(ck)
-    assert "cfg" in m.extra["dcp_skipped_values"] and "cfg" not in (m.values or {})
+    # the DCP leaf is skipped, and so is the value a load groups it into
+    assert "cfg.lr" in m.extra["dcp_skipped_values"] and "cfg.lr" not in (m.values or {})
     w = torch.empty(3, 4)
     reshard.load({"w": w}, str(ck), strict=False)
     assert torch.equal(w, torch.arange(12.0).reshape(3, 4))
+    with pytest.raises(reshard.IntegrityError, match=r"\['cfg'\] need more than torch.load"):
+        reshard.load({"w": w, "cfg": None}, str(ck), strict=False)
     assert not marker.exists()
 
 

@@ -442,6 +442,10 @@ def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
         version = m.format_version
         m, moved = _migrate_v1(m, leaves.legacy)
         notes[MIGRATED] = {"from_format_version": version, "renamed": moved}
+    if "dcp_values" in m.extra:  # a DCP checkpoint (or one converted from DCP): its leaf values
+        from .formats.dcp_values import regroup  # grouped into the paths this state asks for
+
+        m = regroup(m, set(leaves.values))
     sts: list[ShardedTensor] = list(leaves.tensors)
     for p, t in leaves.plain.items():
         sts.append(ShardedTensor(p, t, global_shape=tuple(t.shape), global_offset=(0,) * t.dim()))
