@@ -104,6 +104,8 @@ class OptimizerState:
         self.save_grads = save_grads
         self.hyperparams = check_rule(hyperparams)
         self._saved_groups: frozenset[str] = frozenset()  # param_group names this load restores
+        #: id(flat param) -> the canonical tensors its state names (layout-named parameters)
+        self._flat_names: dict[int, list[str]] = {}
         self._loading = False
         self._load_grads: frozenset[str] = frozenset()  # params whose saved grad this load restores
         self.params_without_state: tuple[str, ...] = ()
@@ -233,6 +235,8 @@ class OptimizerState:
                         bases.extend(self._covered(None, p, sts, key))
                 else:
                     objects.extend(ShardedObject(self._name(b, key), v) for b in bases)
+            if fqn is None:  # for load_state_dict: a layout is called once per walk
+                self._flat_names[id(p)] = list(dict.fromkeys(bases))
             hp = group_hyperparams(g)
             objects.extend(ShardedObject(f"param_group.{b}", hp) for b in dict.fromkeys(bases))
             grad = p.grad
@@ -353,10 +357,8 @@ class OptimizerState:
         for fqn, p, g in self._params():
             if fqn is not None:
                 covered = self._bases(fqn, p)
-            else:  # ZeRO flat buffer: the canonical tensors its state names
-                covered = [n for key, v in self.optimizer.state.get(p, {}).items()
-                           if isinstance(v, torch.Tensor)
-                           for n in self._covered(None, p, self._state_tensors(None, p, key, v), key)]
+            else:  # ZeRO flat buffer: the canonical tensors its state named in state_dict()
+                covered = self._flat_names.get(id(p), [])
             names[id(p)] = list(dict.fromkeys(covered))
             for b in covered:
                 by_name.setdefault(b, (p, g))
