@@ -55,3 +55,19 @@ def r_ddp_save(path: str) -> dict[str, Any]:
     inner = ddp.module
     return {"params": {n: p.detach().clone() for n, p in inner.named_parameters()},
             "moments": {n: opt.state[p]["exp_avg"].clone() for n, p in inner.named_parameters()}}
+
+
+def r_fsdp1_save(path: str) -> dict[str, Any]:
+    """FSDP1 (one rank: NO_SHARD, use_orig_params): ``named_parameters()``
+    says ``_fsdp_wrapped_module.*``; the saved names are the plain model's."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    f = FSDP(net(0), use_orig_params=True, device_id=torch.device("cpu"))
+    opt = torch.optim.AdamW(f.parameters(), lr=0.03)
+    _train(f, opt, 2)
+    wrapped = [n for n, _ in f.named_parameters()]
+    reshard.save({"model": reshard.ModelState(f), "optim": reshard.OptimizerState(f, opt)}, path)
+    inner = f.module
+    return {"wrapped": wrapped,
+            "params": {n: p.detach().clone() for n, p in inner.named_parameters()},
+            "moments": {n: opt.state[p]["exp_avg"].clone() for n, p in inner.named_parameters()}}

@@ -108,6 +108,22 @@ def test_ddp_model_loads_into_the_plain_one(pool, tmp_path: Path) -> None:
     assert opt.param_groups[0]["lr"] == 0.02 and opt.param_groups[0]["weight_decay"] == 0.1
 
 
+def test_fsdp1_model_loads_into_the_plain_one(pool, tmp_path: Path) -> None:
+    path = str(tmp_path / "ck")
+    (saved,) = pool.run(1, fns.r_fsdp1_save, path)
+    assert all(n.startswith("_fsdp_wrapped_module.") for n in saved["wrapped"])
+    names = set(reshard.inspect(path).tensors)
+    assert {"model.0.weight", "optim.state.0.weight.exp_avg", "optim.state.2.bias.step"} <= names
+    assert not any("_fsdp" in n for n in names)
+    plain = fns.net(9)
+    opt = torch.optim.AdamW(plain.parameters(), lr=0.5)
+    reshard.load({"model": ModelState(plain), "optim": OptimizerState(plain, opt)}, path)
+    for n, p in plain.named_parameters():
+        assert torch.equal(p, saved["params"][n]), n
+        assert torch.equal(opt.state[p]["exp_avg"], saved["moments"][n]), n
+    assert opt.param_groups[0]["lr"] == 0.03
+
+
 def test_tensor_keys_equal_those_dcp_writes(tmp_path: Path) -> None:
     """``{"model": ModelState(m), "optim": OptimizerState(m, opt)}`` and DCP's
     ``{"model": msd, "optim": osd}`` from ``get_state_dict(m, opt)`` (default

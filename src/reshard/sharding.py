@@ -163,8 +163,10 @@ class ShardedTensor:
     """One rank's shard of a logical tensor, or a request for one at load.
 
     Args:
-        fqn: stable name of the logical tensor (authoritative: the key under
-            which the record sits in the state tree does not change it).
+        fqn: stable name of the logical tensor, relative to its container in
+            the state tree: it takes the place of the key under which the
+            record sits (``{"model": {"w": ShardedTensor("mlp.gate", ...)}}``
+            saves ``model.mlp.gate``; at the root the fqn is the key).
         data: the local tensor. Shape ``local_shape``; or, with
             ``flattened_range``, 1-D of length ``stop - start``. At load it is
             the destination buffer, filled in place.
@@ -278,7 +280,8 @@ class ShardedObject:
     """A per-rank value that is not a replica: one element of a grid of objects.
 
     Args:
-        key: stable name of the object grid (like a tensor's fqn).
+        key: stable name of the object grid, relative to its container in the
+            state tree like a tensor's fqn.
         value: a plain value (stored in reshard's typed, pickle-free encoding).
         global_shape: shape of the grid, e.g. ``(pp, tp)`` or ``(world_size,)``;
             ``()`` for a single object.

@@ -29,6 +29,8 @@ from torch import nn
 from ..sharding import ShardedObject, ShardedTensor
 from ..tree import is_dtensor
 from .dtensor import dtensor_shards
+from .hyperparams import HyperparamRule, check_rule, group_hyperparams, restore_hyperparams
+from .names import canonical_names
 
 
 def _describe(name: str, t: torch.Tensor) -> list[ShardedTensor]:
@@ -40,36 +42,75 @@ def _describe(name: str, t: torch.Tensor) -> list[ShardedTensor]:
 class TorchState:
     """Stateful adapter for a DTensor/FSDP2/TP model and its optimizers.
 
+    Hyperparameters are saved per parameter and restored by name exactly as
+    :class:`~reshard.OptimizerState` does (same ``hyperparams`` rules). An
+    optimizer that has never stepped stays so: its state is neither saved
+    (``get_state_dict`` would create zero moments at ``step`` 1 to describe
+    it) nor left behind by a load of a checkpoint that holds none of it (a
+    model-only checkpoint with ``strict=False`` leaves it as constructed).
+
     Args:
         model: the module (FSDP2 ``fully_shard``-ed, ``parallelize_module``-d, or plain).
         optimizers: optimizers over its parameters (may be empty).
         cpu_offload: ask ``get_state_dict`` for CPU copies (optimizer state
             offloaded to the host); loaded values are copied back by
             ``set_state_dict``.
+        hyperparams: ``"error"`` (default), ``"saved"`` or ``"current"``
+            (:mod:`reshard.adapters.hyperparams`).
+
+    Raises:
+        ValueError: an unknown ``hyperparams`` rule.
     """
 
     #: format version 1 saved the model's tensors without the "model." component
     _reshard_v1_names = (("optim.", "optim."), ("", "model."))
 
     def __init__(self, model: nn.Module, optimizers: torch.optim.Optimizer | Sequence[Any] = (), *,
-                 cpu_offload: bool = False):
+                 cpu_offload: bool = False, hyperparams: HyperparamRule = "error"):
         self.model = model
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = (optimizers,)
         self.optimizers = tuple(optimizers)
         self.cpu_offload = cpu_offload
+        self.hyperparams = check_rule(hyperparams)
         self._msd: dict[str, Any] | None = None
         self._osd: dict[str, Any] | None = None
+        self._loading = False
+        self._saved: frozenset[str] = frozenset()  # names the checkpoint being loaded holds
+        self._fresh: tuple[torch.optim.Optimizer, ...] = ()  # never stepped before this call
 
-    def _get(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _fqns(self) -> dict[int, str]:
+        params = list(self.model.named_parameters())
+        names = canonical_names(self.model, [n for n, _ in params])
+        return {id(p): names[n] for n, p in params}
+
+    def _get(self, loading: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+        self._fresh = tuple(o for o in self.optimizers if not o.state)
         opts = StateDictOptions(cpu_offload=self.cpu_offload)
         msd, osd = get_state_dict(self.model, self.optimizers, options=opts)
+        if self._fresh and not loading:
+            # get_state_dict made state for them (a zero-gradient step, DCP's
+            # _init_optim_state): neither save it nor keep it
+            fqns = self._fqns()
+            state: dict[str, Any] = osd.get("state") or {}  # type: ignore[assignment]
+            for o in self._fresh:
+                for p in [p for g in o.param_groups for p in g["params"]]:
+                    state.pop(fqns.get(id(p), ""), None)
+                o.state.clear()
         return msd, (osd if self.optimizers else {})
 
+    def reshard_prepare_load(self, m: Any) -> None:
+        """Note what the checkpoint holds (``m``: the manifest seen from here)."""
+        self._loading = True
+        self._saved = frozenset(m.tensors) | frozenset(m.objects) | frozenset(m.aliases)
+
     def state_dict(self) -> dict[str, Any]:
-        msd, osd = self._get()
+        # the load-time view is taken once, right after reshard_prepare_load: a load
+        # that fails before load_state_dict leaves a later save unaffected
+        loading, self._loading = self._loading, False
+        msd, osd = self._get(loading)
         self._msd, self._osd = msd, osd
         tensors: list[ShardedTensor] = []
         objects: list[ShardedObject] = []
@@ -86,7 +127,7 @@ class TorchState:
                 else:
                     objects.append(ShardedObject(name, v))
         for g in osd.get("param_groups") or []:
-            hp = {k: v for k, v in g.items() if k != "params"}
+            hp = group_hyperparams(g)
             for fqn in g["params"]:
                 objects.append(ShardedObject(f"optim.param_group.{fqn}", hp))
         return {"tensors": tensors, "objects": objects}
@@ -100,18 +141,25 @@ class TorchState:
         hparams: dict[str, dict[str, Any]] = {}
         for ob in sd.get("objects", []):
             if ob.key.startswith(pre_group):
-                hparams[ob.key[len(pre_group):]] = ob.value
+                if ob.key in self._saved:  # not a request left as it was (strict=False)
+                    hparams[ob.key[len(pre_group):]] = ob.value
             elif ob.key.startswith(pre_state):
                 fqn, _, key = ob.key[len(pre_state):].rpartition(".")
                 osd["state"][fqn][key] = ob.value
             elif ob.key.startswith("model."):
                 msd[ob.key[len("model."):]] = ob.value
-        for g in osd.get("param_groups") or []:
-            for fqn in g["params"]:
-                if fqn in hparams:
-                    g.update(hparams[fqn])
-                    break
         set_state_dict(self.model, self.optimizers, model_state_dict=msd,
                        optim_state_dict=osd if self.optimizers else {},
                        options=StateDictOptions(cpu_offload=self.cpu_offload))
+        fqns = self._fqns()
+        for o in self.optimizers:
+            names = {id(p): [fqns[id(p)]] for g in o.param_groups for p in g["params"] if id(p) in fqns}
+            if o in self._fresh:  # state the checkpoint does not hold: as constructed again
+                for g in o.param_groups:
+                    for p in g["params"]:
+                        pre = f"optim.state.{fqns.get(id(p), '')}."
+                        if not any(n.startswith(pre) for n in self._saved):
+                            o.state.pop(p, None)
+            restore_hyperparams(o, names, hparams, self.hyperparams, where="TorchState")
         self._msd = self._osd = None
+        self._fresh, self._saved = (), frozenset()

@@ -1,0 +1,37 @@
+"""Evaluate the newest committed checkpoint on one process, without the
+training job's process group (no torchrun, no ``init_process_group``).
+
+    python examples/evaluate.py --root /tmp/ckpts
+
+Only the model's tensors are read (the optimizer state, RNG streams and data
+cursor stay on disk): ``strict=False`` accepts the saved keys this state does
+not ask for, and the result lists them as ``unexpected``. Prints one JSON line
+``{"path", "step", "eval_loss"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import reshard
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from train import build_model, eval_loss  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--root", required=True)
+    args = p.parse_args()
+    path = reshard.latest(args.root)
+    if path is None:
+        sys.exit(f"evaluate: no committed checkpoint under {args.root}")
+    model = build_model()
+    res = reshard.load({"model": reshard.ModelState(model)}, path, strict=False)
+    print(json.dumps({"path": path, "step": res.step, "eval_loss": eval_loss(model)}))
+
+
+if __name__ == "__main__":
+    main()
