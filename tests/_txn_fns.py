@@ -196,6 +196,7 @@ def r_load_unchanged(path: str, how: str) -> dict[str, Any]:
 def r_convert_per_rank(root: str) -> dict[str, Any]:
     """convert_dcp of one DCP checkpoint with a per-rank destination."""
     import torch.distributed.checkpoint as dcp
+
     from reshard.formats.dcp_convert import convert_dcp
 
     rank = dist.get_rank()

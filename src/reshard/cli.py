@@ -51,9 +51,10 @@ def _fail(code: int, msg: str) -> NoReturn:
 
 def _manifest(path: str) -> Manifest:
     """The validated manifest at ``path``; exits 2 if none or unreadable."""
+    from .verify import inspect
+
     try:
-        st, key = resolve(path)
-        return read_manifest(st, key)
+        return inspect(path)  # a DCP checkpoint too
     except CheckpointNotFoundError as e:
         _fail(USAGE, str(e))
     except ValueError as e:  # unsupported URL scheme
@@ -161,6 +162,17 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         click.echo(f"invalid ({len(invalid)}; ignored by load):")
         for e in invalid:
             click.echo(f"  {e.name}: {e.problem}")
+    _ls_dcp(st, key)
+
+
+def _ls_dcp(st: Any, key: str) -> None:
+    from .formats.dcp import dcp_checkpoints
+
+    found = dcp_checkpoints(st, key)
+    if found:
+        click.echo(f"DCP checkpoints ({len(found)}; reshard.load reads them, `reshard convert "
+                   "--from dcp` converts them; never deleted by gc):")
+        _table(["name", "modified"], [[n, _when(t)] for n, t in found])
 
 
 @main.command("gc")
@@ -283,6 +295,9 @@ def inspect_cmd(ckpt: str, as_json: bool) -> None:
         return
     na = "-"
     click.echo(f"{resolve(ckpt)[1]}")
+    if m.extra.get("source") == "dcp":
+        click.echo("  DCP checkpoint (torch.distributed.checkpoint, read through restricted "
+                   "unpicklers; no checksums; values listed by their DCP keys)")
     click.echo(f"  format {m.format} v{m.format_version}  step {na if m.step is None else m.step}  "
                f"schema_version {m.schema_version or na}  world_size {m.world_size}  "
                f"mesh {json.dumps(m.mesh) if m.mesh else na}")
@@ -332,16 +347,21 @@ def verify_cmd(ckpt: str, no_checksums: bool, json_path: str | None) -> None:
         _fail(CHECK_FAILED, f"{type(e).__name__}: {e}")
     secs = time.perf_counter() - t0
     write_json(json_path, {"path": rep.path, "ok": rep.ok, "problems": list(rep.problems),
+                           "notes": list(rep.notes),
                            "bytes_checked": rep.bytes_checked, "checksums": not no_checksums,
                            "seconds": round(secs, 6)})
     if rep.ok:
         what = ("structure and sizes only" if no_checksums
                 else f"{human_bytes(rep.bytes_checked)} checksummed")
         click.echo(f"OK {rep.path} ({what}, {secs:.2f} s)")
+        for note in rep.notes:
+            click.echo(f"  note: {note}")
         return
     click.echo(f"FAILED {rep.path}: {len(rep.problems)} problem(s)")
     for p in rep.problems:
         click.echo(f"  {p}")
+    for note in rep.notes:
+        click.echo(f"  note: {note}")
     sys.exit(CHECK_FAILED)
 
 

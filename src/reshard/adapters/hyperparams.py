@@ -144,3 +144,33 @@ def _describe(g: Mapping[str, Any], per_param: list[tuple[torch.Tensor, Any, dic
         n = ", ".join(names.get(id(p), ("<unnamed>",)))
         out.append(f"{n}: " + ", ".join(f"{k}={hp.get(k)!r}" for k in differing))
     return "; ".join(out[:8]) + (f"; ... {len(out) - 8} more" if len(out) > 8 else "")
+
+
+def dcp_param_groups_saved(m: Any, prefix: str = "") -> bool:
+    """The manifest ``m`` (seen from an adapter) holds hyperparameters as DCP
+    writes them, by group position (``{prefix}param_groups.<i>.<name>`` values,
+    ``...params`` naming each group's parameter fqns), and not reshard's
+    ``{prefix}param_group.<fqn>`` records."""
+    head = f"{prefix}param_groups"
+    names = [*(m.values or {}), *(m.extra.get("dcp_skipped_values") or {})]
+    ours = any(k.startswith(f"{prefix}param_group.") for k in m.objects)
+    return not ours and any(k == head or k.startswith(head + ".") for k in names)
+
+
+def hyperparams_from_dcp(groups: Any, *, where: str) -> dict[str, dict[str, Any]]:
+    """``fqn -> hyperparameters`` from DCP's ``param_groups`` (a list of groups,
+    each with ``params``: the fqns of its parameters), for :func:`restore_hyperparams`.
+
+    Raises:
+        ShardingError: not a list of groups each naming its parameters.
+    """
+    if not isinstance(groups, list) or not all(
+            isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups):
+        raise ShardingError(f"{where}: DCP param_groups is not a list of groups with 'params' "
+                            f"(got {type(groups).__name__})")
+    out: dict[str, dict[str, Any]] = {}
+    for g in groups:
+        hp = group_hyperparams(g)
+        for fqn in g["params"]:
+            out[str(fqn)] = hp
+    return out

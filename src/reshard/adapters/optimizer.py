@@ -54,7 +54,14 @@ from ..manifest import Manifest
 from ..sharding import ShardedObject, ShardedTensor, torch_dtype
 from ..tree import is_dtensor
 from .grads import accumulated_since_step
-from .hyperparams import HyperparamRule, check_rule, group_hyperparams, restore_hyperparams
+from .hyperparams import (
+    HyperparamRule,
+    check_rule,
+    dcp_param_groups_saved,
+    group_hyperparams,
+    hyperparams_from_dcp,
+    restore_hyperparams,
+)
 from .model import ModelState
 
 #: ``layout(param_fqn | None, param, key, value)`` -> ShardedTensor(s) for a
@@ -104,6 +111,7 @@ class OptimizerState:
         self.save_grads = save_grads
         self.hyperparams = check_rule(hyperparams)
         self._saved_groups: frozenset[str] = frozenset()  # param_group names this load restores
+        self._dcp_groups = False  # this load restores DCP's param_groups (by group position)
         #: id(flat param) -> the canonical tensors its state names (layout-named parameters)
         self._flat_names: dict[int, list[str]] = {}
         self._loading = False
@@ -238,7 +246,8 @@ class OptimizerState:
             if fqn is None:  # for load_state_dict: a layout is called once per walk
                 self._flat_names[id(p)] = list(dict.fromkeys(bases))
             hp = group_hyperparams(g)
-            objects.extend(ShardedObject(f"param_group.{b}", hp) for b in dict.fromkeys(bases))
+            if not (loading and self._dcp_groups):
+                objects.extend(ShardedObject(f"param_group.{b}", hp) for b in dict.fromkeys(bases))
             grad = p.grad
             if loading:
                 if fqn in self._load_grads and grad is not None:
@@ -255,7 +264,10 @@ class OptimizerState:
                 "(step first; or pass OptimizerState(..., save_grads=True) to save the partial "
                 "gradients and resume the accumulation)")
         # no entry for an empty list (a common value only the ranks without state would have)
-        return {k: v for k, v in (("state", tensors), ("objects", objects)) if v}
+        out: dict[str, Any] = {k: v for k, v in (("state", tensors), ("objects", objects)) if v}
+        if loading and self._dcp_groups:
+            out["param_groups"] = None  # one value: DCP's groups, by position (regrouped at load)
+        return out
 
     # -- loading
     def reshard_prepare_load(self, m: Manifest) -> dict[str, Any]:
@@ -280,6 +292,7 @@ class OptimizerState:
                 fqn, _, key = name[len(pre):].rpartition(".")
                 saved.setdefault(fqn, {}).setdefault(key, m.tensors[target])
         self._saved_groups = frozenset(n for n in m.objects if n.startswith("param_group."))
+        self._dcp_groups = dcp_param_groups_saved(m)
         # saved gradients (save_grads=True) are restored: allocate a destination
         gpre = "grad."
         grads = {n[len(gpre):] for n in m.tensors if n.startswith(gpre)}
@@ -371,4 +384,7 @@ class OptimizerState:
             elif ob.key.startswith(pre_state):
                 fqn, _, key = ob.key[len(pre_state):].rpartition(".")
                 self.optimizer.state[by_name[fqn][0]][key] = ob.value
+        if self._dcp_groups:
+            self._dcp_groups = False
+            hparams.update(hyperparams_from_dcp(sd.get("param_groups"), where="OptimizerState"))
         restore_hyperparams(self.optimizer, names, hparams, self.hyperparams, where="OptimizerState")

@@ -29,7 +29,14 @@ from torch import nn
 from ..sharding import ShardedObject, ShardedTensor
 from ..tree import is_dtensor
 from .dtensor import dtensor_shards
-from .hyperparams import HyperparamRule, check_rule, group_hyperparams, restore_hyperparams
+from .hyperparams import (
+    HyperparamRule,
+    check_rule,
+    dcp_param_groups_saved,
+    group_hyperparams,
+    hyperparams_from_dcp,
+    restore_hyperparams,
+)
 from .names import canonical_names
 
 
@@ -78,6 +85,7 @@ class TorchState:
         self._loading = False
         self._saved: frozenset[str] = frozenset()  # names the checkpoint being loaded holds
         self._fresh: tuple[torch.optim.Optimizer, ...] = ()  # never stepped before this call
+        self._dcp_groups = False  # this load restores DCP's param_groups (by group position)
 
     def _fqns(self) -> dict[int, str]:
         params = list(self.model.named_parameters())
@@ -105,6 +113,7 @@ class TorchState:
         """Note what the checkpoint holds (``m``: the manifest seen from here)."""
         self._loading = True
         self._saved = frozenset(m.tensors) | frozenset(m.objects) | frozenset(m.aliases)
+        self._dcp_groups = dcp_param_groups_saved(m, "optim.")
 
     def state_dict(self) -> dict[str, Any]:
         # the load-time view is taken once, right after reshard_prepare_load: a load
@@ -126,11 +135,16 @@ class TorchState:
                     tensors.extend(_describe(name, v))
                 else:
                     objects.append(ShardedObject(name, v))
+        out: dict[str, Any] = {"tensors": tensors, "objects": objects}
+        if loading and self._dcp_groups:  # DCP's groups, by position: one value (regrouped at load)
+            out = {k: v for k, v in out.items() if v}  # no empty list (a value DCP does not hold)
+            out["optim"] = {"param_groups": None}
+            return out
         for g in osd.get("param_groups") or []:
             hp = group_hyperparams(g)
             for fqn in g["params"]:
                 objects.append(ShardedObject(f"optim.param_group.{fqn}", hp))
-        return {"tensors": tensors, "objects": objects}
+        return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -148,6 +162,10 @@ class TorchState:
                 osd["state"][fqn][key] = ob.value
             elif ob.key.startswith("model."):
                 msd[ob.key[len("model."):]] = ob.value
+        if self._dcp_groups:
+            self._dcp_groups = False
+            groups = (sd.get("optim") or {}).get("param_groups")
+            hparams.update(hyperparams_from_dcp(groups, where="TorchState"))
         set_state_dict(self.model, self.optimizers, model_state_dict=msd,
                        optim_state_dict=osd if self.optimizers else {},
                        options=StateDictOptions(cpu_offload=self.cpu_offload))

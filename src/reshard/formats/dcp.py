@@ -504,12 +504,14 @@ def open_dcp(
     The manifest lists every tensor (dtype, global shape, one chunk per
     non-empty DCP chunk, no checksums: DCP records none) over virtual files of
     ``storage``; common values come from the BYTE_IO items, decoded with
-    ``torch.load(weights_only=True)`` and regrouped into the containers of the
-    saved state dict (``planner_data``: e.g. ``optim.param_groups`` as one
-    list, a dict whose keys were exactly ``0..n-1`` comes back as a list).
+    ``torch.load(weights_only=True)``, one per DCP key (``sched.last_epoch``,
+    ``optim.param_groups.0.lr``), with their state-dict paths recorded so
+    that :func:`reshard.load` regroups them into the paths the target state
+    asks for (:mod:`reshard.formats.dcp_values`: ``optim.param_groups`` as
+    one list, a dict whose keys were exactly ``0..n-1`` as a list).
     Values that cannot be decoded that way or stored in reshard's encoding are
     skipped and listed in ``manifest.extra["dcp_skipped_values"]``; tensors of
-    a dtype outside reshard's allow-list (complex, ...) in
+    a dtype outside reshard's allow-list (float8 variants, ...) in
     ``manifest.extra["dcp_skipped_tensors"]`` (a strict load asking for one
     reports it missing).
 
@@ -533,4 +535,22 @@ def open_dcp(
         raise ManifestError(f"{st.join(key, DCP_METADATA)}: malformed DCP metadata: "
                             f"{type(e).__name__}: {e}") from None
     return DCPStorage(st, key, items, cache_bytes=cache_bytes), m
+
+
+def dcp_checkpoints(storage: Storage, root: str) -> list[tuple[str, float | None]]:
+    """``(name, modified time)`` of every child of ``root`` that is a DCP
+    checkpoint (a ``.metadata`` and no reshard manifest), by name."""
+    from ..manifest import MANIFEST_NAME
+
+    try:
+        names = storage.list_dir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for name in sorted(names):
+        p = storage.join(root, name)
+        if storage.exists(storage.join(p, DCP_METADATA)) and not storage.exists(
+                storage.join(p, MANIFEST_NAME)):
+            out.append((name, storage.modified_time(storage.join(p, DCP_METADATA))))
+    return out
 
