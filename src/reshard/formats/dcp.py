@@ -59,6 +59,7 @@ from ..errors import CheckpointError, IntegrityError, ManifestError, ShardingErr
 from ..manifest import Chunk, FileEntry, Manifest, TensorEntry, check_file_name, validate_manifest
 from ..sharding import dtype_name, itemsize, numel
 from ..storage import Capabilities, Storage, WriteStream, resolve
+from .dcp_blob import decode_tensor_blob
 from .dcp_metadata import DCP_METADATA, _read_metadata, read_dcp_metadata
 from .dcp_values import DCP_VALUES
 
@@ -70,6 +71,9 @@ __all__ = [
     "read_dcp_metadata",
 ]
 
+#: a DCP item (torch.save blob) at most this large (bytes) is read with one
+#: ranged read and decoded from memory; a larger one is streamed
+WHOLE_BLOB_BYTES = 16 << 20
 #: default bound of the decoded-chunk cache of :class:`DCPStorage`, in bytes
 DEFAULT_CACHE_BYTES = 256 << 20
 def is_dcp_checkpoint(path: str | os.PathLike[str], *, storage: Storage | None = None) -> bool:
@@ -184,16 +188,26 @@ class DCPStorage(Storage):
             if self.base.is_link(fpath):
                 raise ManifestError(f"{fpath}: DCP data file is a symbolic link (refused)")
             self._checked_files.add(it.file)
-        try:
-            size = self.base.size(fpath)
-        except FileNotFoundError:
-            raise IntegrityError(f"{where}: data file is missing") from None
+        with self._lock:
+            size = self._file_sizes.get(it.file)
+        if size is None:  # one stat per data file, not one per item
+            try:
+                size = self.base.size(fpath)
+            except FileNotFoundError:
+                raise IntegrityError(f"{where}: data file is missing") from None
+            with self._lock:
+                self._file_sizes[it.file] = size
         if it.offset + it.length > size:
             raise IntegrityError(f"{where}: bytes [{it.offset}, {it.offset + it.length}) reach past "
                                  f"the end ({size} bytes) of the file")
-        # torch.load reads the storage record with one readinto straight into the
-        # tensor's memory: no intermediate copy of the blob
-        obj = _torch_load(_BlobReader(self.base, fpath, it.offset, it.length), where=where)
+        if it.length <= WHOLE_BLOB_BYTES:  # one ranged read, then decoded from memory
+            raw = self.base.read_bytes(fpath, it.offset, it.length)
+            obj = decode_tensor_blob(raw)  # the narrow fast path (dcp_blob), else torch.load
+            if obj is None:
+                obj = _torch_load(io.BytesIO(raw), where=where)
+        else:  # torch.load reads the storage record with one readinto straight into the
+            # tensor's memory: no intermediate copy of a large blob
+            obj = _torch_load(_BlobReader(self.base, fpath, it.offset, it.length), where=where)
         if type(obj) not in (torch.Tensor, torch.nn.Parameter):
             raise IntegrityError(f"{where}: holds a {type(obj).__module__}.{type(obj).__qualname__}, "
                                  "not a tensor (refused)")
