@@ -376,12 +376,15 @@ def verify_cmd(ckpt: str, no_checksums: bool, json_path: str | None) -> None:
 @click.option("--copy", "copies", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="A file to copy alongside (config.json, tokenizer files); repeatable.")
 @click.option("--include", "includes", multiple=True,
-              help="Glob over checkpoint fqns to export (repeatable; default: all but optim.*).")
+              help="Glob over fqns (relative to --subtree) to export (repeatable; default: all but optim.*).")
+@click.option("--subtree", default=None, metavar="PATH",
+              help="Tree path of the model to export, written under its own parameter names "
+                   "(default: model when the checkpoint has one; '' = every name as saved).")
 @click.option("--overwrite", is_flag=True, help="Replace model files already in OUT.")
 @json_option
 def export_cmd(ckpt: str, out: str, fmt: str, dtype: str | None, max_shard_size: str,
-               copies: tuple[str, ...], includes: tuple[str, ...], overwrite: bool,
-               json_path: str | None) -> None:
+               copies: tuple[str, ...], includes: tuple[str, ...], subtree: str | None,
+               overwrite: bool, json_path: str | None) -> None:
     """Export the model tensors of checkpoint CKPT to the directory OUT
     (streaming, one tensor in memory at a time; optimizer state dropped)."""
     from .formats.hf_export import export_hf, parse_dtype, parse_size
@@ -396,7 +399,8 @@ def export_cmd(ckpt: str, out: str, fmt: str, dtype: str | None, max_shard_size:
         raise click.BadParameter(str(e), param_hint="--dtype") from None
     try:
         res = export_hf(ckpt, out, dtype=cast, max_shard_bytes=limit, copy_files=copies,
-                        include=list(includes) or None, overwrite=overwrite, progress=_progress())
+                        include=list(includes) or None, subtree=subtree, overwrite=overwrite,
+                        progress=_progress())
     except CheckpointNotFoundError as e:
         _fail(USAGE, str(e))
     except FileExistsError as e:

@@ -90,7 +90,7 @@ def _same_by_digest(ma: Manifest, ta: TensorEntry, mb: Manifest, tb: TensorEntry
 
 
 def _read(st: Storage, key: str, m: Manifest, fqn: str) -> torch.Tensor:
-    from .formats.hf_export import _sub_manifest
+    from .formats.hf_write import _sub_manifest
     from .load import load
 
     te = m.tensors[fqn]
