@@ -35,6 +35,14 @@ class SaveOptions:
             until the oldest commits, or "skip" it with a warning.
         progress: a progress bar on stderr for rank 0's writes (bytes); None:
             only when the environment variable ``RESHARD_PROGRESS=1``.
+        parent: recorded as the manifest's ``parent``: the name of the
+            checkpoint (a sibling under the same root) this state continues
+            from. A plain ``save`` records exactly what is given (default
+            None: no parent); ``CheckpointManager`` passes the checkpoint it
+            resumed from, then its previous save.
+        lineage: recorded as the manifest's ``lineage``: the id of the root's
+            ``HEAD`` record the saving run continues from (set by
+            ``CheckpointManager``; leave None otherwise).
     """
 
     checksums: bool = True
@@ -50,6 +58,8 @@ class SaveOptions:
     max_pending: int = 1
     if_busy: str = "block"
     progress: bool | None = None
+    parent: str | None = None
+    lineage: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_pending < 1:
