@@ -82,8 +82,11 @@ def _same_by_digest(ma: Manifest, ta: TensorEntry, mb: Manifest, tb: TensorEntry
     """True/False when the chunk digests decide, None when they cannot."""
     if ma.checksum_block_bytes != mb.checksum_block_bytes:
         return None
-    ka = sorted((c.global_offset, c.local_shape, c.flattened_range, c.checksums) for c in ta.chunks)
-    kb = sorted((c.global_offset, c.local_shape, c.flattened_range, c.checksums) for c in tb.chunks)
+    def sums(c: Any) -> Any:  # the chunk's digest (of its block digests), or the digests themselves
+        return c.digest or ",".join(c.checksums)
+
+    ka = sorted((c.global_offset, c.local_shape, c.flattened_range, sums(c)) for c in ta.chunks)
+    kb = sorted((c.global_offset, c.local_shape, c.flattened_range, sums(c)) for c in tb.chunks)
     if [k[:3] for k in ka] != [k[:3] for k in kb] or not all(k[3] for k in ka + kb):
         return None
     return [k[3] for k in ka] == [k[3] for k in kb]
