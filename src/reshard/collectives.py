@@ -142,7 +142,7 @@ def agree_steps(rank: int, what: str, exc: BaseException | None,
         failures = {int(f["rank"]): RankFailure.from_json(f) for f in rep["failures"]}
         err = agreed_error(what, failures, groups=rep["groups"], total=int(rep["n"]))
     else:
-        err = agreed_error(what, failures)
+        err = agreed_error(what, failures, world_size=len(got))
     if exc is not None:
         raise err from exc
     raise err
