@@ -108,6 +108,11 @@ class OptimizerState:
         self._flat_names: dict[int, list[str]] = {}
         self._loading = False
         self._load_grads: frozenset[str] = frozenset()  # params whose saved grad this load restores
+        #: state and gradient destinations a load created (id(param) -> ...), installed into the
+        #: optimizer and the parameters only by load_state_dict: a load refused before any
+        #: target is written leaves a fresh optimizer fresh
+        self._pending: dict[int, dict[str, Any]] = {}
+        self._pending_grads: dict[int, torch.Tensor] = {}
         self.params_without_state: tuple[str, ...] = ()
 
     # -- naming
@@ -225,9 +230,12 @@ class OptimizerState:
         # the load-time view is taken once, right after reshard_prepare_load: a load
         # that fails before load_state_dict must not disable the check of a later save
         loading, self._loading = self._loading, False
+        if not loading:  # what a refused load created is not this optimizer's
+            self._pending, self._pending_grads = {}, {}
         for fqn, p, g in self._params():
             bases = self._bases(fqn, p) if fqn is not None else []
-            for key, v in self.optimizer.state.get(p, {}).items():
+            state = self.optimizer.state.get(p) or (self._pending.get(id(p), {}) if loading else {})
+            for key, v in state.items():
                 if isinstance(v, torch.Tensor):
                     sts = self._state_tensors(fqn, p, key, v)
                     tensors.extend(sts)
@@ -239,7 +247,7 @@ class OptimizerState:
                 self._flat_names[id(p)] = list(dict.fromkeys(bases))
             hp = group_hyperparams(g)
             objects.extend(ShardedObject(f"param_group.{b}", hp) for b in dict.fromkeys(bases))
-            grad = p.grad
+            grad = self._pending_grads.get(id(p), p.grad) if loading else p.grad
             if loading:
                 if fqn in self._load_grads and grad is not None:
                     tensors.extend(self._state_tensors(fqn, p, "grad", grad, name=f"grad.{fqn}"))
@@ -262,6 +270,7 @@ class OptimizerState:
         """Create the state of parameters that have saved state but none yet.
         ``m`` is the manifest as seen from this adapter (names relative to it)."""
         self._loading = True
+        self._pending, self._pending_grads = {}, {}
         pre = "state."
         saved: dict[str, dict[str, Any]] = {}
         keys: dict[str, Any] = {}
@@ -288,16 +297,16 @@ class OptimizerState:
             if fqn is not None and set(self._bases(fqn, p)) & grads:
                 with_grad.add(fqn)
                 if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                    self._pending_grads[id(p)] = torch.zeros_like(p)
         self._load_grads = frozenset(with_grad)
         without: list[str] = []
         for fqn, p, _ in self._params():
             if self.optimizer.state.get(p):
                 continue
-            st: dict[str, Any] = {}  # entered into the optimizer only when it holds something
+            st: dict[str, Any] = {}  # entered into the optimizer by load_state_dict
             if fqn is None:  # a layout-named parameter (ZeRO flat buffer): every saved key
                 if keys:
-                    self.optimizer.state[p] = st
+                    self._pending[id(p)] = st
                 for key, te in keys.items():
                     st[key] = self._new_state(None, p, te)
                 continue
@@ -310,7 +319,7 @@ class OptimizerState:
             if not entries:
                 without.extend(bases)
                 continue
-            self.optimizer.state[p] = st
+            self._pending[id(p)] = st
             for key, te in entries.items():
                 st[key] = None if te is None else self._new_state(fqn, p, te)
             for key in [k for k, v in st.items() if v is None]:
@@ -352,6 +361,12 @@ class OptimizerState:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._loading = False
+        for _fqn, p, _ in self._params():  # what this load created, now filled
+            if id(p) in self._pending:
+                self.optimizer.state[p] = self._pending[id(p)]
+            if id(p) in self._pending_grads:
+                p.grad = self._pending_grads[id(p)]
+        self._pending, self._pending_grads = {}, {}
         by_name: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
         names: dict[int, list[str]] = {}
         for fqn, p, g in self._params():

@@ -90,14 +90,18 @@ class TorchState:
         self._fresh = tuple(o for o in self.optimizers if not o.state)
         opts = StateDictOptions(cpu_offload=self.cpu_offload)
         msd, osd = get_state_dict(self.model, self.optimizers, options=opts)
-        if self._fresh and not loading:
+        if self._fresh:
             # get_state_dict made state for them (a zero-gradient step, DCP's
-            # _init_optim_state): neither save it nor keep it
-            fqns = self._fqns()
-            state: dict[str, Any] = osd.get("state") or {}  # type: ignore[assignment]
+            # _init_optim_state): at save it is neither saved nor kept; at load
+            # its tensors are only destinations (set_state_dict installs what
+            # was loaded), so a load refused before writing leaves them fresh
+            if not loading:
+                fqns = self._fqns()
+                state: dict[str, Any] = osd.get("state") or {}  # type: ignore[assignment]
+                for o in self._fresh:
+                    for p in [p for g in o.param_groups for p in g["params"]]:
+                        state.pop(fqns.get(id(p), ""), None)
             for o in self._fresh:
-                for p in [p for g in o.param_groups for p in g["params"]]:
-                    state.pop(fqns.get(id(p), ""), None)
                 o.state.clear()
         return msd, (osd if self.optimizers else {})
 
