@@ -80,12 +80,16 @@ def test_changed_group_partition_errors_or_follows_the_chosen_rule(tmp_path: Pat
     ("current"). OptimizerState and TorchState behave the same."""
     ckpt, src = _two_group_checkpoint(tmp_path, adapter)
     dst = P12(1)
+    before = dst.p1.detach().clone()
     opt = torch.optim.AdamW(dst.parameters(), lr=0.5, weight_decay=0.5)
     with pytest.raises(ShardingError) as ei:
         reshard.load(_target(adapter, dst, opt, None), ckpt)
     msg = str(ei.value)
     assert "p1: lr=0.1, weight_decay=0.01" in msg and "p2: lr=0.2, weight_decay=0.02" in msg
     assert "hyperparams='saved'" in msg
+    # refused before any target was written
+    assert "every target is unchanged" in msg and torch.equal(dst.p1, before) and dict(opt.state) == {}
+    assert _groups(opt, dst) == [(["p1", "p2"], 0.5, 0.5)]
     for rule, want in (("saved", [(["p1"], 0.1, 0.01), (["p2"], 0.2, 0.02)]),
                        ("current", [(["p1", "p2"], 0.5, 0.5)])):
         dst = P12(1)

@@ -359,6 +359,25 @@ class OptimizerState:
         # sharding only an existing optimizer state can show)
         return torch.zeros_like(p, dtype=dtype)
 
+    def _param_names(self) -> dict[int, list[str]]:
+        """``id(param) -> the saved names it is kept under`` (its bases; for a
+        ZeRO flat buffer the canonical tensors its state named in state_dict())."""
+        return {id(p): list(dict.fromkeys(self._bases(fqn, p) if fqn is not None
+                                          else self._flat_names.get(id(p), [])))
+                for fqn, p, _ in self._params()}
+
+    def _hyperparams(self, objects: Any) -> dict[str, dict[str, Any]]:
+        pre = "param_group."
+        return {k[len(pre):]: v for k, v in objects
+                if k.startswith(pre) and k in self._saved_groups}  # not requests left as they were
+
+    def reshard_check_load(self, objects: dict[str, Any]) -> None:
+        """Before any target is written: raise what restoring the saved
+        hyperparameters would raise (``objects``: this adapter's loaded
+        objects by relative key)."""
+        restore_hyperparams(self.optimizer, self._param_names(), self._hyperparams(objects.items()),
+                            self.hyperparams, where="OptimizerState", check_only=True)
+
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._loading = False
         for _fqn, p, _ in self._params():  # what this load created, now filled
@@ -367,23 +386,15 @@ class OptimizerState:
             if id(p) in self._pending_grads:
                 p.grad = self._pending_grads[id(p)]
         self._pending, self._pending_grads = {}, {}
+        names = self._param_names()
         by_name: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
-        names: dict[int, list[str]] = {}
-        for fqn, p, g in self._params():
-            if fqn is not None:
-                covered = self._bases(fqn, p)
-            else:  # ZeRO flat buffer: the canonical tensors its state named in state_dict()
-                covered = self._flat_names.get(id(p), [])
-            names[id(p)] = list(dict.fromkeys(covered))
-            for b in covered:
+        for _fqn, p, g in self._params():
+            for b in names[id(p)]:
                 by_name.setdefault(b, (p, g))
-        pre_state, pre_group = "state.", "param_group."
-        hparams: dict[str, dict[str, Any]] = {}
-        for ob in sd.get("objects", []):
-            if ob.key.startswith(pre_group):
-                if ob.key in self._saved_groups:  # not a request left as it was (strict=False)
-                    hparams[ob.key[len(pre_group):]] = ob.value
-            elif ob.key.startswith(pre_state):
-                fqn, _, key = ob.key[len(pre_state):].rpartition(".")
+        objs = sd.get("objects", [])
+        hparams = self._hyperparams((ob.key, ob.value) for ob in objs)
+        for ob in objs:
+            if ob.key.startswith("state."):
+                fqn, _, key = ob.key[len("state."):].rpartition(".")
                 self.optimizer.state[by_name[fqn][0]][key] = ob.value
         restore_hyperparams(self.optimizer, names, hparams, self.hyperparams, where="OptimizerState")
