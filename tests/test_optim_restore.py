@@ -80,12 +80,16 @@ def test_changed_group_partition_errors_or_follows_the_chosen_rule(tmp_path: Pat
     ("current"). OptimizerState and TorchState behave the same."""
     ckpt, src = _two_group_checkpoint(tmp_path, adapter)
     dst = P12(1)
+    before = dst.p1.detach().clone()
     opt = torch.optim.AdamW(dst.parameters(), lr=0.5, weight_decay=0.5)
     with pytest.raises(ShardingError) as ei:
         reshard.load(_target(adapter, dst, opt, None), ckpt)
     msg = str(ei.value)
     assert "p1: lr=0.1, weight_decay=0.01" in msg and "p2: lr=0.2, weight_decay=0.02" in msg
     assert "hyperparams='saved'" in msg
+    # refused before any target was written
+    assert "every target is unchanged" in msg and torch.equal(dst.p1, before) and dict(opt.state) == {}
+    assert _groups(opt, dst) == [(["p1", "p2"], 0.5, 0.5)]
     for rule, want in (("saved", [(["p1"], 0.1, 0.01), (["p2"], 0.2, 0.02)]),
                        ("current", [(["p1", "p2"], 0.5, 0.5)])):
         dst = P12(1)
@@ -322,3 +326,18 @@ def test_adafactor_state_of_a_sharded_parameter_via_a_declared_layout(pool, tmp_
     after = pool.run(2, fns.r_tp_adafactor_load, path)
     for b, a in zip(before, after, strict=True):
         assert torch.equal(a["w"], b["w"]) and torch.equal(a["row_var"], b["row_var"])
+
+
+@pytest.mark.parametrize("adapter", ["optim", "torch"])
+def test_a_refused_load_leaves_a_fresh_optimizer_fresh(tmp_path: Path, adapter: str) -> None:
+    """The state a load creates for a never-stepped optimizer is installed
+    only once the load succeeded: a load refused before writing (a shape
+    mismatch) leaves no state, no gradients and the constructed values."""
+    ckpt, _ = _two_group_checkpoint(tmp_path, adapter)
+    dst = P12(1)
+    dst.p2 = nn.Parameter(torch.zeros(3, 5))  # not the saved [3, 4]
+    opt = torch.optim.AdamW(dst.parameters(), lr=0.5)
+    with pytest.raises(ShardingError, match=r"\[3, 4\]"):
+        reshard.load(_target(adapter, dst, opt, "saved"), ckpt)
+    assert dict(opt.state) == {} and all(p.grad is None for p in dst.parameters())
+    assert [g["lr"] for g in opt.param_groups] == [0.5]

@@ -478,11 +478,26 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
         values[ob.key] = v
     for p, enc in (m.values or {}).items():
         values[p] = codec.from_json(enc)
+    _check_hooks(leaves.statefuls, objects)
     if opts.verify_first:
         reader.verify_only(groups)
     return _Plan(manifest=m, reader=reader, groups=groups, rules=rules, finalize=finalize,
                  missing=tuple(missing), unexpected=tuple(unexpected), objects=objects,
                  values=values)
+
+
+def _check_hooks(statefuls: Sequence[tuple[str, Any, Any]],
+                 objects: Mapping[tuple[str, tuple[int, ...]], Any]) -> None:
+    """Before any target is written, a Stateful with ``reshard_check_load(objects)``
+    (e.g. an OptimizerState that must refuse saved hyperparameters its param
+    groups cannot hold) sees the objects loaded for it, by key relative to its
+    position in the tree, and may raise."""
+    for path, obj, _ in statefuls:
+        hook = getattr(obj, "reshard_check_load", None)
+        if not callable(hook):
+            continue
+        pre = f"{path}." if path else ""
+        hook({k[len(pre):]: v for (k, _off), v in objects.items() if k.startswith(pre)})
 
 
 def _apply(plan: _Plan, ctx: dict[str, Any], st: Storage, key: str) -> LoadResult:

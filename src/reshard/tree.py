@@ -36,7 +36,6 @@ such a checkpoint's names to the new ones (see ``V1_NAMES``).
 
 from __future__ import annotations
 
-import copy
 import functools
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -121,8 +120,11 @@ def _v1_rel(rules: tuple[tuple[str, str], ...], name: str) -> str | None:
     return None if rules else name
 
 
+_IDENTITY: tuple[tuple[str, str], ...] = (("", ""),)
+
+
 def v1_rules(x: Any) -> tuple[tuple[str, str], ...]:
-    return tuple(getattr(x, V1_NAMES, None) or (("", ""),))
+    return tuple(getattr(x, V1_NAMES, None) or _IDENTITY)
 
 
 @dataclass
@@ -147,8 +149,10 @@ def _renamed(x: Any, name: str) -> Any:
         return x if x.key == name else replace(x, key=name)
     if x.fqn == name:
         return x
-    out = copy.copy(x)  # no second validation of the geometry
-    object.__setattr__(out, "fqn", name)
+    out = object.__new__(ShardedTensor)  # a copy without a second validation of the geometry
+    d = out.__dict__
+    d.update(x.__dict__)
+    d["fqn"] = name
     return out
 
 
@@ -195,11 +199,11 @@ def flatten(
     if not isinstance(state, Mapping):
         raise ShardingError(f"state must be a mapping, got {type(state).__name__}")
     out = Leaves()
-    #: checkpoint key -> (tree path, container of a ShardedTensor/ShardedObject or None)
-    owner: dict[str, tuple[str, str | None]] = {}
+    #: checkpoint key -> (tree path parts, container of a ShardedTensor/ShardedObject or None)
+    owner: dict[str, tuple[tuple[str, ...], str | None]] = {}
     loading = loaded_values is not None
 
-    def claim(key: str, tree: str, group: str | None) -> None:
+    def claim(key: str, tree: tuple[str, ...], group: str | None) -> None:
         prev = owner.get(key)
         if prev is None:
             owner[key] = (tree, group)
@@ -209,7 +213,7 @@ def flatten(
         if loading and group != _VALUE and prev[1] != _VALUE:
             return  # at load, two destinations of one saved tensor are two requests
         raise ShardingError(
-            f"checkpoint key {key!r} is given by two leaves: {prev[0]} and {tree}; keys join tree "
+            f"checkpoint key {key!r} is given by two leaves: {_tree(prev[0])} and {_tree(tree)}; keys join tree "
             "paths with '.', so separate them: nest one under another key (e.g. "
             "{'model': ..., 'ema': ...}) or rename the tensor")
 
@@ -232,24 +236,23 @@ def flatten(
             return type(x)(items) if isinstance(x, tuple) else items
         return x
 
-    def sharded(x: Any, cpath: str, tree: str, rules: tuple[tuple[str, str], ...]) -> None:
+    def sharded(x: Any, cpath: str, tree: tuple[str, ...], rules: tuple[tuple[str, str], ...]) -> None:
         name = join(cpath, x.fqn)
         claim(name, tree, cpath)
-        v1 = _v1_name(rules, x.fqn)
+        v1 = x.fqn if rules == _IDENTITY else _v1_name(rules, x.fqn)
         if v1 != name:
             out.legacy[name] = v1
         (out.objects if isinstance(x, ShardedObject) else out.tensors).append(_renamed(x, name))
 
     def walk(x: Any, path: str, cpath: str, tree: tuple[str, ...],
              rules: tuple[tuple[str, str], ...]) -> None:
-        where = _tree(tree)
-        x = _as_stateful(x)
         if isinstance(x, (ShardedTensor, ShardedObject)):
-            sharded(x, cpath, where, rules)
+            sharded(x, cpath, tree, rules)
             return
+        x = _as_stateful(x)
         if isinstance(x, (list, tuple)) and x and _all_sharded(x):
             for i, v in enumerate(x):
-                sharded(v, cpath, f"{where}[{i}]", rules)
+                sharded(v, cpath, (*tree, f"[{i}]"), rules)
             return
         if is_stateful(x) and not isinstance(x, Mapping):
             try:
@@ -270,7 +273,7 @@ def flatten(
             return
         if not path:
             raise ShardingError("the root of the state must be a mapping")
-        claim(path, where, None if isinstance(x, (torch.Tensor, np.ndarray)) else _VALUE)
+        claim(path, tree, None if isinstance(x, (torch.Tensor, np.ndarray)) else _VALUE)
         if is_dtensor(x):
             out.dtensors[path] = x
         elif isinstance(x, torch.Tensor):
@@ -288,7 +291,7 @@ def flatten(
             walk(v, join(path, k), path, (*tree, f"[{k!r}]"), rules)
 
     try:
-        walk_container(state, "", (), (("", ""),))
+        walk_container(state, "", (), _IDENTITY)
     finally:
         # walk and walk_container refer to each other: break that cycle, which
         # would otherwise keep `out` (and every tensor of the state) alive

@@ -8,7 +8,8 @@ a group can hold parameters whose saved values differ; what happens then is
 the rule the user chose (:data:`HyperparamRule`):
 
 * ``"error"`` (default): raise ShardingError naming the parameters and their
-  values; nothing about the groups is guessed.
+  values; nothing about the groups is guessed. The load raises it before any
+  target is written (the adapters' ``reshard_check_load``).
 * ``"saved"``: every parameter gets exactly its saved values: a group whose
   parameters disagree is split, in place, into one group per distinct set of
   values (``optimizer.param_groups`` grows; create LR schedulers after the
@@ -64,7 +65,8 @@ def _key(hp: Mapping[str, Any]) -> Any:
 
 
 def restore_hyperparams(optimizer: torch.optim.Optimizer, names: Mapping[int, Sequence[str]],
-                        saved: Mapping[str, Mapping[str, Any]], rule: str, *, where: str) -> None:
+                        saved: Mapping[str, Mapping[str, Any]], rule: str, *, where: str,
+                        check_only: bool = False) -> None:
     """Give each group of ``optimizer`` the saved hyperparameters of its parameters.
 
     Args:
@@ -73,6 +75,8 @@ def restore_hyperparams(optimizer: torch.optim.Optimizer, names: Mapping[int, Se
         saved: saved name -> the hyperparameters recorded for it.
         rule: see :data:`HyperparamRule`.
         where: the adapter, for messages.
+        check_only: raise what applying would raise, change nothing (the
+            load calls it before any target is written).
 
     Raises:
         ShardingError: a group (or one parameter) whose parameters were saved
@@ -105,8 +109,7 @@ def restore_hyperparams(optimizer: torch.optim.Optimizer, names: Mapping[int, Se
             new_groups.append(g)
             continue
         if len(distinct) == 1:
-            g.update(next(iter(distinct.values())))
-            new_groups.append(g)
+            new_groups.append({**g, **next(iter(distinct.values()))})
             continue
         if rule == "error":
             values = _describe(g, per_param, names)
@@ -125,7 +128,20 @@ def restore_hyperparams(optimizer: torch.optim.Optimizer, names: Mapping[int, Se
         base = group_hyperparams(g)
         for k, ps in parts.items():
             new_groups.append({**base, **distinct[k], "params": ps})
-    optimizer.param_groups[:] = new_groups
+    if check_only:
+        return
+    # every group planned without error: now change the optimizer (a group kept
+    # whole is updated in place, so references to it stay valid)
+    old = {id(g): g for g in optimizer.param_groups}
+    out = []
+    for ng in new_groups:
+        og = next((o for o in old.values() if o["params"] is ng["params"]), None)
+        if og is not None:
+            og.update(ng)
+            out.append(og)
+        else:
+            out.append(ng)
+    optimizer.param_groups[:] = out
 
 
 def _diff(hp: Mapping[str, Any], ref: Mapping[str, Any]) -> dict[str, Any]:

@@ -116,6 +116,11 @@ class OptimizerState:
         self._flat_names: dict[int, list[str]] = {}
         self._loading = False
         self._load_grads: frozenset[str] = frozenset()  # params whose saved grad this load restores
+        #: state and gradient destinations a load created (id(param) -> ...), installed into the
+        #: optimizer and the parameters only by load_state_dict: a load refused before any
+        #: target is written leaves a fresh optimizer fresh
+        self._pending: dict[int, dict[str, Any]] = {}
+        self._pending_grads: dict[int, torch.Tensor] = {}
         self.params_without_state: tuple[str, ...] = ()
 
     # -- naming
@@ -233,9 +238,12 @@ class OptimizerState:
         # the load-time view is taken once, right after reshard_prepare_load: a load
         # that fails before load_state_dict must not disable the check of a later save
         loading, self._loading = self._loading, False
+        if not loading:  # what a refused load created is not this optimizer's
+            self._pending, self._pending_grads = {}, {}
         for fqn, p, g in self._params():
             bases = self._bases(fqn, p) if fqn is not None else []
-            for key, v in self.optimizer.state.get(p, {}).items():
+            state = self.optimizer.state.get(p) or (self._pending.get(id(p), {}) if loading else {})
+            for key, v in state.items():
                 if isinstance(v, torch.Tensor):
                     sts = self._state_tensors(fqn, p, key, v)
                     tensors.extend(sts)
@@ -248,7 +256,7 @@ class OptimizerState:
             hp = group_hyperparams(g)
             if not (loading and self._dcp_groups):
                 objects.extend(ShardedObject(f"param_group.{b}", hp) for b in dict.fromkeys(bases))
-            grad = p.grad
+            grad = self._pending_grads.get(id(p), p.grad) if loading else p.grad
             if loading:
                 if fqn in self._load_grads and grad is not None:
                     tensors.extend(self._state_tensors(fqn, p, "grad", grad, name=f"grad.{fqn}"))
@@ -274,6 +282,7 @@ class OptimizerState:
         """Create the state of parameters that have saved state but none yet.
         ``m`` is the manifest as seen from this adapter (names relative to it)."""
         self._loading = True
+        self._pending, self._pending_grads = {}, {}
         pre = "state."
         saved: dict[str, dict[str, Any]] = {}
         keys: dict[str, Any] = {}
@@ -301,16 +310,16 @@ class OptimizerState:
             if fqn is not None and set(self._bases(fqn, p)) & grads:
                 with_grad.add(fqn)
                 if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                    self._pending_grads[id(p)] = torch.zeros_like(p)
         self._load_grads = frozenset(with_grad)
         without: list[str] = []
         for fqn, p, _ in self._params():
             if self.optimizer.state.get(p):
                 continue
-            st: dict[str, Any] = {}  # entered into the optimizer only when it holds something
+            st: dict[str, Any] = {}  # entered into the optimizer by load_state_dict
             if fqn is None:  # a layout-named parameter (ZeRO flat buffer): every saved key
                 if keys:
-                    self.optimizer.state[p] = st
+                    self._pending[id(p)] = st
                 for key, te in keys.items():
                     st[key] = self._new_state(None, p, te)
                 continue
@@ -323,7 +332,7 @@ class OptimizerState:
             if not entries:
                 without.extend(bases)
                 continue
-            self.optimizer.state[p] = st
+            self._pending[id(p)] = st
             for key, te in entries.items():
                 st[key] = None if te is None else self._new_state(fqn, p, te)
             for key in [k for k, v in st.items() if v is None]:
@@ -363,26 +372,43 @@ class OptimizerState:
         # sharding only an existing optimizer state can show)
         return torch.zeros_like(p, dtype=dtype)
 
+    def _param_names(self) -> dict[int, list[str]]:
+        """``id(param) -> the saved names it is kept under`` (its bases; for a
+        ZeRO flat buffer the canonical tensors its state named in state_dict())."""
+        return {id(p): list(dict.fromkeys(self._bases(fqn, p) if fqn is not None
+                                          else self._flat_names.get(id(p), [])))
+                for fqn, p, _ in self._params()}
+
+    def _hyperparams(self, objects: Any) -> dict[str, dict[str, Any]]:
+        pre = "param_group."
+        return {k[len(pre):]: v for k, v in objects
+                if k.startswith(pre) and k in self._saved_groups}  # not requests left as they were
+
+    def reshard_check_load(self, objects: dict[str, Any]) -> None:
+        """Before any target is written: raise what restoring the saved
+        hyperparameters would raise (``objects``: this adapter's loaded
+        objects by relative key)."""
+        restore_hyperparams(self.optimizer, self._param_names(), self._hyperparams(objects.items()),
+                            self.hyperparams, where="OptimizerState", check_only=True)
+
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._loading = False
+        for _fqn, p, _ in self._params():  # what this load created, now filled
+            if id(p) in self._pending:
+                self.optimizer.state[p] = self._pending[id(p)]
+            if id(p) in self._pending_grads:
+                p.grad = self._pending_grads[id(p)]
+        self._pending, self._pending_grads = {}, {}
+        names = self._param_names()
         by_name: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
-        names: dict[int, list[str]] = {}
-        for fqn, p, g in self._params():
-            if fqn is not None:
-                covered = self._bases(fqn, p)
-            else:  # ZeRO flat buffer: the canonical tensors its state named in state_dict()
-                covered = self._flat_names.get(id(p), [])
-            names[id(p)] = list(dict.fromkeys(covered))
-            for b in covered:
+        for _fqn, p, g in self._params():
+            for b in names[id(p)]:
                 by_name.setdefault(b, (p, g))
-        pre_state, pre_group = "state.", "param_group."
-        hparams: dict[str, dict[str, Any]] = {}
-        for ob in sd.get("objects", []):
-            if ob.key.startswith(pre_group):
-                if ob.key in self._saved_groups:  # not a request left as it was (strict=False)
-                    hparams[ob.key[len(pre_group):]] = ob.value
-            elif ob.key.startswith(pre_state):
-                fqn, _, key = ob.key[len(pre_state):].rpartition(".")
+        objs = sd.get("objects", [])
+        hparams = self._hyperparams((ob.key, ob.value) for ob in objs)
+        for ob in objs:
+            if ob.key.startswith("state."):
+                fqn, _, key = ob.key[len("state."):].rpartition(".")
                 self.optimizer.state[by_name[fqn][0]][key] = ob.value
         if self._dcp_groups:
             self._dcp_groups = False

@@ -98,14 +98,18 @@ class TorchState:
         self._fresh = tuple(o for o in self.optimizers if not o.state)
         opts = StateDictOptions(cpu_offload=self.cpu_offload)
         msd, osd = get_state_dict(self.model, self.optimizers, options=opts)
-        if self._fresh and not loading:
+        if self._fresh:
             # get_state_dict made state for them (a zero-gradient step, DCP's
-            # _init_optim_state): neither save it nor keep it
-            fqns = self._fqns()
-            state: dict[str, Any] = osd.get("state") or {}  # type: ignore[assignment]
+            # _init_optim_state): at save it is neither saved nor kept; at load
+            # its tensors are only destinations (set_state_dict installs what
+            # was loaded), so a load refused before writing leaves them fresh
+            if not loading:
+                fqns = self._fqns()
+                state: dict[str, Any] = osd.get("state") or {}  # type: ignore[assignment]
+                for o in self._fresh:
+                    for p in [p for g in o.param_groups for p in g["params"]]:
+                        state.pop(fqns.get(id(p), ""), None)
             for o in self._fresh:
-                for p in [p for g in o.param_groups for p in g["params"]]:
-                    state.pop(fqns.get(id(p), ""), None)
                 o.state.clear()
         return msd, (osd if self.optimizers else {})
 
@@ -146,18 +150,35 @@ class TorchState:
                 objects.append(ShardedObject(f"optim.param_group.{fqn}", hp))
         return out
 
+    def _hyperparams(self, objects: Any) -> dict[str, dict[str, Any]]:
+        pre = "optim.param_group."
+        return {k[len(pre):]: v for k, v in objects
+                if k.startswith(pre) and k in self._saved}  # not requests left as they were
+
+    def _restore_hyperparams(self, hparams: dict[str, dict[str, Any]], check_only: bool) -> None:
+        fqns = self._fqns()
+        for o in self.optimizers:
+            names = {id(p): [fqns[id(p)]] for g in o.param_groups for p in g["params"] if id(p) in fqns}
+            restore_hyperparams(o, names, hparams, self.hyperparams, where="TorchState",
+                                check_only=check_only)
+
+    def reshard_check_load(self, objects: dict[str, Any]) -> None:
+        """Before any target is written: raise what restoring the saved
+        hyperparameters would raise."""
+        self._restore_hyperparams(self._hyperparams(objects.items()), check_only=True)
+
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         assert self._msd is not None and self._osd is not None
         msd, osd = self._msd, self._osd
         pre_state, pre_group = "optim.state.", "optim.param_group."
-        hparams: dict[str, dict[str, Any]] = {}
-        for ob in sd.get("objects", []):
+        objs = sd.get("objects", [])
+        hparams = self._hyperparams((ob.key, ob.value) for ob in objs)
+        for ob in objs:
             if ob.key.startswith(pre_group):
-                if ob.key in self._saved:  # not a request left as it was (strict=False)
-                    hparams[ob.key[len(pre_group):]] = ob.value
-            elif ob.key.startswith(pre_state):
+                continue
+            if ob.key.startswith(pre_state):
                 fqn, _, key = ob.key[len(pre_state):].rpartition(".")
                 osd["state"][fqn][key] = ob.value
             elif ob.key.startswith("model."):
@@ -170,14 +191,12 @@ class TorchState:
                        optim_state_dict=osd if self.optimizers else {},
                        options=StateDictOptions(cpu_offload=self.cpu_offload))
         fqns = self._fqns()
-        for o in self.optimizers:
-            names = {id(p): [fqns[id(p)]] for g in o.param_groups for p in g["params"] if id(p) in fqns}
-            if o in self._fresh:  # state the checkpoint does not hold: as constructed again
-                for g in o.param_groups:
-                    for p in g["params"]:
-                        pre = f"optim.state.{fqns.get(id(p), '')}."
-                        if not any(n.startswith(pre) for n in self._saved):
-                            o.state.pop(p, None)
-            restore_hyperparams(o, names, hparams, self.hyperparams, where="TorchState")
+        for o in self._fresh:  # state the checkpoint does not hold: as constructed again
+            for g in o.param_groups:
+                for p in g["params"]:
+                    pre = f"optim.state.{fqns.get(id(p), '')}."
+                    if not any(n.startswith(pre) for n in self._saved):
+                        o.state.pop(p, None)
+        self._restore_hyperparams(hparams, check_only=False)
         self._msd = self._osd = None
         self._fresh, self._saved = (), frozenset()
