@@ -175,8 +175,10 @@ def load(
     except Exception as e:  # noqa: BLE001
         err = e
     # agree on the manifest and gather requested keys (to find unexpected ones)
-    reports = coll.all_gather_json(outcome(coll.rank, err, keys=sorted(keys)))
+    ident = _identity(manifest, key) if err is None and manifest is not None else None
+    reports = coll.all_gather_json(outcome(coll.rank, err, keys=sorted(keys), checkpoint=ident))
     raise_agreed("load", reports, err)
+    _same_checkpoint(reports, key)
     # every check that needs no target write (files, coverage, shapes, dtypes,
     # strictness, devices; checksums too with verify_first), agreed before any
     # rank changes any target
@@ -211,6 +213,35 @@ def load(
     raise_agreed("load (load_state_dict)", reports, err)
     return LoadResult(**{**result.__dict__, "bytes_read": base.bytes_read - before,
                          "duration_s": time.perf_counter() - t0})
+
+
+def _identity(m: Manifest, key: str) -> list[Any]:
+    """What identifies the checkpoint a rank read: its manifest's attempt id
+    (random per save), commit time and step, and the location as that rank
+    resolved it (for the error message only)."""
+    return [m.attempt_id, m.created_at, m.step, key]
+
+
+def _same_checkpoint(reports: list[dict[str, Any]], key: str) -> None:
+    """Every rank must have read the same checkpoint: ranks that name
+    different checkpoints (per-rank paths, relative paths under different
+    working directories, node-local copies, ``latest(root)`` evaluated on each
+    rank while a newer checkpoint was published) would otherwise each load
+    their own and return a mix of states.
+
+    Raises:
+        CheckpointError: on every rank, listing what each rank read.
+    """
+    ids = [r.get("checkpoint") for r in reports]
+    first = next((i for i in ids if i is not None), None)
+    if first is None or all(i is None or i[:3] == first[:3] for i in ids):
+        return
+    seen = "; ".join(f"rank {r}: {i[3]} (attempt {i[0]}, step {i[2]})"
+                     for r, i in enumerate(ids) if i is not None)
+    raise CheckpointError(
+        f"load of {key}: the ranks read different checkpoints ({seen}); every rank must name "
+        "the same checkpoint (resolve the path once, e.g. on rank 0, and pass it to every rank); "
+        "every target is unchanged")
 
 
 def _read_or_dcp(st: Storage, key: str, opts: LoadOptions) -> tuple[Storage, Manifest]:

@@ -1,0 +1,68 @@
+"""Rank functions for tests/test_user_workflows.py (run inside WorkerPool
+workers, imported by name): workflows walked the way users walk them (per-rank
+working directories, two runs sharing a root, ...). Real files, gloo ranks."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import reshard
+
+
+def _error(e: BaseException) -> dict[str, Any]:
+    return {"type": type(e).__name__, "message": str(e),
+            "failed_ranks": sorted(getattr(e, "failures", {}))}
+
+
+def r_load_relative_per_cwd(dirs: list[str], rel: str) -> dict[str, Any]:
+    """Each rank loads the relative path ``rel`` from its own working
+    directory ``dirs[rank]``; report what it raised and whether its target
+    is unchanged."""
+    rank = dist.get_rank()
+    old = os.getcwd()
+    os.chdir(dirs[rank])
+    target = torch.full((4,), -7.0)
+    out: dict[str, Any] = {"raised": None}
+    try:
+        reshard.load({"w": target}, rel)
+    except reshard.CheckpointError as e:
+        out["raised"] = _error(e)
+    finally:
+        os.chdir(old)
+    out["w"] = target.tolist()
+    return out
+
+
+def _rows(value: float) -> dict[str, Any]:
+    """This rank's row of a (2, 3) tensor filled with ``value``."""
+    rank = dist.get_rank()
+    return {"w": reshard.ShardedTensor("w", torch.full((1, 3), value), global_shape=(2, 3),
+                                       global_offset=(rank, 0))}
+
+
+def r_two_runs_share_a_root(root: str) -> dict[str, Any]:
+    """Run A starts fresh and saves steps 1, 2; run B (a requeued job while A
+    still runs) resumes step 2 and saves 3; A saves 3 and 4. Returns what is
+    under the root after each save and what B's newest checkpoint holds."""
+    seen: dict[str, Any] = {}
+    a = reshard.CheckpointManager(root, keep_last=1, preempt_signals=())
+    a.restore(_rows(0.0), allow_fresh_start=True)
+    a.save(1, _rows(1.0))
+    a.save(2, _rows(2.0))
+    b = reshard.CheckpointManager(root, keep_last=1, preempt_signals=())
+    b.restore(_rows(0.0))
+    b.save(3, _rows(30.0))
+    b_path = b.path_for(3)
+    for step in (3, 4):
+        a.save(step, _rows(float(step)))
+        dist.barrier()
+        seen[f"after A {step}"] = sorted(os.listdir(root))
+    got = _rows(-1.0)
+    reshard.load(got, b_path)
+    seen["b_newest"] = os.path.basename(b_path)
+    seen["b_value"] = got["w"].data.flatten().tolist()
+    return seen

@@ -1,0 +1,62 @@
+"""Workflows walked the way users walk them (issue 9, review): real files,
+real gloo ranks (2), rank functions in tests/_user_fns.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import reshard
+from _user_fns import r_load_relative_per_cwd, r_two_runs_share_a_root
+from reshard.collectives import SingleProcess
+
+
+def _save_one(path: Path, value: float, step: int) -> None:
+    reshard.save({"w": torch.full((4,), value)}, path, step=step, group=SingleProcess())
+
+
+def test_ranks_loading_different_checkpoints_all_raise_targets_unchanged(
+        pool: Any, tmp_path: Path) -> None:
+    """A relative path under a different working directory per rank (or
+    per-rank paths, or ``latest`` evaluated per rank during a publish) names
+    two checkpoints: every rank raises, naming both, and loads nothing
+    (before: each rank silently loaded its own, a mixed state)."""
+    for d, v in (("a", 1.0), ("b", 2.0)):
+        (tmp_path / d).mkdir()
+        _save_one(tmp_path / d / "ck", v, step=int(v))
+    out = pool.run(2, r_load_relative_per_cwd, [str(tmp_path / "a"), str(tmp_path / "b")], "ck")
+    for r in out:
+        assert r["raised"] is not None, r
+        msg = r["raised"]["message"]
+        assert "the ranks read different checkpoints" in msg
+        assert f"{tmp_path}/a/ck" in msg and f"{tmp_path}/b/ck" in msg
+        assert r["w"] == [-7.0] * 4  # unchanged
+
+
+def test_ranks_loading_the_same_checkpoint_through_two_spellings_succeed(
+        pool: Any, tmp_path: Path) -> None:
+    """The same checkpoint, reached from two working directories (one through
+    a symbolic link), loads on both ranks."""
+    (tmp_path / "real").mkdir()
+    _save_one(tmp_path / "real" / "ck", 3.0, step=3)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    out = pool.run(2, r_load_relative_per_cwd, [str(tmp_path / "real"), str(tmp_path / "link")], "ck")
+    for r in out:
+        assert r["raised"] is None, r
+        assert r["w"] == [3.0] * 4
+
+
+def test_a_stale_run_sharing_the_root_deletes_nothing(pool: Any, tmp_path: Path) -> None:
+    """Two runs on one root (a requeued job while the old one still runs):
+    the run whose HEAD was replaced by the other's resume applies no
+    retention, so it never deletes the current run's newest checkpoint
+    (before: run A's keep_last=1 deleted run B's step 3 right after B saved it)."""
+    root = tmp_path / "ck"
+    out = pool.run(2, r_two_runs_share_a_root, str(root))
+    for r in out:
+        assert r["b_newest"] == "step-00000003"
+        for step in (3, 4):
+            assert "step-00000003" in r[f"after A {step}"], r
+        assert r["b_value"] == [30.0] * 3
