@@ -329,8 +329,28 @@ class CheckpointManager:
     def _after_commit(self, name: str) -> None:
         if self.coll.rank == 0:
             self.verify_checkpoint(name)
-            self.apply_retention()
+            moved = self._head_moved()
+            if moved is None:
+                self.apply_retention()
+            else:
+                log.warning("%s: HEAD changed since this run resumed (another run resumed from "
+                            "%s); this run (lineage %s) deletes nothing: its retention would "
+                            "follow the other run's lineage", self.root, moved.name, self._lineage)
             self.gc_abandoned()
+
+    def _head_moved(self) -> Head | None:
+        """The root's HEAD when it is no longer the one this run resumed from
+        or joined (another run sharing the root resumed since, e.g. a
+        requeued job while the old one still runs), else None. Such a run
+        never applies retention: its lineage is not the root's current one,
+        and retention by the current lineage would delete the other run's
+        checkpoints (the newest of the current run included)."""
+        if not self._joined:
+            return None
+        head = Head.from_record(read_head(self.storage, self.root))
+        if head is None or head.id == self._lineage:
+            return None
+        return head
 
     # ------------------------------------------------------------ verification
     def _verified_path(self, name: str) -> str:
