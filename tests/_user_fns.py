@@ -66,3 +66,21 @@ def r_two_runs_share_a_root(root: str) -> dict[str, Any]:
     seen["b_newest"] = os.path.basename(b_path)
     seen["b_value"] = got["w"].data.flatten().tolist()
     return seen
+
+
+def r_resume_with_manager_then_plain_saves(root: str) -> dict[str, Any]:
+    """Steps 3 and 6 saved by a manager; a later run resumes with a manager
+    (HEAD written) and saves 9 and 12 with plain ``reshard.save``; then
+    ``latest`` and a fresh manager's restore."""
+    mgr = reshard.CheckpointManager(root, preempt_signals=())
+    for step in (3, 6):
+        mgr.save(step, _rows(float(step)))
+    again = reshard.CheckpointManager(root, preempt_signals=())
+    again.restore(_rows(0.0))
+    for step in (9, 12):
+        reshard.save(_rows(float(step)), again.path_for(step), step=step)
+    got = _rows(-1.0)
+    res = reshard.CheckpointManager(root, preempt_signals=()).restore(got)
+    assert res is not None
+    return {"latest": os.path.basename(str(reshard.latest(root))),
+            "restored": os.path.basename(res.path), "value": got["w"].data.flatten().tolist()}

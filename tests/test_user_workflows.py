@@ -9,8 +9,15 @@ from typing import Any
 import torch
 
 import reshard
-from _user_fns import r_load_relative_per_cwd, r_two_runs_share_a_root
+from _user_fns import (
+    r_load_relative_per_cwd,
+    r_resume_with_manager_then_plain_saves,
+    r_two_runs_share_a_root,
+)
 from reshard.collectives import SingleProcess
+from reshard.commit import Entry
+from reshard.lineage import Head, lineage_of, resume_order
+from reshard.manifest import Manifest
 
 
 def _save_one(path: Path, value: float, step: int) -> None:
@@ -60,3 +67,30 @@ def test_a_stale_run_sharing_the_root_deletes_nothing(pool: Any, tmp_path: Path)
         for step in (3, 4):
             assert "step-00000003" in r[f"after A {step}"], r
         assert r["b_value"] == [30.0] * 3
+
+
+def test_plain_saves_after_a_managed_resume_are_the_newest(pool: Any, tmp_path: Path) -> None:
+    """A run resumed by the manager (HEAD written) that saves with plain
+    ``reshard.save`` (no parent, no lineage recorded): those checkpoints are
+    the current lineage's newest; ``latest`` and the next restore take them
+    (before: both went back to HEAD's step 6, silently dropping steps 7-12)."""
+    out = pool.run(2, r_resume_with_manager_then_plain_saves, str(tmp_path / "ck"))
+    for r in out:
+        assert r["latest"] == "step-00000012" and r["restored"] == "step-00000012", r
+        assert r["value"] == [12.0] * 3
+
+
+def test_lineage_plain_save_after_head_descends_but_not_one_before() -> None:
+    def entry(name: str, step: int, t: float, parent: str | None = None,
+              lineage: str | None = None) -> Entry:
+        m = Manifest(attempt_id=f"a-{name}", created_at=t, world_size=1, checksum_block_bytes=1,
+                     step=step, parent=parent, lineage=lineage)
+        return Entry(path=f"/r/{name}", name=name, manifest=m, abandoned=False)
+
+    es = [entry("s100", 100, 1.0), entry("s150", 150, 2.0),  # plain saves before the rollback
+          entry("s110", 110, 4.0),  # a plain save after it
+          entry("s160", 160, 5.0, lineage="other-run")]  # another run's, no parent
+    head = Head(name="s100", id="run2", time=3.0, attempt_id="a-s100", step=100)
+    lin = lineage_of(es, head)
+    assert lin.descendants == {"s110"} and lin.current == {"s100", "s110"}
+    assert [e.name for e in resume_order(es, lin)][:2] == ["s110", "s100"]
