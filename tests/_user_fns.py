@@ -84,3 +84,16 @@ def r_resume_with_manager_then_plain_saves(root: str) -> dict[str, Any]:
     assert res is not None
     return {"latest": os.path.basename(str(reshard.latest(root))),
             "restored": os.path.basename(res.path), "value": got["w"].data.flatten().tolist()}
+
+
+def r_evaluation_restore_does_not_stop_retention(root: str) -> list[str]:
+    """A run saves 1, 2 (keep_last=1); an evaluation resumes with a manager
+    (HEAD written, no saves); the run saves 3: its retention still applies."""
+    a = reshard.CheckpointManager(root, keep_last=1, preempt_signals=())
+    a.restore(_rows(0.0), allow_fresh_start=True)
+    a.save(1, _rows(1.0))
+    a.save(2, _rows(2.0))
+    reshard.CheckpointManager(root, preempt_signals=()).restore(_rows(0.0))
+    a.save(3, _rows(3.0))
+    dist.barrier()
+    return sorted(n for n in os.listdir(root) if n.startswith("step-") and "." not in n[5:])

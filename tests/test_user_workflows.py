@@ -10,6 +10,7 @@ import torch
 
 import reshard
 from _user_fns import (
+    r_evaluation_restore_does_not_stop_retention,
     r_load_relative_per_cwd,
     r_resume_with_manager_then_plain_saves,
     r_two_runs_share_a_root,
@@ -67,6 +68,9 @@ def test_a_stale_run_sharing_the_root_deletes_nothing(pool: Any, tmp_path: Path)
         for step in (3, 4):
             assert "step-00000003" in r[f"after A {step}"], r
         assert r["b_value"] == [30.0] * 3
+    # a HEAD written by a reader that never saves does not stop the run's retention
+    out = pool.run(2, r_evaluation_restore_does_not_stop_retention, str(tmp_path / "ev"))
+    assert out[0] == ["step-00000002", "step-00000003"]  # 2: the HEAD's (resume source)
 
 
 def test_plain_saves_after_a_managed_resume_are_the_newest(pool: Any, tmp_path: Path) -> None:

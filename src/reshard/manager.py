@@ -339,18 +339,22 @@ class CheckpointManager:
             self.gc_abandoned()
 
     def _head_moved(self) -> Head | None:
-        """The root's HEAD when it is no longer the one this run resumed from
-        or joined (another run sharing the root resumed since, e.g. a
-        requeued job while the old one still runs), else None. Such a run
-        never applies retention: its lineage is not the root's current one,
-        and retention by the current lineage would delete the other run's
-        checkpoints (the newest of the current run included)."""
+        """The root's HEAD when another run sharing the root resumed since
+        this run resumed or joined, and saves (a requeued job while the old
+        one still runs: a checkpoint of the HEAD's lineage exists), else
+        None. Such a run never applies retention: its lineage is not the
+        root's current one, and retention by the current lineage would
+        delete the other run's checkpoints (its newest included). A HEAD
+        written by a reader that does not save (an evaluation resuming with
+        a manager) does not stop retention."""
         if not self._joined:
             return None
         head = Head.from_record(read_head(self.storage, self.root))
         if head is None or head.id == self._lineage:
             return None
-        return head
+        saving = any(e.manifest is not None and e.manifest.lineage == head.id
+                     for e in committed(self.storage, self.root))
+        return head if saving else None
 
     # ------------------------------------------------------------ verification
     def _verified_path(self, name: str) -> str:
