@@ -97,3 +97,26 @@ def r_evaluation_restore_does_not_stop_retention(root: str) -> list[str]:
     a.save(3, _rows(3.0))
     dist.barrier()
     return sorted(n for n in os.listdir(root) if n.startswith("step-") and "." not in n[5:])
+
+
+def r_restore_with_a_wrong_hmac_key(root: str) -> dict[str, Any]:
+    """Steps 3, 6 signed with one key; a restart restores with another key
+    (a typo, a rotated secret), then with the right one."""
+    opts = reshard.SaveOptions(hmac_key=b"right")
+    mgr = reshard.CheckpointManager(root, options=opts, preempt_signals=())
+    for step in (3, 6):
+        mgr.save(step, _rows(float(step)))
+    out: dict[str, Any] = {"raised": None}
+    try:
+        reshard.CheckpointManager(root, preempt_signals=()).restore(
+            _rows(0.0), options=reshard.LoadOptions(hmac_key=b"wrong"))
+    except reshard.CheckpointError as e:
+        out["raised"] = _error(e)
+    dist.barrier()
+    out["after"] = sorted(os.listdir(root))
+    got = _rows(-1.0)
+    res = reshard.CheckpointManager(root, preempt_signals=()).restore(
+        got, options=reshard.LoadOptions(hmac_key=b"right"))
+    out["restored"] = None if res is None else os.path.basename(res.path)
+    out["value"] = got["w"].data.flatten().tolist()
+    return out

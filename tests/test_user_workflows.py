@@ -12,6 +12,7 @@ import reshard
 from _user_fns import (
     r_evaluation_restore_does_not_stop_retention,
     r_load_relative_per_cwd,
+    r_restore_with_a_wrong_hmac_key,
     r_resume_with_manager_then_plain_saves,
     r_two_runs_share_a_root,
 )
@@ -98,3 +99,17 @@ def test_lineage_plain_save_after_head_descends_but_not_one_before() -> None:
     lin = lineage_of(es, head)
     assert lin.descendants == {"s110"} and lin.current == {"s100", "s110"}
     assert [e.name for e in resume_order(es, lin)][:2] == ["s110", "s100"]
+
+
+def test_restore_with_a_wrong_hmac_key_quarantines_nothing(pool: Any, tmp_path: Path) -> None:
+    """A wrong HMAC key is the reader's fault, not the checkpoints': every
+    rank raises naming the key, nothing is quarantined, and the right key
+    then resumes the newest (before: every checkpoint of the root was
+    quarantined, and the next restart found none)."""
+    root = tmp_path / "ck"
+    out = pool.run(2, r_restore_with_a_wrong_hmac_key, str(root))
+    for r in out:
+        assert r["raised"] is not None and r["raised"]["type"] == "IntegrityError", r
+        assert "HMAC key given does not verify" in r["raised"]["message"]
+        assert not any("quarantined" in n for n in r["after"]), r["after"]
+        assert r["restored"] == "step-00000006" and r["value"] == [6.0] * 3

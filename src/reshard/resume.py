@@ -14,6 +14,10 @@ is decided, so all ranks fall back, quarantine or raise together.
 * ``storage``: the store failed (``StorageError``): raised on every rank; a
   failure that may be transient is never a reason to quarantine or to fall
   back past a good checkpoint.
+* ``key``: with ``LoadOptions(hmac_key=...)``, the manifest's signature does
+  not verify (another key, a manifest not signed, or tampering): raised on
+  every rank, never quarantined (a wrong key would otherwise set aside every
+  checkpoint of the root).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .commit import (
+    check_signature,
     committed,
     quarantine,
     read_head,
@@ -44,17 +49,21 @@ from .errors import (
 )
 from .lineage import Head, lineage_of, resume_order
 from .load import LoadResult, load
-from .manifest import FORMAT, FORMAT_VERSION, KNOWN_FEATURES
+from .manifest import FORMAT, FORMAT_VERSION, KNOWN_FEATURES, MANIFEST_NAME
 from .records import record_path
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
 
 
-def _probe(mgr: CheckpointManager, path: str) -> tuple[str, str, BaseException | None]:
+def _probe(mgr: CheckpointManager, path: str,
+           hmac_key: bytes | None = None) -> tuple[str, str, BaseException | None]:
     """This rank's structural check of one checkpoint (no checksums): every
     rank reads the manifest (as its load would); the coordinator alone stats
-    every file (one stat per file in all, not per rank)."""
+    every file (one stat per file in all, not per rank). With ``hmac_key``,
+    the manifest's signature is checked apart: a signature that does not
+    verify ("key") says the reader's key is not the writer's (or the
+    manifest was tampered with), not that the checkpoint is damaged."""
     try:
         m = read_manifest(mgr.storage, path)
         problems = torn_files(mgr.storage, path, m) if mgr.coll.rank == 0 else {}
@@ -64,6 +73,11 @@ def _probe(mgr: CheckpointManager, path: str) -> tuple[str, str, BaseException |
         return "gone", str(e), None
     except (IntegrityError, ManifestError) as e:
         return "torn", f"{type(e).__name__}: {e}", None
+    if hmac_key is not None:
+        try:
+            check_signature(m, hmac_key, where=mgr.storage.join(path, MANIFEST_NAME))
+        except IntegrityError as e:
+            return "key", str(e), e
     if problems:
         return "torn", "; ".join(list(problems.values())[:3]), None
     return "ok", "", None
@@ -122,12 +136,17 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
     if name is not None and not plan["order"]:
         raise CheckpointNotFoundError(f"{root}: no committed checkpoint named {name!r}")
     failures: list[str] = list(plan["notes"])
+    opts = load_kwargs.get("options")
+    hmac_key = getattr(opts, "hmac_key", None)
     for cname in plan["order"]:
         path = st.join(root, cname)
-        status, detail, exc = _probe(mgr, path)
+        status, detail, exc = _probe(mgr, path, hmac_key)
         statuses = coll.all_gather_json(status)
         if "storage" in statuses:
             coll.agree(f"restore {path}", exc)
+        if "key" in statuses:  # never a reason to quarantine, nor to fall back (older ones too)
+            coll.agree(f"restore {path} (the HMAC key given does not verify its manifest; "
+                       "nothing was quarantined)", exc)
         if "torn" not in statuses and "gone" not in statuses:
             try:
                 res = load(state, path, group=mgr.group, storage=st, **load_kwargs)
