@@ -3,6 +3,7 @@ real gloo ranks (2), rank functions in tests/_user_fns.py."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 
 import reshard
 from _user_fns import (
+    r_commit_during_an_evaluation_restore,
     r_evaluation_restore_does_not_stop_retention,
     r_load_relative_per_cwd,
     r_restore_with_a_wrong_hmac_key,
@@ -113,3 +115,51 @@ def test_restore_with_a_wrong_hmac_key_quarantines_nothing(pool: Any, tmp_path: 
         assert "HMAC key given does not verify" in r["raised"]["message"]
         assert not any("quarantined" in n for n in r["after"]), r["after"]
         assert r["restored"] == "step-00000006" and r["value"] == [6.0] * 3
+
+
+_KILLED_IN_RETENTION = r"""
+import os, shutil, signal, sys, torch, reshard
+root = sys.argv[1]
+mgr = reshard.CheckpointManager(root, keep_last=1, preempt_signals=())
+mgr.save(1, {"w": torch.full((4,), 1.0)})
+def killed_rmtree(path, *a, **k):  # the process dies in the middle of deleting a checkpoint
+    data = sorted(n for n in os.listdir(path) if n.startswith("data-"))
+    os.unlink(os.path.join(path, data[0]))
+    os.kill(os.getpid(), signal.SIGKILL)
+shutil.rmtree = killed_rmtree
+mgr.save(2, {"w": torch.full((4,), 2.0)})
+"""
+
+
+def test_retention_killed_mid_deletion_leaves_no_torn_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL while retention deletes step 1: step 1 is no longer listed as
+    a committed checkpoint (not even a torn one), the newest loads, and the
+    next gc finishes the deletion (before: a torn step 1 stayed listed as
+    committed and a restore quarantined it for ever)."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "ck"
+    p = subprocess.run([sys.executable, "-c", _KILLED_IN_RETENTION, str(root)], timeout=120)
+    assert p.returncode == -9
+    from reshard.commit import committed, scan
+    from reshard.storage import LocalStorage
+
+    st = LocalStorage()
+    assert [e.name for e in committed(st, str(root))] == ["step-00000002"]
+    left = [e.name for e in scan(st, str(root)) if e.abandoned]
+    assert len(left) == 1 and left[0].startswith("step-00000001.retired-"), left
+    assert reshard.latest(root) == str(root / "step-00000002")
+    mgr = reshard.CheckpointManager(root, preempt_signals=())
+    assert mgr.gc_abandoned(grace_s=0) == left
+    assert sorted(os.listdir(root)) == ["step-00000002", "step-00000002.verified.json"]
+
+
+def test_a_checkpoint_committed_while_a_restore_loads_is_a_descendant(
+        pool: Any, tmp_path: Path) -> None:
+    """An evaluation resumes step 2 with a manager while the training run
+    commits step 3 (a child of 2) during that load: step 3 stays the newest
+    of the lineage (before: HEAD's time, taken after the load, made step 3
+    an abandoned branch, and the run's next restart went back to step 2)."""
+    for r in pool.run(2, r_commit_during_an_evaluation_restore, str(tmp_path / "ck")):
+        assert r == {"evaluated": "step-00000002", "latest": "step-00000003"}, r

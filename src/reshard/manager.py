@@ -33,8 +33,10 @@ from .collectives import get_collectives
 from .commit import (
     INCOMPLETE,
     QUARANTINED,
+    RETIRED,
     Entry,
     committed,
+    new_attempt_id,
     read_head,
     read_record,
     scan,
@@ -489,20 +491,37 @@ class CheckpointManager:
         if not dry_run:
             for name in plan.decision.delete:
                 log.info("retention: deleting %s", name)
-                self.storage.delete_tree(self.storage.join(self.root, name))
-                self.storage.delete_tree(self._verified_path(name))
+                self._delete_checkpoint(name)
         return plan.decision
 
+    def _delete_checkpoint(self, name: str) -> None:
+        """Delete a committed checkpoint so that an interruption (SIGKILL)
+        never leaves a torn checkpoint listed as committed, nor a directory
+        that nothing cleans: where the store renames atomically it is first
+        renamed to ``<name>.retired-<id>`` (no longer a checkpoint; a later
+        :meth:`gc_abandoned` finishes an interrupted deletion), then
+        deleted. Its verification record goes first (a checkpoint left
+        unverified is still a checkpoint; a record left without one is litter)."""
+        path = self.storage.join(self.root, name)
+        self.storage.delete_tree(self._verified_path(name))
+        if self.storage.capabilities.atomic_rename:
+            retired = self.storage.join(self.root, f"{name}{RETIRED}{new_attempt_id()}")
+            self.storage.rename_dir(path, retired)
+            path = retired
+        self.storage.delete_tree(path)
+
     def gc_abandoned(self, grace_s: float | None = None, *, dry_run: bool = False) -> list[str]:
-        """Delete ``*.incomplete-*`` attempts older than ``grace_s`` seconds
-        (never one of this manager's in-flight saves, never a quarantined
-        checkpoint)."""
+        """Delete ``*.incomplete-*`` attempts and ``*.retired-*`` leftovers
+        (an overwrite's or a retention's interrupted deletion) older than
+        ``grace_s`` seconds (never one of this manager's in-flight saves,
+        never a quarantined checkpoint)."""
         grace = self.gc_grace_s if grace_s is None else grace_s
         now = time.time()
         inflight = set(self._pending_names())
         out = []
         for e in scan(self.storage, self.root):
-            if not e.abandoned or INCOMPLETE not in e.name or e.quarantined:
+            if not e.abandoned or e.quarantined or (INCOMPLETE not in e.name
+                                                    and RETIRED not in e.name):
                 continue
             if e.name.split(INCOMPLETE, 1)[0] in inflight:
                 continue
