@@ -120,3 +120,30 @@ def r_restore_with_a_wrong_hmac_key(root: str) -> dict[str, Any]:
     out["restored"] = None if res is None else os.path.basename(res.path)
     out["value"] = got["w"].data.flatten().tolist()
     return out
+
+
+class _SavesWhileLoaded:
+    """A Stateful whose ``load_state_dict`` lets the training run commit its
+    next checkpoint: the commit lands while an evaluation's restore is
+    loading (after its listing, before its HEAD)."""
+
+    def __init__(self, run: Any, step: int):
+        self.run, self.step = run, step
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": 0}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.run.save(self.step, _rows(float(self.step)))
+
+
+def r_commit_during_an_evaluation_restore(root: str) -> dict[str, Any]:
+    run = reshard.CheckpointManager(root, preempt_signals=())
+    for step in (1, 2):
+        run.save(step, _rows(float(step)))
+    evaluation = reshard.CheckpointManager(root, preempt_signals=())
+    res = evaluation.restore({**_rows(0.0), "hook": _SavesWhileLoaded(run, 3)},
+                             allow_missing=["hook.*"])
+    assert res is not None
+    return {"evaluated": os.path.basename(res.path),
+            "latest": os.path.basename(str(reshard.latest(root)))}

@@ -88,6 +88,7 @@ def _plan(mgr: CheckpointManager, step: int | None, name: str | None) -> dict[st
     checkpoints and order them (:func:`resume_order`), keeping those of
     ``step`` / ``name``."""
     st, root = mgr.storage, mgr.root
+    listed_at = time.time()  # HEAD's time: what is committed after the listing descends
     notes = _quarantine_invalid(mgr)
     entries = committed(st, root)
     lin = lineage_of(entries, Head.from_record(read_head(st, root)))
@@ -96,7 +97,7 @@ def _plan(mgr: CheckpointManager, step: int | None, name: str | None) -> dict[st
         order = [e for e in order if e.step == step]
     if name is not None:
         order = [e for e in order if e.name == name]
-    return {"notes": notes, "order": [e.name for e in order],
+    return {"notes": notes, "order": [e.name for e in order], "listed_at": listed_at,
             "other": [e.name for e in order if lin.head is not None and e.name not in lin.current],
             "head": lin.head.name if lin.head is not None else None,
             "attempt": {e.name: e.manifest.attempt_id for e in order if e.manifest is not None},
@@ -162,7 +163,8 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
                 warnings.warn(f"{root}: no checkpoint of the current lineage (HEAD: "
                               f"{plan['head']}) loads; resuming {cname} of another lineage",
                               RuntimeWarning, stacklevel=3)
-            _write_head(mgr, cname, plan["attempt"].get(cname), plan["step"].get(cname))
+            _write_head(mgr, cname, plan["attempt"].get(cname), plan["step"].get(cname),
+                        plan["listed_at"])
             if failures:
                 res.notes["fallback"] = failures
             return res
@@ -235,11 +237,15 @@ def _quarantine(mgr: CheckpointManager, name: str, attempt_id: str | None, reaso
 
 
 def _write_head(mgr: CheckpointManager, name: str, attempt_id: str | None,
-                step: int | None) -> None:
-    """Coordinator writes HEAD naming ``name``; every rank adopts it."""
+                step: int | None, listed_at: float) -> None:
+    """Coordinator writes HEAD naming ``name``; every rank adopts it. Its
+    time is when the coordinator listed the root (``listed_at``), not when
+    the load ended: a checkpoint the source's run committed while this
+    restore was loading (another job resuming for an evaluation, say) is
+    a descendant, not an abandoned branch."""
     coll = mgr.coll
     head = Head(name=name, id=f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-"
-                f"{os.urandom(4).hex()}", time=time.time(), attempt_id=attempt_id, step=step)
+                f"{os.urandom(4).hex()}", time=listed_at, attempt_id=attempt_id, step=step)
     err = None
     if coll.rank == 0:
         try:
