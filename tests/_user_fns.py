@@ -147,3 +147,24 @@ def r_commit_during_an_evaluation_restore(root: str) -> dict[str, Any]:
     assert res is not None
     return {"evaluated": os.path.basename(res.path),
             "latest": os.path.basename(str(reshard.latest(root)))}
+
+
+def r_save_rows(root: str) -> None:
+    mgr = reshard.CheckpointManager(root, preempt_signals=())
+    for step in (1, 2):
+        mgr.save(step, _rows(float(step)))
+
+
+def r_restore_from_cwd(dirs: list[str], rel: str) -> dict[str, Any]:
+    """Restore the relative root ``rel`` from this rank's working directory."""
+    old = os.getcwd()
+    os.chdir(dirs[dist.get_rank()])
+    out: dict[str, Any] = {"raised": None, "restored": None}
+    try:
+        res = reshard.CheckpointManager(rel, preempt_signals=()).restore(_rows(0.0))
+        out["restored"] = None if res is None else os.path.basename(res.path)
+    except reshard.CheckpointError as e:
+        out["raised"] = _error(e)
+    finally:
+        os.chdir(old)
+    return out

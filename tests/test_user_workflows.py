@@ -14,8 +14,10 @@ from _user_fns import (
     r_commit_during_an_evaluation_restore,
     r_evaluation_restore_does_not_stop_retention,
     r_load_relative_per_cwd,
+    r_restore_from_cwd,
     r_restore_with_a_wrong_hmac_key,
     r_resume_with_manager_then_plain_saves,
+    r_save_rows,
     r_two_runs_share_a_root,
 )
 from reshard.collectives import SingleProcess
@@ -163,3 +165,31 @@ def test_a_checkpoint_committed_while_a_restore_loads_is_a_descendant(
     an abandoned branch, and the run's next restart went back to step 2)."""
     for r in pool.run(2, r_commit_during_an_evaluation_restore, str(tmp_path / "ck")):
         assert r == {"evaluated": "step-00000002", "latest": "step-00000003"}, r
+
+
+def test_a_rank_seeing_a_partial_copy_quarantines_nothing(pool: Any, tmp_path: Path) -> None:
+    """Rank 1 resumes from a node-local copy of the root that lacks its data
+    files: every rank raises saying rank 1 does not see rank 0's storage, and
+    nothing is quarantined (before: every intact checkpoint of the shared
+    root was quarantined, and the next restart found none). A byte flipped
+    in the shared copy, found by rank 1 alone, is still quarantined."""
+    import shutil
+
+    n0, n1 = tmp_path / "n0", tmp_path / "n1"
+    n0.mkdir()
+    pool.run(2, r_save_rows, str(n0 / "ck"))
+    shutil.copytree(n0 / "ck", n1 / "ck")
+    for step in ("step-00000001", "step-00000002"):
+        os.unlink(n1 / "ck" / step / "data-r00001-0.safetensors")
+    for r in pool.run(2, r_restore_from_cwd, [str(n0), str(n1)], "ck"):
+        assert r["raised"] is not None, r
+        assert "rank(s) [1] do not see the same storage as rank 0" in r["raised"]["message"]
+    assert not any("quarantined" in n for n in os.listdir(n0 / "ck"))
+    # real damage that only rank 1 reads (its rows of step 2): quarantined, step 1 resumed
+    f = n0 / "ck" / "step-00000002" / "data-r00001-0.safetensors"
+    b = bytearray(f.read_bytes())
+    b[-1] ^= 0xFF
+    f.write_bytes(bytes(b))
+    for r in pool.run(2, r_restore_from_cwd, [str(n0), str(n0)], "ck"):
+        assert r["raised"] is None and r["restored"] == "step-00000001", r
+    assert any(n.startswith("step-00000002.quarantined-") for n in os.listdir(n0 / "ck"))

@@ -14,6 +14,11 @@ is decided, so all ranks fall back, quarantine or raise together.
 * ``storage``: the store failed (``StorageError``): raised on every rank; a
   failure that may be transient is never a reason to quarantine or to fall
   back past a good checkpoint.
+* only ranks other than the coordinator found it unloadable, and the
+  coordinator's :func:`reshard.verify` (every checksum) finds it intact:
+  those ranks see another copy (node-local storage, a partial sync); raised
+  on every rank, never quarantined (it would set aside every good
+  checkpoint of the shared root).
 * ``key``: with ``LoadOptions(hmac_key=...)``, the manifest's signature does
   not verify (another key, a manifest not signed, or tampering): raised on
   every rank, never quarantined (a wrong key would otherwise set aside every
@@ -51,6 +56,7 @@ from .lineage import Head, lineage_of, resume_order
 from .load import LoadResult, load
 from .manifest import FORMAT, FORMAT_VERSION, KNOWN_FEATURES, MANIFEST_NAME
 from .records import record_path
+from .verify import verify
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -143,6 +149,7 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
         path = st.join(root, cname)
         status, detail, exc = _probe(mgr, path, hmac_key)
         statuses = coll.all_gather_json(status)
+        failed_on = [r for r, s in enumerate(statuses) if s == "torn"]  # the ranks that found it torn
         if "storage" in statuses:
             coll.agree(f"restore {path}", exc)
         if "key" in statuses:  # never a reason to quarantine, nor to fall back (older ones too)
@@ -153,6 +160,7 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
                 res = load(state, path, group=mgr.group, storage=st, **load_kwargs)
             except (IntegrityError, ManifestError) as le:
                 status, detail = "torn", f"load failed: {le}"
+                failed_on = sorted(le.failures) or list(range(coll.world_size))  # agreed: same on every rank
             except CheckpointNotFoundError as le:
                 status, detail = "gone", str(le)
             else:
@@ -172,6 +180,15 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
         details = coll.all_gather_json(detail if status != "ok" else "")  # only on a failure
         why = next((d for d in details if d), "")
         msg = f"{path}: unloadable ({why}{' ' if why else ''}on rank(s) {bad})"
+        if "torn" in statuses and 0 not in failed_on \
+                and not _coordinated(mgr, f"restore {path} (re-checking)", _damaged, mgr, path):
+            # only other ranks failed, and the coordinator finds every byte
+            # intact: those ranks see another copy (node-local storage, a
+            # partial sync), never a reason to quarantine or to fall back
+            raise CheckpointError(
+                f"{msg}, but the coordinator (rank 0) finds it intact (every file and checksum): "
+                f"rank(s) {failed_on} do not see the same storage as rank 0; nothing was "
+                "quarantined")
         if "torn" in statuses:
             msg += _quarantine(mgr, cname, plan["attempt"].get(cname), msg)
         failures.append(msg)
@@ -190,6 +207,13 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
             f"{root}: no committed checkpoint, but {len(abandoned)} abandoned attempt(s) "
             f"{abandoned[:3]}; refusing a silent fresh start (pass allow_fresh_start=True)")
     return None
+
+
+def _damaged(mgr: CheckpointManager, path: str) -> bool:
+    """Coordinator: whether its own view of ``path`` is damaged
+    (:func:`reshard.verify` with every checksum; run only when other ranks
+    alone failed to load it)."""
+    return not verify(path, storage=mgr.storage).ok
 
 
 def _quarantine_invalid(mgr: CheckpointManager) -> list[str]:
