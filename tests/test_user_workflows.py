@@ -59,6 +59,14 @@ def test_ranks_loading_the_same_checkpoint_through_two_spellings_succeed(
     for r in out:
         assert r["raised"] is None, r
         assert r["w"] == [3.0] * 4
+    # a node-local copy of the same checkpoint (other modification times) is the same checkpoint
+    import shutil
+
+    shutil.copytree(tmp_path / "real", tmp_path / "copy")
+    for f in (tmp_path / "copy" / "ck").iterdir():
+        os.utime(f, (1e9, 1e9))
+    out = pool.run(2, r_load_relative_per_cwd, [str(tmp_path / "real"), str(tmp_path / "copy")], "ck")
+    assert all(r["raised"] is None and r["w"] == [3.0] * 4 for r in out), out
 
 
 def test_a_stale_run_sharing_the_root_deletes_nothing(pool: Any, tmp_path: Path) -> None:

@@ -217,9 +217,14 @@ def load(
 
 def _identity(m: Manifest, key: str) -> list[Any]:
     """What identifies the checkpoint a rank read: its manifest's attempt id
-    (random per save), commit time and step, and the location as that rank
-    resolved it (for the error message only)."""
-    return [m.attempt_id, m.created_at, m.step, key]
+    (random per reshard save), step and a digest of its files' names and
+    sizes, and the location as that rank resolved it (for the error message
+    only). Never a modification time: node-local copies of one checkpoint (a
+    Hugging Face directory downloaded on every node) are the same checkpoint."""
+    h = xxhash.xxh3_64()
+    for name in sorted(m.files):
+        h.update(f"{name}\0{m.files[name].size}\0".encode())
+    return [m.attempt_id, m.step, h.hexdigest(), key]
 
 
 def _same_checkpoint(reports: list[dict[str, Any]], key: str) -> None:
@@ -236,7 +241,7 @@ def _same_checkpoint(reports: list[dict[str, Any]], key: str) -> None:
     first = next((i for i in ids if i is not None), None)
     if first is None or all(i is None or i[:3] == first[:3] for i in ids):
         return
-    seen = "; ".join(f"rank {r}: {i[3]} (attempt {i[0]}, step {i[2]})"
+    seen = "; ".join(f"rank {r}: {i[3]} (attempt {i[0]}, step {i[1]})"
                      for r, i in enumerate(ids) if i is not None)
     raise CheckpointError(
         f"load of {key}: the ranks read different checkpoints ({seen}); every rank must name "
