@@ -201,3 +201,34 @@ def test_a_rank_seeing_a_partial_copy_quarantines_nothing(pool: Any, tmp_path: P
     for r in pool.run(2, r_restore_from_cwd, [str(n0), str(n0)], "ck"):
         assert r["raised"] is None and r["restored"] == "step-00000001", r
     assert any(n.startswith("step-00000002.quarantined-") for n in os.listdir(n0 / "ck"))
+
+
+def test_gc_removes_a_record_temporary_left_by_a_kill(tmp_path: Path) -> None:
+    """A SIGKILL between writing ``HEAD.tmp-*`` and its rename leaves the
+    temporary: gc deletes it once older than the grace period (before: left
+    for ever), never the records themselves."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "ck"
+    script = r"""
+import os, signal, sys, torch, reshard
+root = sys.argv[1]
+reshard.CheckpointManager(root, preempt_signals=()).save(1, {"w": torch.zeros(2)})
+from reshard.storage.local import LocalStorage
+real = LocalStorage.rename_dir
+def killed(self, src, dst):
+    if os.path.basename(dst) == "HEAD":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(self, src, dst)
+LocalStorage.rename_dir = killed
+reshard.CheckpointManager(root, preempt_signals=()).restore({"w": torch.zeros(2)})
+"""
+    p = subprocess.run([sys.executable, "-c", script, str(root)], timeout=120)
+    assert p.returncode == -9
+    tmp = [n for n in os.listdir(root) if n.startswith("HEAD.tmp-")]
+    assert len(tmp) == 1 and "HEAD" not in os.listdir(root)
+    mgr = reshard.CheckpointManager(root, preempt_signals=())
+    assert mgr.gc_abandoned() == []  # younger than the grace period: kept
+    assert mgr.gc_abandoned(grace_s=0) == tmp
+    assert sorted(os.listdir(root)) == ["step-00000001", "step-00000001.verified.json"]

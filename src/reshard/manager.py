@@ -31,6 +31,7 @@ import msgspec
 
 from .collectives import get_collectives
 from .commit import (
+    _TMP,
     INCOMPLETE,
     QUARANTINED,
     RETIRED,
@@ -511,8 +512,9 @@ class CheckpointManager:
         self.storage.delete_tree(path)
 
     def gc_abandoned(self, grace_s: float | None = None, *, dry_run: bool = False) -> list[str]:
-        """Delete ``*.incomplete-*`` attempts and ``*.retired-*`` leftovers
-        (an overwrite's or a retention's interrupted deletion) older than
+        """Delete ``*.incomplete-*`` attempts, ``*.retired-*`` leftovers
+        (an overwrite's or a retention's interrupted deletion) and records'
+        temporaries (``HEAD.tmp-*``: a write killed before its rename) older than
         ``grace_s`` seconds (never one of this manager's in-flight saves,
         never a quarantined checkpoint)."""
         grace = self.gc_grace_s if grace_s is None else grace_s
@@ -530,6 +532,16 @@ class CheckpointManager:
             out.append(e.name)
             if not dry_run:
                 self.storage.delete_tree(e.path)
+        for child in self.storage.list_dir(self.root) if self.storage.exists(self.root) else ():
+            if _TMP not in child:  # a record's temporary left by a SIGKILL (HEAD.tmp-..., ...)
+                continue
+            p = self.storage.join(self.root, child)
+            mtime = self.storage.modified_time(p)
+            if mtime is not None and now - mtime < grace:
+                continue
+            out.append(child)
+            if not dry_run:
+                self.storage.delete_tree(p)
         return out
 
     def _pending_names(self) -> list[str]:
