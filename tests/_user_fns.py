@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import reshard
+from reshard.storage import LocalStorage
 
 
 def _error(e: BaseException) -> dict[str, Any]:
@@ -167,4 +168,47 @@ def r_restore_from_cwd(dirs: list[str], rel: str) -> dict[str, Any]:
         out["raised"] = _error(e)
     finally:
         os.chdir(old)
+    return out
+
+
+class NodeLocal(LocalStorage):
+    """The local file system as a node with its own disk sees it: every path
+    under ``shared`` is read from the same path under ``local`` instead (a
+    node-local copy under the one spelling every rank uses). Real files."""
+
+    def __init__(self, shared: str, local: str):
+        super().__init__()
+        self.shared, self.local = shared, local
+
+    def _m(self, path: str) -> str:
+        return self.local + path[len(self.shared):] if path.startswith(self.shared) else path
+
+    def read_into(self, path: str, offset: int, buf: memoryview) -> None:
+        super().read_into(self._m(path), offset, buf)
+
+    def size(self, path: str) -> int:
+        return super().size(self._m(path))
+
+    def exists(self, path: str) -> bool:
+        return super().exists(self._m(path))
+
+    def is_link(self, path: str) -> bool:
+        return super().is_link(self._m(path))
+
+    def list_dir(self, path: str) -> list[str]:
+        return super().list_dir(self._m(path))
+
+    def modified_time(self, path: str) -> float | None:
+        return super().modified_time(self._m(path))
+
+
+def r_restore_node_local(shared: str, local: str) -> dict[str, Any]:
+    """Restore ``shared``; rank 1 sees it through its node-local copy ``local``."""
+    st = NodeLocal(shared, local) if dist.get_rank() == 1 else LocalStorage()
+    out: dict[str, Any] = {"raised": None, "restored": None}
+    try:
+        res = reshard.CheckpointManager(shared, storage=st, preempt_signals=()).restore(_rows(0.0))
+        out["restored"] = None if res is None else os.path.basename(res.path)
+    except reshard.CheckpointError as e:
+        out["raised"] = _error(e)
     return out
