@@ -64,6 +64,7 @@ def convert_dcp(
         failure is raised on every rank (as the common class of every rank's
         error) and publishes nothing.
     """
+    from . import attempts
     from .collectives import get_collectives
     from .commit import publish, sign_manifest
     from .errors import outcome, raise_agreed
@@ -103,7 +104,8 @@ def convert_dcp(
         raise_agreed("convert_dcp", gathered, err)
     except CheckpointError:
         if gathered[0].get("error") is None:
-            discard_attempt(coll, dst_st, gathered[0]["attempt_path"])
+            discard_attempt(coll, dst_st, gathered[0]["attempt_path"],
+                            attempt_id=gathered[0]["attempt"])
         raise
     assert dcp_st is not None and m is not None
     attempt, target = gathered[0]["attempt_path"], gathered[0]["target"]
@@ -127,6 +129,8 @@ def convert_dcp(
     try:
         for n, (_k, members) in enumerate(mine):
             name = f"data-r{rank:05d}-{n}.safetensors"
+            if not dst_st.capabilities.atomic_rename:  # attempts share the prefix: keys carry the id
+                name = attempts.data_name(attempt_id, name)
             fitems = []
             for fqn, ci in members:
                 c = m.tensors[fqn].chunks[ci]
@@ -145,7 +149,7 @@ def convert_dcp(
         err = e
     t2 = time.perf_counter()
     reports = agree_or_discard(coll, dst_st, attempt, "convert_dcp",
-                               outcome(rank, err, written=written), err)
+                               outcome(rank, err, written=written), err, attempt_id=attempt_id)
     out: Manifest | None = None
     err = None
     if rank == 0:
@@ -176,7 +180,8 @@ def convert_dcp(
             publish(dst_st, attempt, target, out, overwrite=opts.overwrite, durable=opts.durable)
         except Exception as e:  # noqa: BLE001
             err = e
-    agree_or_discard(coll, dst_st, attempt, "convert_dcp (publish)", outcome(rank, err), err)
+    agree_or_discard(coll, dst_st, attempt, "convert_dcp (publish)", outcome(rank, err), err,
+                     attempt_id=attempt_id)
     total = sum(f["size"] for r in reports for f in r["written"])
     nfiles = sum(len(r["written"]) for r in reports)
     return SaveResult(path=dst_key, step=step, attempt_id=attempt_id,

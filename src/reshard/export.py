@@ -276,7 +276,9 @@ def export_hf(
     storage: Storage | None = None,
 ) -> ExportResult:
     """Write the model tensors of the checkpoint ``ckpt`` as a Hugging Face
-    safetensors directory ``out_dir``, one tensor (or one block of at most
+    safetensors directory ``out_dir`` (a local path, or an ``s3://`` /
+    ``memory://`` prefix: then each shard streams into a multipart upload,
+    see :mod:`reshard.export_store`), one tensor (or one block of at most
     ``READ_BLOCK_BYTES`` of a larger one) in memory at a time. Single
     process: call it on one rank (it uses no process group).
 
@@ -355,7 +357,6 @@ def export_hf(
     shards = _plan(items, limit)
     n = len(shards)
     files = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    out = os.path.abspath(os.fspath(out_dir))
     copies = [os.path.abspath(os.fspath(c)) for c in copy_files]
     for c in copies:
         base = os.path.basename(c)
@@ -363,6 +364,30 @@ def export_hf(
             raise ValueError(f"export_hf: copy_files: {base!r} would replace a model file")
         if not os.path.isfile(c):
             raise FileNotFoundError(f"export_hf: copy_files: {c} is not a file")
+    total = sum(it.nbytes for it in items)
+
+    def index_body(wm: dict[str, str]) -> bytes | None:
+        if n == 1:
+            return None
+        body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(wm.items()))}
+        return (json.dumps(body, indent=2) + "\n").encode()
+
+    if "://" in os.fspath(out_dir) and not os.fspath(out_dir).startswith("file://"):
+        from .export_store import write_shards
+
+        out_st, out_key = resolve(out_dir)
+        if type(out_st) is type(st) and (out_key == key or out_key.startswith(key.rstrip("/") + "/")):
+            raise ValueError(f"export_hf: {out_dir} is inside the checkpoint {key} (a committed "
+                             "checkpoint is never modified)")
+        written, wmap, copied = write_shards(
+            st, key, m, out_st, out_key, files, shards, opts=opts, validate=validate,
+            overwrite=overwrite, copies=copies, index=index_body)
+        return ExportResult(out_dir=os.fspath(out_dir), files=tuple(files),
+                            index_file=INDEX_NAME if n > 1 else None, weight_map=wmap,
+                            total_size=total, skipped=tuple(sorted(skipped)), aliases=out_aliases,
+                            copied=tuple(copied), bytes_read=st.bytes_read - read0,
+                            bytes_written=written, duration_s=time.perf_counter() - t0)
+    out = os.path.abspath(os.fspath(out_dir))
     if storage is None and "://" not in os.fspath(ckpt):
         rk, ro = os.path.realpath(key), os.path.realpath(out)
         if ro == rk or ro.startswith(rk + os.sep):

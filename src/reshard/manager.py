@@ -516,8 +516,15 @@ class CheckpointManager:
         (an overwrite's or a retention's interrupted deletion) and records'
         temporaries (``HEAD.tmp-*``: a write killed before its rename) older than
         ``grace_s`` seconds (never one of this manager's in-flight saves,
-        never a quarantined checkpoint)."""
+        never a quarantined checkpoint). On a store without atomic rename
+        (S3): the attempts whose lease has expired, and their open multipart
+        uploads (:func:`reshard.attempts.gc_root`); returns ``<checkpoint>/<attempt
+        id>`` names."""
         grace = self.gc_grace_s if grace_s is None else grace_s
+        if not self.storage.capabilities.atomic_rename:  # attempts live under the final prefix
+            from .attempts import gc_root
+
+            return list(gc_root(self.storage, self.root, grace_s=grace, dry_run=dry_run).attempts)
         now = time.time()
         inflight = set(self._pending_names())
         out = []

@@ -319,8 +319,9 @@ class Reader:
         u8 = flat.view(torch.uint8)
         mv = memoryview(u8.numpy().data)
         # read in block-aligned segments and verify each while it is still in cache
+        # (object stores ask for larger segments, fetched as parallel ranged GETs)
         b = self.m.checksum_block_bytes
-        seg = b * max(1, _SEGMENT_BYTES // b)
+        seg = b * max(1, (self.st.read_segment_bytes or _SEGMENT_BYTES) // b)
         self.mark_written(t.req.fqn)  # its bytes arrive before they are verified
         for a in range(0, max(len(mv), 1), seg):
             self.st.read_into(path, c.offset + a, mv[a:a + seg])
