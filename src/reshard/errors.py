@@ -155,7 +155,7 @@ def agreed_error(what: str, failures: dict[int, RankFailure], *,
     with the ranks that raised it as ranges, so its size is bounded whatever
     the world size. In a world of one rank (``world_size`` 1) it is that
     rank's message alone (with the exception type when it is not the class
-    raised), without rank framing.
+    raised), without rank framing (prefixed by what failed).
     """
     if groups is None:
         groups = summarize_failures(failures)
@@ -166,7 +166,8 @@ def agreed_error(what: str, failures: dict[int, RankFailure], *,
         cls = _BY_NAME.get(next(iter(names)), CheckpointError)
     if world_size == 1 and len(failures) == 1:
         f = next(iter(failures.values()))
-        msg = f.message if f.type_name == cls.__name__ else f"{what} failed: {f.type_name}: {f.message}"
+        kind = "" if f.type_name == cls.__name__ else f"{f.type_name}: "
+        msg = f"{what} failed: {kind}{f.message}"
         return cls(msg, failures=failures)
     lines = [f"{what} failed on {n} rank(s):"]
     for g in groups:
