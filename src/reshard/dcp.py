@@ -164,8 +164,14 @@ class _MemFormat:
     value: int
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP ``.metadata`` and nothing else (see the module docstring)."""
+class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
+    """Unpickles DCP ``.metadata`` and nothing else (see the module docstring).
+
+    The pure-Python unpickler, not the C one: the C unpickler grows its memo
+    array to the index a ``LONG_BINPUT`` names (4 bytes of a crafted file can
+    ask for 2^32 entries, 32 GiB), while this one keeps the memo in a dict, so
+    no allocation exceeds what the file's own bytes can hold.
+    """
 
     def __init__(self, file: Any, *, where: str):
         super().__init__(file)
