@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import torch
 
-from .errors import RankFailure, agreed_error
+from .errors import CheckpointError, RankFailure, agreed_error
 
 
 class Collectives(ABC):
@@ -88,7 +88,22 @@ class TorchCollectives(Collectives):
             else torch.device("cpu")
         )
 
+    def _lost(self, e: RuntimeError) -> CheckpointError:
+        msg = (str(e).strip().splitlines() or [""])[0][:300]
+        return CheckpointError(
+            f"a collective over the {self.world_size} ranks of the checkpoint group failed on rank "
+            f"{self.rank}: a rank was lost or did not arrive within the group's timeout "
+            f"({type(e).__name__}: {msg})")
+
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Raises CheckpointError when a rank is lost or times out (the backend's
+        error, e.g. gloo's "Connection closed by peer", as its cause)."""
+        try:
+            return self._all_gather_bytes(data)
+        except RuntimeError as e:  # DistBackendError and gloo/NCCL failures are RuntimeErrors
+            raise self._lost(e) from e
+
+    def _all_gather_bytes(self, data: bytes) -> list[bytes]:
         dist, dev, n = self._dist, self._device, self.world_size
         size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
         sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)]
@@ -103,7 +118,10 @@ class TorchCollectives(Collectives):
         return [o[:k].cpu().numpy().tobytes() for o, k in zip(outs, lens, strict=True)]
 
     def barrier(self) -> None:
-        self._dist.barrier(group=self.group)
+        try:
+            self._dist.barrier(group=self.group)
+        except RuntimeError as e:
+            raise self._lost(e) from e
 
 
 def get_collectives(group: Any = None) -> Collectives:
