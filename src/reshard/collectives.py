@@ -139,11 +139,27 @@ def get_collectives(group: Any = None) -> Collectives:
 def new_checkpoint_group(group: Any = None, timeout_s: float | None = None) -> Any:
     """A new gloo process group over the ranks of ``group`` (all ranks must
     call it), for background checkpoint traffic that must never interleave
-    with training collectives."""
+    with training collectives. Its timeout is ``timeout_s`` seconds, by
+    default that of ``group`` (so a rank that never arrives fails a background
+    save as soon as it would fail the caller's own collectives)."""
     import torch.distributed as dist
 
     ranks = dist.get_process_group_ranks(group) if group is not None else None
     kwargs: dict[str, Any] = {"backend": "gloo"}
+    if timeout_s is None:  # as long as the caller's group waits, not torch's 30-minute default
+        timeout_s = group_timeout_s(group)
     if timeout_s is not None:
         kwargs["timeout"] = timedelta(seconds=timeout_s)
     return dist.new_group(ranks=ranks, **kwargs)
+
+
+def group_timeout_s(group: Any = None) -> float | None:
+    """The timeout (seconds) of ``group`` (None: the default group) where the
+    backend exposes it (gloo does), else None."""
+    import torch.distributed as dist
+
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        return float(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except Exception:  # noqa: BLE001 - a backend without CPU options (NCCL): torch's default
+        return None
