@@ -165,3 +165,36 @@ def test_fault_matrix_quick(tmp_path):
     unsafe = [r for r in results if not r.safe]
     assert not unsafe, "\n".join(f"{r.cell.name}: {r.problems}" for r in unsafe)
     assert len(results) == len(chosen)
+
+
+def test_interrupted_retention_never_lists_a_half_deleted_checkpoint(tmp_path):
+    """Found by the fault matrix (sigkill-save/retention-mid): retention
+    deleted a checkpoint file by file, so a kill in the middle left a
+    directory whose valid manifest named missing files, listed as committed.
+    Retention now renames it out of the committed namespace first."""
+    from reshard.commit import committed
+
+    root = str(tmp_path)
+
+    class Interrupted(Exception):
+        pass
+
+    def half_delete(op, path):
+        for n in sorted(os.listdir(path)):
+            if n.startswith("data-"):
+                os.unlink(os.path.join(path, n))
+                break
+        raise Interrupted(path)
+
+    fs = FaultStorage(LocalStorage(), [Fault(op="delete", match="step-*", action="call",
+                                             callback=half_delete)])
+    mgr = reshard.CheckpointManager(root, keep_last=1, storage=fs, preempt_signals=(), gc_grace_s=0.0)
+    mgr.save(1, _state(1))
+    with pytest.raises(Interrupted):
+        mgr.save(2, _state(2))
+    listed = [e.name for e in committed(LocalStorage(), root)]
+    assert listed == ["step-00000002"]
+    assert all(reshard.verify(os.path.join(root, n)).ok for n in listed)
+    _assert_loads(os.path.join(root, "step-00000002"), 2)
+    reshard.CheckpointManager(root, preempt_signals=()).gc_abandoned(grace_s=0.0)
+    assert _left_behind(root) == [] and "step-00000001" not in os.listdir(root)

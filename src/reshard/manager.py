@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .collectives import SingleProcess, get_collectives
-from .commit import INCOMPLETE, Entry, committed, scan
+from .commit import INCOMPLETE, Entry, committed, delete_checkpoint, scan
 from .errors import CheckpointError, CheckpointNotFoundError, IntegrityError, ManifestError
 from .load import LoadResult, load
 from .options import LoadOptions, SaveOptions
@@ -314,7 +314,7 @@ class CheckpointManager:
         if not dry_run:
             for name in d.delete:
                 log.info("retention: deleting %s", name)
-                self.storage.delete_tree(self.storage.join(self.root, name))
+                delete_checkpoint(self.storage, self.storage.join(self.root, name))
                 self.storage.delete_tree(self._verified_path(name))
         return d
 
