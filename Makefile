@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy
 
 bench: $(STAMP)

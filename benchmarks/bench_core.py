@@ -2,7 +2,7 @@
 
 Not a test. Usage::
 
-    python benchmarks/bench_core.py [--gib 1.0] [--repeat 3] [--dir DIR] [--json PATH]
+    python benchmarks/bench_core.py [--gib 1.0] [--repeat 3] [--dir DIR] [--json PATH] [--verify-first]
 
 ``--gib`` GiB of float32 state is split over 2 real gloo ranks (spawned
 :class:`reshard.testing.pool.WorkerPool` workers); each rank holds half, as
@@ -166,7 +166,8 @@ def _loader(method: str, path: str, ts: list[torch.Tensor]) -> Any:
         return lambda: _read_plain(os.path.join(path, f"r{dist.get_rank()}.bin"), ts)
     if method.startswith("reshard"):
         state = _reshard_state(ts)
-        opts = reshard.LoadOptions(checksums=method != "reshard-nocheck")
+        opts = reshard.LoadOptions(checksums=method != "reshard-nocheck",
+                                   verify_first=method == "reshard-verify-first")
         return lambda: reshard.load(state, path, options=opts)
     if method == "dcp":
         import torch.distributed.checkpoint as dcp
@@ -258,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=1.0,
                     help="seconds to wait after os.sync() before each timed save")
     ap.add_argument("--skip-dcp", action="store_true", help="do not run torch.distributed.checkpoint")
+    ap.add_argument("--verify-first", action="store_true",
+                    help="also time (and measure the memory of) LoadOptions(verify_first=True)")
     a = ap.parse_args(argv)
     world = 2
     total = int(a.gib * (1 << 30)) // (world * 4 * WIDTH) * (world * 4 * WIDTH)
@@ -317,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             k: statistics.median(max(t.get(k, 0.0) for t in rnd) for rnd in phases)
             for k in ("stage", "plan", "write", "commit")}
         # warm loads
-        lmethods = ["baseline", "reshard", "reshard-nocheck"] + ([] if a.skip_dcp else ["dcp"])
+        lmethods = (["baseline", "reshard", "reshard-nocheck"] + ([] if a.skip_dcp else ["dcp"])
+                    + (["reshard-verify-first"] if a.verify_first else []))
         res["load"] = {}
         for m in lmethods:
             p = paths["reshard" if m.startswith("reshard") else m]
@@ -330,8 +334,10 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         # memory
         res["memory"] = {}
-        for m in ["reshard"] + ([] if a.skip_dcp else ["dcp"]):
-            out = pool.run(world, mod.memory, m, paths[m], timeout=600)
+        for m in (["reshard"] + ([] if a.skip_dcp else ["dcp"])
+                  + (["reshard-verify-first"] if a.verify_first else [])):
+            out = pool.run(world, mod.memory, m, paths["reshard" if m.startswith("reshard") else m],
+                           timeout=600)
             loaded = out[0]["loaded_bytes"]
             sampled = max(o["sampled_extra"] for o in out)
             hwms = [o["hwm_extra"] for o in out]
@@ -371,7 +377,8 @@ def _print(res: dict[str, Any]) -> None:
         rows.append((f"  {names[m]}", f"{v['median_s']:.3f}", f"{v['gb_per_s']:.2f}",
                      "" if m == "baseline" else f"{v['median_s'] / sv['baseline']['median_s']:.2f}x base"))
     lnames = {"baseline": "preadv (page cache)", "reshard": "reshard.load",
-              "reshard-nocheck": "reshard.load -checksums", "dcp": "DCP load"}
+              "reshard-nocheck": "reshard.load -checksums", "dcp": "DCP load",
+              "reshard-verify-first": "reshard.load verify_first"}
     rows.append(("warm load", "", "", ""))
     for m, v in ld.items():
         rows.append((f"  {lnames[m]}", f"{v['median_s']:.3f}", f"{v['gb_per_s']:.2f}",
@@ -387,6 +394,9 @@ def _print(res: dict[str, Any]) -> None:
     if "dcp" in sv:
         print(f"reshard/DCP time ratio: save {sv['reshard']['median_s'] / sv['dcp']['median_s']:.2f}, "
               f"warm load {ld['reshard']['median_s'] / ld['dcp']['median_s']:.2f}")
+    if "reshard-verify-first" in ld:
+        print(f"verify_first/default warm load time ratio: "
+              f"{ld['reshard-verify-first']['median_s'] / ld['reshard']['median_s']:.2f}")
     for m, v in res["memory"].items():
         hwm = "n/a" if v["hwm_extra_max"] is None else f"{v['hwm_extra_max'] / MiB:.1f} MiB"
         print(f"peak extra RSS of {m} load per rank: sampled {v['sampled_extra_max'] / MiB:.1f} MiB, "

@@ -28,6 +28,10 @@ from .storage import Storage
 
 INCOMPLETE = ".incomplete-"
 RETIRED = ".retired-"
+#: the coordinator's proof of an attempt's location: written into the attempt
+#: before any data, read back by every rank, deleted before the manifest is
+#: written (so a committed checkpoint holds only its manifest and data files)
+ATTEMPT_NONCE = "attempt-nonce.json"
 
 
 def new_attempt_id() -> str:
@@ -42,6 +46,72 @@ def attempt_path(storage: Storage, path: str, attempt_id: str) -> str:
     if storage.capabilities.atomic_rename:
         return f"{path}{INCOMPLETE}{attempt_id}"
     return path
+
+
+def create_attempt(storage: Storage, attempt: str, attempt_id: str) -> str:
+    """Coordinator: create the attempt directory (or prefix) and write
+    :data:`ATTEMPT_NONCE` into it: 16 random bytes from ``os.urandom``.
+    Returns the nonce (hex) that every rank must read back."""
+    nonce = os.urandom(16).hex()
+    storage.makedirs(attempt)
+    body = msgspec.json.encode({"attempt_id": attempt_id, "nonce": nonce})
+    storage.write_bytes(storage.join(attempt, ATTEMPT_NONCE), body, durable=False)
+    return nonce
+
+
+def check_attempt(storage: Storage, attempt: str, nonce: str, *, rank: int) -> None:
+    """Every rank: read the coordinator's nonce back through this rank's own
+    storage before writing any data.
+
+    Raises:
+        CheckpointError: the nonce file is absent (this rank does not see the
+            coordinator's storage: node-local disks under one spelling) or
+            holds another nonce.
+    """
+    from .errors import CheckpointError
+
+    p = storage.join(attempt, ATTEMPT_NONCE)
+    try:
+        got = msgspec.json.decode(storage.read_bytes(p)).get("nonce")
+    except (FileNotFoundError, NotADirectoryError):
+        got = None
+    except (msgspec.DecodeError, AttributeError):
+        got = "<unreadable>"
+    if got != nonce:
+        why = "" if got is None else f" (its {ATTEMPT_NONCE} holds another attempt's nonce)"
+        raise CheckpointError(
+            f"rank {rank} cannot see the attempt written by the coordinator at {attempt}{why}: "
+            "node-local storage? every rank must see the same checkpoint location")
+
+
+def confirm_files(storage: Storage, attempt: str, files: dict[str, int]) -> None:
+    """Coordinator, before publishing: every file the manifest names exists in
+    the attempt at its declared size (one ``size`` call per file, from up to 16
+    threads).
+
+    Raises:
+        IntegrityError: files missing or of another size (all listed).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    def stat(name: str) -> str | None:
+        p = storage.join(attempt, name)
+        try:
+            got = storage.size(p)
+        except (FileNotFoundError, NotADirectoryError):
+            return f"{p}: missing (the writer reported {files[name]} bytes)"
+        return None if got == files[name] else f"{p}: {got} bytes, the writer reported {files[name]}"
+
+    names = sorted(files)
+    if len(names) > 8:
+        with ThreadPoolExecutor(max_workers=16, thread_name_prefix="reshard-stat") as ex:
+            found = list(ex.map(stat, names))
+    else:
+        found = [stat(n) for n in names]
+    bad = [f for f in found if f is not None]
+    if bad:
+        raise IntegrityError(f"{len(bad)} of {len(names)} data file(s) not as written, refusing to "
+                             "publish: " + "; ".join(bad[:10]))
 
 
 def sign_manifest(m: Manifest, key: bytes) -> Manifest:
@@ -95,9 +165,17 @@ def publish(storage: Storage, attempt: str, path: str, manifest: Manifest, *, ov
             durable: bool) -> None:
     """Write the manifest last and make the attempt the checkpoint at ``path``.
 
-    With ``overwrite`` on a rename-capable store, an existing checkpoint is
-    moved aside, the new one renamed into place, then the old one deleted.
+    First every file the manifest names is confirmed at its declared size
+    (:func:`confirm_files`) and :data:`ATTEMPT_NONCE` is deleted. With
+    ``overwrite`` on a rename-capable store, an existing checkpoint is moved
+    aside, the new one renamed into place, then the old one deleted.
+
+    Raises:
+        IntegrityError: a data file is missing or of another size (nothing published).
+        FileExistsError: something appeared at ``path`` during the save.
     """
+    confirm_files(storage, attempt, {n: fe.size for n, fe in manifest.files.items()})
+    storage.delete_tree(storage.join(attempt, ATTEMPT_NONCE))
     storage.write_bytes(storage.join(attempt, MANIFEST_NAME), encode_manifest(manifest), durable=durable)
     if not storage.capabilities.atomic_rename:
         return

@@ -289,6 +289,7 @@ class DCPStorage(Storage):
         self._decoding: dict[str, threading.Lock] = {}
         self.decodes = 0
         self._checked_files: set[str] = set()
+        self._file_sizes: dict[str, int] = {}
 
     # -- the chunk cache
     @property
@@ -392,7 +393,27 @@ class DCPStorage(Storage):
         self._count_read(n)
 
     def size(self, path: str) -> int:
-        return self._item(path)[1].nbytes
+        """The decoded size of virtual file ``path``, once the DCP data file
+        holding it is confirmed present and long enough (one ``size`` call
+        per data file), so a load's check of every needed file, before any
+        target is written, covers the DCP files too.
+
+        Raises:
+            FileNotFoundError: no such item, or its DCP data file is missing.
+            IntegrityError: the data file ends before the item's bytes.
+        """
+        _, it = self._item(path)
+        fpath = self.base.join(self.root, it.file)
+        with self._lock:
+            fsize = self._file_sizes.get(it.file)
+        if fsize is None:
+            fsize = self.base.size(fpath)
+            with self._lock:
+                self._file_sizes[it.file] = fsize
+        if it.offset + it.length > fsize:
+            raise IntegrityError(f"{fpath}: DCP item {it.fqn!r} bytes [{it.offset}, "
+                                 f"{it.offset + it.length}) reach past the end ({fsize} bytes) of the file")
+        return it.nbytes
 
     def exists(self, path: str) -> bool:
         try:

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from .dcp import DCPStorage, open_dcp
-from .errors import IntegrityError
+from .errors import CheckpointError, IntegrityError
 from .manifest import Chunk, FileEntry, Manifest, TensorEntry, validate_manifest
 from .sharding import itemsize
 from .storage import Storage, resolve
@@ -65,11 +65,17 @@ def convert_dcp(
         error) and publishes nothing.
     """
     from .collectives import get_collectives
-    from .commit import attempt_path, check_target, new_attempt_id, publish, sign_manifest
+    from .commit import publish, sign_manifest
     from .errors import outcome, raise_agreed
     from .manifest import MANIFEST_NAME
     from .options import SaveOptions
-    from .save import SaveResult, agree_or_discard
+    from .save import (
+        SaveResult,
+        agree_attempt_location,
+        agree_or_discard,
+        discard_attempt,
+        open_attempt,
+    )
     from .shardfile import FileItem, tensor_bytes, write_shard_file
 
     opts: SaveOptions = options or SaveOptions()
@@ -89,15 +95,20 @@ def convert_dcp(
                 f"{src}: {len(refused)} value(s) need more than torch.load(weights_only=True) and are "
                 f"refused: {sorted(refused)[:5]} (pass skip_unsafe_values=True to convert without them)")
         if rank == 0:
-            check_target(dst_st, dst_key, overwrite=opts.overwrite)
-            local["attempt"] = new_attempt_id()
+            local.update(open_attempt(dst_st, dst_key, opts))
     except Exception as e:  # noqa: BLE001
         err = e
     gathered = coll.all_gather_json(outcome(rank, err, **local))
-    raise_agreed("convert_dcp", gathered, err)
+    try:
+        raise_agreed("convert_dcp", gathered, err)
+    except CheckpointError:
+        if gathered[0].get("error") is None:
+            discard_attempt(coll, dst_st, gathered[0]["attempt_path"])
+        raise
     assert dcp_st is not None and m is not None
-    attempt = attempt_path(dst_st, dst_key, gathered[0]["attempt"])
+    attempt, target = gathered[0]["attempt_path"], gathered[0]["target"]
     attempt_id = gathered[0]["attempt"]
+    agree_attempt_location(coll, dst_st, dst_key, gathered[0])
     t1 = time.perf_counter()
     # pack chunks into files (deterministic on every rank), round-robin over ranks
     files: list[list[tuple[str, int]]] = [[]]
@@ -114,8 +125,6 @@ def convert_dcp(
     written: list[dict[str, Any]] = []
     err = None
     try:
-        if mine:
-            dst_st.makedirs(attempt)
         for n, (_k, members) in enumerate(mine):
             name = f"data-r{rank:05d}-{n}.safetensors"
             fitems = []
@@ -164,8 +173,7 @@ def convert_dcp(
             if opts.hmac_key is not None:
                 out = sign_manifest(out, opts.hmac_key)
             validate_manifest(out, where=f"{dst_key}/{MANIFEST_NAME}")
-            dst_st.makedirs(attempt)
-            publish(dst_st, attempt, dst_key, out, overwrite=opts.overwrite, durable=opts.durable)
+            publish(dst_st, attempt, target, out, overwrite=opts.overwrite, durable=opts.durable)
         except Exception as e:  # noqa: BLE001
             err = e
     agree_or_discard(coll, dst_st, attempt, "convert_dcp (publish)", outcome(rank, err), err)

@@ -10,9 +10,7 @@ import re
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
@@ -22,17 +20,18 @@ from . import codec
 from .collectives import Collectives, get_collectives
 from .commit import read_manifest
 from .errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     IntegrityError,
-    ManifestError,
     ShardingError,
     outcome,
     raise_agreed,
 )
-from .manifest import Chunk, Manifest, TensorEntry
+from .manifest import Manifest, ObjectChunk, TensorEntry
 from .options import LoadOptions
-from .planning import ReadItem, Request, _strides, check_entry_coverage, plan_reads
-from .sharding import ShardedTensor, torch_dtype
+from .planning import Request, check_entry_coverage, plan_reads
+from .reading import Groups, Reader, Target
+from .sharding import ShardedObject, ShardedTensor
 from .storage import Storage, resolve
 from .transforms import consumed_by, extra_allow_missing, manifest_view, provided_by
 from .transforms import resolve as resolve_target
@@ -100,212 +99,6 @@ def _compile_allow(allow: Sequence[Any]) -> list[tuple[Callable[[str], bool], An
     return out
 
 
-@dataclass
-class _Target:
-    req: Request
-    dst: torch.Tensor
-    saved: str  # fqn in the manifest (differs from req.fqn for aliases)
-
-
-def _view_u8(buf: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
-    part = buf[start:stop]
-    isz = dtype.itemsize
-    if isz > 1 and (part.storage_offset() % isz or part.data_ptr() % isz):
-        part = part.clone()
-    return part.view(dtype)
-
-
-def _copy(item: ReadItem, chunk: Chunk, t: _Target, src1d: torch.Tensor) -> None:
-    """Copy ``src1d`` (the chunk's elements covering [byte_start, byte_stop))
-    into the target's destination."""
-    req, dst = t.req, t.dst
-    if item.kind == "box":
-        if len(item.box_shape) == 0:
-            dst.copy_(src1d.reshape(()))
-            return
-        src = torch.as_strided(src1d, item.box_shape, _strides(chunk.local_shape))
-        region = dst[tuple(slice(o - r, o - r + n) for o, r, n in
-                           zip(item.box_offset, req.global_offset, item.box_shape, strict=True))]
-        region.copy_(src)
-        return
-    if item.kind == "flat":
-        if req.flattened_range is not None:
-            a = req.flattened_range[0]
-            dst[item.flat_start - a:item.flat_stop - a].copy_(src1d)
-            return
-        if dst.is_contiguous():
-            dst.view(-1)[item.flat_start:item.flat_stop].copy_(src1d)
-            return
-    _gather_copy(item, chunk, t, src1d)
-
-
-def _gather_copy(item: ReadItem, chunk: Chunk, t: _Target, src1d: torch.Tensor) -> None:
-    req, dst = t.req, t.dst
-    grids = torch.meshgrid(*[torch.arange(o, o + n) for o, n in zip(item.box_offset, item.box_shape,
-                                                                     strict=True)], indexing="ij")
-    cst, rst = _strides(chunk.local_shape), _strides(req.local_shape)
-    fc = sum(((g - o) * s for g, o, s in zip(grids, chunk.global_offset, cst, strict=True)),
-             torch.zeros((), dtype=torch.int64)).reshape(-1)
-    fr = sum(((g - o) * s for g, o, s in zip(grids, req.global_offset, rst, strict=True)),
-             torch.zeros((), dtype=torch.int64)).reshape(-1)
-    mask = torch.ones_like(fc, dtype=torch.bool)
-    cbase = 0
-    if chunk.flattened_range is not None:
-        mask &= (fc >= chunk.flattened_range[0]) & (fc < chunk.flattened_range[1])
-        cbase = chunk.flattened_range[0]
-    rbase = 0
-    if req.flattened_range is not None:
-        mask &= (fr >= req.flattened_range[0]) & (fr < req.flattened_range[1])
-        rbase = req.flattened_range[0]
-    isz = src1d.element_size()
-    first = cbase + item.byte_start // isz
-    vals = src1d[fc[mask] - first]
-    if req.flattened_range is not None:
-        dst[fr[mask] - rbase] = vals
-    elif dst.is_contiguous():
-        dst.view(-1)[fr[mask]] = vals
-    else:
-        flat = dst.contiguous()
-        flat.view(-1)[fr[mask]] = vals
-        dst.copy_(flat)
-
-
-#: direct reads go in segments of about this many bytes (whole checksum blocks)
-_SEGMENT_BYTES = 4 << 20
-
-
-class _Reader:
-    """Executes read items: verified, coalesced, direct where possible."""
-
-    def __init__(self, st: Storage, ckpt: str, m: Manifest, opts: LoadOptions):
-        self.st, self.ckpt, self.m, self.opts = st, ckpt, m, opts
-        self.checked: set[str] = set()
-
-    def check_file(self, name: str) -> str:
-        p = self.st.join(self.ckpt, name)
-        if name in self.checked:
-            return p
-        if self.st.is_link(p):
-            raise ManifestError(f"{p}: data file is a symbolic link (refused)")
-        try:
-            size = self.st.size(p)
-        except FileNotFoundError:
-            raise IntegrityError(f"{p}: data file named by the manifest is missing") from None
-        want = self.m.files[name].size
-        if size != want:
-            raise IntegrityError(f"{p}: file is {size} bytes, the manifest declares {want}")
-        self.checked.add(name)
-        return p
-
-    def verify(self, fqn: str, c: Chunk, lo: int, data: torch.Tensor) -> None:
-        """Check the blocks of chunk ``c`` that ``data`` (chunk bytes from
-        ``lo``, block aligned) holds."""
-        if not self.opts.checksums or not c.checksums:
-            return
-        b = self.m.checksum_block_bytes
-        mv = memoryview(data.numpy().data) if data.numel() else memoryview(b"")
-        n = len(mv)
-        for k in range(lo // b, -(-(lo + n) // b)):
-            a = k * b - lo
-            seg = mv[a:min(a + b, n)]
-            if xxhash.xxh3_64_hexdigest(seg) != c.checksums[k]:
-                raise IntegrityError(
-                    f"{self.st.join(self.ckpt, c.file)}: checksum mismatch in {fqn!r} (chunk at "
-                    f"{list(c.global_offset)}, block {k}, file bytes [{c.offset + k * b}, "
-                    f"{c.offset + k * b + len(seg)}))"
-                )
-
-    def span(self, c: Chunk, items: list[tuple[ReadItem, _Target]]) -> tuple[int, int]:
-        lo = min(i.byte_start for i, _ in items)
-        hi = max(i.byte_stop for i, _ in items)
-        if self.opts.checksums and c.checksums:
-            b = self.m.checksum_block_bytes
-            lo = lo // b * b
-            hi = min(-(-hi // b) * b, c.length)
-        return lo, hi
-
-    def run(self, groups: dict[tuple[str, int], list[tuple[ReadItem, _Target]]]) -> None:
-        per_file: dict[str, list[tuple[int, int, str, Chunk, list[tuple[ReadItem, _Target]]]]] = (
-            defaultdict(list))
-        direct: list[tuple[str, Chunk, ReadItem, _Target]] = []
-        for (fqn, ci), items in groups.items():
-            c = self.m.tensors[fqn].chunks[ci]
-            lo, hi = self.span(c, items)
-            if len(items) == 1 and self._direct_ok(c, *items[0], lo, hi):
-                direct.append((fqn, c, *items[0]))
-            else:
-                per_file[c.file].append((c.offset + lo, c.offset + hi, fqn, c, items))
-        jobs: list[Callable[[], None]] = [partial(self._read_direct, *a) for a in direct]
-        for name, reads in per_file.items():
-            reads.sort(key=lambda r: r[0])
-            cur: list[Any] = []
-            for r in reads:
-                if cur and r[0] > cur[-1][1]:
-                    jobs.append(partial(self._read_span, name, cur))
-                    cur = []
-                cur.append(r)
-            if cur:
-                jobs.append(partial(self._read_span, name, cur))
-        if self.opts.threads > 1 and len(jobs) > 1:
-            with ThreadPoolExecutor(max_workers=min(self.opts.threads, len(jobs)),
-                                    thread_name_prefix="reshard-read") as ex:
-                for f in [ex.submit(j) for j in jobs]:
-                    f.result()
-        else:
-            for j in jobs:
-                j()
-
-    def _direct_ok(self, c: Chunk, item: ReadItem, t: _Target, lo: int, hi: int) -> bool:
-        if (lo, hi) != (0, c.length) or item.byte_start != 0 or item.byte_stop != c.length:
-            return False
-        if c.length < self.opts.direct_read_min_bytes or t.dst.device.type != "cpu":
-            return False
-        return self._dst_region(item, t) is not None
-
-    def _dst_region(self, item: ReadItem, t: _Target) -> torch.Tensor | None:
-        req, dst = t.req, t.dst
-        if item.kind == "box":
-            region = dst[tuple(slice(o - r, o - r + n) for o, r, n in
-                               zip(item.box_offset, req.global_offset, item.box_shape, strict=True))]
-        elif item.kind == "flat" and req.flattened_range is not None:
-            a = req.flattened_range[0]
-            region = dst[item.flat_start - a:item.flat_stop - a]
-        else:
-            return None
-        return region if region.is_contiguous() else None
-
-    def _read_direct(self, fqn: str, c: Chunk, item: ReadItem, t: _Target) -> None:
-        path = self.check_file(c.file)
-        region = self._dst_region(item, t)
-        assert region is not None
-        flat = region.reshape(-1)
-        if flat.stride(0) != 1:  # one element with any stride counts as contiguous
-            flat = torch.as_strided(flat, (flat.numel(),), (1,))
-        u8 = flat.view(torch.uint8)
-        mv = memoryview(u8.numpy().data)
-        # read in block-aligned segments and verify each while it is still in cache
-        b = self.m.checksum_block_bytes
-        seg = b * max(1, _SEGMENT_BYTES // b)
-        for a in range(0, max(len(mv), 1), seg):
-            self.st.read_into(path, c.offset + a, mv[a:a + seg])
-            self.verify(fqn, c, a, u8[a:a + seg])
-
-    def _read_span(self, name: str, reads: list[tuple[int, int, str, Chunk, list[Any]]]) -> None:
-        path = self.check_file(name)
-        start, stop = reads[0][0], max(r[1] for r in reads)
-        buf = torch.empty(stop - start, dtype=torch.uint8)
-        if stop > start:
-            self.st.read_into(path, start, memoryview(buf.numpy().data))
-        for a, b, fqn, c, items in reads:
-            lo = a - c.offset
-            data = buf[a - start:b - start]
-            self.verify(fqn, c, lo, data)
-            dtype = torch_dtype(self.m.tensors[fqn].dtype)
-            for item, t in items:
-                src = _view_u8(buf, a - start + item.byte_start - lo, a - start + item.byte_stop - lo, dtype)
-                _copy(item, c, t, src)
-
-
 def load(
     state: Mapping[str, Any],
     path: str | os.PathLike[str],
@@ -339,11 +132,26 @@ def load(
             presented as a reshard manifest over a storage that serves their
             bytes; see :mod:`reshard.dcp` and :mod:`reshard.export`).
 
+    Transactional up to the reads: everything that can be checked without
+    reading data (the manifest, presence and size of every file this rank
+    needs (all at once), coverage, dtypes, shapes, strictness, target devices,
+    objects and values) is checked on every rank and agreed before any rank
+    writes any target, so such a failure leaves every target unchanged on
+    every rank. A failure found only while reading (a checksum mismatch)
+    raises after some targets were written: the error names, on each rank,
+    the targets that rank had already written (they must be reloaded).
+    ``LoadOptions(verify_first=True)`` verifies every needed block first, at
+    the cost of a second read, so that bit rot too leaves targets unchanged.
+    Stateful objects get ``load_state_dict`` only once every rank succeeded.
+
     Raises:
         CheckpointNotFoundError: no committed checkpoint at ``path``.
-        ManifestError, IntegrityError: the checkpoint is invalid or corrupt.
+        ManifestError, IntegrityError: the checkpoint is invalid or corrupt
+            (a needed file missing, of another size, or a symbolic link; a
+            checksum mismatch).
         ShardingError: missing/unexpected keys (strict), shape or dtype
-            mismatch (nothing is cast silently), a load that matches no key.
+            mismatch (nothing is cast silently), a load that matches no key,
+            a target on device ``meta`` (materialise with ``to_empty()`` first).
         Every failure is raised on every rank of ``group``.
     """
     coll = get_collectives(group)
@@ -369,16 +177,28 @@ def load(
     # agree on the manifest and gather requested keys (to find unexpected ones)
     reports = coll.all_gather_json(outcome(coll.rank, err, keys=sorted(keys)))
     raise_agreed("load", reports, err)
+    # every check that needs no target write (files, coverage, shapes, dtypes,
+    # strictness, devices; checksums too with verify_first), agreed before any
+    # rank changes any target
     err = None
-    result: LoadResult | None = None
+    plan: _Plan | None = None
     try:
         requested_anywhere = set().union(*(r["keys"] for r in reports))
-        result = _execute(ctx, requested_anywhere, st, key, opts, strict,
-                          [*allow_missing, *extra_allow_missing(transforms)], transforms)
+        plan = _check(ctx, requested_anywhere, st, key, opts, strict,
+                      [*allow_missing, *extra_allow_missing(transforms)], transforms)
     except Exception as e:  # noqa: BLE001
         err = e
     reports = coll.all_gather_json(outcome(coll.rank, err))
-    raise_agreed("load", reports, err)
+    raise_agreed("load (checked before writing: every target is unchanged)", reports, err)
+    assert plan is not None
+    err = None
+    result: LoadResult | None = None
+    try:
+        result = _apply(plan, ctx, st, key)
+    except Exception as e:  # noqa: BLE001
+        err = e
+    reports = coll.all_gather_json(outcome(coll.rank, err))
+    _raise_after_writes(reports, err, plan.reader.written, coll.rank)
     assert result is not None
     # hand loaded plain values to Stateful objects, only once every rank succeeded
     err = None
@@ -474,9 +294,54 @@ def _prepare_hooks(state: Any, m: Manifest, notes: dict[str, Any]) -> None:
             stack.extend(reversed(x))
 
 
-def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key: str,
-             opts: LoadOptions, strict: bool, allow_missing: Sequence[Any],
-             transforms: Sequence[Any]) -> LoadResult:
+@dataclass(frozen=True, kw_only=True)
+class _Plan:
+    """What :func:`_check` found, for :func:`_apply` to write: read groups by
+    (saved fqn, chunk index), ``allow_missing`` rules to run, transforms'
+    finishing steps, and the already read and verified objects and values."""
+
+    manifest: Manifest
+    reader: Reader
+    groups: Groups
+    rules: list[tuple[str, Any, torch.Tensor]]
+    finalize: list[Callable[[], None]]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    objects: dict[tuple[str, tuple[int, ...]], Any]
+    values: dict[str, Any]
+
+
+def _unplaceable(t: torch.Tensor) -> bool:
+    """A tensor whose elements have no memory to fill: on device ``meta``, or a
+    fake tensor (``torch._subclasses.FakeTensor``) standing in for one."""
+    if t.is_meta:
+        return True
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    return bool(is_fake(t))
+
+
+def _check_devices(sts: Sequence[ShardedTensor], key: str) -> None:
+    bad = [(s.fqn, str(s.data.device)) for s in sts if _unplaceable(s.data)]
+    if bad:
+        names = ", ".join(f"{f!r} on device {d!r}" for f, d in bad[:5])
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise ShardingError(f"{key}: cannot load into {names}{more}: the target has no memory to "
+                            "fill; materialise with `to_empty()` first (e.g. "
+                            "model.to_empty(device='cpu'))")
+
+
+def _check(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key: str,
+           opts: LoadOptions, strict: bool, allow_missing: Sequence[Any],
+           transforms: Sequence[Any]) -> _Plan:
+    """Everything that can be checked before any target is written: keys
+    (strictness), target devices, shapes and dtypes (through the
+    transforms), coverage, every needed file at once (presence, size, no
+    symbolic link), objects (read and verified: they are small and go to
+    ``LoadResult.values``, not into targets) and values; with
+    ``verify_first``, the checksums of every needed block. Writes nothing."""
     m: Manifest = ctx["manifest"]
     leaves = ctx["leaves"]
     allow = _compile_allow(allow_missing)
@@ -506,22 +371,20 @@ def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key
         if unexpected:
             parts.append(f"unexpected (saved but not requested): {unexpected[:20]}")
         raise ShardingError(f"{key}: strict load: " + "; ".join(parts))
-    # plan tensor reads (through the transforms), checked before anything is written
-    groups: dict[tuple[str, int], list[tuple[ReadItem, _Target]]] = defaultdict(list)
-    initialized: list[str] = []
+    _check_devices(ctx["sts"], key)
+    # plan tensor reads (through the transforms)
+    groups: Groups = defaultdict(list)
+    rules: list[tuple[str, Any, torch.Tensor]] = []
     finalize: list[Callable[[], None]] = []
     missing_set = set(missing)
     covered: set[str] = set()
+    files: set[str] = set()
     for s in ctx["sts"]:
         res = None if s.fqn in missing_set else resolve_target(s, m, transforms)
         if res is None:
             rule = next((r for match, r in allow if match(s.fqn)), "keep")
-            if rule == "zeros":
-                s.data.zero_()
-            elif callable(rule):
-                rule(s.fqn, s.data)
-            if rule != "keep" and s.fqn not in initialized:
-                initialized.append(s.fqn)
+            if rule != "keep":
+                rules.append((s.fqn, rule, s.data))
             continue
         finalize.extend(res.finalize)
         for pc in res.pieces:
@@ -531,15 +394,12 @@ def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key
                 covered.add(pc.saved)
             req = Request(fqn=s.fqn, global_offset=pc.offset, local_shape=pc.shape,
                           flattened_range=pc.flattened_range)
-            tgt = _Target(req=req, dst=pc.dst, saved=pc.saved)
+            tgt = Target(req=req, dst=pc.dst, saved=pc.saved)
             for item in plan_reads(entry, req):
                 groups[(pc.saved, item.chunk_index)].append((item, tgt))
-    _Reader(st, key, m, opts).run(groups)
-    for fn in finalize:
-        fn()
-    # objects
-    values: dict[str, Any] = {}
-    loaded_objects = ctx["loaded_objects"]
+                files.add(entry.chunks[item.chunk_index].file)
+    # objects: grid checks, then (below) read and verified before any target is written
+    wanted: list[tuple[ShardedObject, ObjectChunk]] = []
     for ob in leaves.objects:
         if ob.key in missing_set:
             continue
@@ -551,7 +411,16 @@ def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key
                 f"object {ob.key}: saved as a grid of shape {list(oe.global_shape)}, requested in a grid "
                 f"of shape {list(ob.global_shape)}; per-rank state cannot be resharded without a rule"
             )
-        oc = next(c for c in oe.chunks if tuple(c.global_offset) == tuple(ob.global_offset))
+        oc = next((c for c in oe.chunks if tuple(c.global_offset) == tuple(ob.global_offset)), None)
+        if oc is None:
+            raise ShardingError(f"object {ob.key}: element {list(ob.global_offset)} is not saved")
+        wanted.append((ob, oc))
+        files.add(oc.file)
+    reader = Reader(st, key, m, opts)
+    reader.check_files(files)
+    objects: dict[tuple[str, tuple[int, ...]], Any] = {}
+    values: dict[str, Any] = {}
+    for ob, oc in wanted:
         raw = st.read_bytes(st.join(key, oc.file), oc.offset, oc.length)
         if opts.checksums and oc.checksums:
             b = m.checksum_block_bytes
@@ -560,15 +429,56 @@ def _execute(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key
                     raise IntegrityError(f"{st.join(key, oc.file)}: checksum mismatch in object "
                                          f"{ob.key!r} element {list(ob.global_offset)}")
         v = codec.decode(raw)
-        loaded_objects[(ob.key, tuple(ob.global_offset))] = v
+        objects[(ob.key, tuple(ob.global_offset))] = v
         values[ob.key] = v
-    # common values
-    loaded_values = ctx["loaded_values"]
     for p, enc in (m.values or {}).items():
-        v = codec.from_json(enc)
-        values[p] = v
+        values[p] = codec.from_json(enc)
+    if opts.verify_first:
+        reader.verify_only(groups)
+    return _Plan(manifest=m, reader=reader, groups=groups, rules=rules, finalize=finalize,
+                 missing=tuple(missing), unexpected=tuple(unexpected), objects=objects,
+                 values=values)
+
+
+def _apply(plan: _Plan, ctx: dict[str, Any], st: Storage, key: str) -> LoadResult:
+    """Write the targets of a checked plan: reads (recorded in
+    ``plan.reader.written``), transforms' finishing steps, then the
+    ``allow_missing`` rules; hand objects and values to the tree."""
+    m = plan.manifest
+    plan.reader.run(plan.groups)
+    for fn in plan.finalize:
+        fn()
+    initialized: list[str] = []
+    for fqn, rule, t in plan.rules:
+        plan.reader.mark_written(fqn)
+        if rule == "zeros":
+            t.zero_()
+        elif callable(rule):
+            rule(fqn, t)
+        if fqn not in initialized:
+            initialized.append(fqn)
+    ctx["loaded_objects"].update(plan.objects)
+    leaves = ctx["leaves"]
+    for p in m.values or {}:
         if p in leaves.values:
-            loaded_values[p] = v
-    return LoadResult(path=key, step=m.step, missing=tuple(missing), unexpected=tuple(unexpected),
-                      initialized=tuple(initialized), values=values, manifest=m,
+            ctx["loaded_values"][p] = plan.values[p]
+    return LoadResult(path=key, step=m.step, missing=plan.missing, unexpected=plan.unexpected,
+                      initialized=tuple(initialized), values=plan.values, manifest=m,
                       notes=dict(ctx["notes"]))
+
+
+def _raise_after_writes(reports: list[dict[str, Any]], mine: BaseException | None,
+                        written: Sequence[str], rank: int) -> None:
+    """Raise the agreed failure of the writing phase (when any rank failed),
+    naming the targets this rank had already written: they hold a mix of
+    checkpoint and earlier values and must be reloaded."""
+    try:
+        raise_agreed("load", reports, mine)
+    except CheckpointError as e:
+        if written:
+            note = (f"\nrank {rank} had already written {len(written)} target(s), which must be "
+                    f"reloaded (they may mix checkpoint and earlier values): {list(written[:20])}"
+                    + (f" and {len(written) - 20} more" if len(written) > 20 else ""))
+        else:
+            note = f"\nrank {rank} had written no target (every target of this rank is unchanged)"
+        raise type(e)(str(e) + note, failures=e.failures) from mine

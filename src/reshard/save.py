@@ -14,7 +14,15 @@ import xxhash
 
 from . import codec
 from .collectives import Collectives, get_collectives
-from .commit import attempt_path, check_target, new_attempt_id, publish, sign_manifest
+from .commit import (
+    attempt_path,
+    check_attempt,
+    check_target,
+    create_attempt,
+    new_attempt_id,
+    publish,
+    sign_manifest,
+)
 from .errors import CheckpointError, ShardingError, StorageError, outcome, raise_agreed
 from .manifest import (
     MANIFEST_NAME,
@@ -330,10 +338,19 @@ def save(
     written bytes balanced); the coordinator (rank 0) writes ``manifest.json``
     last and publishes the attempt.
 
+    One call saves one checkpoint: the coordinator decides its location
+    (``path`` made canonical: absolute, symbolic links resolved) and creates
+    the attempt with a random nonce in it; before any rank writes data, every
+    rank checks that its own ``path`` names the same location and reads the
+    nonce back through its own storage. Before publishing, the coordinator
+    checks every data file is there at the size its writer reported.
+
     Args:
         state: the state tree (see DESIGN.md section 2); not mutated.
-        path: the checkpoint (local path, ``file://`` or ``memory://`` URL).
-            Missing parent directories are created.
+        path: the checkpoint (local path, ``file://`` or ``memory://`` URL),
+            the same location on every rank (spellings may differ: relative
+            or absolute, through symbolic links). Missing parent directories
+            are created.
         step: recorded in the manifest; ``latest`` orders by it.
         group: process group (default: the default group, or single-process).
         options: :class:`SaveOptions`.
@@ -344,8 +361,11 @@ def save(
 
     Raises:
         CheckpointError (or the common subclass of every rank's failure, e.g.
-        ShardingError): on every rank when any rank failed; nothing is
-        published and no older checkpoint is touched.
+        ShardingError): on every rank when any rank failed (among them: ranks
+        naming different checkpoints, a rank that cannot see the
+        coordinator's attempt (node-local storage), an IntegrityError for a
+        data file missing or short at publish); nothing is published, the
+        attempt is discarded and no older checkpoint is touched.
     """
     from .staging import raise_pending_error
 
@@ -378,8 +398,7 @@ def run_save(
             raise err
         assert snap is not None
         if rank == 0:
-            local["attempt"] = new_attempt_id()
-            check_target(st, key, overwrite=options.overwrite)
+            local.update(open_attempt(st, key, options))
         lp = LocalPlan(rank=rank, tensors=tuple(t for t, _, _ in snap.tensors),
                        objects=tuple(o for o, _ in snap.objects), aliases=snap.aliases)
         local["plan"] = msgspec.to_builtins(lp)
@@ -388,23 +407,35 @@ def run_save(
         err = e
     t1 = time.perf_counter()
     gathered = coll.all_gather_json(outcome(rank, err, **local))
-    raise_agreed("save", gathered, err)
-    assert snap is not None
+    if gathered[0].get("error") is None:
+        attempt, target = gathered[0]["attempt_path"], gathered[0]["target"]
+    else:
+        attempt = target = None
+    try:
+        raise_agreed("save", gathered, err)
+    except CheckpointError:
+        if attempt is not None:
+            discard_attempt(coll, st, attempt)
+        raise
+    assert snap is not None and attempt is not None and target is not None
     attempt_id = gathered[0]["attempt"]
-    attempt = attempt_path(st, key, attempt_id)
-    # deterministic over the gathered plans: every rank computes (or fails) the same
-    plans = [msgspec.convert(g["plan"], LocalPlan) for g in gathered]
-    _check_values(gathered)
-    aliases = _merge_aliases(plans)
-    plan = plan_save(plans, files_per_rank=options.files_per_rank)
+    try:
+        # deterministic over the gathered plans: every rank computes (or fails) the same
+        plans = [msgspec.convert(g["plan"], LocalPlan) for g in gathered]
+        _check_values(gathered)
+        aliases = _merge_aliases(plans)
+        plan = plan_save(plans, files_per_rank=options.files_per_rank)
+    except Exception:
+        discard_attempt(coll, st, attempt)
+        raise
+    agree_attempt_location(coll, st, key, gathered[0])
     timings["plan"] = time.perf_counter() - t1
     if on_attempt is not None:
         on_attempt(attempt)
     t2 = time.perf_counter()
     written: dict[str, Any] | None = None
     err = None
-    try:
-        st.makedirs(attempt)
+    try:  # into the coordinator's attempt, which this rank has been shown to see
         written = persist(st, attempt, snap, plan, rank, options)
     except OSError as e:  # a backend that raised a bare OSError: the store failed
         err = StorageError(f"{key}: writing rank {rank}'s files failed: {type(e).__name__}: {e}")
@@ -423,7 +454,8 @@ def run_save(
             manifest = build_manifest(plans, [r["written"] for r in reports], attempt_id=attempt_id,
                                       step=step, options=options, values_json=snap.values_json,
                                       aliases=aliases, world_size=coll.world_size)
-            publish(st, attempt, key, manifest, overwrite=options.overwrite, durable=options.durable)
+            publish(st, attempt, target, manifest, overwrite=options.overwrite,
+                    durable=options.durable)
         except Exception as e:  # noqa: BLE001
             err = e
     agree_or_discard(coll, st, attempt, "save (publish)", outcome(rank, err), err)
@@ -433,6 +465,59 @@ def run_save(
     mine = sum(f["size"] for f in reports[rank]["written"]["files"])
     return SaveResult(path=key, step=step, attempt_id=attempt_id, bytes_written=mine,
                       total_bytes=total, num_files=nfiles, timings=timings, manifest=manifest)
+
+
+def open_attempt(st: Storage, key: str, options: SaveOptions) -> dict[str, Any]:
+    """Coordinator, before any rank writes: decide where the checkpoint goes.
+
+    ``key`` is made canonical (``Storage.canonical``: absolute, symbolic
+    links resolved), checked (:func:`~reshard.commit.check_target`), and the
+    attempt is created with a nonce in it (:func:`~reshard.commit.create_attempt`).
+    Returns what every rank needs (JSON-safe): ``target`` (the canonical
+    checkpoint location), ``attempt`` (id), ``attempt_path`` and ``nonce``.
+    """
+    target = st.canonical(key)
+    check_target(st, target, overwrite=options.overwrite)
+    attempt_id = new_attempt_id()
+    attempt = attempt_path(st, target, attempt_id)
+    try:
+        nonce = create_attempt(st, attempt, attempt_id)
+    except Exception:
+        try:  # nothing was published: the attempt (or the empty prefix) goes
+            st.delete_tree(attempt)
+        except Exception:  # noqa: BLE001, S110 - best effort; the creation error is what matters
+            pass
+        raise
+    return {"target": target, "attempt": attempt_id, "attempt_path": attempt, "nonce": nonce}
+
+
+def agree_attempt_location(coll: Collectives, st: Storage, key: str, coord: dict[str, Any]) -> None:
+    """Every rank, before writing any data: the checkpoint this rank named is
+    the coordinator's (same canonical spelling), and this rank sees the
+    coordinator's attempt (it reads the nonce back through its own storage).
+    Agreed: on any rank's failure every rank raises and the attempt is
+    discarded, before any data is written.
+
+    Args:
+        coord: the coordinator's :func:`open_attempt` result.
+
+    Raises:
+        CheckpointError: ranks name different checkpoints, or a rank cannot
+            see the coordinator's attempt (node-local storage).
+    """
+    err: BaseException | None = None
+    try:
+        mine = st.canonical(key)
+        if mine != coord["target"]:
+            raise CheckpointError(
+                f"rank {coll.rank} names checkpoint {mine!r}, the coordinator (rank 0) names "
+                f"{coord['target']!r}: every rank must pass the same checkpoint path (no per-rank "
+                "names, relative paths resolved in one directory)")
+        check_attempt(st, coord["attempt_path"], coord["nonce"], rank=coll.rank)
+    except Exception as e:  # noqa: BLE001 - agreed below
+        err = e
+    agree_or_discard(coll, st, coord["attempt_path"], "save (attempt location)",
+                     outcome(coll.rank, err), err)
 
 
 def agree_or_discard(coll: Collectives, st: Storage, attempt: str, what: str,

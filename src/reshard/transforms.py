@@ -273,6 +273,8 @@ def resolve(s: ShardedTensor, m: Manifest, transforms: Sequence[Any]) -> Resolut
                 start = max(hi, lo) - s.global_offset[d]
                 extra = s.data.narrow(d, start, s.local_shape[d] - start)
                 read = s.data.narrow(d, 0, start) if start else None
+                if t.fill == "mean" and read is None:  # found before anything is written
+                    raise ShardingError(f"{s.fqn}: fill='mean' needs saved rows on this rank")
 
                 def fill(extra: torch.Tensor = extra, read: Any = read, t: ResizeVocab = t,
                          d: int = d) -> None:

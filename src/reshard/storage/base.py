@@ -6,12 +6,15 @@ commit protocol picks atomic-rename publish or manifest-marker publish from
 them. Every backend passes the shared conformance suite in
 ``tests/test_storage.py``.
 
-Call order during a save (every rank unless noted):
-``makedirs(attempt)`` -> ``open_write(file)``/``write``/``close`` (fsync'd
-when ``durable``) -> [coordinator] ``write_bytes(manifest)`` ->
-[coordinator] ``rename_dir`` (atomic-rename stores only) -> ``fsync_dir``.
-During a load: ``read_bytes(manifest)`` -> ``size``/``is_link`` of files ->
-``read_into`` of byte ranges, from several threads at once.
+Call order during a save (every rank unless noted): ``canonical(path)`` ->
+[coordinator] ``makedirs(attempt)`` and ``write_bytes`` of the attempt nonce
+-> ``read_bytes`` of the nonce (every rank: proof that it sees the
+coordinator's attempt) -> ``open_write(file)``/``write``/``close`` (fsync'd
+when ``durable``) -> [coordinator] ``size`` of every data file ->
+``delete_tree(nonce)`` -> ``write_bytes(manifest)`` -> ``rename_dir``
+(atomic-rename stores only) -> ``fsync_dir``.
+During a load: ``read_bytes(manifest)`` -> ``size``/``is_link`` of every
+needed file -> ``read_into`` of byte ranges, from several threads at once.
 
 Errors: a missing key raises ``FileNotFoundError`` (callers turn it into
 ``CheckpointNotFoundError``); any other failure of the store raises
@@ -139,6 +142,13 @@ class Storage(ABC):
 
     def is_link(self, path: str) -> bool:
         return False
+
+    def canonical(self, path: str) -> str:
+        """The one spelling of ``path`` in this store: two spellings that name
+        the same location give the same string (the save protocol compares
+        ranks' checkpoint locations by it). Keys of an object store are
+        already canonical; the local file system resolves symbolic links."""
+        return path.rstrip("/") or "/"
 
     @abstractmethod
     def list_dir(self, path: str) -> list[str]:

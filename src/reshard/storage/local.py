@@ -136,6 +136,12 @@ class LocalStorage(Storage):
     def is_link(self, path: str) -> bool:
         return os.path.islink(path)
 
+    def canonical(self, path: str) -> str:
+        """``os.path.realpath`` of the absolute path: relative spellings and
+        symbolic links (of the path or any parent) resolve to one string; the
+        part of the path that does not exist yet is kept as spelled."""
+        return os.path.realpath(os.path.abspath(path))
+
     def list_dir(self, path: str) -> list[str]:
         try:
             return sorted(os.listdir(path))

@@ -1,0 +1,340 @@
+"""Reading a load plan: exact byte ranges of the shard files, checksums
+verified block by block, copied into the targets.
+
+Who calls what (:mod:`reshard.load`, on each rank, on the caller's thread):
+``Reader.check_files`` (every needed file at once: presence, size, no symbolic
+link) and, with ``LoadOptions.verify_first``, ``Reader.verify_only`` run before
+any target is written; ``Reader.run`` then reads and writes the targets from
+up to ``LoadOptions.threads`` threads, recording in ``Reader.written`` the
+fqns of the targets it has started to write.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import xxhash
+
+from .errors import IntegrityError, ManifestError
+from .manifest import Chunk, Manifest
+from .options import LoadOptions
+from .planning import ReadItem, Request, _strides
+from .sharding import torch_dtype
+from .storage import Storage
+
+
+@dataclass(frozen=True)
+class Target:
+    """One destination of a read: a request and the tensor (or a view, or a
+    temporary) that receives it."""
+
+    req: Request
+    dst: torch.Tensor
+    saved: str  # fqn in the manifest (differs from req.fqn for aliases)
+
+
+def _view_u8(buf: torch.Tensor, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    part = buf[start:stop]
+    isz = dtype.itemsize
+    if isz > 1 and (part.storage_offset() % isz or part.data_ptr() % isz):
+        part = part.clone()
+    return part.view(dtype)
+
+
+def _copy(item: ReadItem, chunk: Chunk, t: Target, src1d: torch.Tensor) -> None:
+    """Copy ``src1d`` (the chunk's elements covering [byte_start, byte_stop))
+    into the target's destination."""
+    req, dst = t.req, t.dst
+    if item.kind == "box":
+        if len(item.box_shape) == 0:
+            dst.copy_(src1d.reshape(()))
+            return
+        src = torch.as_strided(src1d, item.box_shape, _strides(chunk.local_shape))
+        region = dst[tuple(slice(o - r, o - r + n) for o, r, n in
+                           zip(item.box_offset, req.global_offset, item.box_shape, strict=True))]
+        region.copy_(src)
+        return
+    if item.kind == "flat":
+        if req.flattened_range is not None:
+            a = req.flattened_range[0]
+            dst[item.flat_start - a:item.flat_stop - a].copy_(src1d)
+            return
+        if dst.is_contiguous():
+            dst.view(-1)[item.flat_start:item.flat_stop].copy_(src1d)
+            return
+    _gather_copy(item, chunk, t, src1d)
+
+
+def _gather_copy(item: ReadItem, chunk: Chunk, t: Target, src1d: torch.Tensor) -> None:
+    req, dst = t.req, t.dst
+    grids = torch.meshgrid(*[torch.arange(o, o + n) for o, n in zip(item.box_offset, item.box_shape,
+                                                                     strict=True)], indexing="ij")
+    cst, rst = _strides(chunk.local_shape), _strides(req.local_shape)
+    fc = sum(((g - o) * s for g, o, s in zip(grids, chunk.global_offset, cst, strict=True)),
+             torch.zeros((), dtype=torch.int64)).reshape(-1)
+    fr = sum(((g - o) * s for g, o, s in zip(grids, req.global_offset, rst, strict=True)),
+             torch.zeros((), dtype=torch.int64)).reshape(-1)
+    mask = torch.ones_like(fc, dtype=torch.bool)
+    cbase = 0
+    if chunk.flattened_range is not None:
+        mask &= (fc >= chunk.flattened_range[0]) & (fc < chunk.flattened_range[1])
+        cbase = chunk.flattened_range[0]
+    rbase = 0
+    if req.flattened_range is not None:
+        mask &= (fr >= req.flattened_range[0]) & (fr < req.flattened_range[1])
+        rbase = req.flattened_range[0]
+    isz = src1d.element_size()
+    first = cbase + item.byte_start // isz
+    vals = src1d[fc[mask] - first]
+    if req.flattened_range is not None:
+        dst[fr[mask] - rbase] = vals
+    elif dst.is_contiguous():
+        dst.view(-1)[fr[mask]] = vals
+    else:
+        flat = dst.contiguous()
+        flat.view(-1)[fr[mask]] = vals
+        dst.copy_(flat)
+
+
+#: direct reads go in segments of about this many bytes (whole checksum blocks);
+#: verify-first reads into one scratch buffer of this size per reader thread
+_SEGMENT_BYTES = 4 << 20
+
+Groups = dict[tuple[str, int], list[tuple[ReadItem, Target]]]
+
+
+class Reader:
+    """Executes read items: verified, coalesced, direct where possible.
+
+    Attributes:
+        written: fqns of the targets this reader has started to write (a
+            direct read fills its destination before the block checksums are
+            compared), in the order first written.
+    """
+
+    def __init__(self, st: Storage, ckpt: str, m: Manifest, opts: LoadOptions):
+        self.st, self.ckpt, self.m, self.opts = st, ckpt, m, opts
+        self.written: list[str] = []
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+
+    def mark_written(self, fqn: str) -> None:
+        with self._lock:
+            if fqn not in self._seen:
+                self._seen.add(fqn)
+                self.written.append(fqn)
+
+    # -- checks before anything is written
+    def check_files(self, names: Iterable[str]) -> None:
+        """Every named data file exists, is not a symbolic link, and has the
+        size the manifest declares; all files are checked before this
+        returns or raises (one ``size`` call per file).
+
+        Raises:
+            ManifestError: a data file is a symbolic link.
+            IntegrityError: files missing or of another size (all listed).
+        """
+        names = sorted(set(names))
+
+        def one(name: str) -> tuple[str, str] | None:
+            p = self.st.join(self.ckpt, name)
+            if self.st.is_link(p):
+                return "link", f"{p}: data file is a symbolic link (refused)"
+            try:
+                size = self.st.size(p)
+            except (FileNotFoundError, NotADirectoryError):
+                return "missing", f"{p}: data file named by the manifest is missing"
+            except IntegrityError as e:  # a store that checks more than a size (DCP items)
+                return "size", str(e)
+            want = self.m.files[name].size
+            if size != want:
+                return "size", f"{p}: file is {size} bytes, the manifest declares {want}"
+            return None
+
+        if self.opts.threads > 1 and len(names) > 8:
+            with ThreadPoolExecutor(max_workers=self.opts.threads, thread_name_prefix="reshard-stat") as ex:
+                found = list(ex.map(one, names))
+        else:
+            found = [one(n) for n in names]
+        bad = [f for f in found if f is not None]
+        if not bad:
+            return
+        text = "; ".join(msg for _, msg in bad[:10]) + (f"; and {len(bad) - 10} more" if len(bad) > 10 else "")
+        if any(kind == "link" for kind, _ in bad):
+            raise ManifestError(text)
+        raise IntegrityError(f"{len(bad)} of {len(names)} needed data file(s) unusable, nothing "
+                             f"was loaded: {text}")
+
+    def verify_only(self, groups: Groups) -> None:
+        """Read and check the checksums of every block the plan needs, without
+        writing any target: each (block-aligned) span is read in segments of
+        at most 4 MiB into one scratch buffer per thread.
+
+        Raises:
+            IntegrityError: a checksum mismatch, or a needed chunk that was
+                saved without checksums (nothing to verify it against).
+        """
+        b = self.m.checksum_block_bytes
+        seg = b * max(1, _SEGMENT_BYTES // b)
+        spans: list[tuple[str, Chunk, int, int]] = []
+        for (fqn, ci), items in groups.items():
+            c = self.m.tensors[fqn].chunks[ci]
+            if not c.checksums:
+                raise IntegrityError(
+                    f"{self.st.join(self.ckpt, c.file)}: {fqn!r} chunk at {list(c.global_offset)} was "
+                    "saved without checksums: LoadOptions(verify_first=True) cannot verify it")
+            lo, hi = self.span(c, items)
+            spans.append((fqn, c, lo, hi))
+        local = threading.local()
+
+        def check(fqn: str, c: Chunk, lo: int, hi: int) -> None:
+            scratch = getattr(local, "buf", None)
+            if scratch is None:
+                scratch = local.buf = torch.empty(min(seg, max(hi - lo, 1)), dtype=torch.uint8)
+            elif scratch.numel() < min(seg, hi - lo):
+                scratch = local.buf = torch.empty(min(seg, hi - lo), dtype=torch.uint8)
+            path = self.st.join(self.ckpt, c.file)
+            for a in range(lo, hi, seg):
+                n = min(seg, hi - a)
+                part = scratch[:n]
+                self.st.read_into(path, c.offset + a, memoryview(part.numpy().data))
+                self.verify(fqn, c, a, part)
+
+        self._execute([partial(check, *sp) for sp in spans])
+
+    # -- reading and writing
+    def verify(self, fqn: str, c: Chunk, lo: int, data: torch.Tensor) -> None:
+        """Check the blocks of chunk ``c`` that ``data`` (chunk bytes from
+        ``lo``, block aligned) holds."""
+        if not self.opts.checksums or not c.checksums:
+            return
+        b = self.m.checksum_block_bytes
+        mv = memoryview(data.numpy().data) if data.numel() else memoryview(b"")
+        n = len(mv)
+        for k in range(lo // b, -(-(lo + n) // b)):
+            a = k * b - lo
+            seg = mv[a:min(a + b, n)]
+            if xxhash.xxh3_64_hexdigest(seg) != c.checksums[k]:
+                raise IntegrityError(
+                    f"{self.st.join(self.ckpt, c.file)}: checksum mismatch in {fqn!r} (chunk at "
+                    f"{list(c.global_offset)}, block {k}, file bytes [{c.offset + k * b}, "
+                    f"{c.offset + k * b + len(seg)}))"
+                )
+
+    def span(self, c: Chunk, items: list[tuple[ReadItem, Target]]) -> tuple[int, int]:
+        lo = min(i.byte_start for i, _ in items)
+        hi = max(i.byte_stop for i, _ in items)
+        if self.opts.checksums and c.checksums:
+            b = self.m.checksum_block_bytes
+            lo = lo // b * b
+            hi = min(-(-hi // b) * b, c.length)
+        return lo, hi
+
+    def _execute(self, jobs: Sequence[Callable[[], Any]]) -> list[Any]:
+        """Run ``jobs`` (on up to ``threads`` threads); after the first failure
+        no further job starts, and the first error is raised once every
+        running job has finished (so ``written`` is final)."""
+        def guarded(j: Callable[[], Any]) -> Any:
+            if self._stop.is_set():
+                return 0
+            try:
+                return j()
+            except BaseException:
+                self._stop.set()
+                raise
+
+        if self.opts.threads > 1 and len(jobs) > 1:
+            with ThreadPoolExecutor(max_workers=min(self.opts.threads, len(jobs)),
+                                    thread_name_prefix="reshard-read") as ex:
+                futs = [ex.submit(guarded, j) for j in jobs]
+                for f in futs:
+                    f.exception()  # wait for all
+            errs = [f.exception() for f in futs if f.exception() is not None]
+            if errs:
+                raise errs[0]  # type: ignore[misc]
+            return [f.result() for f in futs]
+        return [guarded(j) for j in jobs]
+
+    def run(self, groups: Groups) -> None:
+        per_file: dict[str, list[tuple[int, int, str, Chunk, list[tuple[ReadItem, Target]]]]] = (
+            defaultdict(list))
+        direct: list[tuple[str, Chunk, ReadItem, Target]] = []
+        for (fqn, ci), items in groups.items():
+            c = self.m.tensors[fqn].chunks[ci]
+            lo, hi = self.span(c, items)
+            if len(items) == 1 and self._direct_ok(c, *items[0], lo, hi):
+                direct.append((fqn, c, *items[0]))
+            else:
+                per_file[c.file].append((c.offset + lo, c.offset + hi, fqn, c, items))
+        jobs: list[Callable[[], None]] = [partial(self._read_direct, *a) for a in direct]
+        for name, reads in per_file.items():
+            reads.sort(key=lambda r: r[0])
+            cur: list[Any] = []
+            for r in reads:
+                if cur and r[0] > cur[-1][1]:
+                    jobs.append(partial(self._read_span, name, cur))
+                    cur = []
+                cur.append(r)
+            if cur:
+                jobs.append(partial(self._read_span, name, cur))
+        self._execute(jobs)
+
+    def _direct_ok(self, c: Chunk, item: ReadItem, t: Target, lo: int, hi: int) -> bool:
+        if (lo, hi) != (0, c.length) or item.byte_start != 0 or item.byte_stop != c.length:
+            return False
+        if c.length < self.opts.direct_read_min_bytes or t.dst.device.type != "cpu":
+            return False
+        return self._dst_region(item, t) is not None
+
+    def _dst_region(self, item: ReadItem, t: Target) -> torch.Tensor | None:
+        req, dst = t.req, t.dst
+        if item.kind == "box":
+            region = dst[tuple(slice(o - r, o - r + n) for o, r, n in
+                               zip(item.box_offset, req.global_offset, item.box_shape, strict=True))]
+        elif item.kind == "flat" and req.flattened_range is not None:
+            a = req.flattened_range[0]
+            region = dst[item.flat_start - a:item.flat_stop - a]
+        else:
+            return None
+        return region if region.is_contiguous() else None
+
+    def _read_direct(self, fqn: str, c: Chunk, item: ReadItem, t: Target) -> None:
+        path = self.st.join(self.ckpt, c.file)
+        region = self._dst_region(item, t)
+        assert region is not None
+        flat = region.reshape(-1)
+        if flat.stride(0) != 1:  # one element with any stride counts as contiguous
+            flat = torch.as_strided(flat, (flat.numel(),), (1,))
+        u8 = flat.view(torch.uint8)
+        mv = memoryview(u8.numpy().data)
+        # read in block-aligned segments and verify each while it is still in cache
+        b = self.m.checksum_block_bytes
+        seg = b * max(1, _SEGMENT_BYTES // b)
+        self.mark_written(t.req.fqn)  # its bytes arrive before they are verified
+        for a in range(0, max(len(mv), 1), seg):
+            self.st.read_into(path, c.offset + a, mv[a:a + seg])
+            self.verify(fqn, c, a, u8[a:a + seg])
+
+    def _read_span(self, name: str, reads: list[tuple[int, int, str, Chunk, list[Any]]]) -> None:
+        path = self.st.join(self.ckpt, name)
+        start, stop = reads[0][0], max(r[1] for r in reads)
+        buf = torch.empty(stop - start, dtype=torch.uint8)
+        if stop > start:
+            self.st.read_into(path, start, memoryview(buf.numpy().data))
+        for a, b, fqn, c, items in reads:
+            lo = a - c.offset
+            data = buf[a - start:b - start]
+            self.verify(fqn, c, lo, data)
+            dtype = torch_dtype(self.m.tensors[fqn].dtype)
+            for item, t in items:
+                src = _view_u8(buf, a - start + item.byte_start - lo, a - start + item.byte_stop - lo, dtype)
+                self.mark_written(t.req.fqn)
+                _copy(item, c, t, src)
