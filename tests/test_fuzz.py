@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import struct
 
 import pytest
 from click.testing import CliRunner
@@ -180,3 +181,31 @@ def test_regression_deep_json_in_a_manifest(corpus):
         files = {**corpus.reshard, F.MANIFEST: F._dumps(m)}
         assert F.run_case(F.Case("reshard", "deep", files), corpus) == "ManifestError"
         del where["unknown_1"]
+
+
+def test_regression_dcp_bytearray8_does_not_allocate(tmp_path):
+    """Found by the fuzzer (a MEMOIZE byte 0x94 flipped to 0x96): BYTEARRAY8
+    allocates its declared length (here 2^40 bytes) before reading; the
+    restricted unpickler refuses it."""
+    from reshard.dcp import read_dcp_metadata
+
+    d = tmp_path / "dcp"
+    d.mkdir()
+    (d / ".metadata").write_bytes(b"\x80\x05\x96" + struct.pack("<Q", 1 << 40) + b"xx.")
+    with F.memory_ceiling(256 << 20), pytest.raises(ManifestError, match="BYTEARRAY8") as ei:
+        read_dcp_metadata(str(d))
+    assert "MemoryError" not in str(ei.value)
+
+
+def test_regression_values_nested_past_the_recursion_limit(corpus):
+    """Found by the fuzzer: a common value nested 900 lists deep (within
+    msgspec's limit) made the codec's decoder raise RecursionError."""
+    from reshard import codec
+
+    m = json.loads(corpus.reshard[F.MANIFEST])
+    m["values"] = {"meta": {"$tuple": [1, "__DEEP_900__"]}}
+    files = {**corpus.reshard, F.MANIFEST: F._dumps(m)}
+    # any CheckpointError (run_case raises on anything else)
+    assert F.run_case(F.Case("reshard", "deep value", files), corpus) != "ok"
+    with pytest.raises(ManifestError, match="nested too deeply"):
+        codec.decode(b"[" * 900 + b"]" * 900)
