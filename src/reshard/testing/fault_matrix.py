@@ -164,6 +164,15 @@ def _full(step: int, world: int) -> dict[str, Any]:
     return {"w": torch.randn(4 * world, 64, generator=g), "b": torch.randn(32, generator=g)}
 
 
+def _target_w(rank: int, world: int) -> Any:
+    import torch
+
+    from ..sharding import ShardedTensor
+
+    return ShardedTensor("w", torch.zeros(4, 64), global_shape=(4 * world, 64),
+                         global_offset=(rank * 4, 0))
+
+
 class _KillOnStateDict:
     """A Stateful whose ``state_dict`` (called while the save stages) kills its process."""
 
@@ -196,7 +205,7 @@ def _faults_for(cell: Cell, rank: int) -> list[Any]:
     if ph == "retention":
         return [Fault(op="delete", match="step-*", action="kill")]
     if cell.action == "delay":
-        return [Fault(op=ph, action="delay", delay_s=PG_TIMEOUT_S * 4)]
+        return [Fault(op=ph, action="delay", delay_s=PG_TIMEOUT_S * 20)]  # never arrives
     if ph == "data" and cell.action == "kill":  # mid-data: after the first write of a shard file
         return [Fault(op="data", action="kill", after=True)]
     return [Fault(op=ph, action=cell.action)]
@@ -252,17 +261,22 @@ def _rank_main(cell: Cell, rank: int, world: int, port: int, cdir: str) -> None:
                                    preempt_signals=(), gc_grace_s=0.0, storage=fs)
             m2.save(2, _state(2, rank, world, kill=cell.phase == "stage" and rank == cell.rank))
             m2.wait()
+            if cell.fault_class == "silent-corruption":  # committed: every rank must refuse it
+                import reshard
+
+                tgt = {"w": _target_w(rank, world), "b": torch.zeros(32), "meta": {"step": 0}}
+                try:
+                    reshard.load(tgt, mgr.path_for(2))
+                    result["post_load"] = {"status": "ok"}
+                except BaseException as e:  # noqa: BLE001
+                    result["post_load"] = _outcome(e)
         else:
             import reshard
 
             path = reshard.latest(root) if cell.op == "integrity" else mgr.path_for(1)
             result["loaded"] = path
-            tgt = {"w": torch.zeros(4, 64), "b": torch.zeros(32), "meta": {"step": 0}}
-            from ..sharding import ShardedTensor
-
-            rows = 4 * world // world
-            tgt["w"] = ShardedTensor("w", torch.zeros(rows, 64), global_shape=(4 * world, 64),
-                                     global_offset=(rank * rows, 0))
+            rows = 4
+            tgt = {"w": _target_w(rank, world), "b": torch.zeros(32), "meta": {"step": 0}}
             reshard.load(tgt, path, storage=fs)
             step = 1 if path == mgr.path_for(1) else 2
             if not torch.equal(tgt["b"], _full(step, world)["b"]) or not torch.equal(
@@ -424,12 +438,17 @@ def _judge(cell: Cell, res: CellResult, outs: dict[int, dict[str, Any]], procs: 
         elif cell.op == "integrity" and path == p2 and outs and all(
                 o["status"] == "error" and o["checkpoint_error"] for o in outs.values()):
             pass  # corrupted after its commit; every rank's load of it was refused
+        elif cell.action == "flip" and path == p2 and len(outs) == world and all(
+                o.get("post_load", {}).get("checkpoint_error") for o in outs.values()):
+            pass  # bit rot after a durable write: committed, and every rank's load refuses it
         else:
             res.problems.append(f"{os.path.basename(path)} is listed as committed but does not "
                                 f"verify: {rep.problems[:2]}")
     res.latest = reshard.latest(root)
     newest_good = good[-1] if good else None
-    if cell.op != "integrity" and res.latest != newest_good:
+    if cell.action == "flip" and res.latest == p2 and p2 not in good:
+        pass  # refused on load on every rank (above); the good one is kept
+    elif cell.op != "integrity" and res.latest != newest_good:
         res.problems.append(f"latest is {res.latest}, the newest good checkpoint is {newest_good}")
     if cell.op == "integrity" and res.latest not in (p1, p2):
         res.problems.append(f"latest is {res.latest}")

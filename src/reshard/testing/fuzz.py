@@ -295,14 +295,14 @@ def _bytes_mutation(rng: random.Random, raw: bytes) -> tuple[str, bytes]:
         return f"bit flip at byte {i}", bytes(b)
     if op == 2:
         i = rng.randrange(n)
-        ins = rng.choice([b"\x00", b"\xff\xfe", b"{", b"[" * 3000, os.urandom(rng.randrange(1, 64))])
+        ins = rng.choice([b"\x00", b"\xff\xfe", b"{", b"[" * 3000, rng.randbytes(rng.randrange(1, 64))])
         return f"{len(ins)} bytes inserted at {i}", raw[:i] + ins + raw[i:]
     if op == 3:
         i = rng.randrange(n)
         j = min(n, i + rng.randrange(1, 64))
-        return f"bytes [{i}, {j}) randomized", raw[:i] + os.urandom(j - i) + raw[j:]
+        return f"bytes [{i}, {j}) randomized", raw[:i] + rng.randbytes(j - i) + raw[j:]
     if op == 4:
-        return "extended by junk", raw + os.urandom(rng.randrange(1, 4096))
+        return "extended by junk", raw + rng.randbytes(rng.randrange(1, 4096))
     if op == 5:
         return "emptied", b""
     i = rng.randrange(n)
@@ -450,7 +450,7 @@ def _reshard_case(rng: random.Random, c: Corpus) -> Case:
         if kind == 2:
             del files[name]
             return Case("reshard", f"{name} missing", files)
-        files["extra.bin"] = os.urandom(32)
+        files["extra.bin"] = rng.randbytes(32)
         return Case("reshard", "an extra file in the checkpoint", files, data_only=True)
     # a JSON document of the wrong shape altogether
     doc = rng.choice([[], 0, "manifest", None, _deep(rng.choice([100, 20000])),
