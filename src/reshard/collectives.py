@@ -158,7 +158,7 @@ def group_timeout_s(group: Any = None) -> float | None:
     backend exposes it (gloo does), else None."""
     import torch.distributed as dist
 
-    pg = group if group is not None else dist.group.WORLD
+    pg: Any = group if group is not None else dist.group.WORLD
     try:
         return float(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
     except Exception:  # noqa: BLE001 - a backend without CPU options (NCCL): torch's default

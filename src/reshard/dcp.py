@@ -49,7 +49,7 @@ import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -164,7 +164,7 @@ class _MemFormat:
     value: int
 
 
-class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
+class _MetadataUnpickler(pickle._Unpickler):
     """Unpickles DCP ``.metadata`` and nothing else (see the module docstring).
 
     The pure-Python unpickler, not the C one: the C unpickler grows its memo
@@ -185,7 +185,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined,misc]
         raise ManifestError(f"{self.where}: DCP metadata holds a BYTEARRAY8 (refused: no DCP "
                             "record is a bytearray)")
 
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
     dispatch[pickle.BYTEARRAY8[0]] = _refuse_bytearray
 
     def find_class(self, module: str, name: str) -> Any:

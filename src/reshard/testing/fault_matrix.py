@@ -275,6 +275,7 @@ def _rank_main(cell: Cell, rank: int, world: int, port: int, cdir: str) -> None:
 
             path = reshard.latest(root) if cell.op == "integrity" else mgr.path_for(1)
             result["loaded"] = path
+            assert path is not None, "no committed checkpoint to load"
             rows = 4
             tgt = {"w": _target_w(rank, world), "b": torch.zeros(32), "meta": {"step": 0}}
             reshard.load(tgt, path, storage=fs)
@@ -402,6 +403,7 @@ def _judge(cell: Cell, res: CellResult, outs: dict[int, dict[str, Any]], procs: 
     import torch
 
     import reshard
+
     from ..commit import committed
     from ..manager import CheckpointManager
     from ..storage import LocalStorage
@@ -455,7 +457,7 @@ def _judge(cell: Cell, res: CellResult, outs: dict[int, dict[str, Any]], procs: 
     must_load = p2 if cell.phase.startswith("retention") else p1
     step = 2 if must_load == p2 else 1
     full = _full(step, world)
-    tgt = {"w": torch.zeros_like(full["w"]), "b": torch.zeros_like(full["b"]), "meta": {"step": 0}}
+    tgt: dict[str, Any] = {"w": torch.zeros_like(full["w"]), "b": torch.zeros_like(full["b"]), "meta": {"step": 0}}
     try:
         reshard.load(tgt, must_load)
         res.previous_loads = all(torch.equal(tgt[k], full[k]) for k in ("w", "b"))
