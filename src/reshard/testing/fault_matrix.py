@@ -148,8 +148,8 @@ _QUICK_EXTRA = ("save-async/data/kill/rank1", "save-sync/retention-mid/kill/rank
 
 
 def _state(step: int, rank: int, world: int, *, kill: bool = False) -> dict[str, Any]:
-    import torch
-
+    """Rank ``rank``'s state of step ``step``: its row shard of ``w``, the
+    replicated ``b`` and a common value (and, for the stage cell, a killer)."""
     from ..sharding import ShardedTensor
 
     full = _full(step, world)
@@ -161,7 +161,6 @@ def _state(step: int, rank: int, world: int, *, kill: bool = False) -> dict[str,
     }
     if kill:
         st["killer"] = _KillOnStateDict()
-    del torch
     return st
 
 
