@@ -27,6 +27,7 @@ import resource
 import shutil
 import signal
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -265,7 +266,16 @@ def fuzz(count: int, *, seed: int = 0, workdir: str, memory_headroom_bytes: int 
                 if isinstance(e, KeyboardInterrupt):
                     raise
                 out = f"CRASH:{type(e).__name__}"
-                rep.crashes.append((f"#{i} {case.kind}: {case.desc}", type(e).__name__, str(e)[:500]))
+                where = traceback.extract_tb(e.__traceback__)[-1:]
+                msg = f"{str(e)[:400]} (at {where[0].filename}:{where[0].lineno})" if where else str(e)[:400]
+                if isinstance(e, _Hang):  # a stalled machine or a real hang: run it once more
+                    t2 = time.perf_counter()
+                    try:
+                        run_case(case, corpus, timeout_s=timeout_s)
+                        msg += f"; did not reproduce (rerun took {time.perf_counter() - t2:.2f} s)"
+                    except BaseException as e2:  # noqa: BLE001
+                        msg += f"; rerun: {type(e2).__name__}"
+                rep.crashes.append((f"#{i} {case.kind}: {case.desc}", type(e).__name__, msg))
             dt = time.perf_counter() - t1
             rep.inputs += 1
             rep.outcomes[f"{case.kind}:{out}"] += 1
