@@ -125,7 +125,7 @@ def test_kill_between_data_and_manifest_keeps_previous(tmp_path: Path, mode: str
     _assert_is(state, res, 1)
     assert "fallback" not in res.notes
     assert mgr.gc_abandoned(grace_s=0) == attempts
-    assert _names(root) == {"step-00000001", "step-00000001.verified.json"}
+    assert _names(root) == {"step-00000001", "step-00000001.verified.json", "HEAD"}
 
 
 # ----------------------------------------------------------------------------- case 8 resume
@@ -309,7 +309,12 @@ def test_failed_smoke_test_never_deletes_older_verified(tmp_path: Path) -> None:
         res = mgr.restore(state)
     assert res is not None
     _assert_is(state, res, 1)
-    mgr.save(3, _state(3))  # verified: now both older ones may go
+    assert [n for n in _names(root) if ".quarantined-" in n and n.startswith("step-00000002")]
+    mgr.save(3, _state(3))  # verified; 1 stays: the resume source of this run
+    assert _steps(root) == [1, 3]
+    res = _mgr(root, keep_last=1).restore(_blank())  # a restart resumes 3: now 1 may go
+    assert res is not None and res.step == 3
+    _mgr(root, keep_last=1).apply_retention()
     assert _steps(root) == [3]
     # the same through decide() directly
     d = decide([Candidate(name="a", step=1, verified=True),

@@ -106,15 +106,23 @@ def _manager_for(root: str, keep_last: int | None, keep_every: int | None, keep_
 @_retention_opts
 def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: int,
            metric_mode: str) -> None:
-    """List committed checkpoints under ROOT with their verification status
-    (restore smoke test passed) and what retention would do with the given
-    policy; then abandoned and invalid attempts."""
+    """List committed checkpoints under ROOT by step (never by name) with
+    their status (verified: a verification record that still matches;
+    torn: a file missing or not of its declared size), lineage (parent,
+    branch, HEAD: the checkpoint the current lineage resumed from) and what
+    retention would do with the given policy; then quarantined, abandoned
+    and invalid ones."""
+    from .commit import read_head, torn_files
+    from .lineage import Head, lineage_of
+
     try:
         st, key = resolve(root)
         if not st.exists(key):
             _fail(2, f"{key}: no such directory")
         done = committed(st, key)
-        others = [e for e in scan(st, key) if e.manifest is None]
+        others = [e for e in scan(st, key) if e.manifest is None or e.quarantined]
+        head = Head.from_record(read_head(st, key))
+        torn = {e.name: torn_files(st, e.path, e.manifest) for e in done if e.manifest is not None}
     except ValueError as err:
         _fail(2, str(err))
     except CheckpointError as err:
@@ -136,6 +144,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         mgr = _manager_for(root, keep_last, keep_every, keep_best, metric_mode)
         cands = {c.name: c for c in mgr.candidates(done)}
         decision = decide(list(cands.values()), mgr.policy)
+        lin = lineage_of(done, head)
         click.echo(f"committed ({len(done)}) under {key}:")
         rows = []
         for e in done:
@@ -143,15 +152,29 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
             assert em is not None
             c = cands[e.name]
             fate = f"keep: {decision.keep[e.name]}" if e.name in decision.keep else "delete"
+            status = "torn" if torn[e.name] else "verified" if c.verified else "unverified"
+            branch = lin.branch(e.name) + (" HEAD" if e.name == lin.source else "")
             rows.append(["-" if e.step is None else e.step, human_bytes(em.total_bytes), len(em.files),
-                         _when(em.created_at), "verified" if c.verified else "unverified",
+                         _when(em.created_at), status, em.parent or "-", branch,
                          "-" if c.metric is None else f"{c.metric:.4g}", fate, e.name])
-        _table(["step", "size", "files", "committed", "status", "metric", "retention", "name"], rows,
-               right=(0, 1, 2))
+        _table(["step", "size", "files", "committed", "status", "parent", "branch", "metric",
+                "retention", "name"], rows, right=(0, 1, 2))
+        if head is not None and lin.source is None:
+            click.echo(f"HEAD names {head.name or 'a fresh start'}, which is not committed here")
+        for e in done:
+            for problem in list(torn[e.name].values())[:3]:
+                click.echo(f"  torn {e.name}: {problem}")
     else:
         click.echo(f"no committed checkpoint under {key}")
-    abandoned = [e for e in others if e.abandoned]
-    invalid = [e for e in others if not e.abandoned]
+    quarantined = [e for e in others if e.quarantined]
+    abandoned = [e for e in others if e.abandoned and not e.quarantined]
+    invalid = [e for e in others if not e.abandoned and not e.quarantined]
+    if quarantined:
+        click.echo(f"quarantined ({len(quarantined)}; found unloadable by a restore, never loaded "
+                   "or deleted automatically):")
+        _table(["step", "name", "since", "why"],
+               [["-" if e.step is None else e.step, e.name, _when(e.mtime),
+                 (e.problem or "").splitlines()[0][:160]] for e in quarantined], right=(0,))
     if abandoned:
         click.echo(f"abandoned ({len(abandoned)}, never committed; ignored by load):")
         _table(["name", "modified", "why"],
@@ -169,30 +192,37 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
 @_retention_opts
 @click.option("--grace", type=float, default=3600.0, show_default=True,
               help="Abandoned attempts older than this many seconds are deleted.")
-@click.option("--dry-run", is_flag=True, help="Say what would be deleted; delete nothing.")
+@click.option("--dry-run", is_flag=True,
+              help="Say what would be deleted (after the same checks); change nothing.")
+@click.option("--no-checksums", is_flag=True,
+              help="Re-verify the checkpoint kept in place of deleted ones by structure and sizes "
+                   "only (default: every checksum).")
 def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: int,
-           metric_mode: str, grace: float, dry_run: bool) -> None:
-    """Apply retention under ROOT: first run the restore smoke test on
-    checkpoints newer than the newest verified one (nothing is deleted before
-    a newer checkpoint passed it), then delete what the policy does not keep
-    and abandoned attempts older than --grace. Leases are honoured."""
+           metric_mode: str, grace: float, dry_run: bool, no_checksums: bool) -> None:
+    """Apply retention under ROOT, following the lineage: first run the
+    restore smoke test on checkpoints newer than the newest verified one
+    (nothing is deleted before a newer checkpoint passed it); before the last
+    older verified checkpoint goes, verify the one kept in its place again
+    (every checksum unless --no-checksums; if it fails, nothing it would
+    replace is deleted); then delete what the policy does not keep and
+    abandoned attempts older than --grace. Leases, HEAD's checkpoint and
+    quarantined checkpoints are never deleted. --dry-run runs the same checks
+    and predicts exactly what would be deleted."""
     try:
         st, key = resolve(root)
         if not st.exists(key):
             _fail(2, f"{key}: no such directory")
         mgr = _manager_for(root, keep_last, keep_every, keep_best, metric_mode, grace)
-        cands = mgr.candidates()
-        newest_ok = max((c.step for c in cands if c.verified), default=None)
-        for c in cands:
-            if not c.verified and (newest_ok is None or c.step > newest_ok) and not dry_run:
-                ok = mgr.verify_checkpoint(c.step)
-                click.echo(f"smoke test {c.name}: {'passed' if ok else 'FAILED'}")
-        decision = mgr.apply_retention(dry_run=dry_run)
+        decision = mgr.apply_retention(dry_run=dry_run, checksums=not no_checksums, smoke_newer=True)
         gone = mgr.gc_abandoned(dry_run=dry_run)
+        quarantined = [e.name for e in scan(st, key) if e.quarantined]
     except ValueError as err:
         _fail(2, str(err))
     except CheckpointError as err:
         _fail(1, f"{type(err).__name__}: {err}")
+    assert mgr.last_plan is not None
+    for name, what, ok in mgr.last_plan.checks:
+        click.echo(f"{what} {name}: {'passed' if ok else 'FAILED'}")
     verb = "would delete" if dry_run else "deleted"
     for name in decision.delete:
         click.echo(f"{verb} {name}")
@@ -200,6 +230,8 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         click.echo(f"{verb} abandoned attempt {name}")
     for name, why in sorted(decision.keep.items()):
         click.echo(f"kept {name} ({why})")
+    for name in quarantined:
+        click.echo(f"kept {name} (quarantined: never deleted automatically)")
     if not decision.delete and not gone:
         click.echo("nothing to delete")
 

@@ -10,17 +10,29 @@ and validates. Two publish strategies, chosen by the storage's capabilities
 * manifest marker (object stores, ``memory://``): data is written under
   ``<path>/`` directly and the manifest last; before it exists, readers see
   no checkpoint.
+
+Beside the checkpoints of a root live small JSON records, each written by
+:func:`write_record` (atomic where the store can rename): the ``HEAD`` record
+(the checkpoint the current lineage resumed from, :mod:`reshard.lineage`) and
+quarantine markers. A checkpoint found unloadable by a restore is quarantined:
+renamed aside to ``<name>.quarantined-<id>`` where rename is atomic, else
+marked by a ``<name>.quarantined.json`` record; either way it is never listed
+as committed, never returned by ``latest`` and never deleted by retention or
+garbage collection.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 import os
 import time
 from dataclasses import dataclass
 from hashlib import sha256
+from typing import Any
 
 import msgspec
+import xxhash
 
 from .errors import CheckpointNotFoundError, IntegrityError, ManifestError
 from .manifest import MANIFEST_NAME, Manifest, decode_manifest, encode_manifest
@@ -28,6 +40,10 @@ from .storage import Storage
 
 INCOMPLETE = ".incomplete-"
 RETIRED = ".retired-"
+QUARANTINED = ".quarantined-"  # a checkpoint renamed aside
+QUARANTINE_MARK = ".quarantined.json"  # the marker where rename is not possible
+HEAD_NAME = "HEAD"
+_TMP = ".tmp-"
 #: the coordinator's proof of an attempt's location: written into the attempt
 #: before any data, read back by every rank, deleted before the manifest is
 #: written (so a committed checkpoint holds only its manifest and data files)
@@ -223,20 +239,107 @@ def read_manifest(storage: Storage, path: str, *, hmac_key: bytes | None = None)
         ManifestError: the manifest is unreadable or invalid, or is a symlink.
         IntegrityError: sizes inconsistent; HMAC mismatch when a key is given.
     """
-    mpath = storage.join(path, MANIFEST_NAME)
-    where = mpath
-    if storage.is_link(mpath):
-        raise ManifestError(f"{where}: manifest is a symbolic link")
-    try:
-        raw = storage.read_bytes(mpath)
-    except (FileNotFoundError, NotADirectoryError):
-        raise CheckpointNotFoundError(
-            f"{path}: no committed checkpoint here (no {MANIFEST_NAME})"
-        ) from None
+    raw = read_manifest_bytes(storage, path)
+    where = storage.join(path, MANIFEST_NAME)
     m = decode_manifest(raw, where=where)
     if hmac_key is not None:
         check_signature(m, hmac_key, where=where)
     return m
+
+
+def read_manifest_bytes(storage: Storage, path: str) -> bytes:
+    """The raw bytes of ``<path>/manifest.json`` (not validated).
+
+    Raises:
+        CheckpointNotFoundError: no manifest there.
+        ManifestError: the manifest is a symbolic link.
+    """
+    mpath = storage.join(path, MANIFEST_NAME)
+    if storage.is_link(mpath):
+        raise ManifestError(f"{mpath}: manifest is a symbolic link")
+    try:
+        return storage.read_bytes(mpath)
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointNotFoundError(
+            f"{path}: no committed checkpoint here (no {MANIFEST_NAME})"
+        ) from None
+
+
+def manifest_digest(raw: bytes) -> str:
+    """xxh3_64 hex digest of manifest bytes (binds records to one manifest)."""
+    return xxhash.xxh3_64_hexdigest(raw)
+
+
+def torn_files(storage: Storage, path: str, m: Manifest) -> dict[str, str]:
+    """File name -> problem, for the files ``m`` names under ``path`` that are
+    missing, a symbolic link, or not of the declared size (one stat per file;
+    no checksums). Empty when every file is present at its declared size.
+
+    Raises:
+        StorageError: the store failed (never reported as a torn file).
+    """
+    problems = {}
+    for name, fe in m.files.items():
+        p = storage.join(path, name)
+        if storage.is_link(p):
+            problems[name] = f"{p}: is a symbolic link"
+            continue
+        try:
+            size = storage.size(p)
+        except (FileNotFoundError, NotADirectoryError):
+            problems[name] = f"{p}: missing (manifest declares {fe.size} bytes)"
+            continue
+        if size != fe.size:
+            problems[name] = f"{p}: {size} bytes, manifest declares {fe.size}"
+    return problems
+
+
+def write_record(storage: Storage, path: str, record: dict[str, Any]) -> None:
+    """Write a small JSON record durably and, where the store can rename,
+    atomically (a temporary file, fsynced, renamed over ``path``, the parent
+    fsynced): a reader sees the old record or the new one, never a torn one.
+    On stores without rename, a plain put (whole-object writes are atomic
+    there). The one place such records are written, so a store with
+    conditional puts can make the replace conditional here."""
+    data = json.dumps(record, sort_keys=True).encode()
+    if not storage.capabilities.atomic_rename:
+        storage.write_bytes(path, data)
+        return
+    tmp = f"{path}{_TMP}{os.urandom(4).hex()}"
+    try:
+        storage.write_bytes(tmp, data, durable=True)
+        storage.rename_dir(tmp, path)  # os.rename: atomic for files as for directories
+    except BaseException:
+        storage.delete_tree(tmp)
+        raise
+    storage.fsync_dir(storage.parent(path) or "/")
+
+
+def read_record(storage: Storage, path: str) -> dict[str, Any] | None:
+    """A JSON record written by :func:`write_record`, or None when there is
+    none or it does not parse (a record never written completely is no record)."""
+    try:
+        rec = json.loads(storage.read_bytes(path))
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def quarantine(storage: Storage, root: str, name: str, *, reason: str,
+               attempt_id: str | None) -> str:
+    """Set the checkpoint ``root/name`` aside so that nothing lists it as
+    committed, loads it or deletes it: rename it to
+    ``<name>.quarantined-<id>`` where the store renames atomically, else write
+    the marker ``<name>.quarantined.json``. Returns the name it now has (the
+    same name, on stores that keep it in place)."""
+    rec = {"name": name, "reason": reason[:2000], "time": time.time(), "attempt_id": attempt_id}
+    if storage.capabilities.atomic_rename:
+        new = f"{name}{QUARANTINED}{new_attempt_id()}"
+        storage.rename_dir(storage.join(root, name), storage.join(root, new))
+        write_record(storage, storage.join(root, new + QUARANTINE_MARK), rec)
+        return new
+    write_record(storage, storage.join(root, name + QUARANTINE_MARK), rec)
+    return name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,6 +353,8 @@ class Entry:
     abandoned: bool
     problem: str | None = None
     mtime: float | None = None
+    digest: str | None = None  # xxh3_64 of manifest.json (see manifest_digest)
+    quarantined: bool = False  # set aside by a restore; ``problem`` says why
 
     @property
     def step(self) -> int | None:
@@ -258,8 +363,9 @@ class Entry:
 
 def scan(storage: Storage, root: str) -> list[Entry]:
     """Every child of ``root``: committed checkpoints (with valid manifests),
+    quarantined ones (``quarantined``; their manifest when it still reads),
     abandoned attempts, and directories with an invalid or missing manifest
-    (``problem`` says which). Committed ones are ordered by (step, commit time).
+    (``problem`` says which). Records (``HEAD``, sidecars) are not entries.
 
     Raises:
         StorageError: listing failed (never reported as "no checkpoints").
@@ -268,24 +374,39 @@ def scan(storage: Storage, root: str) -> list[Entry]:
         names = storage.list_dir(root)
     except (FileNotFoundError, NotADirectoryError):
         return []
+    marks = {n[: -len(QUARANTINE_MARK)] for n in names if n.endswith(QUARANTINE_MARK)}
     out: list[Entry] = []
     for name in names:
         p = storage.join(root, name)
+        if name.endswith(QUARANTINE_MARK) or _TMP in name:
+            continue
         if INCOMPLETE in name or RETIRED in name:
             out.append(Entry(path=p, name=name, manifest=None, abandoned=True,
                              mtime=storage.modified_time(p)))
             continue
+        m, digest, problem = None, None, None
         try:
-            m = read_manifest(storage, p)
+            raw = read_manifest_bytes(storage, p)
+            m = decode_manifest(raw, where=storage.join(p, MANIFEST_NAME))
+            digest = manifest_digest(raw)
         except CheckpointNotFoundError:
-            if _is_dir_like(storage, p):
-                out.append(Entry(path=p, name=name, manifest=None, abandoned=True,
-                                 problem="no manifest", mtime=storage.modified_time(p)))
-            continue
+            if not _is_dir_like(storage, p):
+                continue  # a record or a stray file: not a checkpoint
+            problem = "no manifest"
         except (ManifestError, IntegrityError) as e:
-            out.append(Entry(path=p, name=name, manifest=None, abandoned=False, problem=str(e)))
+            problem = str(e)
+        if QUARANTINED in name or name in marks:
+            rec = read_record(storage, storage.join(root, name + QUARANTINE_MARK)) or {}
+            if QUARANTINED in name or m is None or rec.get("attempt_id") in (None, m.attempt_id):
+                out.append(Entry(path=p, name=name, manifest=m, abandoned=False, digest=digest,
+                                 quarantined=True, mtime=storage.modified_time(p),
+                                 problem=str(rec.get("reason") or problem or "quarantined")))
+                continue
+        if m is None:
+            out.append(Entry(path=p, name=name, manifest=None, abandoned=problem == "no manifest",
+                             problem=problem, mtime=storage.modified_time(p)))
             continue
-        out.append(Entry(path=p, name=name, manifest=m, abandoned=False))
+        out.append(Entry(path=p, name=name, manifest=m, abandoned=False, digest=digest))
     return out
 
 
@@ -300,7 +421,23 @@ def _is_dir_like(storage: Storage, p: str) -> bool:
 def committed(storage: Storage, root: str) -> list[Entry]:
     """Committed checkpoints under ``root``, oldest first, by the step in their
     manifests (commit time where step is absent), never by directory name."""
-    done = [e for e in scan(storage, root) if e.manifest is not None]
-    return sorted(done, key=lambda e: (e.manifest.step is not None,  # type: ignore[union-attr]
-                                       e.manifest.step or 0,  # type: ignore[union-attr]
-                                       e.manifest.created_at))  # type: ignore[union-attr]
+    done = [e for e in scan(storage, root) if e.manifest is not None and not e.quarantined]
+    return sorted(done, key=order_key)
+
+
+def order_key(e: Entry) -> tuple[bool, int, float]:
+    """Sort key of a committed entry: by step (entries without one first),
+    then commit time. Never the name."""
+    m = e.manifest
+    assert m is not None
+    return (m.step is not None, m.step or 0, m.created_at)
+
+
+def read_head(storage: Storage, root: str) -> dict[str, Any] | None:
+    """The root's ``HEAD`` record (see :mod:`reshard.lineage`), or None."""
+    return read_record(storage, storage.join(root, HEAD_NAME))
+
+
+def write_head(storage: Storage, root: str, record: dict[str, Any]) -> None:
+    """Replace the root's ``HEAD`` record (atomically, :func:`write_record`)."""
+    write_record(storage, storage.join(root, HEAD_NAME), record)

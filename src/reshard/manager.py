@@ -1,11 +1,16 @@
 """CheckpointManager: cadence, retention with verify-before-delete, leases,
 garbage collection of abandoned attempts, preemption and resume.
 
-Layout under ``root``: committed checkpoints ``step-%08d/``; attempts
-``step-%08d.incomplete-<id>/``; sidecars written by the manager beside them
-(never inside a committed checkpoint, which is never modified):
-``step-%08d.verified.json`` (the restore smoke test passed) and
-``step-%08d.lease-<id>.json`` (a reader holds the checkpoint until ``expires``).
+Layout under ``root``: committed checkpoints ``step-%08d/`` (``step-%08d.1/``,
+``.2``, ... when the name is taken: another lineage's or a quarantined
+checkpoint's); attempts ``step-%08d.incomplete-<id>/``; quarantined
+checkpoints ``<name>.quarantined-<id>/`` (or a ``<name>.quarantined.json``
+marker on stores without rename); the ``HEAD`` record (the checkpoint the
+current lineage resumed from, :mod:`reshard.lineage`); sidecars written by the
+manager beside the checkpoints (never inside one, which is never modified):
+``<name>.verified.json`` (verification record bound to the manifest digest and
+file sizes, :mod:`reshard.records`) and ``<name>.lease-<id>.json`` (a reader
+holds the checkpoint until ``expires``).
 """
 
 from __future__ import annotations
@@ -18,28 +23,51 @@ import os
 import signal
 import threading
 import time
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
+import msgspec
 
-from .collectives import SingleProcess, get_collectives
-from .commit import INCOMPLETE, Entry, committed, delete_checkpoint, scan
-from .errors import CheckpointError, CheckpointNotFoundError, IntegrityError, ManifestError
-from .load import LoadResult, load
-from .options import LoadOptions, SaveOptions
+from .collectives import get_collectives
+from .commit import (
+    INCOMPLETE,
+    QUARANTINED,
+    Entry,
+    committed,
+    delete_checkpoint,
+    read_head,
+    read_record,
+    scan,
+)
+from .errors import CheckpointError, StorageError
+from .lineage import Head, lineage_of, resume_order
+from .load import LoadResult
+from .options import SaveOptions
+from .records import VERIFIED, check_and_record, record_holds
+from .resume import restore_collective
 from .retention import Candidate, Decision, Policy, decide
 from .save import SaveResult, save
-from .sharding import ShardedTensor, torch_dtype
 from .staging import SaveHandle, async_save
 from .storage import Storage, resolve
-from .verify import verify
+from .verify import latest_entry
 
 log = logging.getLogger("reshard.manager")
 
-VERIFIED = ".verified.json"
 LEASE = ".lease-"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionPlan:
+    """What retention will delete, and the checks made to decide it.
+
+    Attributes:
+        decision: keep (with reasons) and delete.
+        checks: (name, what was checked, passed) in the order they ran.
+    """
+
+    decision: Decision
+    checks: tuple[tuple[str, str, bool], ...] = ()
 
 
 def young_daly_interval(cost_s: float, mtbf_s: float) -> float:
@@ -67,9 +95,14 @@ class CheckpointManager:
             cost of recent saves and ``mtbf_s`` (logged when it changes).
         mtbf_s: mean time between failures, seconds (for ``interval="auto"``).
         keep_last, keep_every, keep_best, metric_mode: retention policy (see
-            :mod:`reshard.retention`); the newest verified checkpoint is
+            :mod:`reshard.retention`); the newest verified checkpoint of the
+            current lineage, the lineage's newest and the resume source are
             always kept, and nothing is deleted before a newer one passed the
             smoke test.
+        checksum_before_delete: before retention deletes the last older
+            verified checkpoint, the one kept in its place is verified again
+            with every checksum (True, the default), or by structure and
+            sizes only (False).
         use_async: save with :func:`reshard.async_save`.
         smoke_tensors: tensors trial-loaded (checksums verified) by the smoke test.
         gc_grace_s: abandoned attempts older than this are deleted.
@@ -86,7 +119,7 @@ class CheckpointManager:
                  use_async: bool = False, smoke_tensors: int = 4, gc_grace_s: float = 3600.0,
                  preempt_signals: Sequence[int] = (signal.SIGTERM,),
                  options: SaveOptions | None = None, group: Any = None,
-                 storage: Storage | None = None):
+                 storage: Storage | None = None, checksum_before_delete: bool = True):
         if interval not in (None, "auto"):
             raise ValueError("interval must be None or 'auto'")
         if interval == "auto" and not mtbf_s:
@@ -106,8 +139,15 @@ class CheckpointManager:
         self.last_save_time = time.monotonic()
         self.should_stop = False
         self._preempt = threading.Event()
-        self._pending: list[tuple[int, SaveHandle]] = []
+        self._pending: list[tuple[str, SaveHandle]] = []
         self._auto_logged: float | None = None
+        self.checksum_before_delete = checksum_before_delete
+        self.last_plan: RetentionPlan | None = None
+        # lineage of this run: the HEAD id and the parent of the next save
+        self._lineage: str | None = None
+        self._parent: str | None = None
+        self._last_committed: str | None = None
+        self._joined = False
         self.storage.makedirs(self.root)
         self._old_handlers: dict[int, Any] = {}
         if preempt_signals and threading.current_thread() is threading.main_thread():
@@ -117,10 +157,12 @@ class CheckpointManager:
     # ------------------------------------------------------------ naming
     @staticmethod
     def name_for(step: int) -> str:
+        """The base name of ``step``'s checkpoint (a save may add a suffix)."""
         return f"step-{step:08d}"
 
     def path_for(self, step: int) -> str:
-        return self.storage.join(self.root, self.name_for(step))
+        """Path of ``step``'s checkpoint: the current lineage's, else the base name."""
+        return self.storage.join(self.root, self._name(step))
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         log.warning("signal %d: a checkpoint will be saved at the next step boundary", signum)
@@ -175,23 +217,91 @@ class CheckpointManager:
 
     def save(self, step: int, state: Mapping[str, Any], *, metric: float | None = None,
              sync: bool | None = None) -> SaveResult | SaveHandle:
-        """Save ``state`` as ``root/step-%08d`` now."""
+        """Save ``state`` as the checkpoint of ``step`` under the root now.
+
+        Its name is ``step-%08d``, or ``step-%08d.1`` (``.2``, ...) when that
+        name is taken (by a checkpoint of another lineage, a quarantined one,
+        one the lineage refers to, or an earlier save of this step), so a
+        save after a fall back past a torn step proceeds. The coordinator
+        chooses the name; every rank uses it. The manifest records the parent
+        (the checkpoint resumed from, then the previous save of this run) and
+        this run's lineage (:mod:`reshard.lineage`).
+
+        Raises:
+            CheckpointError: as :func:`reshard.save` (or a previous
+                asynchronous save failed: raised once); StorageError when the
+                root cannot be listed to choose the name.
+        """
         extra = dict(self.options.extra)
         if metric is not None:
             extra["metric"] = float(metric)
-        opts = SaveOptions(**{**self.options.__dict__, "extra": extra})
-        path = self.path_for(step)
+        if self._lineage is None and not self._joined:
+            self._join_lineage()
+        name = self._agreed_name(step)
+        opts = SaveOptions(**{**self.options.__dict__, "extra": extra, "parent": self._parent,
+                              "lineage": self._lineage})
+        path = self.storage.join(self.root, name)
         t0 = time.perf_counter()
         self.last_save_time = time.monotonic()
         if self.use_async and not sync:
             h = async_save(state, path, step=step, group=self.group, options=opts, storage=self.storage)
             self.costs.append(h.stall_s)
-            self._pending.append((step, h))
+            self._pending.append((name, h))
+            self._parent = name
             return h
         res = save(state, path, step=step, group=self.group, options=opts, storage=self.storage)
         self.costs.append(time.perf_counter() - t0)
-        self._after_commit(step)
+        self._parent = self._last_committed = name
+        self._after_commit(name)
         return res
+
+    def _join_lineage(self) -> None:
+        """A manager that did not restore joins the root's current lineage
+        (the HEAD's id), so its saves count as the lineage's descendants."""
+        self._joined = True
+        try:
+            head = Head.from_record(read_head(self.storage, self.root)) if self.coll.rank == 0 else None
+        except CheckpointError:
+            head = None
+        ids = self.coll.broadcast_bytes((head.id if head else "").encode() if self.coll.rank == 0 else None)
+        self._lineage = ids.decode() or None
+
+    def _agreed_name(self, step: int) -> str:
+        """The coordinator's choice of the name for ``step``, on every rank."""
+        mine: dict[str, Any] = {}
+        if self.coll.rank == 0:
+            try:
+                mine = {"name": self._free_name(step)}
+            except Exception as e:  # noqa: BLE001 - every rank raises it
+                mine = {"error": f"{type(e).__name__}: {e}"}
+        got = msgspec.json.decode(self.coll.broadcast_bytes(
+            msgspec.json.encode(mine) if self.coll.rank == 0 else None))
+        if "error" in got:
+            raise StorageError(f"{self.root}: choosing the checkpoint name of step {step} failed "
+                               f"on the coordinator: {got['error']}")
+        return str(got["name"])
+
+    def _free_name(self, step: int) -> str:
+        """``name_for(step)``, or the first free ``.1``, ``.2``, ... suffix."""
+        taken = set(self.storage.list_dir(self.root)) if self.storage.exists(self.root) else set()
+        taken |= {n.split(QUARANTINED, 1)[0] for n in taken if QUARANTINED in n}
+        for e in scan(self.storage, self.root):
+            if e.manifest is not None and e.manifest.parent:
+                taken.add(e.manifest.parent)
+        head = Head.from_record(read_head(self.storage, self.root))
+        if head is not None and head.name:
+            taken.add(head.name)
+        taken |= {n for n, _ in self._pending}
+        if self._parent:
+            taken.add(self._parent)
+        base = self.name_for(step)
+        if base not in taken:
+            return base
+        i = 1
+        while f"{base}.{i}" in taken:
+            i += 1
+        log.info("%s is taken; saving step %d as %s.%d", base, step, base, i)
+        return f"{base}.{i}"
 
     def wait(self) -> None:
         """Wait for in-flight saves, then verify and apply retention.
@@ -207,16 +317,19 @@ class CheckpointManager:
             self._process_finished()
 
     def _process_finished(self) -> None:
-        done = [(s, h) for s, h in self._pending if h.done()]
-        self._pending = [(s, h) for s, h in self._pending if not h.done()]
-        for step, h in done:
+        done = [(n, h) for n, h in self._pending if h.done()]
+        self._pending = [(n, h) for n, h in self._pending if not h.done()]
+        for name, h in done:
             if h.exception() is None and not h.skipped:
-                self._after_commit(step)
+                self._last_committed = name
+                self._after_commit(name)
+            elif self._parent == name:  # never committed: the next save's parent is the last one that did
+                self._parent = self._last_committed
             # a failed background save is raised by the next save (reshard.staging)
 
-    def _after_commit(self, step: int) -> None:
+    def _after_commit(self, name: str) -> None:
         if self.coll.rank == 0:
-            self.verify_checkpoint(step)
+            self.verify_checkpoint(name)
             self.apply_retention()
             self.gc_abandoned()
 
@@ -224,55 +337,51 @@ class CheckpointManager:
     def _verified_path(self, name: str) -> str:
         return self.storage.join(self.root, name + VERIFIED)
 
-    def verify_checkpoint(self, step: int) -> bool:
-        """Restore smoke test of ``step``: structure check (coverage, files and
-        sizes), then a trial load into CPU memory of a sample of tensors with
-        their checksums verified. Records the outcome beside the checkpoint."""
-        name = self.name_for(step)
-        path = self.path_for(step)
-        problems: list[str] = []
-        try:
-            rep = verify(path, checksums=False, storage=self.storage)
-            problems.extend(rep.problems)
-            m = rep.manifest
-            if m is not None and not problems:
-                names = sorted(m.tensors, key=lambda k: (sum(c.length for c in m.tensors[k].chunks), k))
-                k = min(self.smoke_tensors, len(names))
-                pick = names[: k // 2] + names[len(names) - (k - k // 2):]  # smallest and largest
-                targets = [ShardedTensor(k, torch.empty(m.tensors[k].global_shape,
-                                                        dtype=torch_dtype(m.tensors[k].dtype)),
-                                         global_shape=m.tensors[k].global_shape,
-                                         global_offset=(0,) * len(m.tensors[k].global_shape))
-                           for k in dict.fromkeys(pick)]
-                if targets:
-                    load({"smoke": targets}, path, group=SingleProcess(), strict=False,
-                         options=LoadOptions(checksums=True), storage=self.storage)
-        except CheckpointError as e:
-            problems.append(f"{type(e).__name__}: {e}")
-        ok = not problems
-        rec = {"ok": ok, "time": time.time(), "problems": problems[:20]}
-        self.storage.write_bytes(self._verified_path(name), json.dumps(rec).encode())
-        if not ok:
-            log.warning("checkpoint %s failed its smoke test: %s", path, problems[:3])
-        return ok
+    def _name(self, which: str | int) -> str:
+        """A checkpoint name from a name or a step (the current lineage's
+        newest checkpoint of that step, else ``name_for(step)``)."""
+        if isinstance(which, str):
+            return which
+        entries = committed(self.storage, self.root)
+        lin = lineage_of(entries, Head.from_record(read_head(self.storage, self.root)))
+        for e in resume_order(entries, lin):
+            if e.step == which:
+                return e.name
+        return self.name_for(which)
 
-    def is_verified(self, name: str) -> bool:
-        try:
-            rec = json.loads(self.storage.read_bytes(self._verified_path(name)))
-        except (FileNotFoundError, NotADirectoryError, ValueError):
-            return False
-        return bool(rec.get("ok"))
+    def verify_checkpoint(self, which: str | int, *, how: str = "smoke",
+                          record: bool = True) -> bool:
+        """Check the checkpoint ``which`` (a name, or a step) and record the
+        outcome beside it (``<name>.verified.json``, bound to the manifest's
+        digest and every file's size: see :meth:`is_verified`).
+
+        ``how``: "smoke" (the restore smoke test: structure check of
+        coverage, files and sizes, then a trial load into CPU memory of
+        ``smoke_tensors`` tensors with their checksums verified),
+        "checksums" (:func:`reshard.verify` of every byte) or "structure"
+        (structure and sizes only). ``record=False`` changes nothing on
+        storage (a dry run)."""
+        return check_and_record(self.storage, self.root, self._name(which),
+                                smoke_tensors=self.smoke_tensors, how=how, record=record)
+
+    def is_verified(self, name: str, entry: Entry | None = None) -> bool:
+        """Whether ``name`` has a passing verification record that still
+        describes it: the record's manifest digest equals the digest of the
+        manifest now there and every file has the size recorded (one manifest
+        read and one stat per file). A changed checkpoint is unverified."""
+        return record_holds(self.storage, self.root, name, entry)
 
     # ------------------------------------------------------------ leases
     @contextlib.contextmanager
-    def lease(self, step: int, ttl_s: float = 3600.0) -> Iterator[str]:
-        """Hold checkpoint ``step`` against retention while reading it
-        (export, conversion, a tier copy, an evaluation). Yields its path."""
-        name = self.name_for(step)
+    def lease(self, step: int | str, ttl_s: float = 3600.0) -> Iterator[str]:
+        """Hold checkpoint ``step`` (a step or a name) against retention
+        while reading it (export, conversion, a tier copy, an evaluation).
+        Yields its path."""
+        name = self._name(step)
         lp = self.storage.join(self.root, f"{name}{LEASE}{os.getpid()}-{os.urandom(3).hex()}.json")
         self.storage.write_bytes(lp, json.dumps({"expires": time.time() + ttl_s}).encode())
         try:
-            yield self.path_for(step)
+            yield self.storage.join(self.root, name)
         finally:
             self.storage.delete_tree(lp)
 
@@ -283,50 +392,94 @@ class CheckpointManager:
             if LEASE not in child:
                 continue
             base = child.split(LEASE, 1)[0]
-            try:
-                rec = json.loads(self.storage.read_bytes(self.storage.join(self.root, child)))
-            except (FileNotFoundError, ValueError):
-                continue
-            if rec.get("expires", 0) > now and base in names:
+            rec = read_record(self.storage, self.storage.join(self.root, child))
+            if rec is not None and rec.get("expires", 0) > now and base in names:
                 out.add(base)
         return out
 
     # ------------------------------------------------------------ retention
     def candidates(self, entries: list[Entry] | None = None) -> list[Candidate]:
+        """Retention's view of the committed checkpoints (lineage from HEAD,
+        verification records re-checked, leases and in-flight saves)."""
         entries = committed(self.storage, self.root) if entries is None else entries
-        names = {e.name for e in entries}
-        leased = self._leased(names)
-        inflight = {self.name_for(s) for s, _ in self._pending}
+        lin = lineage_of(entries, Head.from_record(read_head(self.storage, self.root)))
+        leased = self._leased({e.name for e in entries})
+        inflight = {n for n, _ in self._pending}
         out = []
         for e in entries:
             m = e.manifest
             assert m is not None
             metric = m.extra.get("metric")
             out.append(Candidate(name=e.name, step=m.step if m.step is not None else -1,
-                                 verified=self.is_verified(e.name),
+                                 verified=self.is_verified(e.name, e),
                                  metric=float(metric) if isinstance(metric, (int, float)) else None,
-                                 protected=e.name in leased or e.name in inflight))
+                                 protected=e.name in leased or e.name in inflight,
+                                 current=e.name in lin.current, resume_source=e.name == lin.source,
+                                 created_at=m.created_at))
         return out
 
-    def apply_retention(self, *, dry_run: bool = False) -> Decision:
-        """Delete what the policy no longer keeps (coordinator only)."""
-        d = decide(self.candidates(), self.policy)
+    def plan_retention(self, *, checksums: bool | None = None, smoke_newer: bool = False,
+                       dry_run: bool = False) -> RetentionPlan:
+        """What retention deletes, after the checks that make it safe; the
+        same code path for a dry run (which records and deletes nothing).
+
+        ``smoke_newer``: first smoke-test the checkpoints newer than the
+        newest verified one (``reshard gc``). Then, whenever the decision
+        deletes a checkpoint that verifies and at most one verified
+        checkpoint of the current lineage would remain, that one is verified
+        again (every checksum unless ``checksums`` is False, the manager's
+        ``checksum_before_delete`` by default); if it fails, it counts as
+        unverified and the decision is made again."""
+        full = self.checksum_before_delete if checksums is None else checksums
+        cands = {c.name: c for c in self.candidates()}
+        checks: list[tuple[str, str, bool]] = []
+        if smoke_newer:
+            newest = max((c.step for c in cands.values() if c.verified and c.current), default=None)
+            for c in sorted(cands.values(), key=lambda c: (c.step, c.created_at)):
+                if not c.verified and (newest is None or c.step > newest):
+                    ok = self.verify_checkpoint(c.name, record=not dry_run)
+                    checks.append((c.name, "smoke test", ok))
+                    cands[c.name] = replace(c, verified=ok)
+        rechecked: set[str] = set()
+        while True:
+            d = decide(list(cands.values()), self.policy)
+            gone_verified = [n for n in d.delete if cands[n].verified]
+            left = [c for c in cands.values() if c.verified and c.current and c.name in d.keep]
+            if not gone_verified or len(left) != 1 or left[0].name in rechecked:
+                return RetentionPlan(decision=d, checks=tuple(checks))
+            kept = left[0].name
+            rechecked.add(kept)
+            ok = self.verify_checkpoint(kept, how="checksums" if full else "structure",
+                                        record=not dry_run)
+            checks.append((kept, "verified again with checksums" if full
+                           else "verified again (structure and sizes)", ok))
+            if not ok:
+                log.warning("retention: %s failed its verification; keeping older checkpoints", kept)
+                cands[kept] = replace(cands[kept], verified=False)
+
+    def apply_retention(self, *, dry_run: bool = False, checksums: bool | None = None,
+                        smoke_newer: bool = False) -> Decision:
+        """Delete what the policy no longer keeps (coordinator only), after
+        the checks of :meth:`plan_retention`."""
+        plan = self.plan_retention(checksums=checksums, smoke_newer=smoke_newer, dry_run=dry_run)
+        self.last_plan = plan
         if not dry_run:
-            for name in d.delete:
+            for name in plan.decision.delete:
                 log.info("retention: deleting %s", name)
                 delete_checkpoint(self.storage, self.storage.join(self.root, name))
                 self.storage.delete_tree(self._verified_path(name))
-        return d
+        return plan.decision
 
     def gc_abandoned(self, grace_s: float | None = None, *, dry_run: bool = False) -> list[str]:
         """Delete ``*.incomplete-*`` attempts older than ``grace_s`` seconds
-        (never one of this manager's in-flight saves)."""
+        (never one of this manager's in-flight saves, never a quarantined
+        checkpoint)."""
         grace = self.gc_grace_s if grace_s is None else grace_s
         now = time.time()
-        inflight = {self.name_for(s) for s, _ in self._pending}
+        inflight = set(self._pending_names())
         out = []
         for e in scan(self.storage, self.root):
-            if not e.abandoned or INCOMPLETE not in e.name:
+            if not e.abandoned or INCOMPLETE not in e.name or e.quarantined:
                 continue
             if e.name.split(INCOMPLETE, 1)[0] in inflight:
                 continue
@@ -337,63 +490,51 @@ class CheckpointManager:
                 self.storage.delete_tree(e.path)
         return out
 
+    def _pending_names(self) -> list[str]:
+        return [n for n, _ in self._pending]
+
     # ------------------------------------------------------------ resume
     def latest_step(self) -> int | None:
-        done = committed(self.storage, self.root)
-        return done[-1].step if done else None
+        """Step of the checkpoint :func:`reshard.latest` returns (or None)."""
+        e = latest_entry(self.storage, self.root)
+        return None if e is None else e.step
 
     def restore(self, state: Mapping[str, Any], *, step: int | None = None,
-                allow_fresh_start: bool = False, **load_kwargs: Any) -> LoadResult | None:
-        """Load the newest committed checkpoint that loads (or ``step``).
+                name: str | None = None, allow_fresh_start: bool = False,
+                **load_kwargs: Any) -> LoadResult | None:
+        """Load the newest checkpoint of the current lineage that loads (or
+        the checkpoint of ``step``: the current lineage's first when several
+        hold it; or the checkpoint called ``name``); collective: every rank
+        reaches the same outcome and every rank falls back together.
 
-        A checkpoint whose structure check fails (a file missing or
-        truncated) or whose load hits corruption is skipped with a warning,
-        falling back to the next older one.
+        Tried in :func:`reshard.lineage.resume_order`. A checkpoint that is
+        unloadable (a file missing or short, a bad manifest, a checksum
+        mismatch: ``IntegrityError`` or ``ManifestError`` on any rank) is
+        quarantined by the coordinator (renamed aside or marked, never
+        deleted) with a warning, and the next one is tried; one that vanished
+        meanwhile is skipped. On success the coordinator writes the root's
+        ``HEAD`` record naming the checkpoint resumed from; the saves that
+        follow continue its lineage.
 
         Returns:
-            The LoadResult, or None for a fresh start (an empty root, or
-            ``allow_fresh_start``).
+            The LoadResult (``notes["fallback"]`` lists what was skipped), or
+            None for a fresh start (an empty root, or ``allow_fresh_start``).
 
         Raises:
-            CheckpointError: checkpoints exist but none loads.
+            StorageError: the store failed (never a reason to quarantine or
+                to fall back: it may be transient).
+            CheckpointError: checkpoints exist (or were quarantined) but none
+                loads; a mismatch with ``state`` (e.g. ShardingError).
             CheckpointNotFoundError: no committed checkpoint but abandoned
                 attempts exist (a silent fresh start would lose the run), or
-                ``step`` is not committed.
+                ``step`` (``name``) is not committed.
         """
-        entries = committed(self.storage, self.root)
-        if step is not None:
-            entries = [e for e in entries if e.step == step]
-            if not entries:
-                raise CheckpointNotFoundError(f"{self.root}: no committed checkpoint of step {step}")
-        failures: list[str] = []
-        for e in reversed(entries):
-            rep = verify(e.path, checksums=False, storage=self.storage)
-            oks = self.coll.all_gather_json(rep.ok)
-            if not all(oks):
-                msg = f"{e.path}: unloadable ({'; '.join(rep.problems[:3]) or 'on another rank'})"
-                failures.append(msg)
-                warnings.warn(msg + "; falling back to an older checkpoint", RuntimeWarning,
-                              stacklevel=2)
-                continue
-            try:
-                res = load(state, e.path, group=self.group, storage=self.storage, **load_kwargs)
-            except (IntegrityError, ManifestError, CheckpointNotFoundError) as err:
-                failures.append(f"{e.path}: {err}")
-                warnings.warn(f"{e.path}: load failed ({err}); falling back to an older checkpoint",
-                              RuntimeWarning, stacklevel=2)
-                continue
-            if failures:
-                res.notes["fallback"] = failures
-            return res
-        if failures:
-            raise CheckpointError(f"{self.root}: {len(failures)} checkpoint(s) exist but none loads:\n  "
-                                  + "\n  ".join(failures))
-        abandoned = [e.name for e in scan(self.storage, self.root) if e.abandoned]
-        if abandoned and not allow_fresh_start:
-            raise CheckpointNotFoundError(
-                f"{self.root}: no committed checkpoint, but {len(abandoned)} abandoned attempt(s) "
-                f"{abandoned[:3]}; refusing a silent fresh start (pass allow_fresh_start=True)")
-        return None
+        return restore_collective(self, state, step=step, name=name,
+                                  allow_fresh_start=allow_fresh_start, load_kwargs=load_kwargs)
+
+    def _resumed(self, head: Head) -> None:
+        self._lineage, self._parent, self._joined = head.id, head.name, True
+        self._last_committed = head.name
 
     def close(self) -> None:
         """Wait for in-flight saves and restore the signal handlers replaced."""

@@ -92,6 +92,13 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         aliases: fqn -> fqn of the tensor it shares storage with (tied weights).
         files: file name -> size (bytes) and whole-file checksum.
         extra: free-form, JSON only (user metadata).
+        parent: name of the checkpoint this one continues from (a sibling
+            under the same root), as ``SaveOptions.parent`` gave it; None when
+            unknown (a fresh run, or a plain ``save`` not told). Optional:
+            manifests written before lineage existed decode with None.
+        lineage: id of the root's ``HEAD`` record (the resume) that the
+            saving run continued from (``CheckpointManager`` sets it); None
+            outside a manager's lineage. See :mod:`reshard.lineage`.
     """
 
     attempt_id: str
@@ -111,6 +118,8 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     aliases: dict[str, str] = {}
     files: dict[str, FileEntry] = {}
     extra: dict[str, Any] = {}
+    parent: str | None = None
+    lineage: str | None = None
 
     @property
     def total_bytes(self) -> int:

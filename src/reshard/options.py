@@ -33,6 +33,14 @@ class SaveOptions:
         max_pending: asynchronous saves in flight at most (async_save).
         if_busy: what a further async_save does at ``max_pending``: "block"
             until the oldest commits, or "skip" it with a warning.
+        parent: recorded as the manifest's ``parent``: the name of the
+            checkpoint (a sibling under the same root) this state continues
+            from. A plain ``save`` records exactly what is given (default
+            None: no parent); ``CheckpointManager`` passes the checkpoint it
+            resumed from, then its previous save.
+        lineage: recorded as the manifest's ``lineage``: the id of the root's
+            ``HEAD`` record the saving run continues from (set by
+            ``CheckpointManager``; leave None otherwise).
     """
 
     checksums: bool = True
@@ -47,6 +55,8 @@ class SaveOptions:
     verify_replicas: bool = True
     max_pending: int = 1
     if_busy: str = "block"
+    parent: str | None = None
+    lineage: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_pending < 1:

@@ -299,6 +299,7 @@ def build_manifest(
                  for k, v in sorted(objects.items())},
         values=values_json, aliases=dict(sorted(aliases.items())),
         files=dict(sorted(files.items())), extra=dict(options.extra),
+        parent=options.parent, lineage=options.lineage,
     )
     if options.hmac_key is not None:
         m = sign_manifest(m, options.hmac_key)

@@ -7,7 +7,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from . import codec
-from .commit import committed, read_manifest
+from .commit import Entry, committed, read_head, read_manifest, torn_files
 from .errors import CheckpointError, CheckpointNotFoundError, ShardingError
 from .manifest import Manifest
 from .planning import _check_coverage
@@ -18,19 +18,42 @@ _READ = 8 << 20
 
 
 def latest(root: str | os.PathLike[str], *, storage: Storage | None = None) -> str | None:
-    """Path of the newest committed, valid checkpoint under ``root`` (by the
-    step in its manifest, commit time where step is absent), or None.
+    """Path of the newest committed, complete checkpoint under ``root``, or None.
 
-    Incomplete attempts and directories without a valid manifest are never
-    returned. Raises StorageError if listing fails (never "no checkpoint").
+    With a ``HEAD`` record at the root (written by
+    ``CheckpointManager.restore``): the newest committed descendant of the
+    checkpoint ``HEAD`` names (by step, then commit time), else that
+    checkpoint itself, else its newest ancestor, else the newest of another
+    lineage (:func:`reshard.lineage.resume_order`). Without ``HEAD``: by the
+    step in the manifests (commit time where step is absent). Never by name.
+
+    Incomplete attempts, directories without a valid manifest, quarantined
+    checkpoints and committed ones whose files are not all present at their
+    declared sizes (one stat per file; checksums stay :func:`verify`'s job)
+    are never returned.
+
+    Raises:
+        StorageError: listing or a stat failed (never "no checkpoint").
     """
     st, key = resolve(root, storage)
-    done = committed(st, key)
-    if not done:
+    best = latest_entry(st, key)
+    if best is None:
         return None
     scheme = os.fspath(root).split("://", 1)[0] if "://" in os.fspath(root) else ""
     # a URL root gives a URL back (load must resolve it to the same store)
-    return f"{scheme}://{done[-1].path}" if scheme and scheme != "file" else done[-1].path
+    return f"{scheme}://{best.path}" if scheme and scheme != "file" else best.path
+
+
+def latest_entry(st: Storage, root: str) -> Entry | None:
+    """The entry :func:`latest` returns the path of (same rules), or None."""
+    from .lineage import Head, lineage_of, resume_order
+
+    done = committed(st, root)
+    if not done:
+        return None
+    order = resume_order(done, lineage_of(done, Head.from_record(read_head(st, root))))
+    return next((e for e in order if e.manifest is not None
+                 and not torn_files(st, e.path, e.manifest)), None)
 
 
 def inspect(path: str | os.PathLike[str], *, storage: Storage | None = None) -> Manifest:
@@ -105,21 +128,9 @@ def verify(path: str | os.PathLike[str], *, checksums: bool = True,
             n *= d
         if len(offs) != n or len(oe.chunks) != n:
             problems.append(f"object {k!r}: {len(offs)} of {n} grid elements recorded")
-    good_files: set[str] = set()
-    for name, fe in m.files.items():
-        p = st.join(key, name)
-        if st.is_link(p):
-            problems.append(f"{p}: is a symbolic link")
-            continue
-        try:
-            size = st.size(p)
-        except FileNotFoundError:
-            problems.append(f"{p}: missing (manifest declares {fe.size} bytes)")
-            continue
-        if size != fe.size:
-            problems.append(f"{p}: {size} bytes, manifest declares {fe.size}")
-            continue
-        good_files.add(name)
+    torn = torn_files(st, key, m)
+    problems.extend(torn.values())
+    good_files = {name for name in m.files if name not in torn}
     checked = 0
     if checksums:
         checked = _verify_checksums(st, key, m, good_files, problems)

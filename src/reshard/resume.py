@@ -1,0 +1,234 @@
+"""The collective resume of :meth:`reshard.CheckpointManager.restore`.
+
+Every rank tries the same checkpoints in the same order
+(:func:`reshard.lineage.resume_order`) and reaches the same outcome for each:
+the ranks' findings are gathered (one short status per rank) before anything
+is decided, so all ranks fall back, quarantine or raise together.
+
+* ``torn``: it is unloadable (the coordinator found a file missing, short or
+  a symbolic link; a rank found the manifest invalid; the load found a
+  checksum mismatch or a file it needs missing: ``IntegrityError`` /
+  ``ManifestError`` on any rank): the coordinator quarantines it
+  (:func:`reshard.commit.quarantine`) and every rank tries the next one.
+* ``gone``: it vanished meanwhile (``CheckpointNotFoundError``): the next one.
+* ``storage``: the store failed (``StorageError``): raised on every rank; a
+  failure that may be transient is never a reason to quarantine or to fall
+  back past a good checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from .commit import (
+    committed,
+    quarantine,
+    read_head,
+    read_manifest,
+    read_manifest_bytes,
+    scan,
+    torn_files,
+    write_head,
+)
+from .errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    ManifestError,
+    StorageError,
+)
+from .lineage import Head, lineage_of, resume_order
+from .load import LoadResult, load
+from .manifest import FORMAT, FORMAT_VERSION, KNOWN_FEATURES
+from .records import record_path
+
+if TYPE_CHECKING:
+    from .manager import CheckpointManager
+
+
+def _probe(mgr: CheckpointManager, path: str) -> tuple[str, str, BaseException | None]:
+    """This rank's structural check of one checkpoint (no checksums): every
+    rank reads the manifest (as its load would); the coordinator alone stats
+    every file (one stat per file in all, not per rank)."""
+    try:
+        m = read_manifest(mgr.storage, path)
+        problems = torn_files(mgr.storage, path, m) if mgr.coll.rank == 0 else {}
+    except StorageError as e:
+        return "storage", str(e), e
+    except CheckpointNotFoundError as e:
+        return "gone", str(e), None
+    except (IntegrityError, ManifestError) as e:
+        return "torn", f"{type(e).__name__}: {e}", None
+    if problems:
+        return "torn", "; ".join(list(problems.values())[:3]), None
+    return "ok", "", None
+
+
+def _plan(mgr: CheckpointManager, step: int | None, name: str | None) -> dict[str, Any]:
+    """Coordinator: quarantine damaged manifests, list the committed
+    checkpoints and order them (:func:`resume_order`), keeping those of
+    ``step`` / ``name``."""
+    st, root = mgr.storage, mgr.root
+    notes = _quarantine_invalid(mgr)
+    entries = committed(st, root)
+    lin = lineage_of(entries, Head.from_record(read_head(st, root)))
+    order = resume_order(entries, lin)
+    if step is not None:
+        order = [e for e in order if e.step == step]
+    if name is not None:
+        order = [e for e in order if e.name == name]
+    return {"notes": notes, "order": [e.name for e in order],
+            "other": [e.name for e in order if lin.head is not None and e.name not in lin.current],
+            "head": lin.head.name if lin.head is not None else None,
+            "attempt": {e.name: e.manifest.attempt_id for e in order if e.manifest is not None},
+            "step": {e.name: e.step for e in order}}
+
+
+def _rest(mgr: CheckpointManager) -> dict[str, Any]:
+    """Coordinator: what is left under the root when nothing loaded."""
+    es = scan(mgr.storage, mgr.root)
+    return {"quarantined": [q.name for q in es if q.quarantined],
+            "abandoned": [a.name for a in es if a.abandoned]}
+
+
+def _coordinated(mgr: CheckpointManager, what: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` on the coordinator, its JSON result on every rank (its
+    failure raised on every rank)."""
+    coll = mgr.coll
+    out, err = None, None
+    if coll.rank == 0:
+        try:
+            out = fn(*args)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by agree()
+            err = e
+    coll.agree(what, err)
+    return json.loads(coll.broadcast_bytes(json.dumps(out).encode() if coll.rank == 0 else None))
+
+
+def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step: int | None,
+                       name: str | None, allow_fresh_start: bool,
+                       load_kwargs: dict[str, Any]) -> LoadResult | None:
+    coll, st, root = mgr.coll, mgr.storage, mgr.root
+    plan = _coordinated(mgr, f"restore {root} (listing)", _plan, mgr, step, name)
+    for note in plan["notes"]:
+        warnings.warn(note, RuntimeWarning, stacklevel=3)
+    if step is not None and not plan["order"]:
+        raise CheckpointNotFoundError(f"{root}: no committed checkpoint of step {step}")
+    if name is not None and not plan["order"]:
+        raise CheckpointNotFoundError(f"{root}: no committed checkpoint named {name!r}")
+    failures: list[str] = list(plan["notes"])
+    for cname in plan["order"]:
+        path = st.join(root, cname)
+        status, detail, exc = _probe(mgr, path)
+        statuses = coll.all_gather_json(status)
+        if "storage" in statuses:
+            coll.agree(f"restore {path}", exc)
+        if "torn" not in statuses and "gone" not in statuses:
+            try:
+                res = load(state, path, group=mgr.group, storage=st, **load_kwargs)
+            except (IntegrityError, ManifestError) as le:
+                status, detail = "torn", f"load failed: {le}"
+            except CheckpointNotFoundError as le:
+                status, detail = "gone", str(le)
+            else:
+                status = "ok"
+            statuses = coll.all_gather_json(status)  # load agrees its errors; confirm anyway
+        if all(s == "ok" for s in statuses):
+            if cname in plan["other"]:
+                warnings.warn(f"{root}: no checkpoint of the current lineage (HEAD: "
+                              f"{plan['head']}) loads; resuming {cname} of another lineage",
+                              RuntimeWarning, stacklevel=3)
+            _write_head(mgr, cname, plan["attempt"].get(cname), plan["step"].get(cname))
+            if failures:
+                res.notes["fallback"] = failures
+            return res
+        bad = [r for r, s in enumerate(statuses) if s != "ok"]
+        details = coll.all_gather_json(detail if status != "ok" else "")  # only on a failure
+        why = next((d for d in details if d), "")
+        msg = f"{path}: unloadable ({why}{' ' if why else ''}on rank(s) {bad})"
+        if "torn" in statuses:
+            msg += _quarantine(mgr, cname, plan["attempt"].get(cname), msg)
+        failures.append(msg)
+        warnings.warn(f"{msg}; falling back to an older checkpoint", RuntimeWarning, stacklevel=3)
+    rest = _coordinated(mgr, f"restore {root} (listing)", _rest, mgr)
+    quarantined = rest["quarantined"]
+    if failures or (quarantined and not allow_fresh_start):
+        listed = "\n  ".join(failures) if failures else "(none committed)"
+        raise CheckpointError(
+            f"{root}: checkpoint(s) exist but none loads:\n  {listed}"
+            + (f"\nquarantined: {', '.join(quarantined)} (never deleted; inspect them with "
+               "`reshard verify`)" if quarantined else ""))
+    abandoned = rest["abandoned"]
+    if abandoned and not allow_fresh_start:
+        raise CheckpointNotFoundError(
+            f"{root}: no committed checkpoint, but {len(abandoned)} abandoned attempt(s) "
+            f"{abandoned[:3]}; refusing a silent fresh start (pass allow_fresh_start=True)")
+    return None
+
+
+def _quarantine_invalid(mgr: CheckpointManager) -> list[str]:
+    """Coordinator: quarantine the checkpoints whose manifest is present but
+    invalid (unparsable, failing the schema or its own consistency checks:
+    ``ManifestError`` / ``IntegrityError``), which can never load. A manifest
+    of a newer format version, with an unknown required feature, or of
+    another format is left alone: a newer reader may load it."""
+    st, root = mgr.storage, mgr.root
+    out = []
+    for e in scan(st, root):
+        if e.manifest is not None or e.abandoned or e.quarantined or not e.problem:
+            continue
+        try:
+            raw = json.loads(read_manifest_bytes(st, e.path))
+        except (CheckpointError, ValueError):
+            raw = None
+        if isinstance(raw, dict) and (
+                raw.get("format") != FORMAT
+                or not isinstance(raw.get("format_version"), int) or raw["format_version"] > FORMAT_VERSION
+                or set(raw.get("required_features") or ()) - KNOWN_FEATURES):
+            continue
+        why = f"{e.path}: unloadable (invalid manifest: {e.problem})"
+        try:
+            new = quarantine(st, root, e.name, reason=why, attempt_id=None)
+            st.delete_tree(record_path(st, root, e.name))
+            out.append(f"{why}; quarantined as {new}")
+        except CheckpointError as qe:
+            out.append(f"{why}; could not be quarantined ({type(qe).__name__}: {qe})")
+    return out
+
+
+def _quarantine(mgr: CheckpointManager, name: str, attempt_id: str | None, reason: str) -> str:
+    """Coordinator: set ``name`` aside; every rank learns the outcome."""
+    coll, st = mgr.coll, mgr.storage
+    note = ""
+    if coll.rank == 0:
+        try:
+            new = quarantine(st, mgr.root, name, reason=reason, attempt_id=attempt_id)
+            st.delete_tree(record_path(st, mgr.root, name))
+            note = f"; quarantined as {new}"
+        except Exception as qe:  # noqa: BLE001 - it stays skipped by this restore all the same
+            note = f"; could not be quarantined ({type(qe).__name__}: {qe})"
+    return coll.broadcast_bytes(note.encode() if coll.rank == 0 else None).decode()
+
+
+def _write_head(mgr: CheckpointManager, name: str, attempt_id: str | None,
+                step: int | None) -> None:
+    """Coordinator writes HEAD naming ``name``; every rank adopts it."""
+    coll = mgr.coll
+    head = Head(name=name, id=f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-"
+                f"{os.urandom(4).hex()}", time=time.time(), attempt_id=attempt_id, step=step)
+    err = None
+    if coll.rank == 0:
+        try:
+            write_head(mgr.storage, mgr.root, head.to_record())
+        except Exception as we:  # noqa: BLE001 - raised on every rank by agree()
+            err = we
+    coll.agree(f"restore {mgr.root} (writing HEAD)", err)
+    raw = coll.broadcast_bytes(json.dumps(head.to_record()).encode() if coll.rank == 0 else None)
+    agreed = Head.from_record(json.loads(raw))
+    assert agreed is not None
+    mgr._resumed(agreed)
