@@ -25,7 +25,9 @@ operation); every checkpoint listed as committed verifies with checksums (or,
 for a checkpoint corrupted after its commit, every rank's load of it was
 refused); ``latest`` is the newest checkpoint that verifies; the previous
 committed checkpoint (the newest, for retention cells) loads bit-exact; and
-after the job ended, ``gc`` leaves no stray attempt.
+after the job ended, ``gc`` leaves no stray attempt. A checkpoint corrupted
+after its commit (integrity cells) must be skipped by ``latest`` or refused by
+every rank's load.
 """
 
 from __future__ import annotations
@@ -439,21 +441,21 @@ def _judge(cell: Cell, res: CellResult, outs: dict[int, dict[str, Any]], procs: 
                                     f"{cell.action} at {cell.phase}")
     st = LocalStorage()
     listed = [e.path for e in committed(st, root)]
+    res.latest = reshard.latest(root)
     good: list[str] = []
     for path in listed:
         rep = verify(path)
         if rep.ok:
             good.append(path)
-        elif cell.op == "integrity" and path == p2 and outs and all(
-                o["status"] == "error" and o["checkpoint_error"] for o in outs.values()):
-            pass  # corrupted after its commit; every rank's load of it was refused
+        elif cell.op == "integrity" and path == p2 and outs and (res.latest != p2 or all(
+                o["status"] == "error" and o["checkpoint_error"] for o in outs.values())):
+            pass  # corrupted after its commit; latest skips it, or every rank's load refused it
         elif cell.action == "flip" and path == p2 and len(outs) == world and all(
                 o.get("post_load", {}).get("checkpoint_error") for o in outs.values()):
             pass  # bit rot after a durable write: committed, and every rank's load refuses it
         else:
             res.problems.append(f"{os.path.basename(path)} is listed as committed but does not "
                                 f"verify: {rep.problems[:2]}")
-    res.latest = reshard.latest(root)
     newest_good = good[-1] if good else None
     if cell.action == "flip" and res.latest == p2 and p2 not in good:
         pass  # refused on load on every rank (above); the good one is kept
