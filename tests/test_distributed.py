@@ -339,10 +339,12 @@ def _manifest(path: Path) -> tuple[bytes, reshard.Manifest]:
 
 def _normalised(m: reshard.Manifest) -> bytes:
     """The manifest with what legitimately differs between layouts blanked: attempt id,
-    commit time, world size, file list, and where in which file each chunk lies."""
+    commit time, world size, file list, and where in which file each chunk lies (its byte
+    offset and the index of its first block in the file's block table)."""
     tensors = {
         k: msgspec.structs.replace(
-            e, chunks=tuple(msgspec.structs.replace(c, file="", offset=0) for c in e.chunks)
+            e, chunks=tuple(msgspec.structs.replace(c, file="", offset=0, block_index=-1)
+                            for c in e.chunks)
         )
         for k, e in m.tensors.items()
     }

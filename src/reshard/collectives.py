@@ -1,58 +1,180 @@
 """The only module that calls torch.distributed collectives.
 
-Everything exchanged between ranks is bytes (JSON produced by msgspec), never
-pickle. Two implementations share one interface:
+Everything exchanged between ranks is bytes (msgpack or JSON produced by
+msgspec) or small int64 vectors, never pickle, so no ``*_object`` collective
+is used. Collectives are chosen by who needs the data (DESIGN.md section 1,
+"Coordination budget"): :meth:`Collectives.gather_bytes` to the coordinator,
+:meth:`Collectives.scatter_bytes` from it, :meth:`Collectives.broadcast_bytes`,
+and :meth:`Collectives.all_reduce_ints` of small flag/counter vectors.
+``agree`` is one all-reduce on success. Three implementations share one
+interface:
 
 * :class:`TorchCollectives` over any process group (gloo on CPU; NCCL groups
-  exchange through CUDA tensors);
-* :class:`SingleProcess` for plain scripts (world size 1).
+  exchange through CUDA tensors), addressing peers by their global ranks;
+* :class:`SingleProcess` for plain scripts (world size 1);
+* :class:`reshard.testing.simulate.SimWorld` (N ranks in one process, for the
+  scale simulator), and :class:`Counting`, a wrapper that counts the bytes
+  each call moves.
+
+The coordinator is rank 0 of the group.
 """
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Generator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import torch
 
-from .errors import CheckpointError, RankFailure, agreed_error
+from .errors import CheckpointError, RankFailure, agreed_error, summarize_failures
+
+T = TypeVar("T")
+
+#: ops of :meth:`Collectives.all_reduce_ints`
+OPS = ("sum", "max", "min")
+#: at most this many failures (with tracebacks) travel to non-coordinator ranks
+MAX_SHIPPED_FAILURES = 8
+#: and each failure's traceback text is cut to this many characters there
+MAX_SHIPPED_TRACEBACK = 4000
 
 
 class Collectives(ABC):
+    """Collective operations of one group; rank 0 is the coordinator.
+
+    Every rank of the group must call the same methods in the same order.
+    Byte counts below are payload bytes (the 8-byte length headers some
+    implementations add are counted by :class:`Counting`).
+    """
+
     rank: int
     world_size: int
 
     @abstractmethod
+    def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:
+        """Every rank sends ``data``; rank ``dst`` receives all of them in rank
+        order (returns the list), the others receive nothing (return None)."""
+
+    @abstractmethod
+    def scatter_bytes(self, parts: Sequence[bytes] | None, src: int = 0) -> bytes:
+        """Rank ``src`` passes one payload per rank (``world_size`` of them);
+        every rank receives only its own. Others pass None."""
+
+    @abstractmethod
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        """``data`` of rank ``src`` (others pass anything, e.g. None) on every rank."""
+
+    @abstractmethod
+    def all_reduce_ints(self, values: Sequence[int], op: str = "sum") -> list[int]:
+        """Element-wise ``op`` ("sum", "max" or "min") of int64 vectors of equal
+        length over every rank; every rank receives the result. For small
+        vectors (flags, counters, hashes): it moves ``8 * len(values)`` bytes."""
+
+    @abstractmethod
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
-        """Every rank contributes ``data``; every rank receives all, in rank order."""
+        """Every rank contributes ``data``; every rank receives all, in rank
+        order. O(world) bytes into every rank: only for small payloads of small
+        groups (kept for callers outside the save/load path)."""
 
     def barrier(self) -> None:
-        self.all_gather_bytes(b"")
+        self.all_reduce_ints([0])
 
     def all_gather_json(self, obj: Any) -> list[Any]:
         """``all_gather_bytes`` of msgspec-JSON-encoded objects."""
         return [msgspec.json.decode(b) for b in self.all_gather_bytes(msgspec.json.encode(obj))]
 
-    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
-        """``data`` from ``src`` (others pass anything, e.g. None)."""
-        return self.all_gather_bytes(data if self.rank == src and data is not None else b"")[src]
+    def agree(self, what: str, exc: BaseException | None,
+              values: Sequence[int] = ()) -> list[int]:
+        """All ranks report success or their exception in one all-reduce (with
+        ``values``, reduced by max, riding along: returns them reduced).
 
-    def agree(self, what: str, exc: BaseException | None) -> None:
-        """All ranks report success or their exception; if any failed, every
-        rank raises the same :class:`~reshard.errors.CheckpointError` listing
-        each failing rank (type, message, traceback as text)."""
-        mine = None if exc is None else RankFailure.from_exception(self.rank, exc).to_json()
-        reports = self.all_gather_json(mine)
-        failures = {
-            r: RankFailure.from_json(rep) for r, rep in enumerate(reports) if rep is not None
-        }
-        if failures:
-            err = agreed_error(what, failures)
-            if exc is not None:
-                raise err from exc
-            raise err
+        When some rank failed, the failures (type, message, traceback as text)
+        are gathered to the coordinator only, which sends every rank a bounded
+        summary (failures deduplicated by type and message, with rank ranges and
+        the first few tracebacks); every rank then raises the same
+        :class:`~reshard.errors.CheckpointError` (or the common subclass).
+        The coordinator's error keeps every rank's failure in ``failures``; the
+        others' keep at most ``MAX_SHIPPED_FAILURES``.
+
+        Raises:
+            CheckpointError: on every rank when any rank passed an exception.
+        """
+        return drive(self, agree_steps(self.rank, what, exc, values))
+
+
+#: a collective request of a protocol written as a generator: the name of a
+#: :class:`Collectives` method and its positional arguments
+Request = tuple[Any, ...]
+
+
+def drive(coll: Collectives, steps: Generator[Request, Any, T]) -> T:
+    """Run a protocol generator over ``coll``: each yielded ``(method, *args)``
+    is called on ``coll`` and its result sent back; returns the generator's
+    return value (exceptions propagate). The scale simulator runs the same
+    generators of N ranks in lockstep instead."""
+    try:
+        req = next(steps)
+        while True:
+            req = steps.send(getattr(coll, req[0])(*req[1:]))
+    except StopIteration as stop:
+        return stop.value
+
+
+def agree_steps(rank: int, what: str, exc: BaseException | None,
+                values: Sequence[int] = ()) -> Generator[Request, Any, list[int]]:
+    """:meth:`Collectives.agree` as protocol steps."""
+    red = yield ("all_reduce_ints", [1 if exc is not None else 0, *values], "max")
+    if not red[0]:
+        return list(red[1:])
+    mine = b"" if exc is None else msgspec.json.encode(RankFailure.from_exception(rank, exc).to_json())
+    got = yield ("gather_bytes", mine)
+    failures: dict[int, RankFailure] = {}
+    shipped = b""
+    if got is not None:
+        failures = {r: RankFailure.from_json(msgspec.json.decode(b)) for r, b in enumerate(got) if b}
+        shipped = msgspec.json.encode({"n": len(failures), "groups": summarize_failures(failures),
+                                       "failures": [f.to_json() for f in _representatives(failures)]})
+    raw = yield ("broadcast_bytes", shipped if got is not None else None)
+    if got is None:
+        rep = msgspec.json.decode(raw)
+        failures = {int(f["rank"]): RankFailure.from_json(f) for f in rep["failures"]}
+        err = agreed_error(what, failures, groups=rep["groups"], total=int(rep["n"]))
+    else:
+        err = agreed_error(what, failures)
+    if exc is not None:
+        raise err from exc
+    raise err
+
+
+def _representatives(failures: dict[int, RankFailure]) -> list[RankFailure]:
+    """The first rank of each distinct (type, message), up to MAX_SHIPPED_FAILURES,
+    tracebacks cut to MAX_SHIPPED_TRACEBACK characters."""
+    seen: set[tuple[str, str]] = set()
+    out: list[RankFailure] = []
+    for r in sorted(failures):
+        f = failures[r]
+        if (f.type_name, f.message) in seen:
+            continue
+        seen.add((f.type_name, f.message))
+        tb = f.traceback if len(f.traceback) <= MAX_SHIPPED_TRACEBACK else (
+            f.traceback[:MAX_SHIPPED_TRACEBACK // 2] + "\n...\n" + f.traceback[-MAX_SHIPPED_TRACEBACK // 2:])
+        out.append(RankFailure(rank=f.rank, type_name=f.type_name, message=f.message[:2000],
+                               traceback=tb))
+        if len(out) >= MAX_SHIPPED_FAILURES:
+            break
+    return out
+
+
+def _reduce(vectors: Sequence[Sequence[int]], op: str) -> list[int]:
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    cols = list(zip(*vectors, strict=True))
+    if op == "sum":
+        return [int(sum(c)) for c in cols]
+    return [int(max(c) if op == "max" else min(c)) for c in cols]
 
 
 class SingleProcess(Collectives):
@@ -61,8 +183,46 @@ class SingleProcess(Collectives):
     rank = 0
     world_size = 1
 
+    def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:
+        return [bytes(data)]
+
+    def scatter_bytes(self, parts: Sequence[bytes] | None, src: int = 0) -> bytes:
+        assert parts is not None and len(parts) == 1
+        return bytes(parts[0])
+
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        return bytes(data or b"")
+
+    def all_reduce_ints(self, values: Sequence[int], op: str = "sum") -> list[int]:
+        return _reduce([values], op)
+
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         return [bytes(data)]
+
+    def barrier(self) -> None:
+        pass
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _lost_rank_errors(fn: F) -> F:
+    """A collective of the backend that fails (gloo's "Connection closed by
+    peer", a timeout: RuntimeErrors) raises CheckpointError on this rank,
+    naming the cause, with the backend's error as its ``__cause__``."""
+
+    @functools.wraps(fn)
+    def wrapper(self: TorchCollectives, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except RuntimeError as e:  # DistBackendError and gloo/NCCL failures are RuntimeErrors
+            msg = (str(e).strip().splitlines() or [""])[0][:300]
+            raise CheckpointError(
+                f"{fn.__name__} over the {self.world_size} ranks of the checkpoint group failed on "
+                f"rank {self.rank}: a rank was lost or did not arrive within the group's timeout "
+                f"({type(e).__name__}: {msg})") from e
+
+    return wrapper  # type: ignore[return-value]
 
 
 class TorchCollectives(Collectives):
@@ -71,7 +231,13 @@ class TorchCollectives(Collectives):
     Args:
         group: the process group (None: the default group). Only collectives on
             this group are issued, so a separate group keeps background
-            checkpoint traffic apart from training collectives.
+            checkpoint traffic apart from training collectives. Peers are
+            addressed by their global ranks (``dist.get_global_rank``).
+
+    Gather and scatter send exact payload sizes: the sizes travel first as
+    int64 (one per rank, coordinator only), then the payloads point to point
+    between the coordinator and each rank (``isend``/``irecv``), so a
+    non-coordinator rank never receives another rank's bytes.
     """
 
     def __init__(self, group: Any = None):
@@ -87,23 +253,86 @@ class TorchCollectives(Collectives):
             if backend == "nccl" and torch.cuda.is_available()
             else torch.device("cpu")
         )
+        self._global = (list(range(self.world_size)) if group is None
+                        else [dist.get_global_rank(group, r) for r in range(self.world_size)])
 
-    def _lost(self, e: RuntimeError) -> CheckpointError:
-        msg = (str(e).strip().splitlines() or [""])[0][:300]
-        return CheckpointError(
-            f"a collective over the {self.world_size} ranks of the checkpoint group failed on rank "
-            f"{self.rank}: a rank was lost or did not arrive within the group's timeout "
-            f"({type(e).__name__}: {msg})")
+    def _u8(self, data: bytes) -> torch.Tensor:
+        if not data:
+            return torch.empty(0, dtype=torch.uint8, device=self._device)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self._device)
 
+    @staticmethod
+    def _bytes(t: torch.Tensor) -> bytes:
+        return bytes(t.cpu().numpy().tobytes())
+
+    @_lost_rank_errors
+    def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:
+        dist, dev, n = self._dist, self._device, self.world_size
+        size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)] if self.rank == dst else None
+        dist.gather(size, sizes, dst=self._global[dst], group=self.group)
+        if self.rank != dst:
+            if data:
+                dist.send(self._u8(data), dst=self._global[dst], group=self.group)
+            return None
+        assert sizes is not None
+        lens = [int(s.item()) for s in sizes]
+        bufs = [torch.empty(k, dtype=torch.uint8, device=dev) for k in lens]
+        works = [dist.irecv(bufs[r], src=self._global[r], group=self.group)
+                 for r in range(n) if r != dst and lens[r]]
+        for w in works:
+            w.wait()
+        bufs[dst] = self._u8(data)
+        return [self._bytes(b) for b in bufs]
+
+    @_lost_rank_errors
+    def scatter_bytes(self, parts: Sequence[bytes] | None, src: int = 0) -> bytes:
+        dist, dev, n = self._dist, self._device, self.world_size
+        mine = torch.zeros(1, dtype=torch.int64, device=dev)
+        if self.rank == src:
+            if parts is None or len(parts) != n:
+                raise ValueError(f"scatter_bytes: the source passes {n} parts")
+            sizes = [torch.tensor([len(p)], dtype=torch.int64, device=dev) for p in parts]
+            dist.scatter(mine, sizes, src=self._global[src], group=self.group)
+            works = [dist.isend(self._u8(parts[r]), dst=self._global[r], group=self.group)
+                     for r in range(n) if r != src and parts[r]]
+            for w in works:
+                w.wait()
+            return bytes(parts[src])
+        dist.scatter(mine, None, src=self._global[src], group=self.group)
+        k = int(mine.item())
+        if not k:
+            return b""
+        buf = torch.empty(k, dtype=torch.uint8, device=dev)
+        dist.recv(buf, src=self._global[src], group=self.group)
+        return self._bytes(buf)
+
+    @_lost_rank_errors
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        dist, dev = self._dist, self._device
+        payload = (data or b"") if self.rank == src else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
+        dist.broadcast(size, src=self._global[src], group=self.group)
+        k = int(size.item())
+        if not k:
+            return b""
+        buf = self._u8(payload) if self.rank == src else torch.empty(k, dtype=torch.uint8, device=dev)
+        dist.broadcast(buf, src=self._global[src], group=self.group)
+        return bytes(payload) if self.rank == src else self._bytes(buf)
+
+    @_lost_rank_errors
+    def all_reduce_ints(self, values: Sequence[int], op: str = "sum") -> list[int]:
+        dist = self._dist
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        t = torch.tensor(list(values), dtype=torch.int64, device=self._device)
+        if t.numel():
+            rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+            dist.all_reduce(t, op=rop, group=self.group)
+        return [int(v) for v in t.cpu().tolist()]
+
+    @_lost_rank_errors
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
-        """Raises CheckpointError when a rank is lost or times out (the backend's
-        error, e.g. gloo's "Connection closed by peer", as its cause)."""
-        try:
-            return self._all_gather_bytes(data)
-        except RuntimeError as e:  # DistBackendError and gloo/NCCL failures are RuntimeErrors
-            raise self._lost(e) from e
-
-    def _all_gather_bytes(self, data: bytes) -> list[bytes]:
         dist, dev, n = self._dist, self._device, self.world_size
         size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
         sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)]
@@ -112,16 +341,72 @@ class TorchCollectives(Collectives):
         width = max(max(lens), 1)
         buf = torch.zeros(width, dtype=torch.uint8, device=dev)
         if data:
-            buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+            buf[: len(data)] = self._u8(data)
         outs = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(n)]
         dist.all_gather(outs, buf, group=self.group)
-        return [o[:k].cpu().numpy().tobytes() for o, k in zip(outs, lens, strict=True)]
+        return [self._bytes(o[:k]) for o, k in zip(outs, lens, strict=True)]
+
+    @_lost_rank_errors
+    def barrier(self) -> None:
+        self._dist.barrier(group=self.group)
+
+
+class Counting(Collectives):
+    """Wraps another Collectives and counts the bytes this rank sends and
+    receives per call (payloads plus the 8-byte length headers of the
+    gather/scatter/broadcast protocols), in ``sent`` / ``recv`` (bytes) and
+    ``calls`` (op name -> count)."""
+
+    def __init__(self, inner: Collectives):
+        self.inner = inner
+        self.rank, self.world_size = inner.rank, inner.world_size
+        self.sent = 0
+        self.recv = 0
+        self.calls: dict[str, int] = {}
+
+    def _count(self, op: str, sent: int, recv: int) -> None:
+        self.sent += sent
+        self.recv += recv
+        self.calls[op] = self.calls.get(op, 0) + 1
+
+    def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:
+        out = self.inner.gather_bytes(data, dst)
+        if out is None:
+            self._count("gather", len(data) + 8, 0)
+        else:
+            self._count("gather", 0, sum(len(b) + 8 for r, b in enumerate(out) if r != self.rank))
+        return out
+
+    def scatter_bytes(self, parts: Sequence[bytes] | None, src: int = 0) -> bytes:
+        out = self.inner.scatter_bytes(parts, src)
+        if self.rank == src:
+            assert parts is not None
+            self._count("scatter", sum(len(p) + 8 for r, p in enumerate(parts) if r != src), 0)
+        else:
+            self._count("scatter", 0, len(out) + 8)
+        return out
+
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        out = self.inner.broadcast_bytes(data, src)
+        if self.rank == src:
+            self._count("broadcast", len(out) + 8, 0)
+        else:
+            self._count("broadcast", 0, len(out) + 8)
+        return out
+
+    def all_reduce_ints(self, values: Sequence[int], op: str = "sum") -> list[int]:
+        out = self.inner.all_reduce_ints(values, op)
+        self._count("all_reduce", 8 * len(values), 8 * len(values))
+        return out
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        out = self.inner.all_gather_bytes(data)
+        self._count("all_gather", len(data), sum(len(b) for r, b in enumerate(out) if r != self.rank))
+        return out
 
     def barrier(self) -> None:
-        try:
-            self._dist.barrier(group=self.group)
-        except RuntimeError as e:
-            raise self._lost(e) from e
+        self.inner.barrier()
+        self._count("barrier", 0, 0)
 
 
 def get_collectives(group: Any = None) -> Collectives:
@@ -134,6 +419,15 @@ def get_collectives(group: Any = None) -> Collectives:
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return SingleProcess()
     return TorchCollectives(group)
+
+
+def group_key(coll: Collectives) -> tuple[Any, ...]:
+    """Identifies a group for the plan cache: its size and global ranks."""
+    if isinstance(coll, Counting):
+        return group_key(coll.inner)
+    if isinstance(coll, TorchCollectives):
+        return ("torch", coll.world_size, tuple(coll._global), id(coll.group) if coll.group else 0)
+    return (type(coll).__name__, coll.world_size, id(coll) if coll.world_size > 1 else 0)
 
 
 def new_checkpoint_group(group: Any = None, timeout_s: float | None = None) -> Any:

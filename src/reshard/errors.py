@@ -109,26 +109,73 @@ _BY_NAME: dict[str, type[CheckpointError]] = {
 }
 
 
-def agreed_error(what: str, failures: dict[int, RankFailure]) -> CheckpointError:
+#: at most this many distinct (type, message) groups are listed in an agreed error's message
+MAX_GROUPS = 16
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2,5,7-8"``."""
+    out: list[str] = []
+    rs = sorted(ranks)
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def summarize_failures(failures: dict[int, RankFailure]) -> list[dict[str, object]]:
+    """Failures deduplicated by (type, message): one record per group with
+    ``type_name``, ``message`` and ``ranks`` (as ranges text, e.g. "0-3,7"),
+    ``count``; groups in order of their first rank, at most MAX_GROUPS."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for r in sorted(failures):
+        f = failures[r]
+        groups.setdefault((f.type_name, f.message), []).append(r)
+    return [{"type_name": t, "message": m[:2000], "ranks": rank_ranges(rs), "count": len(rs)}
+            for (t, m), rs in list(groups.items())[:MAX_GROUPS]] + (
+        [{"type_name": "", "message": f"... and {len(groups) - MAX_GROUPS} more distinct failures",
+          "ranks": "", "count": 0}] if len(groups) > MAX_GROUPS else [])
+
+
+def agreed_error(what: str, failures: dict[int, RankFailure], *,
+                 groups: list[dict[str, object]] | None = None, total: int | None = None,
+                 ) -> CheckpointError:
     """Build the error every rank raises after an all-ranks agreement step.
 
-    The class is the common reshard class of all failures when they agree
-    (e.g. every failing rank raised ``ShardingError``), else ``CheckpointError``.
-    The message lists each failing rank, its exception type and message.
+    ``failures``: the failures this rank knows (every failing rank's on the
+    coordinator, a bounded sample elsewhere); ``groups`` / ``total``: the
+    coordinator's summary (see :func:`summarize_failures`) when ``failures``
+    is only a sample. The class is the common reshard class of all failures
+    when they agree (e.g. every failing rank raised ``ShardingError``), else
+    ``CheckpointError``. The message lists each distinct (type, message) once,
+    with the ranks that raised it as ranges, so its size is bounded whatever
+    the world size.
     """
-    names = {f.type_name for f in failures.values()}
+    if groups is None:
+        groups = summarize_failures(failures)
+    n = total if total is not None else len(failures)
+    names = {str(g["type_name"]) for g in groups if g["type_name"]}
     cls: type[CheckpointError] = CheckpointError
-    if len(names) == 1:
+    if len(names) == 1 and len(groups) <= MAX_GROUPS:
         cls = _BY_NAME.get(next(iter(names)), CheckpointError)
-    lines = [f"{what} failed on {len(failures)} rank(s):"]
-    for rank in sorted(failures):
-        f = failures[rank]
-        lines.append(f"  rank {rank}: {f.type_name}: {f.message}")
+    lines = [f"{what} failed on {n} rank(s):"]
+    for g in groups:
+        if not g["type_name"]:
+            lines.append(f"  {g['message']}")
+            continue
+        who = f"rank {g['ranks']}" if g["count"] == 1 else f"ranks {g['ranks']} ({g['count']} ranks)"
+        lines.append(f"  {who}: {g['type_name']}: {g['message']}")
     return cls("\n".join(lines), failures=failures)
 
 
 def outcome(rank: int, err: BaseException | None, **payload: object) -> dict[str, object]:
-    """What a rank contributes to an agreement step: its failure as text (or
+    """What a rank contributes to an all-gathered agreement step (kept for
+    small groups and foreign-format converters; the save and load paths use
+    :meth:`reshard.collectives.Collectives.agree`): its failure as text (or
     None) and, on success, ``payload``. JSON-safe, for ``all_gather_json``."""
     if err is not None:
         return {"error": RankFailure.from_exception(rank, err).to_json()}

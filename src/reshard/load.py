@@ -19,18 +19,18 @@ import xxhash
 from . import codec
 from .collectives import Collectives, get_collectives
 from .commit import read_manifest
+from .coordination_load import KeyCensus, key_census, read_shared
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
     IntegrityError,
     ShardingError,
-    outcome,
-    raise_agreed,
 )
 from .manifest import Manifest, ObjectChunk, TensorEntry
 from .options import LoadOptions
 from .planning import Request, check_entry_coverage, plan_reads
 from .reading import Groups, Reader, Target
+from .shardfile import BlockTables
 from .sharding import ShardedObject, ShardedTensor
 from .storage import Storage, resolve
 from .transforms import consumed_by, extra_allow_missing, manifest_view, provided_by
@@ -162,34 +162,31 @@ def load(
     err: BaseException | None = None
     if manifest is None:
         try:
-            st, manifest = _read_or_dcp(st, key, opts)
+            st, manifest = _read_shared(coll, st, key, opts)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             err = e
-    keys: dict[str, Any] = {}
     ctx: dict[str, Any] = {}
     try:
         if err is not None:
             raise err
         ctx = _prepare(state, st, key, opts, transforms, coll, manifest)
-        keys = ctx["requested"]
     except Exception as e:  # noqa: BLE001
         err = e
-    # agree on the manifest and gather requested keys (to find unexpected ones)
-    reports = coll.all_gather_json(outcome(coll.rank, err, keys=sorted(keys)))
-    raise_agreed("load", reports, err)
+    # agree on the manifest (one all-reduce); the coordinator finds the keys no
+    # rank requested from every rank's key bitmap (gather, then one broadcast)
+    coll.agree("load", err)
+    census = key_census(coll, ctx["manifest"], ctx["requested"], transforms)
     # every check that needs no target write (files, coverage, shapes, dtypes,
     # strictness, devices; checksums too with verify_first), agreed before any
     # rank changes any target
     err = None
     plan: _Plan | None = None
     try:
-        requested_anywhere = set().union(*(r["keys"] for r in reports))
-        plan = _check(ctx, requested_anywhere, st, key, opts, strict,
+        plan = _check(ctx, census, st, key, opts, strict,
                       [*allow_missing, *extra_allow_missing(transforms)], transforms)
     except Exception as e:  # noqa: BLE001
         err = e
-    reports = coll.all_gather_json(outcome(coll.rank, err))
-    raise_agreed("load (checked before writing: every target is unchanged)", reports, err)
+    coll.agree("load (checked before writing: every target is unchanged)", err)
     assert plan is not None
     err = None
     result: LoadResult | None = None
@@ -197,8 +194,7 @@ def load(
         result = _apply(plan, ctx, st, key)
     except Exception as e:  # noqa: BLE001
         err = e
-    reports = coll.all_gather_json(outcome(coll.rank, err))
-    _raise_after_writes(reports, err, plan.reader.written, coll.rank)
+    _raise_after_writes(coll, err, plan.reader.written)
     assert result is not None
     # hand loaded plain values to Stateful objects, only once every rank succeeded
     err = None
@@ -207,10 +203,19 @@ def load(
             obj.load_state_dict(rebuild())
     except Exception as e:  # noqa: BLE001
         err = e
-    reports = coll.all_gather_json(outcome(coll.rank, err))
-    raise_agreed("load (load_state_dict)", reports, err)
+    coll.agree("load (load_state_dict)", err)
     return LoadResult(**{**result.__dict__, "bytes_read": base.bytes_read - before,
                          "duration_s": time.perf_counter() - t0})
+
+
+def _read_shared(coll: Collectives, st: Storage, key: str, opts: LoadOptions) -> tuple[Storage, Manifest]:
+    """The manifest read once by the coordinator and broadcast (see
+    :func:`reshard.coordination_load.read_shared`); a DCP checkpoint, or any
+    failure, is opened by every rank itself (:func:`_read_or_dcp`)."""
+    m = read_shared(coll, st, key, hmac_key=opts.hmac_key)
+    if m is None:
+        return _read_or_dcp(st, key, opts)
+    return st, m
 
 
 def _read_or_dcp(st: Storage, key: str, opts: LoadOptions) -> tuple[Storage, Manifest]:
@@ -333,7 +338,7 @@ def _check_devices(sts: Sequence[ShardedTensor], key: str) -> None:
                             "model.to_empty(device='cpu'))")
 
 
-def _check(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key: str,
+def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
            opts: LoadOptions, strict: bool, allow_missing: Sequence[Any],
            transforms: Sequence[Any]) -> _Plan:
     """Everything that can be checked before any target is written: keys
@@ -351,11 +356,11 @@ def _check(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key: 
     available = saved | provided_by(transforms, m)
     requested: dict[str, str] = ctx["requested"]
     missing = sorted(k for k in requested if k not in available)
-    unexpected = sorted(saved - requested_anywhere)
-    if requested_anywhere and not (available & requested_anywhere):
+    unexpected = list(census.unexpected)
+    if census.any_requested and not census.any_matched:
         raise ShardingError(
             f"{key}: no requested key matches the checkpoint (requested e.g. "
-            f"{sorted(requested_anywhere)[:3]}, saved e.g. {sorted(saved)[:3]}); "
+            f"{sorted(requested)[:3]}, saved e.g. {sorted(saved)[:3]}); "
             "check prefixes or pass a rename transform"
         )
     refused = m.extra.get("dcp_skipped_values") or {}
@@ -422,9 +427,9 @@ def _check(ctx: dict[str, Any], requested_anywhere: set[str], st: Storage, key: 
     values: dict[str, Any] = {}
     for ob, oc in wanted:
         raw = st.read_bytes(st.join(key, oc.file), oc.offset, oc.length)
-        if opts.checksums and oc.checksums:
+        if opts.checksums and BlockTables.has(oc):
             b = m.checksum_block_bytes
-            for k, digest in enumerate(oc.checksums):
+            for k, digest in enumerate(reader.tables.sums(oc)):
                 if xxhash.xxh3_64_hexdigest(raw[k * b:(k + 1) * b]) != digest:
                     raise IntegrityError(f"{st.join(key, oc.file)}: checksum mismatch in object "
                                          f"{ob.key!r} element {list(ob.global_offset)}")
@@ -467,14 +472,14 @@ def _apply(plan: _Plan, ctx: dict[str, Any], st: Storage, key: str) -> LoadResul
                       notes=dict(ctx["notes"]))
 
 
-def _raise_after_writes(reports: list[dict[str, Any]], mine: BaseException | None,
-                        written: Sequence[str], rank: int) -> None:
+def _raise_after_writes(coll: Collectives, mine: BaseException | None, written: Sequence[str]) -> None:
     """Raise the agreed failure of the writing phase (when any rank failed),
     naming the targets this rank had already written: they hold a mix of
     checkpoint and earlier values and must be reloaded."""
     try:
-        raise_agreed("load", reports, mine)
+        coll.agree("load", mine)
     except CheckpointError as e:
+        rank = coll.rank
         if written:
             note = (f"\nrank {rank} had already written {len(written)} target(s), which must be "
                     f"reloaded (they may mix checkpoint and earlier values): {list(written[:20])}"

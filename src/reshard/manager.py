@@ -194,9 +194,9 @@ class CheckpointManager:
         timed = iv is not None and time.monotonic() - self.last_save_time >= iv
         pre = self._preempt.is_set()
         if self.coll.world_size > 1:
-            votes = self.coll.all_gather_json([timed if self.coll.rank == 0 else False, pre])
-            timed = bool(votes[0][0])
-            pre = any(v[1] for v in votes)
+            # one all-reduce: the coordinator's clock decides "timed", any rank's signal "pre"
+            votes = self.coll.all_reduce_ints([int(timed and self.coll.rank == 0), int(pre)], "max")
+            timed, pre = bool(votes[0]), bool(votes[1])
             if pre:
                 self._preempt.set()
         return want or timed or pre

@@ -9,7 +9,11 @@ Units: shapes and offsets in elements (row-major, half-open); ``offset`` and
 ``length`` of a chunk in bytes from the start of its file; ``size`` of a file
 in bytes. ``checksums`` of a chunk hold one ``xxh3_64`` hex digest per block of
 ``checksum_block_bytes`` bytes of the chunk's data (the last block may be
-shorter), so a reader can verify exactly the blocks it reads.
+shorter), so a reader can verify exactly the blocks it reads. At scale a chunk
+holds instead one ``digest``, the root of its block digests, and
+``block_index``, where they start in its file's block table (the file's last
+``8 * blocks`` bytes; see :mod:`reshard.shardfile`): the manifest then holds
+one digest per chunk, not one per MiB.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ class Chunk(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False, 
     length: int
     checksums: tuple[str, ...] = ()
     flattened_range: tuple[int, int] | None = None
+    digest: str = ""
+    block_index: int = -1
 
     @property
     def numel(self) -> int:
@@ -63,6 +69,8 @@ class ObjectChunk(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=F
     offset: int
     length: int
     checksums: tuple[str, ...] = ()
+    digest: str = ""
+    block_index: int = -1
 
 
 class ObjectEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False):
@@ -70,9 +78,14 @@ class ObjectEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=F
     chunks: tuple[ObjectChunk, ...]
 
 
-class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False):
+class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False, omit_defaults=True):
+    """A data file: ``size`` in bytes, whole-file ``checksum``, and ``blocks``:
+    the entries of its block table (the last ``8 * blocks`` bytes of the file;
+    0: no table, the chunks then carry their block digests themselves)."""
+
     size: int
     checksum: str = ""
+    blocks: int = 0
 
 
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -184,13 +197,19 @@ def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
         raise ManifestError(f"{where}: checksum_block_bytes must be positive")
     block = m.checksum_block_bytes
     sizes: dict[str, int] = {}
+    tables: dict[str, int] = {}
     for name, fe in m.files.items():
         check_file_name(name, where=where)
         if fe.size < 0:
             raise ManifestError(f"{where}: file {name!r} has negative size")
+        if fe.blocks < 0 or 8 * fe.blocks > fe.size:
+            raise ManifestError(f"{where}: file {name!r}: block table of {fe.blocks} entries does not fit "
+                                f"its {fe.size} bytes")
         sizes[name] = fe.size
+        tables[name] = fe.blocks
 
-    def check_range(key: str, file: str, offset: int, length: int, checksums: tuple[str, ...]) -> None:
+    def check_range(key: str, file: str, offset: int, length: int, checksums: tuple[str, ...],
+                    c: Chunk | ObjectChunk) -> None:
         size = sizes.get(file)
         if size is None:
             check_file_name(file, where=f"{where}: {key}")
@@ -204,6 +223,11 @@ def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
             raise ManifestError(
                 f"{where}: {key}: {len(checksums)} checksums for {length} bytes in blocks of {block}"
             )
+        if c.digest and not checksums and (
+                c.block_index < 0 or c.block_index + -(-length // block) > tables[file]
+                or offset + length > size - 8 * tables[file]):
+            raise ManifestError(f"{where}: {key}: blocks from {c.block_index} are not in the block table "
+                                f"of file {file!r} ({tables[file]} entries)")
 
     for fqn, te in m.tensors.items():
         if te.dtype not in DTYPE_NAMES:
@@ -232,7 +256,7 @@ def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
                     f"{where}: {key}: declared length {c.length} bytes, but {n} elements of "
                     f"{te.dtype} need {n * isz}"
                 )
-            check_range(key, c.file, c.offset, c.length, c.checksums)
+            check_range(key, c.file, c.offset, c.length, c.checksums, c)
             volume += n
         if volume != numel(gshape):
             raise CoverageError(
@@ -247,7 +271,7 @@ def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
                 raise ManifestError(f"{where}: object {key!r}: element {list(oc.global_offset)} "
                                     f"outside its grid {list(oe.global_shape)}")
             check_range(f"object {key!r} element {list(oc.global_offset)}", oc.file, oc.offset,
-                        oc.length, oc.checksums)
+                        oc.length, oc.checksums, oc)
         distinct = {tuple(oc.global_offset) for oc in oe.chunks}
         if len(distinct) != len(oe.chunks) or len(distinct) != numel(oe.global_shape):
             raise ManifestError(f"{where}: object {key!r}: {len(oe.chunks)} records of {len(distinct)} "

@@ -1,7 +1,7 @@
 """Save plan and load plan: pure functions, no I/O and no torch.distributed.
 
-Save planning (runs identically on every rank over the gathered local plans,
-so no scatter is needed):
+Save planning (runs on the coordinator over the local plans gathered to it;
+each rank then receives only its own assignment, see :mod:`reshard.coordination`):
 
 1. every fqn has one dtype and one global_shape across ranks;
 2. holders of the same chunk (same global_offset, local_shape and
@@ -25,6 +25,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -102,11 +103,15 @@ class SavePlan:
         writes: rank -> the items that rank writes, in file order.
         files: rank -> the file names that rank writes.
         bytes_per_rank: rank -> bytes of data it writes.
+        replicas: ``(kind, [(rank, local index), ...])``: the holders of every
+            chunk or object element held by more than one rank (their digests
+            are compared at every save, cached or not).
     """
 
     writes: dict[int, tuple[WriteItem, ...]]
     files: dict[int, tuple[str, ...]]
     bytes_per_rank: dict[int, int]
+    replicas: tuple[tuple[str, list[tuple[int, int]]], ...] = ()
 
 
 def data_file_name(rank: int, index: int) -> str:
@@ -120,6 +125,9 @@ def _ranks(holders: Iterable[tuple[int, int]]) -> list[int]:
 def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePlan:
     """Deduplicate replicas, validate coverage, balance and assign files.
 
+    Linear in the number of items (one dict lookup per item); the rest is per
+    distinct chunk. Runs on the coordinator only, over the gathered plans.
+
     Args:
         plans: one LocalPlan per rank, in rank order.
         files_per_rank: how many data files each writer spreads its bytes over.
@@ -132,35 +140,59 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePla
     """
     if files_per_rank < 1:
         raise ValueError("files_per_rank must be >= 1")
-    # ---- tensors: consistency per fqn, holders per chunk
-    meta: dict[str, tuple[str, Shape, int]] = {}
-    holders: dict[str, dict[tuple, list[tuple[int, int]]]] = defaultdict(lambda: defaultdict(list))
+    # ---- tensors: one group per distinct (fqn, dtype, global_shape, chunk), holders in rank order
+    gindex: dict[tuple[Any, ...], int] = {}
+    gkeys: list[tuple[Any, ...]] = []
+    gholders: list[list[tuple[int, int]]] = []
+    gdigest: list[str] = []
+    gbytes: list[int] = []
+    differ: list[int] = []
+    lookup = gindex.get
     for p in plans:
+        r = p.rank
         for i, it in enumerate(p.tensors):
-            prev = meta.get(it.fqn)
-            if prev is None:
-                meta[it.fqn] = (it.dtype, it.global_shape, p.rank)
-            elif prev[0] != it.dtype or prev[1] != it.global_shape:
-                raise ShardingError(
-                    f"{it.fqn}: rank {prev[2]} declares dtype {prev[0]} global_shape {list(prev[1])}, "
-                    f"rank {p.rank} declares dtype {it.dtype} global_shape {list(it.global_shape)}"
-                )
-            holders[it.fqn][it.chunk_key].append((p.rank, i))
-    by_rank = {p.rank: p for p in plans}
-    for fqn, chunks in holders.items():
-        for key, hs in chunks.items():
-            by_digest: dict[str, list[int]] = defaultdict(list)
-            for r, i in hs:
-                by_digest[by_rank[r].tensors[i].digest].append(r)
-            if len(by_digest) > 1:
-                parts = sorted(by_digest.values(), key=lambda rs: (-len(rs), rs))
-                raise ShardingError(
-                    f"{fqn}: replicas of chunk at offset {list(key[0])} shape {list(key[1])} differ: "
-                    f"ranks {parts[0]} hold one value, "
-                    + ", ".join(f"ranks {rs} another" for rs in parts[1:])
-                    + " (replicated data must be identical on every holder)"
-                )
+            key = (it.fqn, it.dtype, it.global_shape, it.global_offset, it.local_shape, it.flattened_range)
+            g = lookup(key)
+            if g is None:
+                gindex[key] = len(gkeys)
+                gkeys.append(key)
+                gholders.append([(r, i)])
+                gdigest.append(it.digest)
+                gbytes.append(it.nbytes)
+            else:
+                gholders[g].append((r, i))
+                if it.digest != gdigest[g]:
+                    differ.append(g)
+    meta: dict[str, tuple[str, Shape, int]] = {}
+    per_fqn: dict[str, dict[tuple, list[tuple[int, int]]]] = defaultdict(dict)
+    for g, (fqn, dtype, gshape, off, shape, fr) in enumerate(gkeys):
+        r0 = gholders[g][0][0]
+        prev = meta.get(fqn)
+        if prev is None:
+            meta[fqn] = (dtype, gshape, r0)
+        elif prev[0] != dtype or prev[1] != gshape:
+            one, two = (prev, (dtype, gshape, r0)) if prev[2] <= r0 else ((dtype, gshape, r0), prev)
+            raise ShardingError(
+                f"{fqn}: rank {one[2]} declares dtype {one[0]} global_shape {list(one[1])}, "
+                f"rank {two[2]} declares dtype {two[0]} global_shape {list(two[1])}"
+            )
+        per_fqn[fqn][(off, shape, fr)] = gholders[g]
+    if differ:
+        g = min(differ)
+        fqn, _, _, off, shape, _ = gkeys[g]
+        by_digest: dict[str, list[int]] = defaultdict(list)
+        for r, i in gholders[g]:
+            by_digest[plans_by_rank(plans)[r].tensors[i].digest].append(r)
+        parts = sorted(by_digest.values(), key=lambda rs: (-len(rs), rs))
+        raise ShardingError(
+            f"{fqn}: replicas of chunk at offset {list(off)} shape {list(shape)} differ: "
+            f"ranks {parts[0]} hold one value, "
+            + ", ".join(f"ranks {rs} another" for rs in parts[1:])
+            + " (replicated data must be identical on every holder)"
+        )
+    for fqn, chunks in per_fqn.items():
         _check_coverage(fqn, meta[fqn][1], chunks)
+    by_rank = plans_by_rank(plans)
     # ---- objects
     omap: dict[str, tuple[Shape, int]] = {}
     oholders: dict[str, dict[Shape, list[tuple[int, int]]]] = defaultdict(lambda: defaultdict(list))
@@ -194,25 +226,29 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePla
     # ---- choose writers, balancing bytes
     load: dict[int, int] = {p.rank: 0 for p in plans}
     chosen: dict[int, list[tuple[str, int, int]]] = defaultdict(list)  # rank -> (kind, index, nbytes)
-    multi: list[tuple[int, str, list[tuple[int, int]]]] = []
-
-    def nbytes_of(kind: str, r: int, i: int) -> int:
-        return by_rank[r].tensors[i].nbytes if kind == "tensor" else by_rank[r].objects[i].nbytes
-
-    groups: list[tuple[str, list[tuple[int, int]]]] = [
-        ("tensor", hs) for chunks in holders.values() for hs in chunks.values()
-    ] + [("object", hs) for elems in oholders.values() for hs in elems.values()]
-    for kind, hs in groups:
+    multi: list[tuple[int, int, str, list[tuple[int, int]]]] = []
+    replicas: list[tuple[str, list[tuple[int, int]]]] = []
+    for g, hs in enumerate(gholders):
         if len(hs) == 1:
             r, i = hs[0]
-            n = nbytes_of(kind, r, i)
-            chosen[r].append((kind, i, n))
-            load[r] += n
+            chosen[r].append(("tensor", i, gbytes[g]))
+            load[r] += gbytes[g]
         else:
-            multi.append((nbytes_of(kind, *hs[0]), kind, hs))
-    multi.sort(key=lambda t: -t[0])  # stable: ties keep gather order
-    for n, kind, hs in multi:
-        r, i = min(hs, key=lambda h: (load[h[0]], h[0]))
+            multi.append((gbytes[g], len(multi), "tensor", hs))
+            replicas.append(("tensor", hs))
+    for elems in oholders.values():
+        for hs in elems.values():
+            n = by_rank[hs[0][0]].objects[hs[0][1]].nbytes
+            if len(hs) == 1:
+                chosen[hs[0][0]].append(("object", hs[0][1], n))
+                load[hs[0][0]] += n
+            else:
+                multi.append((n, len(multi), "object", hs))
+                replicas.append(("object", hs))
+    multi.sort(key=lambda t: (-t[0], t[1]))  # largest first; ties keep gather order
+    for n, _, kind, hs in multi:
+        loads = [load[r] for r, _ in hs]
+        r, i = hs[loads.index(min(loads))]  # least loaded, lowest rank on ties (holders in rank order)
         chosen[r].append((kind, i, n))
         load[r] += n
     # ---- files: spread each rank's items over files_per_rank files by bytes
@@ -221,12 +257,15 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePla
     for r in sorted(load):
         items = sorted(chosen.get(r, []), key=lambda t: -t[2])
         nfiles = max(1, min(files_per_rank, len(items)))
-        heap = [(0, k) for k in range(nfiles)]
         per_file: dict[int, list[tuple[str, int]]] = defaultdict(list)
-        for kind, i, n in items:
-            b, k = heapq.heappop(heap)
-            per_file[k].append((kind, i))
-            heapq.heappush(heap, (b + n, k))
+        if nfiles == 1:
+            per_file[0] = [(kind, i) for kind, i, _ in items]
+        else:
+            heap = [(0, k) for k in range(nfiles)]
+            for kind, i, n in items:
+                b, k = heapq.heappop(heap)
+                per_file[k].append((kind, i))
+                heapq.heappush(heap, (b + n, k))
         out: list[WriteItem] = []
         names: list[str] = []
         for k in range(nfiles):
@@ -239,7 +278,11 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePla
                 out.append(WriteItem(kind=kind, index=i, file=name))
         writes[r] = tuple(out)
         files[r] = tuple(names)
-    return SavePlan(writes=writes, files=files, bytes_per_rank=dict(load))
+    return SavePlan(writes=writes, files=files, bytes_per_rank=dict(load), replicas=tuple(replicas))
+
+
+def plans_by_rank(plans: Sequence[LocalPlan]) -> dict[int, LocalPlan]:
+    return {p.rank: p for p in plans}
 
 
 def _check_coverage(fqn: str, gshape: Shape, chunks: dict[tuple, list[tuple[int, int]]]) -> None:

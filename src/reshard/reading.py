@@ -26,6 +26,7 @@ from .errors import IntegrityError, ManifestError
 from .manifest import Chunk, Manifest
 from .options import LoadOptions
 from .planning import ReadItem, Request, _strides
+from .shardfile import BlockTables
 from .sharding import torch_dtype
 from .storage import Storage
 
@@ -122,6 +123,7 @@ class Reader:
     def __init__(self, st: Storage, ckpt: str, m: Manifest, opts: LoadOptions):
         self.st, self.ckpt, self.m, self.opts = st, ckpt, m, opts
         self.written: list[str] = []
+        self.tables = BlockTables(st, ckpt, m)
         self._seen: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -187,7 +189,7 @@ class Reader:
         spans: list[tuple[str, Chunk, int, int]] = []
         for (fqn, ci), items in groups.items():
             c = self.m.tensors[fqn].chunks[ci]
-            if not c.checksums:
+            if not BlockTables.has(c):
                 raise IntegrityError(
                     f"{self.st.join(self.ckpt, c.file)}: {fqn!r} chunk at {list(c.global_offset)} was "
                     "saved without checksums: LoadOptions(verify_first=True) cannot verify it")
@@ -214,15 +216,16 @@ class Reader:
     def verify(self, fqn: str, c: Chunk, lo: int, data: torch.Tensor) -> None:
         """Check the blocks of chunk ``c`` that ``data`` (chunk bytes from
         ``lo``, block aligned) holds."""
-        if not self.opts.checksums or not c.checksums:
+        if not self.opts.checksums or not BlockTables.has(c):
             return
+        sums = self.tables.sums(c)
         b = self.m.checksum_block_bytes
         mv = memoryview(data.numpy().data) if data.numel() else memoryview(b"")
         n = len(mv)
         for k in range(lo // b, -(-(lo + n) // b)):
             a = k * b - lo
             seg = mv[a:min(a + b, n)]
-            if xxhash.xxh3_64_hexdigest(seg) != c.checksums[k]:
+            if xxhash.xxh3_64_hexdigest(seg) != sums[k]:
                 raise IntegrityError(
                     f"{self.st.join(self.ckpt, c.file)}: checksum mismatch in {fqn!r} (chunk at "
                     f"{list(c.global_offset)}, block {k}, file bytes [{c.offset + k * b}, "
@@ -232,7 +235,7 @@ class Reader:
     def span(self, c: Chunk, items: list[tuple[ReadItem, Target]]) -> tuple[int, int]:
         lo = min(i.byte_start for i, _ in items)
         hi = max(i.byte_stop for i, _ in items)
-        if self.opts.checksums and c.checksums:
+        if self.opts.checksums and BlockTables.has(c):
             b = self.m.checksum_block_bytes
             lo = lo // b * b
             hi = min(-(-hi // b) * b, c.length)

@@ -13,7 +13,7 @@ import msgspec
 import xxhash
 
 from . import codec
-from .collectives import Collectives, get_collectives
+from .collectives import Collectives, drive, get_collectives, group_key
 from .commit import (
     attempt_path,
     check_attempt,
@@ -23,18 +23,21 @@ from .commit import (
     publish,
     sign_manifest,
 )
+from .coordination import (
+    PLAN_CACHE,
+    Assignment,
+    RankSave,
+    integrity_check_assignment,
+    report_bytes,
+    save_steps,
+)
 from .errors import CheckpointError, ShardingError, StorageError, outcome, raise_agreed
 from .manifest import (
     MANIFEST_NAME,
-    Chunk,
-    FileEntry,
     Manifest,
-    ObjectChunk,
-    ObjectEntry,
-    TensorEntry,
 )
 from .options import SaveOptions
-from .planning import LocalObjectItem, LocalPlan, LocalTensorItem, SavePlan, plan_save
+from .planning import LocalObjectItem, LocalPlan, LocalTensorItem
 from .shardfile import FileItem, block_digests, digest_of, tensor_bytes, write_shard_file
 from .sharding import ShardedTensor, dtype_name
 from .storage import Storage, resolve
@@ -191,54 +194,23 @@ def finish_digests(snap: Snapshot, options: SaveOptions) -> None:
             snap.tensors[i] = (item, mv, sums if options.checksums else None)
 
 
-def _check_values(plans: list[dict[str, Any]]) -> None:
-    ref = plans[0]["value_digests"]
-    for r, p in enumerate(plans[1:], start=1):
-        d = p["value_digests"]
-        if d != ref:
-            keys = sorted(k for k in set(d) | set(ref) if d.get(k) != ref.get(k))
-            raise ShardingError(
-                f"common values differ between rank 0 and rank {r} at {keys[:10]} "
-                "(plain values and plain tensors (<tensor>) must be held, equal, by every rank; "
-                "per-rank values are ShardedObjects, per-rank tensors ShardedTensors; an empty "
-                "list is a plain value: a rank that holds no shard of a tensor leaves its key out)"
-            )
+def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignment,
+            options: SaveOptions) -> tuple[bytes, int]:
+    """Write this rank's files of ``assignment``; returns the write report for
+    the coordinator (see :class:`reshard.coordination.Report`) and the bytes
+    written."""
+    from .sharding import itemsize as isz
 
+    per_file: list[list[tuple[int, int, int]]] = [[] for _ in assignment.files]
+    for pos, (kind, i, fi) in enumerate(assignment.writes):
+        per_file[fi].append((pos, kind, i))
+    placed: list[tuple[int, int, str, int]] = [(0, 0, "", -1)] * len(assignment.writes)
 
-def _merge_aliases(plans: list[LocalPlan]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for p in plans:
-        for a, t in p.aliases.items():
-            if out.setdefault(a, t) != t:
-                raise ShardingError(f"{a}: aliased to {out[a]!r} on one rank and {t!r} on rank {p.rank}")
-    # a name aliased on one rank (it shares memory with another) but saved as a tensor of its
-    # own elsewhere would be both in the manifest, its replicas never compared
-    saved = {it.fqn: p.rank for p in plans for it in p.tensors}
-    for a, t in out.items():
-        if a in saved:
-            raise ShardingError(
-                f"{a}: shares memory with {t!r} on one rank (a tie) but is a tensor of its own on "
-                f"rank {saved[a]}; declare it the same way on every rank (distinct names that "
-                "must not be tied need memory of their own)")
-    return out
-
-
-def persist(storage: Storage, attempt: str, snap: Snapshot, plan: SavePlan, rank: int,
-            options: SaveOptions) -> dict[str, Any]:
-    """Write this rank's files of ``plan``; returns what the coordinator needs
-    for the manifest (JSON-safe)."""
-    files: dict[str, list[tuple[str, int]]] = {}
-    for w in plan.writes.get(rank, ()):
-        files.setdefault(w.file, []).append((w.kind, w.index))
-
-    def write_one(name: str) -> dict[str, Any]:
-        entries = files[name]
+    def write_one(fi: int) -> tuple[int, str, int]:
         items: list[FileItem] = []
-        for kind, i in entries:
-            if kind == "tensor":
+        for _pos, kind, i in per_file[fi]:
+            if kind == 0:
                 it, mv, sums = snap.tensors[i]
-                from .sharding import itemsize as isz
-
                 shape = (it.flattened_range[1] - it.flattened_range[0],) if it.flattened_range else it.local_shape
                 items.append(FileItem(name=_storage_key(it), dtype=it.dtype, shape=tuple(shape), data=mv,
                                       itemsize=isz(it.dtype), checksums=sums))
@@ -248,62 +220,24 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, plan: SavePlan, rank
                 items.append(FileItem(name=key, dtype="uint8", shape=(len(raw),),
                                       data=memoryview(raw), itemsize=1))
         size, checksum, written = write_shard_file(
-            storage, storage.join(attempt, name), items, block_bytes=options.checksum_block_bytes,
-            checksums=options.checksums, durable=options.durable)
-        return {"name": name, "size": size, "checksum": checksum,
-                "items": [[kind, i, w.offset, w.length, list(w.checksums)]
-                          for (kind, i), w in zip(entries, written, strict=True)]}
+            storage, storage.join(attempt, assignment.files[fi]), items,
+            block_bytes=options.checksum_block_bytes, checksums=options.checksums, durable=options.durable,
+            block_table=True)
+        blocks = 0
+        for (pos, _, _), w in zip(per_file[fi], written, strict=True):
+            placed[pos] = (w.offset, w.length, w.root, w.block_index)
+            blocks += len(w.checksums) if w.block_index >= 0 else 0
+        return size, checksum, blocks
 
-    names = list(files)
-    if len(names) <= 1:
-        results = [write_one(n) for n in names]
+    n = len(assignment.files)
+    if n <= 1:
+        files = [write_one(k) for k in range(n)]
     else:
-        with ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="reshard-write") as ex:
-            results = list(ex.map(write_one, names))
-    return {"files": results}
-
-
-def build_manifest(
-    plans: list[LocalPlan], written: list[dict[str, Any]], *, attempt_id: str, step: int | None,
-    options: SaveOptions, values_json: Any, aliases: dict[str, str], world_size: int,
-) -> Manifest:
-    tensors: dict[str, dict[str, Any]] = {}
-    objects: dict[str, dict[str, Any]] = {}
-    files: dict[str, FileEntry] = {}
-    for rank, rep in enumerate(written):
-        lp = plans[rank]
-        for f in rep["files"]:
-            files[f["name"]] = FileEntry(size=f["size"], checksum=f["checksum"])
-            for kind, i, off, length, sums in f["items"]:
-                if kind == "tensor":
-                    it = lp.tensors[i]
-                    e = tensors.setdefault(it.fqn, {"dtype": it.dtype, "global_shape": it.global_shape,
-                                                    "chunks": []})
-                    e["chunks"].append(Chunk(global_offset=it.global_offset, local_shape=it.local_shape,
-                                             flattened_range=it.flattened_range, file=f["name"],
-                                             offset=off, length=length, checksums=tuple(sums)))
-                else:
-                    ob = lp.objects[i]
-                    oe = objects.setdefault(ob.key, {"global_shape": ob.global_shape, "chunks": []})
-                    oe["chunks"].append(ObjectChunk(global_offset=ob.global_offset, file=f["name"],
-                                                    offset=off, length=length, checksums=tuple(sums)))
-    m = Manifest(
-        attempt_id=attempt_id, created_at=round(time.time(), 3), world_size=world_size,
-        checksum_block_bytes=options.checksum_block_bytes, schema_version=options.schema_version,
-        step=step, mesh=options.mesh,
-        tensors={k: TensorEntry(dtype=v["dtype"], global_shape=v["global_shape"],
-                                chunks=tuple(sorted(v["chunks"], key=lambda c: (c.global_offset, c.flattened_range or (0, 0)))))
-                 for k, v in sorted(tensors.items())},
-        objects={k: ObjectEntry(global_shape=v["global_shape"],
-                                chunks=tuple(sorted(v["chunks"], key=lambda c: c.global_offset)))
-                 for k, v in sorted(objects.items())},
-        values=values_json, aliases=dict(sorted(aliases.items())),
-        files=dict(sorted(files.items())), extra=dict(options.extra),
-        parent=options.parent, lineage=options.lineage,
-    )
-    if options.hmac_key is not None:
-        m = sign_manifest(m, options.hmac_key)
-    return m
+        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="reshard-write") as ex:
+            files = list(ex.map(write_one, range(n)))
+    digests = [snap.tensors[i][0].digest if kind == 0 else snap.objects[i][0].digest
+               for kind, i in assignment.check]
+    return report_bytes(files, placed, digests), sum(f[0] for f in files)
 
 
 def check_step(step: Any) -> int | None:
@@ -390,82 +324,62 @@ def run_save(
     step: int | None, options: SaveOptions, t0: float, on_attempt: Any = None, abort: Any = None,
 ) -> SaveResult:
     """Plan, persist, validate and publish a collected snapshot (shared by
-    ``save`` and the background thread of ``async_save``)."""
+    ``save`` and the background thread of ``async_save``), through the
+    coordinator protocol of :func:`reshard.coordination.save_steps`; the
+    plan is reused from the cache when no rank's structure changed."""
     timings: dict[str, float] = {"stage": time.perf_counter() - t0}
     rank = coll.rank
-    local: dict[str, Any] = {}
-    try:
-        if err is not None:
-            raise err
-        assert snap is not None
-        if rank == 0:
-            local.update(open_attempt(st, key, options))
+    lp = None
+    if snap is not None:
         lp = LocalPlan(rank=rank, tensors=tuple(t for t, _, _ in snap.tensors),
                        objects=tuple(o for o, _ in snap.objects), aliases=snap.aliases)
-        local["plan"] = msgspec.to_builtins(lp)
-        local["value_digests"] = snap.value_digests
-    except Exception as e:  # noqa: BLE001
-        err = e
-    t1 = time.perf_counter()
-    gathered = coll.all_gather_json(outcome(rank, err, **local))
-    if gathered[0].get("error") is None:
-        attempt, target = gathered[0]["attempt_path"], gathered[0]["target"]
-    else:
-        attempt = target = None
-    try:
-        raise_agreed("save", gathered, err)
-    except CheckpointError:
-        if attempt is not None:
-            discard_attempt(coll, st, attempt)
-        raise
-    assert snap is not None and attempt is not None and target is not None
-    attempt_id = gathered[0]["attempt"]
-    try:
-        # deterministic over the gathered plans: every rank computes (or fails) the same
-        plans = [msgspec.convert(g["plan"], LocalPlan) for g in gathered]
-        _check_values(gathered)
-        aliases = _merge_aliases(plans)
-        plan = plan_save(plans, files_per_rank=options.files_per_rank)
-    except Exception:
-        discard_attempt(coll, st, attempt)
-        raise
-    agree_attempt_location(coll, st, key, gathered[0])
-    timings["plan"] = time.perf_counter() - t1
-    if on_attempt is not None:
-        on_attempt(attempt)
-    t2 = time.perf_counter()
-    written: dict[str, Any] | None = None
-    err = None
-    try:  # into the coordinator's attempt, which this rank has been shown to see
-        written = persist(st, attempt, snap, plan, rank, options)
-    except OSError as e:  # a backend that raised a bare OSError: the store failed
-        err = StorageError(f"{key}: writing rank {rank}'s files failed: {type(e).__name__}: {e}")
-        err.__cause__ = e
-    except Exception as e:  # noqa: BLE001
-        err = e
-    timings["write"] = time.perf_counter() - t2
-    reports = agree_or_discard(coll, st, attempt, "save", outcome(rank, err, written=written), err)
-    t3 = time.perf_counter()
-    manifest = None
-    err = None
-    if rank == 0:
-        try:
-            if abort is not None and abort.is_set():
-                raise CheckpointError(f"{key}: save abandoned before publishing")
-            manifest = build_manifest(plans, [r["written"] for r in reports], attempt_id=attempt_id,
-                                      step=step, options=options, values_json=snap.values_json,
-                                      aliases=aliases, world_size=coll.world_size)
-            publish(st, attempt, target, manifest, overwrite=options.overwrite,
-                    durable=options.durable)
-        except Exception as e:  # noqa: BLE001
-            err = e
-    agree_or_discard(coll, st, attempt, "save (publish)", outcome(rank, err), err)
-    timings["commit"] = time.perf_counter() - t3
-    total = sum(f["size"] for r in reports for f in r["written"]["files"])
-    nfiles = sum(len(r["written"]["files"]) for r in reports)
-    mine = sum(f["size"] for f in reports[rank]["written"]["files"])
-    return SaveResult(path=key, step=step, attempt_id=attempt_id, bytes_written=mine,
-                      total_bytes=total, num_files=nfiles, timings=timings, manifest=manifest)
+    gkey = group_key(coll)
+
+    def check_location(info: dict[str, Any]) -> None:
+        check_attempt_location(coll.rank, st, key, info)
+
+    def do_persist(info: dict[str, Any], assignment: Assignment) -> tuple[bytes, int]:
+        assert snap is not None and lp is not None
+        integrity_check_assignment(assignment, lp)
+        attempt = info["attempt_path"]
+        if on_attempt is not None:
+            on_attempt(attempt)
+        try:  # into the coordinator's attempt, which this rank has been shown to see
+            return persist(st, attempt, snap, assignment, options)
+        except OSError as e:  # a backend that raised a bare OSError: the store failed
+            raise StorageError(f"{key}: writing rank {rank}'s files failed: {type(e).__name__}: {e}") from e
+
+    def do_publish(info: dict[str, Any], manifest: Manifest) -> None:
+        if abort is not None and abort.is_set():
+            raise CheckpointError(f"{key}: save abandoned before publishing")
+        if options.hmac_key is not None:
+            manifest = sign_manifest(manifest, options.hmac_key)
+        publish(st, info["attempt_path"], info["target"], manifest, overwrite=options.overwrite,
+                durable=options.durable)
+        published.append(manifest)
+
+    def manifest_args() -> dict[str, Any]:
+        assert snap is not None
+        return dict(step=step, checksum_block_bytes=options.checksum_block_bytes,
+                    schema_version=options.schema_version, mesh=options.mesh,
+                    values=snap.values_json, extra=dict(options.extra), parent=options.parent,
+                    lineage=options.lineage)
+
+    published: list[Manifest] = []
+    ctx = RankSave(rank=rank, world_size=coll.world_size, plan=lp,
+                   value_digests=snap.value_digests if snap is not None else {}, err=err,
+                   files_per_rank=options.files_per_rank, begin=lambda: open_attempt(st, key, options),
+                   check_location=check_location, persist=do_persist, publish=do_publish,
+                   discard=lambda info: discard_attempt(coll, st, info["attempt_path"]),
+                   manifest_args=manifest_args, cache=PLAN_CACHE.pop(gkey, None))
+    out = drive(coll, save_steps(ctx))
+    if ctx.new_cache is not None:
+        PLAN_CACHE[gkey] = ctx.new_cache
+    timings.update(ctx.timings)
+    timings["cached_plan"] = float(out.cached)
+    return SaveResult(path=key, step=step, attempt_id=out.attempt_id, bytes_written=out.bytes_written,
+                      total_bytes=out.total_bytes, num_files=out.num_files, timings=timings,
+                      manifest=published[0] if published else None)
 
 
 def open_attempt(st: Storage, key: str, options: SaveOptions) -> dict[str, Any]:
@@ -492,6 +406,23 @@ def open_attempt(st: Storage, key: str, options: SaveOptions) -> dict[str, Any]:
     return {"target": target, "attempt": attempt_id, "attempt_path": attempt, "nonce": nonce}
 
 
+def check_attempt_location(rank: int, st: Storage, key: str, coord: dict[str, Any]) -> None:
+    """This rank names the coordinator's checkpoint (same canonical spelling)
+    and sees the coordinator's attempt (reads the nonce back through its own
+    storage).
+
+    Raises:
+        CheckpointError: a different checkpoint, or the attempt is not visible.
+    """
+    mine = st.canonical(key)
+    if mine != coord["target"]:
+        raise CheckpointError(
+            f"rank {rank} names checkpoint {mine!r}, the coordinator (rank 0) names "
+            f"{coord['target']!r}: every rank must pass the same checkpoint path (no per-rank "
+            "names, relative paths resolved in one directory)")
+    check_attempt(st, coord["attempt_path"], coord["nonce"], rank=rank)
+
+
 def agree_attempt_location(coll: Collectives, st: Storage, key: str, coord: dict[str, Any]) -> None:
     """Every rank, before writing any data: the checkpoint this rank named is
     the coordinator's (same canonical spelling), and this rank sees the
@@ -508,13 +439,7 @@ def agree_attempt_location(coll: Collectives, st: Storage, key: str, coord: dict
     """
     err: BaseException | None = None
     try:
-        mine = st.canonical(key)
-        if mine != coord["target"]:
-            raise CheckpointError(
-                f"rank {coll.rank} names checkpoint {mine!r}, the coordinator (rank 0) names "
-                f"{coord['target']!r}: every rank must pass the same checkpoint path (no per-rank "
-                "names, relative paths resolved in one directory)")
-        check_attempt(st, coord["attempt_path"], coord["nonce"], rank=coll.rank)
+        check_attempt_location(coll.rank, st, key, coord)
     except Exception as e:  # noqa: BLE001 - agreed below
         err = e
     agree_or_discard(coll, st, coord["attempt_path"], "save (attempt location)",

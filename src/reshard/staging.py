@@ -219,7 +219,7 @@ def async_save(
     st, key = resolve(path, storage)
     busy = len(saver.pending) >= opts.max_pending
     if opts.if_busy == "skip":
-        busy = any(saver.ctl.all_gather_json(busy))
+        busy = saver.ctl.all_reduce_ints([int(busy)], "max")[0] > 0
         if busy:
             warnings.warn(f"async_save of step {step} skipped: {len(saver.pending)} save(s) still "
                           "in flight", RuntimeWarning, stacklevel=2)

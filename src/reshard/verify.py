@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import codec
 from .commit import Entry, committed, read_head, read_manifest, torn_files
-from .errors import CheckpointError, CheckpointNotFoundError, ShardingError
+from .errors import CheckpointError, CheckpointNotFoundError, IntegrityError, ShardingError
 from .manifest import Manifest
 from .planning import _check_coverage
-from .shardfile import block_digests, file_checksum
+from .shardfile import BlockTables, block_digests, file_checksum
 from .storage import Storage, resolve
 
 _READ = 8 << 20
@@ -142,20 +143,31 @@ def _verify_checksums(st: Storage, key: str, m: Manifest, files: set[str], probl
     """Recompute every block digest of every chunk and object, and every
     file's hash tree from them, reading each file once. Returns bytes read."""
     b = m.checksum_block_bytes
-    per_file: dict[str, list[tuple[int, int, tuple[str, ...], str]]] = defaultdict(list)
+    tables = BlockTables(st, key, m)
+    per_file: dict[str, list[tuple[int, int, Any, str]]] = defaultdict(list)
+
+    def sums(c: Any) -> tuple[str, ...]:
+        try:
+            return tables.sums(c)  # from the file's block table, checked against the manifest
+        except IntegrityError as e:
+            problems.append(str(e))
+            return ("<bad block table>",) * -(-c.length // b)
+
     for fqn, te in m.tensors.items():
         for c in te.chunks:
-            per_file[c.file].append((c.offset, c.length, c.checksums,
+            per_file[c.file].append((c.offset, c.length, c,
                                      f"tensor {fqn!r} chunk at {list(c.global_offset)}"))
     for k, oe in m.objects.items():
         for oc in oe.chunks:
-            per_file[oc.file].append((oc.offset, oc.length, oc.checksums,
+            per_file[oc.file].append((oc.offset, oc.length, oc,
                                       f"object {k!r} element {list(oc.global_offset)}"))
     checked = 0
     for name in sorted(files):
         p = st.join(key, name)
         fe = m.files[name]
-        items = sorted(per_file.get(name, []))
+        items = [(off, n, sums(c), what) for off, n, c, what in
+                 sorted(per_file.get(name, []), key=lambda i: (i[0], i[1]))]
+        checked += 8 * fe.blocks  # the block table, read and checked against the manifest
         first = items[0][0] if items else fe.size
         prefix = st.read_bytes(p, 0, first)
         checked += first

@@ -35,7 +35,7 @@ from typing import Any
 
 __all__ = ["WorkerError", "WorkerPool"]
 
-MAX_WORLD_SIZE = 8
+MAX_WORLD_SIZE = 16
 Failure = tuple[str, str, str]  # (exception type name, message, traceback text)
 
 

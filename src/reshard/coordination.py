@@ -1,0 +1,460 @@
+"""Coordinator planning of a save: who sends what to whom (DESIGN.md section 1,
+"Coordination budget").
+
+The protocol of one save is written once, as a generator of collective
+requests (:func:`save_steps`), so that the real save (driven over a
+:class:`~reshard.collectives.Collectives` by :func:`~reshard.collectives.drive`)
+and the scale simulator (which runs N of them in lockstep in one process,
+:mod:`reshard.testing.simulate`) execute the same rank and coordinator code::
+
+    all ranks   agree (1 all-reduce): failures, structure hash vs cache, values hash
+    coordinator broadcast the attempt (target, attempt path, nonce); every rank
+                checks it sees the attempt before writing (agreed below)
+    (planned)   gather local plans -> coordinator: validate, dedup, balance (plan_save)
+                -> agree -> scatter: each rank receives only its own assignment
+    (cached)    every rank reuses its cached assignment -> agree (location only)
+    all ranks   write their files -> agree -> gather write reports -> coordinator
+    coordinator rebuild the manifest from the layout + reports, compare replica
+                digests, publish -> agree (carrying the totals)
+
+The cache lives in this process (:data:`PLAN_CACHE`, per group); it is
+invalidated on every rank by any change on any rank (the all-reduce of the
+structure hash), and dropped by any failed save. It is not rebuilt from a
+committed manifest after a restart: the first save of a new process plans.
+
+Messages are msgpack (msgspec) records encoded as arrays, with each rank's fqns
+interned in a table. Nothing here does I/O: writing, publishing and discarding
+are callbacks of :class:`RankSave`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import xxhash
+
+from .collectives import Request, agree_steps
+from .errors import CheckpointError, IntegrityError, ShardingError
+from .manifest import Chunk, FileEntry, Manifest, ObjectChunk, ObjectEntry, TensorEntry
+from .planning import LocalObjectItem, LocalPlan, LocalTensorItem, plan_save
+
+_MASK = (1 << 62) - 1
+
+
+# ----------------------------------------------------------------------------- messages
+
+
+class WireTensor(LocalTensorItem, array_like=True, frozen=True, gc=False):
+    """A :class:`~reshard.planning.LocalTensorItem` encoded as an array (the
+    planner reads it as it is: decoding is the only per-item cost). A table of
+    interned fqns did not pay here: a rank's fqns are nearly all distinct."""
+
+
+class WireObject(LocalObjectItem, array_like=True, frozen=True, gc=False):
+    """A :class:`~reshard.planning.LocalObjectItem` encoded as an array."""
+
+
+class WirePlan(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """What a rank sends the coordinator when planning (gather)."""
+
+    rank: int
+    struct_hash: int
+    tensors: list[WireTensor]
+    objects: list[WireObject]
+    aliases: dict[str, str]
+    value_digests: dict[str, str]
+
+
+class Assignment(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """What one rank receives (scatter): its plan's id, the files it writes and,
+    in file order, ``writes``: ``(kind, local index, file index)`` (kind 0: a
+    tensor item, 1: an object item); ``check``: ``(kind, local index)`` of the
+    replicated items whose digest the coordinator compares at every save."""
+
+    plan_id: int
+    files: list[str]
+    writes: list[tuple[int, int, int]]
+    check: list[tuple[int, int]]
+
+
+class Report(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """What a rank sends the coordinator after writing (gather): per file of its
+    assignment ``(size, checksum, block-table entries)``; per write ``(offset,
+    length, root digest, first block index)`` (bytes; the per-block digests
+    stay in the file's block table); the digests of its ``check`` items."""
+
+    files: list[tuple[int, str, int]]
+    writes: list[tuple[int, int, str, int]]
+    digests: list[str]
+
+
+_ENC = msgspec.msgpack.Encoder()
+_DEC_PLAN = msgspec.msgpack.Decoder(WirePlan)
+_DEC_ASSIGN = msgspec.msgpack.Decoder(Assignment)
+_DEC_REPORT = msgspec.msgpack.Decoder(Report)
+
+# ----------------------------------------------------------------------------- rank side
+
+
+def structure_hash(lp: LocalPlan, *, world_size: int, files_per_rank: int) -> int:
+    """63-bit hash of everything the plan depends on: the rank, world size,
+    file options, and per item fqn, dtype, shapes, offsets, flat range and
+    replica id (not digests or object sizes, which change between saves)."""
+    h = xxhash.xxh3_64()
+    h.update(_ENC.encode([lp.rank, world_size, files_per_rank, sorted(lp.aliases.items())]))
+    h.update(_ENC.encode([(t.fqn, t.dtype, t.global_shape, t.global_offset, t.local_shape,
+                           t.flattened_range, t.replica_id) for t in lp.tensors]))
+    h.update(_ENC.encode([(o.key, o.global_shape, o.global_offset, o.replica_id) for o in lp.objects]))
+    return h.intdigest() & _MASK
+
+
+def values_hash(value_digests: dict[str, str]) -> int:
+    return xxhash.xxh3_64_intdigest(_ENC.encode(sorted(value_digests.items()))) & _MASK
+
+
+def encode_plan(lp: LocalPlan, struct_hash: int, value_digests: dict[str, str]) -> bytes:
+    tf, of = LocalTensorItem.__struct_fields__, LocalObjectItem.__struct_fields__
+    tensors = [WireTensor(*[getattr(t, f) for f in tf]) for t in lp.tensors]
+    objects = [WireObject(*[getattr(o, f) for f in of]) for o in lp.objects]
+    return _ENC.encode(WirePlan(rank=lp.rank, struct_hash=struct_hash, tensors=tensors, objects=objects,
+                                aliases=dict(lp.aliases), value_digests=value_digests))
+
+
+def decode_plan(raw: bytes) -> tuple[LocalPlan, int, dict[str, str]]:
+    w = _DEC_PLAN.decode(raw)
+    return (LocalPlan(rank=w.rank, tensors=tuple(w.tensors), objects=tuple(w.objects), aliases=w.aliases),
+            w.struct_hash, w.value_digests)
+
+
+# ----------------------------------------------------------------------------- coordinator
+
+
+@dataclass
+class Layout:
+    """The coordinator's view of a plan, kept between saves (plan cache):
+    every rank's local items (structure), assignment, and the replica groups
+    whose digests are compared: ``(kind, fqn/key)`` -> ``[(rank, check index)]``."""
+
+    plan_id: int
+    plans: list[LocalPlan]
+    assignments: list[Assignment]
+    replicas: list[list[tuple[int, int]]]
+    replica_names: list[str]
+    aliases: dict[str, str]
+
+
+def check_values(digests: Sequence[dict[str, str]]) -> None:
+    """Common values (and plain-tensor presence) must agree on every rank."""
+    ref = digests[0]
+    for r, d in enumerate(digests[1:], start=1):
+        if d != ref:
+            keys = sorted(k for k in set(d) | set(ref) if d.get(k) != ref.get(k))
+            raise ShardingError(
+                f"common values differ between rank 0 and rank {r} at {keys[:10]} "
+                "(plain values and plain tensors (<tensor>) must be held, equal, by every rank; "
+                "per-rank values are ShardedObjects, per-rank tensors ShardedTensors; an empty "
+                "list is a plain value: a rank that holds no shard of a tensor leaves its key out)"
+            )
+
+
+def merge_aliases(plans: Sequence[LocalPlan]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for p in plans:
+        for a, t in p.aliases.items():
+            if out.setdefault(a, t) != t:
+                raise ShardingError(f"{a}: aliased to {out[a]!r} on one rank and {t!r} on rank {p.rank}")
+    if out:
+        # a name aliased on one rank but saved as a tensor of its own elsewhere would be both
+        saved = {it.fqn: p.rank for p in plans for it in p.tensors if it.fqn in out}
+        for a, t in out.items():
+            if a in saved:
+                raise ShardingError(
+                    f"{a}: shares memory with {t!r} on one rank (a tie) but is a tensor of its own on "
+                    f"rank {saved[a]}; declare it the same way on every rank (distinct names that "
+                    "must not be tied need memory of their own)")
+    return out
+
+
+def coordinate(messages: Sequence[bytes], *, files_per_rank: int) -> tuple[list[bytes], Layout]:
+    """The coordinator's planning: decode every rank's plan, validate (values,
+    aliases, dtype/shape conflicts, replica digests, coverage), deduplicate
+    and balance (:func:`~reshard.planning.plan_save`), and encode each rank's
+    assignment. Deterministic in the messages.
+
+    Raises:
+        ShardingError: as plan_save, or differing common values or aliases.
+    """
+    decoded = [decode_plan(m) for m in messages]
+    plans = [d[0] for d in decoded]
+    check_values([d[2] for d in decoded])
+    aliases = merge_aliases(plans)
+    plan = plan_save(plans, files_per_rank=files_per_rank)
+    h = xxhash.xxh3_64()
+    for _, sh, _ in decoded:
+        h.update(sh.to_bytes(8, "little"))
+    plan_id = (h.intdigest() & _MASK) | 1
+    # replica groups (more than one holder): their digests are compared at every save
+    checks: list[list[tuple[int, int]]] = [[] for _ in plans]
+    replicas: list[list[tuple[int, int]]] = []
+    names: list[str] = []
+    for kind, hs in plan.replicas:
+        k = 0 if kind == "tensor" else 1
+        group = []
+        for r, i in hs:
+            cr = checks[r]
+            group.append((r, len(cr)))
+            cr.append((k, i))
+        replicas.append(group)
+        r, i = hs[0]
+        it = plans[r].tensors[i] if kind == "tensor" else plans[r].objects[i]
+        names.append(f"{getattr(it, 'fqn', None) or getattr(it, 'key', '')} at {list(it.global_offset)}")
+    assignments = []
+    for p in plans:
+        files = list(plan.files.get(p.rank, ()))
+        index = {f: k for k, f in enumerate(files)}
+        writes = [(0 if w.kind == "tensor" else 1, w.index, index[w.file]) for w in plan.writes.get(p.rank, ())]
+        assignments.append(Assignment(plan_id=plan_id, files=files, writes=writes, check=checks[p.rank]))
+    layout = Layout(plan_id=plan_id, plans=plans, assignments=assignments, replicas=replicas,
+                    replica_names=names, aliases=aliases)
+    return [_ENC.encode(a) for a in assignments], layout
+
+
+def build_manifest(layout: Layout, reports: Sequence[bytes], *, attempt_id: str, step: int | None,
+                   checksum_block_bytes: int, schema_version: str | None, mesh: dict[str, Any] | None,
+                   values: Any, extra: dict[str, Any], parent: str | None = None,
+                   lineage: str | None = None) -> Manifest:
+    """The manifest from the layout and every rank's write report: compares
+    the digests of every replica group, then places each written item at the
+    offset, length and checksums its writer reported. Deterministic.
+
+    Raises:
+        ShardingError: replicas whose digests differ (named by fqn and ranks).
+        CheckpointError: a report that does not match its assignment.
+    """
+    reps = [_DEC_REPORT.decode(b) for b in reports]
+    for r, (a, rep) in enumerate(zip(layout.assignments, reps, strict=True)):
+        if len(rep.files) != len(a.files) or len(rep.writes) != len(a.writes) or len(rep.digests) != len(a.check):
+            raise CheckpointError(f"rank {r}'s write report does not match its assignment")
+    for name, group in zip(layout.replica_names, layout.replicas, strict=True):
+        ref = reps[group[0][0]].digests[group[0][1]]
+        if any(reps[r].digests[k] != ref for r, k in group[1:]):
+            by: dict[str, list[int]] = defaultdict(list)
+            for r, k in group:
+                by[reps[r].digests[k]].append(r)
+            parts = sorted(by.values(), key=lambda rs: (-len(rs), rs))
+            raise ShardingError(f"{name}: replicas differ: ranks {parts[0]} hold one value, "
+                                + ", ".join(f"ranks {rs} another" for rs in parts[1:])
+                                + " (replicated data must be identical on every holder)")
+    tensors: dict[str, tuple[str, tuple[int, ...], list[Chunk]]] = {}
+    objects: dict[str, tuple[tuple[int, ...], list[ObjectChunk]]] = {}
+    files: dict[str, FileEntry] = {}
+    for lp, a, rep in zip(layout.plans, layout.assignments, reps, strict=True):
+        for name, (size, checksum, blocks) in zip(a.files, rep.files, strict=True):
+            files[name] = FileEntry(size=size, checksum=checksum, blocks=blocks)
+        for (kind, i, fi), (off, length, root, bi) in zip(a.writes, rep.writes, strict=True):
+            if kind == 0:
+                it = lp.tensors[i]
+                e = tensors.get(it.fqn)
+                if e is None:
+                    e = tensors[it.fqn] = (it.dtype, it.global_shape, [])
+                e[2].append(Chunk(it.global_offset, it.local_shape, a.files[fi], off, length, (),
+                                  it.flattened_range, root, bi))
+            else:
+                ob = lp.objects[i]
+                oe = objects.get(ob.key)
+                if oe is None:
+                    oe = objects[ob.key] = (ob.global_shape, [])
+                oe[1].append(ObjectChunk(ob.global_offset, a.files[fi], off, length, (), root, bi))
+    return Manifest(
+        attempt_id=attempt_id, created_at=round(time.time(), 3), world_size=len(layout.plans),
+        checksum_block_bytes=checksum_block_bytes, schema_version=schema_version, step=step, mesh=mesh,
+        tensors={k: TensorEntry(dtype=v[0], global_shape=v[1], chunks=tuple(
+            sorted(v[2], key=lambda c: (c.global_offset, c.flattened_range or (0, 0)))))
+            for k, v in sorted(tensors.items())},
+        objects={k: ObjectEntry(global_shape=v[0], chunks=tuple(sorted(v[1], key=lambda c: c.global_offset)))
+                 for k, v in sorted(objects.items())},
+        values=values, aliases=dict(sorted(layout.aliases.items())), files=dict(sorted(files.items())),
+        extra=dict(extra), parent=parent, lineage=lineage)
+
+
+# ----------------------------------------------------------------------------- plan cache
+
+
+@dataclass
+class CacheEntry:
+    """One rank's cached plan for one group: its structure hash, the agreed
+    plan id and its assignment; the coordinator also keeps the layout."""
+
+    struct_hash: int
+    plan_id: int
+    assignment: Assignment
+    layout: Layout | None = None
+
+
+#: group key (see :func:`reshard.collectives.group_key`) -> this rank's cache entry
+PLAN_CACHE: dict[Any, CacheEntry] = {}
+
+
+# ----------------------------------------------------------------------------- the protocol
+
+
+@dataclass
+class RankSave:
+    """One rank's inputs to :func:`save_steps`.
+
+    ``begin()`` (coordinator only): check the target, create the attempt and
+    return what every rank needs to find it (JSON-safe, with at least
+    ``"attempt"``, the attempt id); broadcast to every rank as ``info``.
+    ``check_location(info)`` (every rank, before writing): this rank sees it.
+    ``persist(info, assignment) -> (report bytes, bytes written)``.
+    ``publish(info, manifest)``, ``discard(info)``: coordinator only.
+    """
+
+    rank: int
+    world_size: int
+    plan: LocalPlan | None
+    value_digests: dict[str, str]
+    err: BaseException | None
+    files_per_rank: int
+    begin: Callable[[], dict[str, Any]]
+    check_location: Callable[[dict[str, Any]], None]
+    persist: Callable[[dict[str, Any], Assignment], tuple[bytes, int]]
+    publish: Callable[[dict[str, Any], Manifest], None]
+    discard: Callable[[dict[str, Any]], None]
+    manifest_args: Callable[[], dict[str, Any]]
+    cache: CacheEntry | None = None
+    new_cache: CacheEntry | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SaveOutcome:
+    attempt_id: str
+    cached: bool
+    bytes_written: int
+    total_bytes: int
+    num_files: int
+    manifest: Manifest | None
+
+
+def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
+    """The save protocol of one rank (see the module docstring); yields
+    collective requests, returns the outcome; raises the agreed error on
+    every rank when any rank failed. On success ``ctx.new_cache`` holds the
+    entry to cache (None when the save failed)."""
+    rank, err = ctx.rank, ctx.err
+    info: dict[str, Any] | None = None
+    sh = vh = 0
+    if err is None:
+        try:
+            assert ctx.plan is not None
+            sh = structure_hash(ctx.plan, world_size=ctx.world_size, files_per_rank=ctx.files_per_rank)
+            vh = values_hash(ctx.value_digests)
+            if rank == 0:
+                info = ctx.begin()
+        except Exception as e:  # noqa: BLE001 - agreed below
+            err = e
+    c = ctx.cache
+    changed = 0 if c is not None and c.struct_hash == sh else 1
+    pid = c.plan_id if c is not None else 0
+
+    def discard() -> None:
+        if rank == 0 and info is not None:
+            ctx.discard(info)
+
+    try:
+        red = yield from agree_steps(rank, "save", err, [changed, pid, -pid, vh, -vh])
+    except CheckpointError:
+        discard()
+        raise
+    cached = red[0] == 0 and red[1] == -red[2] != 0 and red[3] == -red[4]
+    assert ctx.plan is not None
+    t0 = time.perf_counter()
+    raw = yield ("broadcast_bytes", msgspec.json.encode(info) if rank == 0 else None)
+    info = msgspec.json.decode(raw)
+    assert info is not None
+    layout: Layout | None = None
+    err = None
+    try:
+        ctx.check_location(info)
+    except Exception as e:  # noqa: BLE001 - agreed below, before any data is written
+        err = e
+    try:
+        if cached:
+            assert c is not None
+            assignment = c.assignment
+            layout = c.layout
+            yield from agree_steps(rank, "save (attempt location)", err)
+        else:
+            got = yield ("gather_bytes", encode_plan(ctx.plan, sh, ctx.value_digests))
+            parts: list[bytes] | None = None
+            if got is not None and err is None:
+                tc = time.process_time()
+                try:
+                    parts, layout = coordinate(got, files_per_rank=ctx.files_per_rank)
+                except Exception as e:  # noqa: BLE001
+                    err = e
+                ctx.timings["coordinate_cpu"] = time.process_time() - tc
+            yield from agree_steps(rank, "save", err)
+            assignment = _DEC_ASSIGN.decode((yield ("scatter_bytes", parts)))
+    except CheckpointError:
+        discard()
+        raise
+    ctx.timings["plan"] = time.perf_counter() - t0  # wall clock, waiting included
+    t1 = time.perf_counter()
+    err = None
+    report, mine = b"", 0
+    try:
+        report, mine = ctx.persist(info, assignment)
+    except Exception as e:  # noqa: BLE001
+        err = e
+    ctx.timings["write"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    try:
+        yield from agree_steps(rank, "save", err)
+    except CheckpointError:
+        discard()
+        raise
+    reports = yield ("gather_bytes", report)
+    err = None
+    manifest = None
+    totals = [0, 0]
+    if reports is not None:
+        tm = time.process_time()
+        try:
+            assert layout is not None
+            manifest = build_manifest(layout, reports, attempt_id=str(info["attempt"]), **ctx.manifest_args())
+            ctx.timings["manifest_build_cpu"] = time.process_time() - tm
+            ctx.publish(info, manifest)
+            totals = [manifest.total_bytes, len(manifest.files)]
+        except Exception as e:  # noqa: BLE001
+            err = e
+    try:
+        totals = yield from agree_steps(rank, "save (publish)", err, totals)
+    except CheckpointError:
+        discard()
+        raise
+    ctx.timings["commit"] = time.perf_counter() - t2
+    ctx.new_cache = CacheEntry(struct_hash=sh, plan_id=assignment.plan_id, assignment=assignment,
+                               layout=layout if rank == 0 else None)
+    return SaveOutcome(attempt_id=str(info["attempt"]), cached=cached, bytes_written=mine,
+                       total_bytes=totals[0], num_files=totals[1], manifest=manifest)
+
+
+def report_bytes(files: Sequence[tuple[int, str, int]], writes: Sequence[tuple[int, int, str, int]],
+                 digests: Sequence[str]) -> bytes:
+    return _ENC.encode(Report(files=list(files), writes=list(writes), digests=list(digests)))
+
+
+def integrity_check_assignment(a: Assignment, plan: LocalPlan) -> None:
+    """A cached assignment must index this rank's current items (guards a
+    stale cache that survived a structure change)."""
+    nt, no = len(plan.tensors), len(plan.objects)
+    for kind, i, _ in a.writes:
+        if not 0 <= i < (nt if kind == 0 else no):
+            raise IntegrityError("cached save plan does not match the local state (re-plan)")
