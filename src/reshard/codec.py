@@ -163,6 +163,8 @@ def from_json(data: Any) -> Any:
         raise
     except (TypeError, ValueError, KeyError, IndexError) as e:
         raise ManifestError(f"encoded value is malformed: {type(e).__name__}: {e}") from None
+    except RecursionError:
+        raise ManifestError("encoded value is nested too deeply to decode") from None
 
 
 def _from_json(data: Any) -> Any:
@@ -251,4 +253,6 @@ def decode(raw: bytes | memoryview) -> Any:
         data = msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
         raise ManifestError(f"encoded value is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ManifestError("encoded value is nested too deeply to decode") from None
     return from_json(data)

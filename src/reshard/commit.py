@@ -246,6 +246,25 @@ def publish_marker(storage: Storage, path: str, manifest: Manifest) -> None:
             "(save under a new step)") from None
 
 
+def delete_checkpoint(storage: Storage, path: str) -> None:
+    """Delete the committed checkpoint at ``path`` so that no moment of the
+    deletion leaves a listed checkpoint with missing files. Where rename is
+    atomic, the directory is first renamed to an abandoned attempt's name
+    (``<path>.incomplete-deleting-<id>``), then deleted; elsewhere the
+    manifest (the proof of the commit) is deleted first, then the rest. An
+    interrupted deletion leaves only what ``gc`` removes."""
+    if storage.capabilities.atomic_rename:
+        doomed = f"{path}{INCOMPLETE}deleting-{os.urandom(4).hex()}"
+        storage.rename_dir(path, doomed)
+        storage.fsync_dir(storage.parent(path) or "/")
+        storage.delete_tree(doomed)
+        return
+    mpath = storage.join(path, MANIFEST_NAME)
+    if storage.exists(mpath):
+        storage.delete_tree(mpath)
+    storage.delete_tree(path)
+
+
 def read_manifest(storage: Storage, path: str, *, hmac_key: bytes | None = None) -> Manifest:
     """Read and validate the manifest of the checkpoint at ``path``.
 

@@ -37,7 +37,7 @@ from .commit import (
     RETIRED,
     Entry,
     committed,
-    new_attempt_id,
+    delete_checkpoint,
     read_head,
     read_record,
     scan,
@@ -498,18 +498,13 @@ class CheckpointManager:
     def _delete_checkpoint(self, name: str) -> None:
         """Delete a committed checkpoint so that an interruption (SIGKILL)
         never leaves a torn checkpoint listed as committed, nor a directory
-        that nothing cleans: where the store renames atomically it is first
-        renamed to ``<name>.retired-<id>`` (no longer a checkpoint; a later
-        :meth:`gc_abandoned` finishes an interrupted deletion), then
-        deleted. Its verification record goes first (a checkpoint left
+        that nothing cleans (:func:`reshard.commit.delete_checkpoint`: renamed
+        out of the committed namespace first where rename is atomic, manifest
+        first elsewhere; :meth:`gc_abandoned` finishes an interrupted
+        deletion). Its verification record goes first (a checkpoint left
         unverified is still a checkpoint; a record left without one is litter)."""
-        path = self.storage.join(self.root, name)
         self.storage.delete_tree(self._verified_path(name))
-        if self.storage.capabilities.atomic_rename:
-            retired = self.storage.join(self.root, f"{name}{RETIRED}{new_attempt_id()}")
-            self.storage.rename_dir(path, retired)
-            path = retired
-        self.storage.delete_tree(path)
+        delete_checkpoint(self.storage, self.storage.join(self.root, name))
 
     def gc_abandoned(self, grace_s: float | None = None, *, dry_run: bool = False) -> list[str]:
         """Delete ``*.incomplete-*`` attempts, ``*.retired-*`` leftovers

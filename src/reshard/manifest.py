@@ -178,6 +178,8 @@ def decode_manifest(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
         m = _DECODER.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise ManifestError(f"{where}: invalid manifest: {e}") from None
+    except RecursionError:  # JSON nested deeper than the interpreter's recursion limit
+        raise ManifestError(f"{where}: invalid manifest: nested too deeply") from None
     validate_manifest(m, where=where)
     return m
 

@@ -12,7 +12,7 @@ import io
 import os
 import pickle
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -112,13 +112,29 @@ class _MemFormat:
     value: int
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP ``.metadata`` and nothing else (see the module docstring)."""
+class _MetadataUnpickler(pickle._Unpickler):
+    """Unpickles DCP ``.metadata`` and nothing else (see the module docstring).
+
+    The pure-Python unpickler, not the C one: the C unpickler grows its memo
+    array to the index a ``LONG_BINPUT`` names (4 bytes of a crafted file can
+    ask for 2^32 entries, 32 GiB), while this one keeps the memo in a dict;
+    ``BYTEARRAY8``, which allocates its declared length before reading, is
+    refused. So no allocation exceeds what the file's own bytes can hold.
+    """
 
     def __init__(self, file: Any, *, where: str):
         super().__init__(file)
         self.where = where
         self.allowed, self.records = _make_tables()
+
+    def _refuse_bytearray(self) -> None:
+        # BYTEARRAY8 allocates its declared length (8 bytes of the file: up to 2^63)
+        # before reading; DCP metadata holds no bytearrays
+        raise ManifestError(f"{self.where}: DCP metadata holds a BYTEARRAY8 (refused: no DCP "
+                            "record is a bytearray)")
+
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
+    dispatch[pickle.BYTEARRAY8[0]] = _refuse_bytearray
 
     def find_class(self, module: str, name: str) -> Any:
         obj = self.allowed.get((module, name))

@@ -36,7 +36,7 @@ def _read_json(st: Storage, path: str, cap: int) -> Any:
         raise ManifestError(f"{path}: {size} bytes, more than the {cap} allowed")
     try:
         return json.loads(st.read_bytes(path, 0, size))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ManifestError(f"{path}: not valid JSON: {e}") from None
 
 
@@ -59,7 +59,7 @@ def _file_tensors(st: Storage, path: str, name: str) -> tuple[int, dict[str, Ten
         raise ManifestError(f"{path}: header length {hlen} is impossible for a file of {size} bytes")
     try:
         header = json.loads(st.read_bytes(path, 8, hlen))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ManifestError(f"{path}: safetensors header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise ManifestError(f"{path}: safetensors header is not a JSON object")
