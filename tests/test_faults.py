@@ -188,7 +188,7 @@ def test_interrupted_retention_never_lists_a_half_deleted_checkpoint(tmp_path):
                 break
         raise Interrupted(path)
 
-    fs = FaultStorage(LocalStorage(), [Fault(op="delete", match="step-*", action="call",
+    fs = FaultStorage(LocalStorage(), [Fault(op="delete", match="*.incomplete-deleting-*", action="call",
                                              callback=half_delete)])
     mgr = reshard.CheckpointManager(root, keep_last=1, storage=fs, preempt_signals=(), gc_grace_s=0.0)
     mgr.save(1, _state(1))

@@ -151,7 +151,7 @@ def test_retention_killed_mid_deletion_leaves_no_torn_checkpoint(tmp_path: Path)
     st = LocalStorage()
     assert [e.name for e in committed(st, str(root))] == ["step-00000002"]
     left = [e.name for e in scan(st, str(root)) if e.abandoned]
-    assert len(left) == 1 and left[0].startswith("step-00000001.retired-"), left
+    assert len(left) == 1 and left[0].startswith("step-00000001.incomplete-deleting-"), left
     assert reshard.latest(root) == str(root / "step-00000002")
     mgr = reshard.CheckpointManager(root, preempt_signals=())
     assert mgr.gc_abandoned(grace_s=0) == left

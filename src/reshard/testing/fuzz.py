@@ -155,7 +155,7 @@ def _load_dcp(d: str) -> None:
 
 
 def _load_hf(d: str) -> None:
-    import_hf = _format_fn("export", "import_hf")
+    import_hf = _format_fn("hf_import", "import_hf")
     import_hf({"w": torch.zeros(4, 6), "b": torch.zeros(5, dtype=torch.bfloat16)}, d, strict=False)
 
 
