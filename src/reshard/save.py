@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Mapping
@@ -230,11 +231,19 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
         return size, checksum, blocks
 
     n = len(assignment.files)
-    if n <= 1:
-        files = [write_one(k) for k in range(n)]
-    else:
-        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="reshard-write") as ex:
-            files = list(ex.map(write_one, range(n)))
+    from .progress import bar, wanted
+
+    with bar(None, "save", enabled=wanted(options.progress)) as pb:
+        def write_counted(k: int) -> tuple[int, str, int]:
+            r = write_one(k)
+            pb.update(r[0])
+            return r
+
+        if n <= 1:
+            files = [write_counted(k) for k in range(n)]
+        else:
+            with ThreadPoolExecutor(max_workers=n, thread_name_prefix="reshard-write") as ex:
+                files = list(ex.map(write_counted, range(n)))
     digests = [snap.tensors[i][0].digest if kind == 0 else snap.objects[i][0].digest
                for kind, i in assignment.check]
     return report_bytes(files, placed, digests), sum(f[0] for f in files)
@@ -302,11 +311,13 @@ def save(
         data file missing or short at publish); nothing is published, the
         attempt is discarded and no older checkpoint is touched.
     """
-    from .staging import raise_pending_error
+    from .pending import raise_pending_error
 
     step = check_step(step)
     coll = get_collectives(group)
     opts = options or SaveOptions()
+    if coll.rank != 0 and opts.progress is not False:  # one progress bar: rank 0's
+        opts = dataclasses.replace(opts, progress=False)
     raise_pending_error(group, wait=True)
     st, key = resolve(path, storage)
     t0 = time.perf_counter()

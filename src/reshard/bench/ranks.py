@@ -124,7 +124,7 @@ def trim() -> None:
     from .. import staging
 
     staging.wait_all()
-    for saver in staging._SAVERS.values():
+    for saver in staging.SAVERS.values():
         saver.pool.trim(set())
     _W.pop("copy_dst", None)
     _W.pop("stager", None)
