@@ -76,6 +76,27 @@ def r_restart(root: str) -> dict[str, Any]:
     return out
 
 
+def r_manager_restart(root: str) -> dict[str, Any]:
+    """CheckpointManager across a "restart": the restore agrees with counters
+    (no all-gather), and the first save after it reuses the plan of the
+    checkpoint it resumed from."""
+    PLAN_CACHE.clear()
+    m1 = reshard.CheckpointManager(root)
+    first = m1.save(1, state(), sync=True)
+    m1.close()
+    drop_plan_cache()
+    c = Counting(TorchCollectives())
+    m2 = reshard.CheckpointManager(root, group=c)
+    target = state(step=0)
+    res = m2.restore(target)
+    restore_calls, restore_recv = dict(c.calls), c.recv
+    again = m2.save(2, state(), sync=True)
+    m2.close()
+    return {"first": first.timings["cached_plan"], "resumed": res is not None and res.path.endswith("1"),
+            "restore_calls": restore_calls, "restore_recv": restore_recv,
+            "after_restore": again.timings["cached_plan"], "from_parent": again.timings["plan_from_parent"]}
+
+
 def main(root: str, parent: str, name: str, out_path: str) -> None:
     """One torchrun run: a save of ``state()`` to ``root/name`` with parent
     ``parent`` ("" for none); each rank appends what it saw to ``out_path``."""

@@ -35,6 +35,14 @@ def test_plan_reused_after_restart_and_replanned_on_change(pool: WorkerPool, tmp
     assert max(o["b"]["recv"] for o in out[1:]) <= 1024, [o["b"]["recv"] for o in out]
 
 
+def test_manager_restore_agrees_by_counters_then_reuses_the_plan(pool: WorkerPool, tmp_path: Path) -> None:
+    out = pool.run(4, fns.r_manager_restart, str(tmp_path), timeout=120)
+    for o in out:
+        assert o["first"] == 0.0 and o["resumed"], o
+        assert "all_gather" not in o["restore_calls"], o
+        assert o["after_restore"] == 1.0 and o["from_parent"] == 1.0, o
+
+
 @pytest.mark.timeout(300)
 def test_plan_reused_across_real_torchrun_restart(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1",

@@ -2,8 +2,10 @@
 
 Every rank tries the same checkpoints in the same order
 (:func:`reshard.lineage.resume_order`) and reaches the same outcome for each:
-the ranks' findings are gathered (one short status per rank) before anything
-is decided, so all ranks fall back, quarantine or raise together.
+the ranks' findings are agreed (an all-reduce of status counters; the
+failing ranks' details are gathered to the coordinator only when some rank
+failed) before anything is decided, so all ranks fall back, quarantine or
+raise together.
 
 * ``torn``: it is unloadable (the coordinator found a file missing, short or
   a symbolic link; a rank found the manifest invalid; the load found a
@@ -41,6 +43,7 @@ from .errors import (
     IntegrityError,
     ManifestError,
     StorageError,
+    rank_ranges,
 )
 from .lineage import Head, lineage_of, resume_order
 from .load import LoadResult, load
@@ -110,6 +113,32 @@ def _coordinated(mgr: CheckpointManager, what: str, fn: Any, *args: Any) -> Any:
     return json.loads(coll.broadcast_bytes(json.dumps(out).encode() if coll.rank == 0 else None))
 
 
+_STATUSES = ("storage", "torn", "gone")
+
+
+def _census(coll: Any, status: str) -> dict[str, int]:
+    """How many ranks found each failure status: one all-reduce of small
+    counters (no per-rank payload reaches any rank)."""
+    flags = [int(status == s) for s in _STATUSES]
+    red = coll.all_reduce_ints([*flags, int(status != "ok")], "sum")
+    return {**dict(zip(_STATUSES, red[:3], strict=True)), "bad": red[3]}
+
+
+def _unloadable(coll: Any, path: str, status: str, detail: str) -> str:
+    """The agreed message for a checkpoint some rank could not load: the
+    failing ranks' status and detail gathered to the coordinator only (run
+    only when some rank failed), summarized there (rank ranges, the first
+    detail, bounded) and broadcast."""
+    got = coll.gather_bytes(json.dumps([status, detail[:2000]] if status != "ok" else None).encode())
+    msg = None
+    if got is not None:
+        rows = [(r, json.loads(b)) for r, b in enumerate(got)]
+        bad = [r for r, x in rows if x is not None]
+        why = next((x[1] for _, x in rows if x is not None and x[1]), "")
+        msg = f"{path}: unloadable ({why}{' ' if why else ''}on rank(s) {rank_ranges(bad)})"
+    return coll.broadcast_bytes(msg.encode() if msg is not None else None).decode()
+
+
 def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step: int | None,
                        name: str | None, allow_fresh_start: bool,
                        load_kwargs: dict[str, Any]) -> LoadResult | None:
@@ -125,10 +154,10 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
     for cname in plan["order"]:
         path = st.join(root, cname)
         status, detail, exc = _probe(mgr, path)
-        statuses = coll.all_gather_json(status)
-        if "storage" in statuses:
+        counts = _census(coll, status)
+        if counts["storage"]:
             coll.agree(f"restore {path}", exc)
-        if "torn" not in statuses and "gone" not in statuses:
+        if not counts["torn"] and not counts["gone"]:
             try:
                 res = load(state, path, group=mgr.group, storage=st, **load_kwargs)
             except (IntegrityError, ManifestError) as le:
@@ -137,8 +166,8 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
                 status, detail = "gone", str(le)
             else:
                 status = "ok"
-            statuses = coll.all_gather_json(status)  # load agrees its errors; confirm anyway
-        if all(s == "ok" for s in statuses):
+            counts = _census(coll, status)  # load agrees its errors; confirm anyway
+        if not counts["bad"]:
             if cname in plan["other"]:
                 warnings.warn(f"{root}: no checkpoint of the current lineage (HEAD: "
                               f"{plan['head']}) loads; resuming {cname} of another lineage",
@@ -147,11 +176,8 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
             if failures:
                 res.notes["fallback"] = failures
             return res
-        bad = [r for r, s in enumerate(statuses) if s != "ok"]
-        details = coll.all_gather_json(detail if status != "ok" else "")  # only on a failure
-        why = next((d for d in details if d), "")
-        msg = f"{path}: unloadable ({why}{' ' if why else ''}on rank(s) {bad})"
-        if "torn" in statuses:
+        msg = _unloadable(coll, path, status, detail)
+        if counts["torn"]:
             msg += _quarantine(mgr, cname, plan["attempt"].get(cname), msg)
         failures.append(msg)
         warnings.warn(f"{msg}; falling back to an older checkpoint", RuntimeWarning, stacklevel=3)
