@@ -29,3 +29,58 @@ def pool() -> Iterator[WorkerPool]:
         yield p
     finally:
         p.close()
+
+
+class S3Endpoint:
+    """The session's S3 endpoint: moto's server on loopback behind the fault
+    proxy; ``env`` holds the standard AWS variables pointing at the proxy
+    (also set in this process's environment for the session)."""
+
+    def __init__(self) -> None:
+        from reshard.testing.s3proxy import FaultProxy
+        from reshard.testing.s3server import S3Server
+
+        self.server = S3Server(min_part_bytes=64 << 10)
+        self.proxy = FaultProxy(self.server.url)
+        self.bucket = "reshard-test"
+        self.server.create_bucket(self.bucket)
+        self.env = {**self.server.env(self.proxy.url), "RESHARD_S3_PART_BYTES": str(256 << 10),
+                    "RESHARD_S3_RANGE_BYTES": str(256 << 10), "RESHARD_S3_DEADLINE_S": "4"}
+        self._n = 0
+
+    def url(self, name: str) -> str:
+        """A fresh ``s3://bucket/<name>-<n>`` prefix."""
+        self._n += 1
+        return f"s3://{self.bucket}/{name}-{self._n}"
+
+    def close(self) -> None:
+        self.proxy.close()
+        self.server.close()
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[S3Endpoint]:
+    """moto + fault proxy for the session; the AWS variables point at the proxy."""
+    ep = S3Endpoint()
+    old = {k: os.environ.get(k) for k in ep.env}
+    os.environ.update(ep.env)
+    try:
+        yield ep
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        ep.close()
+
+
+@pytest.fixture
+def s3e(s3: S3Endpoint) -> Iterator[S3Endpoint]:
+    """The session endpoint with no faults and fresh counters, cleared after the test."""
+    s3.proxy.clear()
+    s3.proxy.reset_stats()
+    try:
+        yield s3
+    finally:
+        s3.proxy.clear()

@@ -385,7 +385,7 @@ def test_reshard_matrix(pool, tmp_path, save_world, load_world, rotated):
     # sharded tensors: one chunk per rank that holds a box (zero-size boxes may be listed)
     for name, (gshape, layout, _) in SHARDED.items():
         want = {box_of(gshape, layout, r, save_world) for r in range(save_world)}
-        got = {(c.global_offset, c.local_shape) for c in m.tensors[f"{name}_f32"].chunks}
+        got = {(c.global_offset, c.local_shape) for c in m.tensors[f"sharded.{name}_f32"].chunks}
         assert {b for b in got if math.prod(b[1])} == {b for b in want if math.prod(b[1])}
 
 

@@ -296,7 +296,8 @@ def test_quarantine_marker_on_a_store_without_rename() -> None:
     mgr = CheckpointManager(root, storage=st, keep_last=None, preempt_signals=())
     mgr.save(100, _state(100))
     mgr.save(150, _state(150))
-    key = next(k for k in st._objects if k.startswith(f"{root}/step-00000150/data"))
+    key = next(k for k in st._objects  # no rename: data keys carry the attempt id
+               if k.startswith(f"{root}/step-00000150/att-") and ".data-r" in k)
     st._objects[key] = st._objects[key][:-1] + bytes([st._objects[key][-1] ^ 0xFF])
     state = _blank()
     with pytest.warns(RuntimeWarning, match="quarantined as step-00000150"):

@@ -94,7 +94,9 @@ def test_single_process_save_leaves_no_nonce(tmp_path: Path) -> None:
     from reshard.storage import MemoryStorage
 
     keys = [k for k in MemoryStorage()._objects if k.startswith("txn-single/")]
-    assert sorted(keys) == [f"txn-single/ck/{DATA0}", "txn-single/ck/manifest.json", "txn-single/ck/plan.bin"]
+    m = reshard.inspect("memory://txn-single/ck")  # no rename: data keys carry the attempt id
+    assert list(m.files) == [f"att-{m.attempt_id}.{DATA0}"]
+    assert sorted(keys) == [f"txn-single/ck/att-{m.attempt_id}.{DATA0}", "txn-single/ck/manifest.json"]
 
 
 # ----------------------------------------------------------------------------- load

@@ -8,8 +8,10 @@ and validates. Two publish strategies, chosen by the storage's capabilities
   ``<path>.incomplete-<attempt_id>/``; the manifest is written last and fsynced,
   then the directory is renamed to ``<path>`` and the parent fsynced.
 * manifest marker (object stores, ``memory://``): data is written under
-  ``<path>/`` directly and the manifest last; before it exists, readers see
-  no checkpoint.
+  ``<path>/`` directly, in keys that carry the attempt id
+  (:mod:`reshard.attempts`), and the manifest last with a conditional put
+  (``If-None-Match: *``): exactly one attempt publishes a step; before the
+  manifest exists, readers see no checkpoint.
 
 Beside the checkpoints of a root live small JSON records, each written by
 :func:`write_record` (atomic where the store can rename): the ``HEAD`` record
@@ -26,6 +28,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from hashlib import sha256
@@ -64,6 +67,18 @@ def attempt_path(storage: Storage, path: str, attempt_id: str) -> str:
     return path
 
 
+def nonce_key(storage: Storage, attempt: str, attempt_id: str) -> str:
+    """Where an attempt's nonce lives: :data:`ATTEMPT_NONCE` in the attempt
+    directory, or, where attempts share the final prefix (no rename), a key
+    carrying the attempt id (``att-<id>.attempt-nonce.json``), so concurrent
+    attempts never overwrite each other's."""
+    if storage.capabilities.atomic_rename:
+        return storage.join(attempt, ATTEMPT_NONCE)
+    from .attempts import data_name
+
+    return storage.join(attempt, data_name(attempt_id, ATTEMPT_NONCE))
+
+
 def create_attempt(storage: Storage, attempt: str, attempt_id: str) -> str:
     """Coordinator: create the attempt directory (or prefix) and write
     :data:`ATTEMPT_NONCE` into it: 16 random bytes from ``os.urandom``.
@@ -71,11 +86,12 @@ def create_attempt(storage: Storage, attempt: str, attempt_id: str) -> str:
     nonce = os.urandom(16).hex()
     storage.makedirs(attempt)
     body = msgspec.json.encode({"attempt_id": attempt_id, "nonce": nonce})
-    storage.write_bytes(storage.join(attempt, ATTEMPT_NONCE), body, durable=False)
+    storage.write_bytes(nonce_key(storage, attempt, attempt_id), body, durable=False)
     return nonce
 
 
-def check_attempt(storage: Storage, attempt: str, nonce: str, *, rank: int) -> None:
+def check_attempt(storage: Storage, attempt: str, nonce: str, *, rank: int,
+                  attempt_id: str = "") -> None:
     """Every rank: read the coordinator's nonce back through this rank's own
     storage before writing any data.
 
@@ -86,7 +102,7 @@ def check_attempt(storage: Storage, attempt: str, nonce: str, *, rank: int) -> N
     """
     from .errors import CheckpointError
 
-    p = storage.join(attempt, ATTEMPT_NONCE)
+    p = nonce_key(storage, attempt, attempt_id)
     try:
         got = msgspec.json.decode(storage.read_bytes(p)).get("nonce")
     except (FileNotFoundError, NotADirectoryError):
@@ -191,10 +207,11 @@ def publish(storage: Storage, attempt: str, path: str, manifest: Manifest, *, ov
         FileExistsError: something appeared at ``path`` during the save.
     """
     confirm_files(storage, attempt, {n: fe.size for n, fe in manifest.files.items()})
-    storage.delete_tree(storage.join(attempt, ATTEMPT_NONCE))
-    storage.write_bytes(storage.join(attempt, MANIFEST_NAME), encode_manifest(manifest), durable=durable)
+    storage.delete_tree(nonce_key(storage, attempt, manifest.attempt_id))
     if not storage.capabilities.atomic_rename:
+        publish_marker(storage, path, manifest)
         return
+    storage.write_bytes(storage.join(attempt, MANIFEST_NAME), encode_manifest(manifest), durable=durable)
     if durable:
         storage.fsync_dir(attempt)
     retired = None
@@ -210,6 +227,42 @@ def publish(storage: Storage, attempt: str, path: str, manifest: Manifest, *, ov
         storage.fsync_dir(storage.parent(path) or "/")
     if retired is not None:
         storage.delete_tree(retired)
+
+
+def publish_marker(storage: Storage, path: str, manifest: Manifest) -> None:
+    """Publish on a store without rename: put ``path/manifest.json`` only if
+    absent (the data objects, named by the manifest, are already durable).
+
+    Raises:
+        FileExistsError: another writer published this checkpoint first; this
+            attempt's objects are not named by it and are discarded by the caller.
+    """
+    try:
+        storage.put_if_absent(storage.join(path, MANIFEST_NAME), encode_manifest(manifest))
+    except FileExistsError:
+        raise FileExistsError(
+            f"{path}: another writer published this checkpoint first (conditional put of "
+            f"{MANIFEST_NAME} refused); attempt {manifest.attempt_id} published nothing "
+            "(save under a new step)") from None
+
+
+def delete_checkpoint(storage: Storage, path: str) -> None:
+    """Delete the committed checkpoint at ``path`` so that no moment of the
+    deletion leaves a listed checkpoint with missing files. Where rename is
+    atomic, the directory is first renamed to an abandoned attempt's name
+    (``<path>.incomplete-deleting-<id>``), then deleted; elsewhere the
+    manifest (the proof of the commit) is deleted first, then the rest. An
+    interrupted deletion leaves only what ``gc`` removes."""
+    if storage.capabilities.atomic_rename:
+        doomed = f"{path}{INCOMPLETE}deleting-{os.urandom(4).hex()}"
+        storage.rename_dir(path, doomed)
+        storage.fsync_dir(storage.parent(path) or "/")
+        storage.delete_tree(doomed)
+        return
+    mpath = storage.join(path, MANIFEST_NAME)
+    if storage.exists(mpath):
+        storage.delete_tree(mpath)
+    storage.delete_tree(path)
 
 
 def read_manifest(storage: Storage, path: str, *, hmac_key: bytes | None = None) -> Manifest:
@@ -343,10 +396,13 @@ class Entry:
 
 
 def scan(storage: Storage, root: str) -> list[Entry]:
-    """Every child of ``root``: committed checkpoints (with valid manifests),
-    quarantined ones (``quarantined``; their manifest when it still reads),
-    abandoned attempts, and directories with an invalid or missing manifest
-    (``problem`` says which). Records (``HEAD``, sidecars) are not entries.
+    """Every child of ``root`` that is ours: committed checkpoints (with valid
+    manifests), quarantined ones (``quarantined``; their manifest when it
+    still reads), abandoned attempts (``*.incomplete-*`` / ``*.retired-*``, or
+    a directory of reshard shard files without a manifest), and directories
+    with an invalid manifest (``problem`` says which). Records (``HEAD``,
+    sidecars) are not entries; other children (e.g. ``tensorboard/``) are
+    left out.
 
     Raises:
         StorageError: listing failed (never reported as "no checkpoints").
@@ -371,8 +427,12 @@ def scan(storage: Storage, root: str) -> list[Entry]:
             m = decode_manifest(raw, where=storage.join(p, MANIFEST_NAME))
             digest = manifest_digest(raw)
         except CheckpointNotFoundError:
-            if not _is_dir_like(storage, p):
-                continue  # a record or a stray file: not a checkpoint
+            # only a directory holding our shard files is an attempt; anything
+            # else (tensorboard/, logs/, a record, a stray file) is not ours:
+            # never listed, never deleted
+            if not _holds_shard_files(storage, p) and not (
+                    QUARANTINED in name or name in marks):
+                continue
             problem = "no manifest"
         except (ManifestError, IntegrityError) as e:
             problem = str(e)
@@ -391,10 +451,12 @@ def scan(storage: Storage, root: str) -> list[Entry]:
     return out
 
 
-def _is_dir_like(storage: Storage, p: str) -> bool:
+_SHARD_FILE = re.compile(r"^data-r\d{5}-\d+\.safetensors$")  # planning.data_file_name
+
+
+def _holds_shard_files(storage: Storage, p: str) -> bool:
     try:
-        storage.list_dir(p)
-        return True
+        return any(_SHARD_FILE.match(n) for n in storage.list_dir(p))
     except (FileNotFoundError, NotADirectoryError):
         return False
 

@@ -16,6 +16,15 @@ raise together.
 * ``storage``: the store failed (``StorageError``): raised on every rank; a
   failure that may be transient is never a reason to quarantine or to fall
   back past a good checkpoint.
+* only ranks other than the coordinator found it unloadable, and the
+  coordinator's :func:`reshard.verify` (every checksum) finds it intact:
+  those ranks see another copy (node-local storage, a partial sync); raised
+  on every rank, never quarantined (it would set aside every good
+  checkpoint of the shared root).
+* ``key``: with ``LoadOptions(hmac_key=...)``, the manifest's signature does
+  not verify (another key, a manifest not signed, or tampering): raised on
+  every rank, never quarantined (a wrong key would otherwise set aside every
+  checkpoint of the root).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .commit import (
+    check_signature,
     committed,
     quarantine,
     read_head,
@@ -47,17 +57,22 @@ from .errors import (
 )
 from .lineage import Head, lineage_of, resume_order
 from .load import LoadResult, load
-from .manifest import FORMAT, FORMAT_VERSION, KNOWN_FEATURES
+from .manifest import FORMAT, FORMAT_VERSION, KNOWN_FEATURES, MANIFEST_NAME
 from .records import record_path
+from .verify import verify
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
 
 
-def _probe(mgr: CheckpointManager, path: str) -> tuple[str, str, BaseException | None]:
+def _probe(mgr: CheckpointManager, path: str,
+           hmac_key: bytes | None = None) -> tuple[str, str, BaseException | None]:
     """This rank's structural check of one checkpoint (no checksums): every
     rank reads the manifest (as its load would); the coordinator alone stats
-    every file (one stat per file in all, not per rank)."""
+    every file (one stat per file in all, not per rank). With ``hmac_key``,
+    the manifest's signature is checked apart: a signature that does not
+    verify ("key") says the reader's key is not the writer's (or the
+    manifest was tampered with), not that the checkpoint is damaged."""
     try:
         m = read_manifest(mgr.storage, path)
         problems = torn_files(mgr.storage, path, m) if mgr.coll.rank == 0 else {}
@@ -67,6 +82,11 @@ def _probe(mgr: CheckpointManager, path: str) -> tuple[str, str, BaseException |
         return "gone", str(e), None
     except (IntegrityError, ManifestError) as e:
         return "torn", f"{type(e).__name__}: {e}", None
+    if hmac_key is not None:
+        try:
+            check_signature(m, hmac_key, where=mgr.storage.join(path, MANIFEST_NAME))
+        except IntegrityError as e:
+            return "key", str(e), e
     if problems:
         return "torn", "; ".join(list(problems.values())[:3]), None
     return "ok", "", None
@@ -77,6 +97,7 @@ def _plan(mgr: CheckpointManager, step: int | None, name: str | None) -> dict[st
     checkpoints and order them (:func:`resume_order`), keeping those of
     ``step`` / ``name``."""
     st, root = mgr.storage, mgr.root
+    listed_at = time.time()  # HEAD's time: what is committed after the listing descends
     notes = _quarantine_invalid(mgr)
     entries = committed(st, root)
     lin = lineage_of(entries, Head.from_record(read_head(st, root)))
@@ -85,7 +106,7 @@ def _plan(mgr: CheckpointManager, step: int | None, name: str | None) -> dict[st
         order = [e for e in order if e.step == step]
     if name is not None:
         order = [e for e in order if e.name == name]
-    return {"notes": notes, "order": [e.name for e in order],
+    return {"notes": notes, "order": [e.name for e in order], "listed_at": listed_at,
             "other": [e.name for e in order if lin.head is not None and e.name not in lin.current],
             "head": lin.head.name if lin.head is not None else None,
             "attempt": {e.name: e.manifest.attempt_id for e in order if e.manifest is not None},
@@ -113,15 +134,16 @@ def _coordinated(mgr: CheckpointManager, what: str, fn: Any, *args: Any) -> Any:
     return json.loads(coll.broadcast_bytes(json.dumps(out).encode() if coll.rank == 0 else None))
 
 
-_STATUSES = ("storage", "torn", "gone")
+_STATUSES = ("storage", "torn", "gone", "key")
 
 
 def _census(coll: Any, status: str) -> dict[str, int]:
     """How many ranks found each failure status: one all-reduce of small
     counters (no per-rank payload reaches any rank)."""
     flags = [int(status == s) for s in _STATUSES]
-    red = coll.all_reduce_ints([*flags, int(status != "ok")], "sum")
-    return {**dict(zip(_STATUSES, red[:3], strict=True)), "bad": red[3]}
+    red = coll.all_reduce_ints([*flags, int(status != "ok"), int(status == "torn" and coll.rank == 0)], "sum")
+    n = len(_STATUSES)
+    return {**dict(zip(_STATUSES, red[:n], strict=True)), "bad": red[n], "torn_coordinator": red[n + 1]}
 
 
 def _unloadable(coll: Any, path: str, status: str, detail: str) -> str:
@@ -151,17 +173,24 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
     if name is not None and not plan["order"]:
         raise CheckpointNotFoundError(f"{root}: no committed checkpoint named {name!r}")
     failures: list[str] = list(plan["notes"])
+    opts = load_kwargs.get("options")
+    hmac_key = getattr(opts, "hmac_key", None)
     for cname in plan["order"]:
         path = st.join(root, cname)
-        status, detail, exc = _probe(mgr, path)
+        status, detail, exc = _probe(mgr, path, hmac_key)
         counts = _census(coll, status)
         if counts["storage"]:
             coll.agree(f"restore {path}", exc)
+        if counts["key"]:  # never a reason to quarantine, nor to fall back (older ones too)
+            coll.agree(f"restore {path} (the HMAC key given does not verify its manifest; "
+                       "nothing was quarantined)", exc)
+        torn_coord = counts["torn_coordinator"]  # from the probe: did rank 0 itself find it torn
         if not counts["torn"] and not counts["gone"]:
             try:
                 res = load(state, path, group=mgr.group, storage=st, **load_kwargs)
             except (IntegrityError, ManifestError) as le:
                 status, detail = "torn", f"load failed: {le}"
+                torn_coord = int(0 in (sorted(le.failures) or [0]))  # agreed: same on every rank
             except CheckpointNotFoundError as le:
                 status, detail = "gone", str(le)
             else:
@@ -172,11 +201,20 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
                 warnings.warn(f"{root}: no checkpoint of the current lineage (HEAD: "
                               f"{plan['head']}) loads; resuming {cname} of another lineage",
                               RuntimeWarning, stacklevel=3)
-            _write_head(mgr, cname, plan["attempt"].get(cname), plan["step"].get(cname))
+            _write_head(mgr, cname, plan["attempt"].get(cname), plan["step"].get(cname),
+                        plan["listed_at"])
             if failures:
                 res.notes["fallback"] = failures
             return res
         msg = _unloadable(coll, path, status, detail)
+        if counts["torn"] and not torn_coord \
+                and not _coordinated(mgr, f"restore {path} (re-checking)", _damaged, mgr, path):
+            # only other ranks failed, and the coordinator finds every byte
+            # intact: those ranks see another copy (node-local storage, a
+            # partial sync), never a reason to quarantine or to fall back
+            raise CheckpointError(
+                f"{msg}, but the coordinator (rank 0) finds it intact (every file and checksum): "
+                "those rank(s) do not see the same storage as rank 0; nothing was quarantined")
         if counts["torn"]:
             msg += _quarantine(mgr, cname, plan["attempt"].get(cname), msg)
         failures.append(msg)
@@ -195,6 +233,13 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
             f"{root}: no committed checkpoint, but {len(abandoned)} abandoned attempt(s) "
             f"{abandoned[:3]}; refusing a silent fresh start (pass allow_fresh_start=True)")
     return None
+
+
+def _damaged(mgr: CheckpointManager, path: str) -> bool:
+    """Coordinator: whether its own view of ``path`` is damaged
+    (:func:`reshard.verify` with every checksum; run only when other ranks
+    alone failed to load it)."""
+    return not verify(path, storage=mgr.storage).ok
 
 
 def _quarantine_invalid(mgr: CheckpointManager) -> list[str]:
@@ -242,11 +287,15 @@ def _quarantine(mgr: CheckpointManager, name: str, attempt_id: str | None, reaso
 
 
 def _write_head(mgr: CheckpointManager, name: str, attempt_id: str | None,
-                step: int | None) -> None:
-    """Coordinator writes HEAD naming ``name``; every rank adopts it."""
+                step: int | None, listed_at: float) -> None:
+    """Coordinator writes HEAD naming ``name``; every rank adopts it. Its
+    time is when the coordinator listed the root (``listed_at``), not when
+    the load ended: a checkpoint the source's run committed while this
+    restore was loading (another job resuming for an evaluation, say) is
+    a descendant, not an abandoned branch."""
     coll = mgr.coll
     head = Head(name=name, id=f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-"
-                f"{os.urandom(4).hex()}", time=time.time(), attempt_id=attempt_id, step=step)
+                f"{os.urandom(4).hex()}", time=listed_at, attempt_id=attempt_id, step=step)
     err = None
     if coll.rank == 0:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Mapping
@@ -12,7 +13,7 @@ from typing import Any
 import msgspec
 import xxhash
 
-from . import codec
+from . import attempts, codec
 from .collectives import Collectives, drive, get_collectives, group_key
 from .commit import (
     attempt_path,
@@ -231,11 +232,19 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
         return size, checksum, blocks
 
     n = len(assignment.files)
-    if n <= 1:
-        files = [write_one(k) for k in range(n)]
-    else:
-        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="reshard-write") as ex:
-            files = list(ex.map(write_one, range(n)))
+    from .progress import bar, wanted
+
+    with bar(None, "save", enabled=wanted(options.progress)) as pb:
+        def write_counted(k: int) -> tuple[int, str, int]:
+            r = write_one(k)
+            pb.update(r[0])
+            return r
+
+        if n <= 1:
+            files = [write_counted(k) for k in range(n)]
+        else:
+            with ThreadPoolExecutor(max_workers=n, thread_name_prefix="reshard-write") as ex:
+                files = list(ex.map(write_counted, range(n)))
     digests = [snap.tensors[i][0].digest if kind == 0 else snap.objects[i][0].digest
                for kind, i in assignment.check]
     return report_bytes(files, placed, digests), sum(f[0] for f in files)
@@ -303,11 +312,13 @@ def save(
         data file missing or short at publish); nothing is published, the
         attempt is discarded and no older checkpoint is touched.
     """
-    from .staging import raise_pending_error
+    from .pending import raise_pending_error
 
     step = check_step(step)
     coll = get_collectives(group)
     opts = options or SaveOptions()
+    if coll.rank != 0 and opts.progress is not False:  # one progress bar: rank 0's
+        opts = dataclasses.replace(opts, progress=False)
     raise_pending_error(group, wait=True)
     st, key = resolve(path, storage)
     t0 = time.perf_counter()
@@ -343,6 +354,9 @@ def run_save(
         assert snap is not None and lp is not None
         integrity_check_assignment(assignment, lp)
         attempt = info["attempt_path"]
+        if not st.capabilities.atomic_rename:  # attempts under one prefix never share a key
+            assignment = msgspec.structs.replace(
+                assignment, files=[attempts.data_name(info["attempt"], f) for f in assignment.files])
         if on_attempt is not None:
             on_attempt(attempt)
         try:  # into the coordinator's attempt, which this rank has been shown to see
@@ -353,6 +367,9 @@ def run_save(
     def do_publish(info: dict[str, Any], manifest: Manifest) -> None:
         if abort is not None and abort.is_set():
             raise CheckpointError(f"{key}: save abandoned before publishing")
+        if not st.capabilities.atomic_rename:  # the keys persist wrote
+            manifest = attempts.rename_files(
+                manifest, {n: attempts.data_name(info["attempt"], n) for n in manifest.files})
         if options.hmac_key is not None:
             manifest = sign_manifest(manifest, options.hmac_key)
         publish(st, info["attempt_path"], info["target"], manifest, overwrite=options.overwrite,
@@ -379,13 +396,28 @@ def run_save(
     def write_plan(info: dict[str, Any], raw: bytes) -> None:
         st.write_bytes(st.join(info["attempt_path"], PLAN_FILE), raw, durable=options.durable)
 
+    leases: list[attempts.AttemptLease] = []
+
+    def begin() -> dict[str, Any]:
+        info = open_attempt(st, key, options)
+        if not st.capabilities.atomic_rename:  # held by the coordinator until publish or discard
+            leases.append(attempts.AttemptLease(st, info["target"], info["attempt"]).start())
+        return info
+
     ctx = RankSave(rank=rank, world_size=coll.world_size, plan=lp,
                    value_digests=snap.value_digests if snap is not None else {}, err=err,
-                   files_per_rank=options.files_per_rank, begin=lambda: open_attempt(st, key, options),
+                   files_per_rank=options.files_per_rank, begin=begin,
                    check_location=check_location, persist=do_persist, publish=do_publish,
-                   discard=lambda info: discard_attempt(coll, st, info["attempt_path"]),
-                   manifest_args=manifest_args, cache=cache, write_plan=write_plan)
-    out = drive(coll, save_steps(ctx))
+                   discard=lambda info: discard_attempt(coll, st, info["attempt_path"],
+                                                        attempt_id=info["attempt"]),
+                   manifest_args=manifest_args, cache=cache,
+                   # attempts share the final prefix without rename: no plan kept there
+                   write_plan=write_plan if st.capabilities.atomic_rename else None)
+    try:
+        out = drive(coll, save_steps(ctx))
+    finally:
+        for lease in leases:
+            lease.stop()
     if ctx.new_cache is not None:
         PLAN_CACHE[gkey] = ctx.new_cache
     timings.update(ctx.timings)
@@ -419,8 +451,11 @@ def open_attempt(st: Storage, key: str, options: SaveOptions) -> dict[str, Any]:
     try:
         nonce = create_attempt(st, attempt, attempt_id)
     except Exception:
-        try:  # nothing was published: the attempt (or the empty prefix) goes
-            st.delete_tree(attempt)
+        try:  # nothing was published: the attempt (or its objects under the prefix) goes
+            if st.capabilities.atomic_rename:
+                st.delete_tree(attempt)
+            else:
+                attempts.discard(st, attempt, attempt_id)
         except Exception:  # noqa: BLE001, S110 - best effort; the creation error is what matters
             pass
         raise
@@ -441,7 +476,7 @@ def check_attempt_location(rank: int, st: Storage, key: str, coord: dict[str, An
             f"rank {rank} names checkpoint {mine!r}, the coordinator (rank 0) names "
             f"{coord['target']!r}: every rank must pass the same checkpoint path (no per-rank "
             "names, relative paths resolved in one directory)")
-    check_attempt(st, coord["attempt_path"], coord["nonce"], rank=rank)
+    check_attempt(st, coord["attempt_path"], coord["nonce"], rank=rank, attempt_id=coord["attempt"])
 
 
 def agree_attempt_location(coll: Collectives, st: Storage, key: str, coord: dict[str, Any]) -> None:
@@ -464,11 +499,12 @@ def agree_attempt_location(coll: Collectives, st: Storage, key: str, coord: dict
     except Exception as e:  # noqa: BLE001 - agreed below
         err = e
     agree_or_discard(coll, st, coord["attempt_path"], "save (attempt location)",
-                     outcome(coll.rank, err), err)
+                     outcome(coll.rank, err), err, attempt_id=coord["attempt"])
 
 
 def agree_or_discard(coll: Collectives, st: Storage, attempt: str, what: str,
-                     mine: dict[str, Any], err: BaseException | None) -> list[dict[str, Any]]:
+                     mine: dict[str, Any], err: BaseException | None, *,
+                     attempt_id: str | None = None) -> list[dict[str, Any]]:
     """Gather every rank's outcome of a save phase; if any failed, discard the
     attempt (coordinator) and raise the agreed error on every rank. Returns the
     gathered outcomes."""
@@ -476,16 +512,24 @@ def agree_or_discard(coll: Collectives, st: Storage, attempt: str, what: str,
     try:
         raise_agreed(what, gathered, err)
     except CheckpointError:
-        discard_attempt(coll, st, attempt)
+        discard_attempt(coll, st, attempt, attempt_id=attempt_id)
         raise
     return gathered
 
 
-def discard_attempt(coll: Collectives, st: Storage, attempt: str) -> None:
+def discard_attempt(coll: Collectives, st: Storage, attempt: str, *,
+                    attempt_id: str | None = None) -> None:
     """Remove a failed attempt (coordinator only, after every rank stopped
     writing). Never touches a committed checkpoint: on rename-capable stores
-    the attempt is its own directory; on others nothing was published."""
+    the attempt is its own directory; on others only the objects (and open
+    multipart uploads) whose keys carry ``attempt_id`` are deleted."""
     if coll.rank != 0:
+        return
+    if attempt_id is not None and not st.capabilities.atomic_rename:
+        try:
+            attempts.discard(st, attempt, attempt_id)
+        except Exception:  # noqa: BLE001 - best effort; gc removes what is left
+            pass
         return
     try:
         if st.capabilities.atomic_rename or not st.exists(st.join(attempt, MANIFEST_NAME)):

@@ -23,7 +23,9 @@ def resolve(url: str | os.PathLike[str], storage: Storage | None = None) -> tupl
     """Map a checkpoint path or URL to ``(backend, key)``.
 
     ``/a/b``, ``a/b`` and ``file:///a/b`` -> local file system (absolute path);
-    ``memory://name/prefix`` -> the in-process store. An explicit ``storage``
+    ``memory://name/prefix`` -> the in-process store; ``s3://bucket/prefix``
+    -> :class:`~reshard.storage.s3.S3Storage` (key ``bucket/prefix``;
+    needs the ``reshard[s3]`` extra). An explicit ``storage``
     takes the path as is.
 
     Raises:
@@ -35,6 +37,13 @@ def resolve(url: str | os.PathLike[str], storage: Storage | None = None) -> tupl
     if s.startswith("memory://"):
         rest = s[len("memory://"):].strip("/")
         return MemoryStorage(), rest
+    if s.startswith("s3://"):
+        rest = s[len("s3://"):].strip("/")
+        if not rest:
+            raise ValueError(f"{s!r}: an s3:// URL needs a bucket")
+        from .s3 import S3Storage
+
+        return S3Storage(), rest
     if s.startswith("file://"):
         s = s[len("file://"):]
     elif "://" in s:

@@ -4,7 +4,7 @@ A :class:`Storage` is a byte store addressed by ``/``-separated keys under a
 root. It knows nothing of tensors. Backends declare :class:`Capabilities`; the
 commit protocol picks atomic-rename publish or manifest-marker publish from
 them. Every backend passes the shared conformance suite in
-``tests/test_storage.py``.
+``reshard.testing.storage_conformance`` (importable for your own backends).
 
 Call order during a save (every rank unless noted): ``canonical(path)`` ->
 [coordinator] ``makedirs(attempt)`` and ``write_bytes`` of the attempt nonce
@@ -12,7 +12,11 @@ Call order during a save (every rank unless noted): ``canonical(path)`` ->
 coordinator's attempt) -> ``open_write(file)``/``write``/``close`` (fsync'd
 when ``durable``) -> [coordinator] ``size`` of every data file ->
 ``delete_tree(nonce)`` -> ``write_bytes(manifest)`` -> ``rename_dir``
-(atomic-rename stores only) -> ``fsync_dir``.
+(atomic-rename stores only) -> ``fsync_dir``. Without atomic rename the
+coordinator also writes (and renews, from a background thread) the
+attempt's lease right after the nonce, and the manifest is published with
+``put_if_absent``; failed attempts are removed with ``delete_tree`` of each
+of their keys and ``abort_upload`` of their open uploads.
 During a load: ``read_bytes(manifest)`` -> ``size``/``is_link`` of every
 needed file -> ``read_into`` of byte ranges, from several threads at once.
 
@@ -34,16 +38,24 @@ class Capabilities:
     """What a backend can do.
 
     Attributes:
-        atomic_rename: a directory can be renamed atomically (local FS).
+        atomic_rename: a directory can be renamed atomically (local FS); the
+            commit protocol then publishes by rename, else by writing the
+            manifest last with :meth:`Storage.put_if_absent`.
         listing: children of a prefix can be listed.
         ranged_reads: a byte range can be read without reading the whole object.
         durable_sync: writes can be made durable explicitly (fsync).
+        conditional_put: :meth:`Storage.put_if_absent` is atomic against
+            other writers (S3 ``If-None-Match: *``, ``O_EXCL``/``link``).
+        multipart: large objects are uploaded in parts that can be listed
+            and aborted (:meth:`Storage.list_uploads`).
     """
 
     atomic_rename: bool
     listing: bool
     ranged_reads: bool
     durable_sync: bool
+    conditional_put: bool = False
+    multipart: bool = False
 
 
 class WriteStream(ABC):
@@ -66,9 +78,14 @@ class Storage(ABC):
     Attributes:
         bytes_read: total bytes returned by reads since creation (counted
             across threads), for tests and benchmarks.
+        read_segment_bytes: bytes a reader should ask for in one
+            ``read_into`` call of a large chunk (None: the reader's default,
+            sized for the page cache; object stores want larger requests,
+            which they split into parallel ranged GETs themselves).
     """
 
     capabilities: Capabilities
+    read_segment_bytes: int | None = None
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -110,6 +127,25 @@ class Storage(ABC):
             s.abort()
             raise
         s.close()
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        """Create ``path`` holding ``data`` unless it exists (atomically where
+        ``capabilities.conditional_put``).
+
+        Raises:
+            FileExistsError: ``path`` already exists; it is left unchanged.
+        """
+        if self.exists(path):
+            raise FileExistsError(f"{path}: already exists")
+        self.write_bytes(path, data)
+
+    def list_uploads(self, prefix: str) -> list[tuple[str, str, float]]:
+        """Open multipart uploads below ``prefix``: ``(key, upload id,
+        initiated seconds since the epoch)``; none where not ``multipart``."""
+        return []
+
+    def abort_upload(self, path: str, upload_id: str) -> None:  # noqa: B027 - optional hook
+        """Abort one open multipart upload (where ``multipart``)."""
 
     @abstractmethod
     def rename_dir(self, src: str, dst: str) -> None:

@@ -57,7 +57,8 @@ class _LocalWrite(WriteStream):
 
 
 class LocalStorage(Storage):
-    capabilities = Capabilities(atomic_rename=True, listing=True, ranged_reads=True, durable_sync=True)
+    capabilities = Capabilities(atomic_rename=True, listing=True, ranged_reads=True, durable_sync=True,
+                                conditional_put=True)
 
     def makedirs(self, path: str) -> None:
         try:
@@ -67,6 +68,20 @@ class LocalStorage(Storage):
 
     def open_write(self, path: str, *, durable: bool = True) -> WriteStream:
         return _LocalWrite(self, path, durable)
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        """Write a temporary file, fsync it, then ``link`` it to ``path``
+        (fails atomically when ``path`` exists)."""
+        tmp = f"{path}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+        self.write_bytes(tmp, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise FileExistsError(f"{path}: already exists") from None
+        except OSError as e:
+            raise _storage_error("link", path, e) from e
+        finally:
+            os.unlink(tmp)
 
     def rename_dir(self, src: str, dst: str) -> None:
         try:

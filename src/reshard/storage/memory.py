@@ -32,7 +32,8 @@ class _MemWrite(WriteStream):
 
 
 class MemoryStorage(Storage):
-    capabilities = Capabilities(atomic_rename=False, listing=True, ranged_reads=True, durable_sync=False)
+    capabilities = Capabilities(atomic_rename=False, listing=True, ranged_reads=True, durable_sync=False,
+                                conditional_put=True)
 
     def __init__(self, namespace: str = "default"):
         super().__init__()
@@ -44,6 +45,13 @@ class MemoryStorage(Storage):
 
     def open_write(self, path: str, *, durable: bool = True) -> WriteStream:
         return _MemWrite(self, path)
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        with self._lock:
+            if path in self._objects:
+                raise FileExistsError(f"memory://{path}: already exists")
+            self._objects[path] = bytes(data)
+        self._count_write(len(data))
 
     def rename_dir(self, src: str, dst: str) -> None:
         raise NotImplementedError("memory:// has no atomic rename")
@@ -83,6 +91,8 @@ class MemoryStorage(Storage):
         names = {k[len(prefix):].split("/", 1)[0] for k in self._objects if k.startswith(prefix)}
         if not names and path in self._objects:
             raise NotADirectoryError(path)
+        if not names and path:
+            raise FileNotFoundError(f"memory://{path}: nothing below this prefix")
         return sorted(names)
 
 

@@ -1,0 +1,535 @@
+"""S3 backend (AWS, MinIO, Ceph RGW, R2, ...) through boto3.
+
+Keys are ``bucket/key`` strings, so ``s3://`` + a key is the object's URL.
+Credentials, region and endpoint come from the standard AWS variables and
+files (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_DEFAULT_REGION``, ``AWS_PROFILE``, ``~/.aws/config``), read by botocore.
+
+* Writes: a :class:`WriteStream` buffers ``part_bytes`` and uploads the parts
+  of one object in parallel (a multipart upload; a single PUT for objects
+  smaller than one part). A failed part fails the stream at the next
+  ``write``/``close`` and the upload is aborted.
+* Reads: ``read_into`` issues ranged GETs of exactly the bytes asked for,
+  split into ``range_bytes`` pieces fetched in parallel.
+* Conditional put: ``put_if_absent`` is ``PutObject`` with ``If-None-Match: *``.
+* Retries: throttling (503 SlowDown), 5xx, timeouts and reset connections are
+  retried with exponential backoff and full jitter, bounded by
+  ``deadline_s`` seconds per request; past it a :class:`StorageError`.
+  botocore's own retries are off (one policy, counted here).
+
+Threads: every method may be called from several threads at once.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+from ..errors import IntegrityError, StorageError
+from .base import Capabilities, Storage, WriteStream
+
+T = TypeVar("T")
+
+_RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
+                "ServiceUnavailable", "RequestTimeTooSkewed", "ConditionalRequestConflict"}
+_CLIENTS: dict[tuple[Any, ...], Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _env_float(name: str, default: float) -> float:
+    v = os.environ.get(name)
+    return float(v) if v else default
+
+
+@dataclass(frozen=True, kw_only=True)
+class S3Config:
+    """Tuning of :class:`S3Storage` (defaults from ``RESHARD_S3_*`` variables).
+
+    Attributes:
+        part_bytes: multipart part size in bytes (S3 needs >= 5 MiB except the
+            last part; ``RESHARD_S3_PART_BYTES``).
+        range_bytes: reads larger than this are split into parallel ranged GETs
+            of this many bytes (``RESHARD_S3_RANGE_BYTES``).
+        max_workers: threads uploading parts / fetching ranges (per storage).
+        inflight_parts: parts of one object buffered or in flight at once
+            (bounds memory to ``inflight_parts * part_bytes`` per stream).
+        deadline_s: seconds after the first try of a request past which it
+            is not retried again (``RESHARD_S3_DEADLINE_S``); one try is
+            itself bounded by the client's 10 s connect and 60 s read timeouts.
+        backoff_s, backoff_cap_s: first and largest backoff, seconds.
+    """
+
+    part_bytes: int = 8 << 20
+    range_bytes: int = 8 << 20
+    max_workers: int = 16
+    inflight_parts: int = 4
+    deadline_s: float = 60.0
+    backoff_s: float = 0.05
+    backoff_cap_s: float = 2.0
+
+    @classmethod
+    def from_env(cls) -> S3Config:
+        return cls(part_bytes=int(_env_float("RESHARD_S3_PART_BYTES", 8 << 20)),
+                   range_bytes=int(_env_float("RESHARD_S3_RANGE_BYTES", 8 << 20)),
+                   deadline_s=_env_float("RESHARD_S3_DEADLINE_S", 60.0))
+
+
+def _client() -> Any:
+    """One thread-safe boto3 client per (profile, endpoint, region, key id)."""
+    import boto3
+    from botocore.config import Config
+
+    ident = (os.environ.get("AWS_PROFILE"), os.environ.get("AWS_ENDPOINT_URL"),
+             os.environ.get("AWS_ENDPOINT_URL_S3"), os.environ.get("AWS_DEFAULT_REGION"),
+             os.environ.get("AWS_ACCESS_KEY_ID"))
+    with _CLIENTS_LOCK:
+        c = _CLIENTS.get(ident)
+        if c is None:
+            session = boto3.session.Session(profile_name=ident[0])
+            style = "path" if (ident[1] or ident[2]) else "auto"
+            c = session.client("s3", config=Config(
+                retries={"max_attempts": 1, "mode": "standard"}, max_pool_connections=64,
+                connect_timeout=10, read_timeout=60, s3={"addressing_style": style},
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required"))
+            _CLIENTS[ident] = c
+        return c
+
+
+_POOLS: dict[tuple[str, int], ThreadPoolExecutor] = {}
+
+
+def _pool(name: str, workers: int) -> ThreadPoolExecutor:
+    """Process-wide thread pools (part uploads and range GETs never share one,
+    so a read never waits behind a write)."""
+    with _CLIENTS_LOCK:
+        p = _POOLS.get((name, workers))
+        if p is None:
+            p = _POOLS[(name, workers)] = ThreadPoolExecutor(max_workers=workers,
+                                                             thread_name_prefix=name)
+        return p
+
+
+def _split(path: str) -> tuple[str, str]:
+    bucket, _, key = path.lstrip("/").partition("/")
+    if not bucket:
+        raise ValueError(f"s3 path {path!r} names no bucket")
+    return bucket, key
+
+
+def _status(e: BaseException) -> tuple[int, str]:
+    resp = getattr(e, "response", None) or {}
+    return (int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0),
+            str(resp.get("Error", {}).get("Code", "")))
+
+
+def _retryable(e: BaseException) -> bool:
+    from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
+
+    if isinstance(e, ClientError):
+        status, code = _status(e)
+        return status >= 500 or status == 429 or code in _RETRY_CODES
+    # connection refused/reset/closed, timeouts, a body cut short; never a bad parameter
+    if isinstance(e, HTTPClientError | IncompleteReadError | ConnectionError | TimeoutError):
+        return True
+    name = type(e).__name__  # urllib3's ProtocolError / IncompleteRead from a reset stream
+    return name in ("ProtocolError", "IncompleteRead", "ReadTimeoutError", "SSLError")
+
+
+class _S3Write(WriteStream):
+    """A multipart upload of ``part_bytes`` parts uploaded in parallel (a
+    single PUT when the object fits one part)."""
+
+    def __init__(self, store: S3Storage, path: str):
+        self._s, self._path = store, path
+        self._bucket, self._key = _split(path)
+        self._buf = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[tuple[int, Future[str]]] = []
+        self._closed = False
+
+    def _check_failed(self) -> None:
+        for _, f in self._parts:
+            if f.done() and f.exception() is not None:
+                self.abort()
+                raise f.exception()  # type: ignore[misc]
+
+    def _submit_part(self, data: bytes) -> None:
+        s = self._s
+        if self._upload_id is None:
+            r = s._call("create multipart upload", self._path, lambda: s.client.create_multipart_upload(
+                Bucket=self._bucket, Key=self._key))
+            self._upload_id = r["UploadId"]
+            s._note_upload(self._path, self._upload_id, True)
+        n = len(self._parts) + 1
+        uid = self._upload_id
+
+        def up() -> str:
+            r = s._call(f"upload part {n}", self._path, lambda: s.client.upload_part(
+                Bucket=self._bucket, Key=self._key, UploadId=uid, PartNumber=n, Body=data))
+            return str(r["ETag"])
+
+        self._parts.append((n, s._pool.submit(up)))
+        # bound memory: at most `inflight_parts` parts buffered or in flight
+        while sum(1 for _, f in self._parts if not f.done()) >= s.config.inflight_parts:
+            next(f for _, f in self._parts if not f.done()).exception()
+        self._check_failed()
+
+    def write(self, data: bytes | memoryview) -> None:
+        mv = memoryview(data).cast("B")
+        ps = self._s.config.part_bytes
+        while mv:
+            take = min(len(mv), ps - len(self._buf))
+            self._buf += mv[:take]
+            mv = mv[take:]
+            if len(self._buf) >= ps:
+                part, self._buf = bytes(self._buf), bytearray()
+                self._submit_part(part)
+        self._s._count_write(len(data) if not isinstance(data, memoryview) else data.nbytes)
+
+    def close(self) -> None:
+        s = self._s
+        if self._closed:
+            return
+        if self._upload_id is None:
+            body = bytes(self._buf)
+            s._call("put", self._path, lambda: s.client.put_object(
+                Bucket=self._bucket, Key=self._key, Body=body))
+            self._closed = True
+            return
+        try:
+            if self._buf or not self._parts:
+                self._submit_part(bytes(self._buf))
+                self._buf = bytearray()
+            parts = [{"PartNumber": n, "ETag": f.result()} for n, f in self._parts]
+            uid = self._upload_id
+            s._call("complete multipart upload", self._path, lambda: s.client.complete_multipart_upload(
+                Bucket=self._bucket, Key=self._key, UploadId=uid, MultipartUpload={"Parts": parts}))
+        except BaseException:
+            self.abort()
+            raise
+        s._note_upload(self._path, self._upload_id, False)
+        self._closed = True
+
+    def abort(self) -> None:
+        """Cancel queued parts, wait for running ones, abort the upload."""
+        if self._closed:
+            return
+        self._closed = True
+        for _, f in self._parts:
+            f.cancel()
+        for _, f in self._parts:
+            if not f.cancelled():
+                f.exception()
+        if self._upload_id is not None:
+            self._s.abort_upload(self._path, self._upload_id)
+            self._s._note_upload(self._path, self._upload_id, False)
+
+
+class S3Storage(Storage):
+    """Objects in S3 buckets; keys are ``bucket/key``.
+
+    Args:
+        config: tuning (default: :meth:`S3Config.from_env`).
+
+    Attributes:
+        requests: requests sent, retries included (for tests and benchmarks).
+        retries: requests retried after a retryable failure.
+    """
+
+    capabilities = Capabilities(atomic_rename=False, listing=True, ranged_reads=True,
+                                durable_sync=False, conditional_put=True, multipart=True)
+
+    def __init__(self, config: S3Config | None = None):
+        super().__init__()
+        self.config = config or S3Config.from_env()
+        self.read_segment_bytes = self.config.range_bytes * 8  # 8 parallel ranged GETs per call
+        self.client = _client()
+        self._pool = _pool("reshard-s3-put", self.config.max_workers)
+        self._get_pool = _pool("reshard-s3-get", self.config.max_workers)
+        self._rng = random.Random(os.urandom(16))  # never the global generator
+        self.requests = 0
+        self.retries = 0
+        self.open_uploads: dict[str, str] = {}
+
+    def _note_upload(self, path: str, upload_id: str, opened: bool) -> None:
+        with self._lock:
+            if opened:
+                self.open_uploads[upload_id] = path
+            else:
+                self.open_uploads.pop(upload_id, None)
+
+    def _call(self, op: str, path: str, fn: Callable[[], T]) -> T:
+        """Run one request with retries (backoff with full jitter) until
+        ``deadline_s``; 404 -> FileNotFoundError, 412 -> FileExistsError,
+        anything else -> StorageError."""
+        from botocore.exceptions import ClientError
+
+        cfg = self.config
+        deadline = time.monotonic() + cfg.deadline_s
+        attempt = 0
+        while True:
+            with self._lock:
+                self.requests += 1
+            try:
+                return fn()
+            except Exception as e:  # noqa: BLE001 - classified below
+                status, code = _status(e) if isinstance(e, ClientError) else (0, "")
+                if status == 404 or code in ("NoSuchKey", "NotFound", "NoSuchBucket", "NoSuchUpload"):
+                    raise FileNotFoundError(f"s3://{path}: {code or 'not found'}") from e
+                if status == 412 or code == "PreconditionFailed":
+                    raise FileExistsError(f"s3://{path}: already exists (conditional put refused)") from e
+                if status == 416 or code == "InvalidRange":
+                    raise IntegrityError(f"s3://{path}: object is shorter than the range read") from e
+                delay = self._rng.uniform(0, min(cfg.backoff_cap_s, cfg.backoff_s * 2 ** attempt))
+                if not _retryable(e) or time.monotonic() + delay > deadline:
+                    why = f"{code or type(e).__name__}: {e}"
+                    extra = f" after {attempt + 1} attempt(s) in {cfg.deadline_s:g} s" if _retryable(e) else ""
+                    raise StorageError(f"s3 {op} s3://{path} failed{extra}: {why}") from e
+                attempt += 1
+                with self._lock:
+                    self.retries += 1
+                time.sleep(delay)
+
+    # -- writing
+    def makedirs(self, path: str) -> None:
+        pass  # prefixes need no creation
+
+    def open_write(self, path: str, *, durable: bool = True) -> WriteStream:
+        return _S3Write(self, path)
+
+    def write_bytes(self, path: str, data: bytes, *, durable: bool = True) -> None:
+        if len(data) < self.config.part_bytes:
+            b, k = _split(path)
+            self._call("put", path, lambda: self.client.put_object(Bucket=b, Key=k, Body=data))
+            self._count_write(len(data))
+            return
+        super().write_bytes(path, data, durable=durable)
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        b, k = _split(path)
+        tried = [0]
+
+        def put() -> Any:
+            tried[0] += 1
+            return self.client.put_object(Bucket=b, Key=k, Body=data, IfNoneMatch="*")
+
+        try:
+            self._call("conditional put", path, put)
+        except FileExistsError:
+            # a retry after a lost response may find our own first attempt there
+            if tried[0] > 1 and self._get_all(path) == data:
+                return
+            raise
+        self._count_write(len(data))
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        raise NotImplementedError("S3 has no atomic rename")
+
+    def _keys(self, prefix: str) -> list[str]:
+        """Every key (``bucket/key``) under ``prefix`` (recursive)."""
+        b, k = _split(prefix)
+        out: list[str] = []
+        token: str | None = None
+        while True:
+            kw: dict[str, Any] = {"Bucket": b, "Prefix": k}
+            if token:
+                kw["ContinuationToken"] = token
+            r = self._call("list", prefix, partial(self.client.list_objects_v2, **kw))
+            out.extend(f"{b}/{o['Key']}" for o in r.get("Contents", ()))
+            token = r.get("NextContinuationToken")
+            if not r.get("IsTruncated") or not token:
+                return out
+
+    def delete_keys(self, keys: list[str]) -> None:
+        """Delete objects (``bucket/key``), 1000 per request."""
+        by_bucket: dict[str, list[str]] = {}
+        for key in keys:
+            b, k = _split(key)
+            by_bucket.setdefault(b, []).append(k)
+        for b, ks in by_bucket.items():
+            for i in range(0, len(ks), 1000):
+                objs = [{"Key": k} for k in ks[i:i + 1000]]
+                r = self._call("delete", f"{b}/{ks[i]}", partial(
+                    self.client.delete_objects, Bucket=b, Delete={"Objects": objs, "Quiet": True}))
+                if r.get("Errors"):
+                    e = r["Errors"][0]
+                    raise StorageError(f"s3 delete s3://{b}/{e.get('Key')}: {e.get('Code')}: "
+                                       f"{e.get('Message')}")
+
+    def delete_tree(self, path: str) -> None:
+        """Delete ``path`` (an object) or every object below the prefix
+        ``path/``, ``manifest.json`` first (a half-deleted checkpoint is never
+        seen as committed), and abort multipart uploads below it."""
+        b, k = _split(path)
+        if not k:
+            raise ValueError(f"refusing to delete a whole bucket ({path!r})")
+        keys = self._keys(path.rstrip("/") + "/")
+        if not keys:
+            self.delete_keys([path])
+            return
+        first = [x for x in keys if x.endswith("/manifest.json")]
+        if first:
+            self.delete_keys(first)
+        self.delete_keys([x for x in keys if x not in first])
+        for key, uid, _ in self.list_uploads(path.rstrip("/") + "/"):
+            self.abort_upload(key, uid)
+
+    # -- multipart bookkeeping (for gc)
+    def list_uploads(self, prefix: str) -> list[tuple[str, str, float]]:
+        """Open multipart uploads below ``prefix``: ``(key, upload id, initiated
+        seconds since the epoch)``."""
+        b, k = _split(prefix)
+        out: list[tuple[str, str, float]] = []
+        kw: dict[str, Any] = {"Bucket": b, "Prefix": k}
+        while True:
+            r = self._call("list uploads", prefix, partial(self.client.list_multipart_uploads, **kw))
+            for u in r.get("Uploads", ()):
+                out.append((f"{b}/{u['Key']}", u["UploadId"], u["Initiated"].timestamp()))
+            if not r.get("IsTruncated"):
+                return out
+            kw = {**kw, "KeyMarker": r["NextKeyMarker"], "UploadIdMarker": r["NextUploadIdMarker"]}
+
+    def abort_upload(self, path: str, upload_id: str) -> None:
+        b, k = _split(path)
+        try:
+            self._call("abort multipart upload", path, lambda: self.client.abort_multipart_upload(
+                Bucket=b, Key=k, UploadId=upload_id))
+        except FileNotFoundError:
+            pass
+
+    # -- reading
+    def _get_range(self, path: str, offset: int, buf: memoryview) -> None:
+        b, k = _split(path)
+        n = len(buf)
+
+        def get() -> int:
+            r = self.client.get_object(Bucket=b, Key=k, Range=f"bytes={offset}-{offset + n - 1}")
+            body = r["Body"]
+            got = 0
+            try:
+                while got < n:
+                    chunk = body.read(min(n - got, 1 << 20))
+                    if not chunk:
+                        break
+                    buf[got:got + len(chunk)] = chunk
+                    got += len(chunk)
+            finally:
+                body.close()
+            return got
+
+        got = self._call("get", path, get)
+        if got < n:
+            raise IntegrityError(f"s3://{path}: object is shorter than declared: wanted bytes "
+                                 f"[{offset}, {offset + n}), got {got}")
+        self._count_read(n)
+
+    def read_into(self, path: str, offset: int, buf: memoryview) -> None:
+        buf = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+        n = len(buf)
+        if n == 0:
+            self.size(path)  # a missing object is still FileNotFoundError
+            return
+        rb = self.config.range_bytes
+        if n <= rb:
+            self._get_range(path, offset, buf)
+            return
+        futs = [self._get_pool.submit(self._get_range, path, offset + a, buf[a:a + rb])
+                for a in range(0, n, rb)]
+        for f in futs:
+            f.result()
+
+    def _get_all(self, path: str) -> bytes:
+        b, k = _split(path)
+
+        def get() -> bytes:
+            r = self.client.get_object(Bucket=b, Key=k)
+            return bytes(r["Body"].read())
+
+        data = self._call("get", path, get)
+        self._count_read(len(data))
+        return data
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        if offset == 0 and length is None:
+            return self._get_all(path)
+        return super().read_bytes(path, offset, length)
+
+    def _head(self, path: str) -> dict[str, Any]:
+        b, k = _split(path)
+        if not k:
+            raise FileNotFoundError(path)
+        return self._call("head", path, lambda: self.client.head_object(Bucket=b, Key=k))
+
+    def size(self, path: str) -> int:
+        return int(self._head(path)["ContentLength"])
+
+    def exists(self, path: str) -> bool:
+        try:
+            self._head(path)
+            return True
+        except FileNotFoundError:
+            pass
+        b, k = _split(path)
+        r = self._call("list", path, lambda: self.client.list_objects_v2(
+            Bucket=b, Prefix=k.rstrip("/") + "/" if k else "", MaxKeys=1))
+        return bool(r.get("KeyCount") or r.get("Contents"))
+
+    def list_dir(self, path: str) -> list[str]:
+        """Direct children of the prefix ``path/`` (objects and sub-prefixes).
+
+        Raises:
+            FileNotFoundError: nothing below ``path`` (an empty prefix).
+            NotADirectoryError: ``path`` is an object with nothing below it.
+            StorageError: the LIST failed after retries (never "empty").
+        """
+        b, k = _split(path)
+        pre = k.rstrip("/") + "/" if k else ""
+        names: set[str] = set()
+        kw: dict[str, Any] = {"Bucket": b, "Prefix": pre, "Delimiter": "/"}
+        while True:
+            r = self._call("list", path, partial(self.client.list_objects_v2, **kw))
+            names.update(o["Key"][len(pre):] for o in r.get("Contents", ()))
+            names.update(p["Prefix"][len(pre):].rstrip("/") for p in r.get("CommonPrefixes", ()))
+            token = r.get("NextContinuationToken")
+            if not r.get("IsTruncated") or not token:
+                break
+            kw = {**kw, "ContinuationToken": token}
+        names.discard("")
+        if not names:
+            if k and self._is_object(path):
+                raise NotADirectoryError(path)
+            raise FileNotFoundError(f"s3://{path}: no objects below this prefix")
+        return sorted(names)
+
+    def _is_object(self, path: str) -> bool:
+        try:
+            self._head(path)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def modified_time(self, path: str) -> float | None:
+        try:
+            return float(self._head(path)["LastModified"].timestamp())
+        except (FileNotFoundError, StorageError):
+            pass
+        try:
+            keys = self._keys(path.rstrip("/") + "/")
+        except StorageError:
+            return None
+        times = [t for t in (self._mtime_of(x) for x in keys[:20]) if t is not None]
+        return max(times) if times else None
+
+    def _mtime_of(self, key: str) -> float | None:
+        try:
+            return float(self._head(key)["LastModified"].timestamp())
+        except (FileNotFoundError, StorageError):
+            return None
