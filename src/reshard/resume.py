@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from .commit import (
     committed,
     quarantine,
-    read_head,
+    read_head_tagged,
     read_manifest,
     read_manifest_bytes,
     scan,
@@ -76,7 +76,8 @@ def _plan(mgr: CheckpointManager, step: int | None, name: str | None) -> dict[st
     st, root = mgr.storage, mgr.root
     notes = _quarantine_invalid(mgr)
     entries = committed(st, root)
-    lin = lineage_of(entries, Head.from_record(read_head(st, root)))
+    head, head_tag = read_head_tagged(st, root)
+    lin = lineage_of(entries, Head.from_record(head))
     order = resume_order(entries, lin)
     if step is not None:
         order = [e for e in order if e.step == step]
@@ -85,6 +86,7 @@ def _plan(mgr: CheckpointManager, step: int | None, name: str | None) -> dict[st
     return {"notes": notes, "order": [e.name for e in order],
             "other": [e.name for e in order if lin.head is not None and e.name not in lin.current],
             "head": lin.head.name if lin.head is not None else None,
+            "head_tag": head_tag,
             "attempt": {e.name: e.manifest.attempt_id for e in order if e.manifest is not None},
             "step": {e.name: e.step for e in order}}
 
@@ -143,7 +145,8 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
                 warnings.warn(f"{root}: no checkpoint of the current lineage (HEAD: "
                               f"{plan['head']}) loads; resuming {cname} of another lineage",
                               RuntimeWarning, stacklevel=3)
-            _write_head(mgr, cname, plan["attempt"].get(cname), plan["step"].get(cname))
+            _write_head(mgr, cname, plan["attempt"].get(cname), plan["step"].get(cname),
+                        plan["head_tag"])
             if failures:
                 res.notes["fallback"] = failures
             return res
@@ -216,15 +219,17 @@ def _quarantine(mgr: CheckpointManager, name: str, attempt_id: str | None, reaso
 
 
 def _write_head(mgr: CheckpointManager, name: str, attempt_id: str | None,
-                step: int | None) -> None:
-    """Coordinator writes HEAD naming ``name``; every rank adopts it."""
+                step: int | None, expect: str | None) -> None:
+    """Coordinator writes HEAD naming ``name`` (compare-and-swap on the HEAD
+    the plan read, tag ``expect``, where the store swaps conditionally);
+    every rank adopts it, or every rank raises the lost race."""
     coll = mgr.coll
     head = Head(name=name, id=f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-"
                 f"{os.urandom(4).hex()}", time=time.time(), attempt_id=attempt_id, step=step)
     err = None
     if coll.rank == 0:
         try:
-            write_head(mgr.storage, mgr.root, head.to_record())
+            write_head(mgr.storage, mgr.root, head.to_record(), expect=expect)
         except Exception as we:  # noqa: BLE001 - raised on every rank by agree()
             err = we
     coll.agree(f"restore {mgr.root} (writing HEAD)", err)
