@@ -1,4 +1,4 @@
-"""Benchmark of ``reshard.export.export_hf``: peak memory and throughput.
+"""Benchmark of ``reshard.formats.hf_export.export_hf``: peak memory and throughput.
 
 Not a test. Usage::
 
@@ -77,7 +77,7 @@ def save_rank(path: str, rows: list[int], optim: bool) -> int:
 
 # ------------------------------------------------------------------------------- parent side
 def measure(ckpt: str, out: str, shard_bytes: int, dtype: str | None) -> dict[str, Any]:
-    from reshard.export import export_hf
+    from reshard.formats.hf_export import export_hf
 
     with PeakRSS() as mem:
         t0 = time.perf_counter()

@@ -96,7 +96,7 @@ def sharded_state(rank: int, world: int) -> dict[str, Any]:
     """Rank's rows of ``w`` (value = global element index) and a replicated ``b``."""
     per = ROWS // world
     w = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)[rank * per:(rank + 1) * per]
-    return {"model": {"w": reshard.ShardedTensor("model.w", w.clone(), global_shape=(ROWS, COLS),
+    return {"model": {"w": reshard.ShardedTensor("w", w.clone(), global_shape=(ROWS, COLS),
                                                  global_offset=(rank * per, 0)),
                       "b": torch.arange(3, dtype=torch.int64)},
             "step": 0}

@@ -95,16 +95,16 @@ def r_load_rows(path: str, shapes: dict[str, tuple[tuple[int, ...], str]]) -> di
         state[f"t{i}"] = reshard.ShardedTensor(fqn, t, global_shape=tuple(shape),
                                                global_offset=(a,) + (0,) * (len(shape) - 1))
         pieces[fqn] = (a, b, t)
-    # a ShardedTensor's fqn is authoritative wherever it sits; nesting them under
-    # "optim" makes "optim.param_groups" a value path of its own (as in the DCP state)
-    res = reshard.load({"optim": {"tensors": state, "param_groups": None}}, path)
+    # at the root, a ShardedTensor's fqn is its key; keys may contain '.', so
+    # "optim.param_groups" names the DCP value of that path
+    res = reshard.load({**state, "optim.param_groups": None}, path)
     return {"pieces": pieces, "values": res.values, "bytes_read": res.bytes_read,
             "seconds": res.duration_s}
 
 
 def r_convert(src: str, dst: str) -> dict[str, Any]:
     """convert_dcp on every rank of the default group (files shared out)."""
-    from reshard.dcp import convert_dcp
+    from reshard.formats.dcp_convert import convert_dcp
 
     res = convert_dcp(src, dst, file_bytes=200)
     return {"bytes_written": res.bytes_written, "num_files": res.num_files,

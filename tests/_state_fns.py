@@ -161,9 +161,10 @@ class Zero1:
     def layout(self, fqn: str | None, p: torch.Tensor, key: str, v: torch.Tensor) -> Any:
         assert fqn is None and p is self.flat
         if v.dim() == 0:  # "step": the same on every rank
-            return reshard.ShardedTensor(f"optim.state.zero1.{key}", v, global_shape=(),
+            return reshard.ShardedTensor(f"state.zero1.{key}", v, global_shape=(),
                                          global_offset=(), replica_id=self.rank)
-        return flat_param_shards(_flat_names(key), v, self.start)
+        # named relative to the OptimizerState (saved under "optim": optim.state.<fqn>.<key>)
+        return flat_param_shards([(f"state.{n}.{key}", s) for n, s in FLAT_PARAMS], v, self.start)
 
     def state(self) -> dict[str, Any]:
         return {"model": reshard.ModelState(self.model), "optim": self.ostate}

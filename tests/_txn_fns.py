@@ -24,8 +24,8 @@ def sharded_state(rank: int, world: int, scale: float = 1.0) -> dict[str, Any]:
     v = torch.arange(ROWS * COLS, dtype=torch.float64).reshape(ROWS, COLS)[rows] * -scale
     off = (rank * per, 0)
     return {"model": {
-        "w": reshard.ShardedTensor("model.w", w.clone(), global_shape=(ROWS, COLS), global_offset=off),
-        "v": reshard.ShardedTensor("model.v", v.clone(), global_shape=(ROWS, COLS), global_offset=off),
+        "w": reshard.ShardedTensor("w", w.clone(), global_shape=(ROWS, COLS), global_offset=off),
+        "v": reshard.ShardedTensor("v", v.clone(), global_shape=(ROWS, COLS), global_offset=off),
     }}
 
 
@@ -37,8 +37,8 @@ def _targets(rank: int, world: int, *, v_dtype: torch.dtype = torch.float64,
     w = torch.full((per, COLS), -7.0, dtype=torch.float32, device=device)
     v = torch.full((per, COLS), -7.0, dtype=v_dtype, device=device)
     state = {"model": {
-        "w": reshard.ShardedTensor("model.w", w, global_shape=(ROWS, COLS), global_offset=off),
-        "v": reshard.ShardedTensor("model.v", v, global_shape=(ROWS, COLS), global_offset=off),
+        "w": reshard.ShardedTensor("w", w, global_shape=(ROWS, COLS), global_offset=off),
+        "v": reshard.ShardedTensor("v", v, global_shape=(ROWS, COLS), global_offset=off),
     }}
     return state, {"model.w": w.clone(), "model.v": v.clone()}
 
@@ -184,7 +184,7 @@ def r_load_unchanged(path: str, how: str) -> dict[str, Any]:
         out["still_meta"] = all(state["model"][k].data.is_meta for k in ("w", "v"))
         return out
     if how == "unexpected":
-        state["model"]["v"] = reshard.ShardedTensor("model.v", before["model.v"].clone(),
+        state["model"]["v"] = reshard.ShardedTensor("v", before["model.v"].clone(),
                                                      global_shape=(ROWS, COLS),
                                                      global_offset=(rank * (ROWS // world), 0))
     out["unchanged"] = _unchanged(state, before)
@@ -197,7 +197,7 @@ def r_convert_per_rank(root: str) -> dict[str, Any]:
     """convert_dcp of one DCP checkpoint with a per-rank destination."""
     import torch.distributed.checkpoint as dcp
 
-    from reshard.dcp import convert_dcp
+    from reshard.formats.dcp_convert import convert_dcp
 
     rank = dist.get_rank()
     src = os.path.join(root, "dcp")

@@ -20,8 +20,8 @@ def _save(path: Path, step: int) -> None:
     w = torch.arange(48, dtype=torch.float32).reshape(6, 8)
     state = {
         "model": {
-            "w": reshard.ShardedTensor("model.w", w, global_shape=(6, 8), global_offset=(0, 0)),
-            "tied": reshard.ShardedTensor("model.tied", w, global_shape=(6, 8), global_offset=(0, 0)),
+            "w": reshard.ShardedTensor("w", w, global_shape=(6, 8), global_offset=(0, 0)),
+            "tied": reshard.ShardedTensor("tied", w, global_shape=(6, 8), global_offset=(0, 0)),
             "bias": torch.ones(8, dtype=torch.bfloat16),
         },
         "rng": reshard.ShardedObject("rng", {"seed": 7}, global_shape=(1,), global_offset=(0,)),
@@ -80,7 +80,7 @@ def test_inspect_table_and_json(root: Path) -> None:
     r = _run("inspect", ck)
     assert r.exit_code == 0, r.output
     out = r.stdout
-    for s in ("format reshard v1", "step 2", "schema_version v2", "world_size 1", '"dp": 1',
+    for s in ("format reshard v2", "step 2", "schema_version v2", "world_size 1", '"dp": 1',
               "model.w", "float32", "[6,8]", "model.bias", "bfloat16", "rng", "[1]",
               "values (2): lr, step", "model.tied -> model.w"):
         assert s in out, (s, out)
@@ -126,7 +126,7 @@ def test_smoke_on_real_gloo_ranks(tmp_path: Path) -> None:
                        timeout=100)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "max abs difference = 0\n" in p.stdout
-    assert "DEMO OK" in p.stdout and "verify      : OK" in p.stdout
+    assert "SMOKE OK" in p.stdout and "DEMO" not in p.stdout and "verify      : OK" in p.stdout
     assert (tmp_path / "tmp" / "ckpt" / "step-00000001" / "manifest.json").is_file()
 
 

@@ -202,7 +202,7 @@ def test_unknown_torch_dtype_is_manifest_error() -> None:
         b'{"$float": "abc"}',
         b'{"$ndarray": ["<f4", [3], "AAAA"]}',
         b'{"$npscalar": ["<f8", ""]}',
-        b'{"$tensor": ["complex64", [1], "AAAAAAAAAAA="]}',
+        b'{"$tensor": ["complex32", [1], "AAAAAAAAAAA="]}',
         b'{"$set": [[1]]}',
     ],
 )

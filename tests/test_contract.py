@@ -134,7 +134,7 @@ def test_save_never_replaces_a_directory_that_is_not_a_checkpoint(tmp_path: Path
 
 
 def test_export_refuses_to_write_into_the_checkpoint_or_cast_to_ints(tmp_path: Path) -> None:
-    from reshard.export import export_hf
+    from reshard.formats.hf_export import export_hf
 
     reshard.save({"w": torch.ones(2, 2)}, tmp_path / "ck")
     with pytest.raises(ValueError, match="inside the checkpoint"):
@@ -142,14 +142,14 @@ def test_export_refuses_to_write_into_the_checkpoint_or_cast_to_ints(tmp_path: P
     with pytest.raises(ValueError, match="floating-point"):
         export_hf(tmp_path / "ck", tmp_path / "hf", dtype=torch.int32)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["data-r00000-0.safetensors",
-                                                                   "manifest.json"]
+                                                                   "manifest.json", "plan.bin"]
 
 
 def test_hf_import_refuses_overlapping_data_offsets(tmp_path: Path) -> None:
     import struct
 
     from reshard.errors import ManifestError
-    from reshard.export import import_hf
+    from reshard.formats.hf_import import import_hf
 
     header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
               "c": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}  # c aliases a's bytes

@@ -1,4 +1,4 @@
-"""DCP import (reshard.dcp): an FSDP2 + AdamW state saved by
+"""DCP import (reshard.formats.dcp): an FSDP2 + AdamW state saved by
 torch.distributed.checkpoint on 4 gloo ranks, read by reshard on 2 ranks
 directly and after conversion; crafted pickles refused with nothing executed
 (DESIGN.md section 3, cases/README.md case 10)."""
@@ -20,7 +20,8 @@ from click.testing import CliRunner
 import _dcp_fns as fns
 import reshard
 from reshard.cli import main as cli_main
-from reshard.dcp import DCP_METADATA, convert_dcp, open_dcp, read_dcp_metadata
+from reshard.formats.dcp import DCP_METADATA, open_dcp, read_dcp_metadata
+from reshard.formats.dcp_convert import convert_dcp
 from reshard.sharding import dtype_name
 from reshard.testing.pool import WorkerPool
 
@@ -132,15 +133,19 @@ def test_unsupported_dtype_skipped_with_note(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"w": torch.ones(2), "z": {"c": torch.ones(2, dtype=torch.complex64)}, "lr": 0.1},
+        dcp.save({"w": torch.ones(2), "z": {"c": torch.ones(2, dtype=torch.float8_e4m3fnuz)}, "lr": 0.1,
+                  "cplx": torch.tensor([1 + 2j, -1j], dtype=torch.complex64)},
                  checkpoint_id=str(ck), no_dist=True)
     _st, m = open_dcp(ck)
-    assert set(m.tensors) == {"w"} and "z.c" in m.extra["dcp_skipped_tensors"]
+    assert set(m.tensors) == {"w", "cplx"} and "z.c" in m.extra["dcp_skipped_tensors"]
+    cplx = torch.zeros(2, dtype=torch.complex64)
+    reshard.load({"cplx": cplx}, str(ck), strict=False)  # complex tensors are supported
+    assert torch.equal(cplx, torch.tensor([1 + 2j, -1j], dtype=torch.complex64))
     w = torch.zeros(2)
     zc = reshard.ShardedTensor("z.c", torch.zeros(2), global_shape=(2,), global_offset=(0,))
     with pytest.raises(reshard.ShardingError, match=r"missing from the checkpoint: \['z.c'\]"):
         reshard.load({"w": w, "zc": zc, "lr": None}, str(ck))
-    res = reshard.load({"w": w, "lr": None}, str(ck))
+    res = reshard.load({"w": w, "lr": None}, str(ck), strict=False)
     assert torch.equal(w, torch.ones(2)) and res.values["lr"] == 0.1
 
 
@@ -303,10 +308,13 @@ def test_undecodable_value_skipped_with_note(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     _replace_item(ck, "cfg.lr", pickle.dumps(_payloads(marker)["os.system"]))
     _st, m = open_dcp(ck)
-    assert "cfg" in m.extra["dcp_skipped_values"] and "cfg" not in (m.values or {})
+    # the DCP leaf is skipped, and so is the value a load groups it into
+    assert "cfg.lr" in m.extra["dcp_skipped_values"] and "cfg.lr" not in (m.values or {})
     w = torch.empty(3, 4)
     reshard.load({"w": w}, str(ck), strict=False)
     assert torch.equal(w, torch.arange(12.0).reshape(3, 4))
+    with pytest.raises(reshard.IntegrityError, match=r"\['cfg'\] need more than torch.load"):
+        reshard.load({"w": w, "cfg": None}, str(ck), strict=False)
     assert not marker.exists()
 
 

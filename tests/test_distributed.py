@@ -339,7 +339,7 @@ def _manifest(path: Path) -> tuple[bytes, reshard.Manifest]:
 
 def _normalised(m: reshard.Manifest) -> bytes:
     """The manifest with what legitimately differs between layouts blanked: attempt id,
-    commit time, world size, file list, and where in which file each chunk lies (its byte
+    commit time, world size, file list, the save plan kept beside it, and where in which file each chunk lies (its byte
     offset and the index of its first block in the file's block table)."""
     tensors = {
         k: msgspec.structs.replace(
@@ -349,7 +349,7 @@ def _normalised(m: reshard.Manifest) -> bytes:
         for k, e in m.tensors.items()
     }
     return encode_manifest(msgspec.structs.replace(
-        m, attempt_id="", created_at=0.0, world_size=0, files={}, tensors=tensors
+        m, attempt_id="", created_at=0.0, world_size=0, files={}, plan=None, tensors=tensors
     ))
 
 
@@ -385,7 +385,7 @@ def test_reshard_matrix(pool, tmp_path, save_world, load_world, rotated):
     # sharded tensors: one chunk per rank that holds a box (zero-size boxes may be listed)
     for name, (gshape, layout, _) in SHARDED.items():
         want = {box_of(gshape, layout, r, save_world) for r in range(save_world)}
-        got = {(c.global_offset, c.local_shape) for c in m.tensors[f"{name}_f32"].chunks}
+        got = {(c.global_offset, c.local_shape) for c in m.tensors[f"sharded.{name}_f32"].chunks}
         assert {b for b in got if math.prod(b[1])} == {b for b in want if math.prod(b[1])}
 
 

@@ -1,4 +1,4 @@
-"""Export to / import from Hugging Face safetensors (reshard.export): a
+"""Export to / import from Hugging Face safetensors (reshard.formats): a
 checkpoint saved on 2 gloo ranks (row-, column-, unevenly and flat (ZeRO) sharded tensors,
 replicated tensors, a tied alias, AdamW-like optimizer state, objects and
 values) exported, checked with ``safetensors.torch.load_file``, and imported
@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 import reshard
 from reshard.cli import main
 from reshard.errors import CheckpointNotFoundError, ManifestError
-from reshard.export import INDEX_NAME, SINGLE_NAME, export_hf, hf_manifest, import_hf, parse_size
+from reshard.formats.hf_export import INDEX_NAME, SINGLE_NAME, export_hf, parse_size
+from reshard.formats.hf_import import hf_manifest, import_hf
 from reshard.storage import LocalStorage
 from reshard.transforms import Rename, Reset, Transpose
 
@@ -62,19 +63,19 @@ def r_save(path: str) -> None:
     b, nb = _rows(256, rank, world)
     r0, r1 = ROWS[rank], ROWS[rank + 1]
     model = {
-        "embed": st("model.embed.weight", emb_local, global_shape=(50, 16), global_offset=(a, 0)),
+        "embed": st("embed.weight", emb_local, global_shape=(50, 16), global_offset=(a, 0)),
         # tied: the same local buffer under a second fqn -> a manifest alias
-        "lm_head": st("model.lm_head.weight", emb_local, global_shape=(50, 16), global_offset=(a, 0)),
-        "q": st.from_rank_offsets("model.layers.0.attn.q.weight",
+        "lm_head": st("lm_head.weight", emb_local, global_shape=(50, 16), global_offset=(a, 0)),
+        "q": st.from_rank_offsets("layers.0.attn.q.weight",
                                   q[:, 12 * rank:12 * (rank + 1)].clone(), (1, rank, world)),
-        "up": st("model.layers.0.mlp.up.weight", up[r0:r1].clone(), global_shape=(40, 24),
+        "up": st("layers.0.mlp.up.weight", up[r0:r1].clone(), global_shape=(40, 24),
                  global_offset=(r0, 0)),
-        "big": st("model.big.weight", big[b:b + nb].clone(), global_shape=(256, 64),
+        "big": st("big.weight", big[b:b + nb].clone(), global_shape=(256, 64),
                   global_offset=(b, 0)),
-        "flat": st("model.flat.weight", ref["model.flat.weight"].reshape(-1)[30 * rank:30 + 33 * rank].clone(),
+        "flat": st("flat.weight", ref["model.flat.weight"].reshape(-1)[30 * rank:30 + 33 * rank].clone(),
                    global_shape=(9, 7), global_offset=(0, 0), local_shape=(9, 7),
                    flattened_range=slice(30 * rank, 30 + 33 * rank)),
-        "tpflat": st("model.tpflat.weight",
+        "tpflat": st("tpflat.weight",
                      ref["model.tpflat.weight"][:, 3 * rank:3 * rank + 3].reshape(-1).clone(),
                      global_shape=(10, 6), global_offset=(0, 3 * rank), local_shape=(10, 3),
                      flattened_range=slice(0, 30)),
@@ -83,11 +84,11 @@ def r_save(path: str) -> None:
         "scale": ref["model.scale"].clone(),
     }
     optim = {
-        "m": st("optim.state.model.embed.weight.exp_avg", emb_local * 0.1, global_shape=(50, 16),
+        "m": st("state.model.embed.weight.exp_avg", emb_local * 0.1, global_shape=(50, 16),
                 global_offset=(a, 0)),
-        "v": st("optim.state.model.embed.weight.exp_avg_sq", emb_local * emb_local,
+        "v": st("state.model.embed.weight.exp_avg_sq", emb_local * emb_local,
                 global_shape=(50, 16), global_offset=(a, 0)),
-        "step": st("optim.state.model.embed.weight.step", torch.tensor(3.0), global_shape=(),
+        "step": st("state.model.embed.weight.step", torch.tensor(3.0), global_shape=(),
                    global_offset=()),
         "lr": 1e-3,
     }
@@ -100,6 +101,7 @@ def r_import(hf_dir: str, half: bool) -> dict[str, Any]:
     ``half`` request only this rank's half of the rows of ``big.weight``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     ref = reference()
+    ref["model.lm_head.weight"] = ref["model.embed.weight"]  # the tie the export recorded
     state: dict[str, Any] = {}
     keys = ["model.big.weight"] if half else list(ref)
     for k in keys:
@@ -148,7 +150,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def test_export_sharded_with_index(ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "hf"
-    res = export_hf(ckpt, out, max_shard_bytes=4096)
+    res = export_hf(ckpt, out, max_shard_bytes=4096, subtree="")  # every name as saved
     ref = _model_ref()
     assert len(res.files) >= 3 and res.index_file == INDEX_NAME
     assert res.files == tuple(f"model-{i:05d}-of-{len(res.files):05d}.safetensors"
@@ -157,6 +159,7 @@ def test_export_sharded_with_index(ckpt: Path, tmp_path: Path) -> None:
     idx = json.loads((out / INDEX_NAME).read_text())
     assert idx["weight_map"] == res.weight_map
     assert idx["metadata"]["total_size"] == sum(t.nbytes for t in ref.values()) == res.total_size
+    assert idx["metadata"]["tied_weights"] == {"model.lm_head.weight": "model.embed.weight"}
     # optimizer state, the tied alias, objects and values are not exported
     assert set(res.weight_map) == set(ref)
     assert "model.lm_head.weight" in res.skipped and "optim.state.model.embed.weight.exp_avg" in res.skipped
@@ -202,7 +205,7 @@ def test_export_one_file_bf16_rename_copy(ckpt: Path, tmp_path: Path) -> None:
 def test_export_streams_row_blocks(ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensors larger than READ_BLOCK_BYTES are read and written in blocks of
     rows (through row- and column-sharded chunks, with and without a cast)."""
-    import reshard.export as ex
+    import reshard.formats.hf_write as ex
 
     monkeypatch.setattr(ex, "READ_BLOCK_BYTES", 200)
     m = reshard.inspect(ckpt)
@@ -220,7 +223,7 @@ def test_export_streams_row_blocks(ckpt: Path, tmp_path: Path, monkeypatch: pyte
     ref = _model_ref()
     for dtype in (None, torch.float16):
         out = tmp_path / f"blocks-{dtype}"
-        res = export_hf(ckpt, out, dtype=dtype, max_shard_bytes=4096)
+        res = export_hf(ckpt, out, dtype=dtype, max_shard_bytes=4096, subtree="")
         got = _read_all(out, res.files)
         for k, t in ref.items():
             want = t.to(dtype) if dtype is not None and t.is_floating_point() else t
@@ -239,21 +242,21 @@ def test_export_empty_and_0dim(tmp_path: Path) -> None:
 
 
 def test_export_aliases_and_include(ckpt: Path, tmp_path: Path) -> None:
-    res = export_hf(ckpt, tmp_path / "a", include_aliases=True)
+    res = export_hf(ckpt, tmp_path / "a", include_aliases=True, subtree="")
     got = load_file(str(tmp_path / "a" / SINGLE_NAME))
     assert torch.equal(got["model.lm_head.weight"], got["model.embed.weight"])
     # a glob over checkpoint fqns: optimizer state can be exported when asked
-    res = export_hf(ckpt, tmp_path / "o", include="optim.state.*")
+    res = export_hf(ckpt, tmp_path / "o", include="optim.state.*", subtree="")
     assert set(res.weight_map) == {"optim.state.model.embed.weight.exp_avg",
                                    "optim.state.model.embed.weight.exp_avg_sq",
                                    "optim.state.model.embed.weight.step"}
     with pytest.raises(ValueError, match="no tensor selected"):
-        export_hf(ckpt, tmp_path / "n", include=lambda fqn: False)
+        export_hf(ckpt, tmp_path / "n", include=lambda fqn: False, subtree="")
     # Reset drops keys (reported as skipped); geometric transforms do not apply to an export
-    res = export_hf(ckpt, tmp_path / "r", transforms=[Reset("model.big.*")])
+    res = export_hf(ckpt, tmp_path / "r", transforms=[Reset("model.big.*")], subtree="")
     assert "model.big.weight" not in res.weight_map and "model.big.weight" in res.skipped
     with pytest.raises(ValueError, match="only transforms that act on saved names"):
-        export_hf(ckpt, tmp_path / "t", transforms=[Transpose("model.embed.weight")])
+        export_hf(ckpt, tmp_path / "t", transforms=[Transpose("model.embed.weight")], subtree="")
     with pytest.raises(ValueError, match="inside the checkpoint"):
         export_hf(ckpt, ckpt)
 
@@ -275,6 +278,7 @@ def test_round_trip_import_row_sharded(pool: Any, ckpt: Path, tmp_path: Path) ->
     out = tmp_path / "hf"
     export_hf(ckpt, out, max_shard_bytes=4096, transforms=[Rename(r"^model\.", "")])
     ref = _model_ref()
+    ref["model.lm_head.weight"] = ref["model.embed.weight"]
     results = pool.run(2, r_import, str(out), False)
     for r in results:
         for fqn, (off, data) in r["tensors"].items():
@@ -284,7 +288,7 @@ def test_round_trip_import_row_sharded(pool: Any, ckpt: Path, tmp_path: Path) ->
             assert _same(data, want), fqn
     # together the ranks read each byte of the model about once (rows of 2-D
     # tensors split, 1-D / 0-dim tensors read by both)
-    total = sum(t.nbytes for t in ref.values())
+    total = sum(t.nbytes for k, t in ref.items() if k != "model.lm_head.weight")
     assert sum(r["bytes_read"] for r in results) < total * 1.05
 
 
@@ -302,8 +306,9 @@ def test_import_reads_only_its_rows(pool: Any, ckpt: Path, tmp_path: Path) -> No
 
 def test_import_single_process_and_strictness(ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "hf"
-    export_hf(ckpt, out)
+    export_hf(ckpt, out, subtree="")
     ref = _model_ref()
+    ref["model.lm_head.weight"] = ref["model.embed.weight"]  # the tie, recorded by the export
     tgt = {k.replace(".", "_"): reshard.ShardedTensor(k, torch.zeros_like(t), global_shape=tuple(t.shape),
                                                       global_offset=(0,) * t.dim())
            for k, t in ref.items()}
@@ -360,7 +365,7 @@ def test_cli_export(ckpt: Path, tmp_path: Path) -> None:
     cfg.write_text("{}")
     out = tmp_path / "cli"
     r = CliRunner().invoke(main, ["export", str(ckpt), str(out), "--format", "hf", "--dtype", "bf16",
-                                  "--max-shard-size", "4KiB", "--copy", str(cfg)])
+                                  "--max-shard-size", "4KiB", "--copy", str(cfg), "--subtree", ""])
     assert r.exit_code == 0, r.output
     assert "exported 9 tensors" in r.output
     idx = json.loads((out / INDEX_NAME).read_text())
@@ -369,7 +374,7 @@ def test_cli_export(ckpt: Path, tmp_path: Path) -> None:
     assert got["model.embed.weight"].dtype == torch.bfloat16
     assert torch.equal(got["model.embed.weight"], _model_ref()["model.embed.weight"].to(torch.bfloat16))
     r = CliRunner().invoke(main, ["export", str(ckpt), str(out)])
-    assert r.exit_code == 1 and "FileExistsError" in r.output
+    assert r.exit_code == 2 and "--overwrite" in r.output
     r = CliRunner().invoke(main, ["export", str(tmp_path / "nothing"), str(tmp_path / "o2")])
     assert r.exit_code == 2
     r = CliRunner().invoke(main, ["export", str(ckpt), str(tmp_path / "o3"), "--dtype", "int3"])

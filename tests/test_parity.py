@@ -24,6 +24,7 @@ from reshard.testing.model import TIED, Stage, model_config
 from reshard.testing.parity import assemble, compare, parity, rank_continuous
 from reshard.testing.pool import WorkerPool
 from reshard.testing.trainer import Layout, TrainConfig
+from reshard.transforms import Rename
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -56,7 +57,7 @@ def _canonical(preset: str) -> dict[str, tuple[int, ...]]:
     logical tensors of the unsharded model (q/k/v and gate/up apart, the
     vocabulary unpadded), their AdamW moments and steps (trainable only)."""
     m = Stage(model_config(preset))
-    out = {v.fqn: v.global_shape for n, t in m.state_dict().items() for v in m.views(n, t)}
+    out = {f"model.{v.fqn}": v.global_shape for n, t in m.state_dict().items() for v in m.views(n, t)}
     for n, p in m.named_parameters():
         if p.requires_grad:
             for v in m.views(n, p.detach()):
@@ -120,13 +121,13 @@ def test_minilm_forward_is_the_real_model() -> None:
     sentences (0.755 for the pair below, sentence-transformers' own value)."""
     from tokenizers import Tokenizer
 
-    from reshard.export import import_hf
+    from reshard.formats.hf_import import import_hf
     from reshard.testing.data import minilm_dir
     from reshard.testing.model import MicroBatch
 
     m = Stage(model_config("bert", "full"))
     import_hf({"m": reshard.ModelState(m, layout=m.layout)}, str(minilm_dir()),
-              allow_missing=[("cls.*", "keep")])
+              allow_missing=[("m.cls.*", "keep")], transforms=[Rename(r"^", "m.")])
     tok = Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))
     tok.enable_padding(pad_id=0, pad_token="[PAD]")
     texts = ["A man is eating food.", "A man is eating a piece of bread.", "The new movie is awesome.",
@@ -148,34 +149,37 @@ def test_minilm_import_tp2_save_load_tp1_export(pool: WorkerPool, tmp_path) -> N
     decoder is tied to the word embeddings again; the head is exported too."""
     from safetensors import safe_open
 
-    from reshard.export import export_hf
+    from reshard.formats.hf_export import export_hf
     from reshard.testing.data import minilm_dir
 
     ckpt, out = str(tmp_path / "ckpt"), tmp_path / "hf"
     saved = pool.run(2, fns.r_minilm_import_save, ckpt, timeout=180)
     for r in saved:
         assert r["bad"] == [] and len(r["checked"]) == 104
-        assert set(r["missing"]) == {"cls.predictions.transform.dense.weight",
-                                     "cls.predictions.transform.dense.bias",
-                                     "cls.predictions.transform.LayerNorm.weight",
-                                     "cls.predictions.transform.LayerNorm.bias", "cls.predictions.bias"}
+        assert set(r["missing"]) == {"model.cls.predictions.transform.dense.weight",
+                                     "model.cls.predictions.transform.dense.bias",
+                                     "model.cls.predictions.transform.LayerNorm.weight",
+                                     "model.cls.predictions.transform.LayerNorm.bias",
+                                     "model.cls.predictions.bias"}
     # TP=2 really sharded: fused qkv [3 * 384 / 2, 384], vocab split 15261 rows per rank
     shapes = saved[0]["shapes"]
     assert shapes["encoder.layer.0.attention.self.qkv.weight"] == (576, 384)
     assert shapes[TIED] == (15261, 384)
     m = reshard.inspect(ckpt)
-    assert TIED in m.tensors and "cls.predictions.decoder.weight" not in m.tensors
-    assert len(m.tensors[TIED].chunks) == 2
+    assert f"model.{TIED}" in m.tensors and "model.cls.predictions.decoder.weight" not in m.tensors
+    assert len(m.tensors[f"model.{TIED}"].chunks) == 2
     (loaded,) = pool.run(1, fns.r_minilm_load_tp1, ckpt, timeout=180)
     assert loaded["n_file"] == 104 and loaded["bad"] == []
     assert loaded["tied"] and loaded["decoder_equals_file"]
     assert loaded["head_restored"] and all(loaded["head_restored"].values())
+    # the model's own names: the "model" subtree's path left out (export_hf's default; and the
+    # optimizer state)
     res = export_hf(ckpt, out)
     src = safe_open(str(minilm_dir() / "model.safetensors"), framework="pt")
     with safe_open(str(out / res.files[0]), framework="pt") as exp:
         names = set(exp.keys())
         assert set(src.keys()) <= names
-        assert names - set(src.keys()) == set(saved[0]["missing"])
+        assert {f"model.{n}" for n in names - set(src.keys())} == set(saved[0]["missing"])
         for n in src.keys():
             assert fns.same_bits(exp.get_tensor(n), src.get_tensor(n)), n
 

@@ -237,12 +237,12 @@ def test_export_hf_to_s3(s3e, tmp_path) -> None:
         local = tmp_path / name
         c.download_file(s3e.bucket, f"{prefix}/{name}", str(local))
         got.update(load_file(str(local)))
-    assert set(got) == {"model.emb", "model.head", "model.norm"}
-    assert all(torch.equal(got[f"model.{k}"], v) for k, v in model.items())
+    assert set(got) == {"emb", "head", "norm"}  # the container path (model.) is stripped
+    assert all(torch.equal(got[k], v) for k, v in model.items())
     assert _uploads(s3e, out) == []
     # exporting again without --overwrite is refused; nothing changes
     res = CliRunner().invoke(main, ["export", url, out])
-    assert res.exit_code == 1 and "already holds model files" in res.output
+    assert res.exit_code == 2 and "already holds model files" in res.output  # a refused overwrite
 
 
 def test_delete_removes_the_manifest_first(s3e) -> None:

@@ -336,23 +336,33 @@ def test_silent_casts_and_reshapes_are_refused(tmp_path: Path) -> None:
         reshard.load({"w": t3}, tmp_path / "ck")
 
 
-def test_key_containing_dot_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(ShardingError, match="key 'a.b' contains '.'"):
-        reshard.save({"m": {"a.b": torch.ones(1)}}, tmp_path / "ck")
-    assert not (tmp_path / "ck").exists()
-    assert os.listdir(tmp_path) == []
-    reshard.save({"m": {"a": torch.ones(1)}}, tmp_path / "ck")
-    with pytest.raises(ShardingError, match="contains '.'"):
-        reshard.load({"m.a": torch.ones(1)}, tmp_path / "ck")
+def test_dotted_keys_are_tree_paths_and_collisions_name_both(tmp_path: Path) -> None:
+    """DESIGN section 2: keys may contain '.', and a key is the tree path joined
+    with '.'; two leaves of one key are refused, naming both tree paths."""
+    reshard.save({"m": {"a.b": torch.ones(1)}}, tmp_path / "ck")
+    assert set(reshard.inspect(tmp_path / "ck").tensors) == {"m.a.b"}
+    for target in ({"m.a.b": torch.zeros(1)}, {"m": {"a": {"b": torch.zeros(1)}}}):
+        reshard.load(target, tmp_path / "ck")
+    with pytest.raises(ShardingError, match=r"'m\.a\.b' is given by two leaves: "
+                                            r"state\['m'\]\['a\.b'\] and state\['m'\]\['a'\]\['b'\]"):
+        reshard.save({"m": {"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}}, tmp_path / "ck2")
+    assert os.listdir(tmp_path) == ["ck"]
+    with pytest.raises(ShardingError, match="given by two leaves"):  # '1' and 1
+        reshard.save({"m": {"1": torch.ones(1), 1: torch.ones(1)}}, tmp_path / "ck3")
 
 
-def test_sharded_tensor_fqn_is_authoritative(tmp_path: Path) -> None:
+def test_sharded_tensor_fqn_takes_the_place_of_its_key(tmp_path: Path) -> None:
     st = ShardedTensor("decoder.layers.0.w", torch.arange(4.0), global_shape=(4,), global_offset=(0,))
     reshard.save({"anything": {"nested": st}}, tmp_path / "ck")
-    assert set(reshard.inspect(tmp_path / "ck").tensors) == {"decoder.layers.0.w"}
+    assert set(reshard.inspect(tmp_path / "ck").tensors) == {"anything.decoder.layers.0.w"}
     out = ShardedTensor("decoder.layers.0.w", torch.zeros(4), global_shape=(4,), global_offset=(0,))
-    reshard.load({"elsewhere": [out]}, tmp_path / "ck")
+    reshard.load({"anything": {"views": [out]}}, tmp_path / "ck")
     assert out.data.tolist() == [0.0, 1.0, 2.0, 3.0]
+    # at the root, a flat dict of ShardedTensors under their own dotted fqns
+    flat = {n: ShardedTensor(n, torch.full((2,), float(i)), global_shape=(2,), global_offset=(0,))
+            for i, n in enumerate(("mlp.gate", "mlp.up"))}
+    reshard.save(flat, tmp_path / "flat")
+    assert set(reshard.inspect(tmp_path / "flat").tensors) == {"mlp.gate", "mlp.up"}
 
 
 # ----------------------------------------------------------------------------- values, objects, Stateful
@@ -448,7 +458,7 @@ def test_save_refuses_existing_checkpoint_unless_overwrite(tmp_path: Path) -> No
     res = reshard.load({"w": w, "v": 0}, ck)
     assert w.tolist() == [2.0, 2.0, 2.0] and res.values["v"] == 2
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # old one retired and removed
-    assert sorted(os.listdir(ck)) == ["data-r00000-0.safetensors", "manifest.json"]
+    assert sorted(os.listdir(ck)) == ["data-r00000-0.safetensors", "manifest.json", "plan.bin"]
 
 
 def test_save_creates_parent_directories(tmp_path: Path) -> None:
@@ -525,7 +535,7 @@ def test_shard_files_open_with_safetensors(tmp_path: Path) -> None:
                                  flattened_range=slice(4, 6))]}
     reshard.save(state, tmp_path / "ck", options=SaveOptions(files_per_rank=2))
     m = reshard.inspect(tmp_path / "ck")
-    files = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name != "manifest.json")
+    files = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name not in ("manifest.json", "plan.bin"))
     assert files == sorted(m.files) == ["data-r00000-0.safetensors", "data-r00000-1.safetensors"]
     found: dict[str, torch.Tensor] = {}
     for name in files:
@@ -556,7 +566,7 @@ def test_manifest_is_plain_json(tmp_path: Path) -> None:
     reshard.save({"w": torch.ones(2), "v": {1: (2, 3)}}, tmp_path / "ck", step=5,
                  options=SaveOptions(schema_version="v3", mesh={"dp": 1}, extra={"note": "x"}))
     d = json.loads((tmp_path / "ck" / "manifest.json").read_text())
-    assert d["format"] == "reshard" and d["format_version"] == 1
+    assert d["format"] == "reshard" and d["format_version"] == 2
     assert d["step"] == 5 and d["schema_version"] == "v3" and d["mesh"] == {"dp": 1}
     assert d["extra"] == {"note": "x"}
     assert d["tensors"]["w"]["dtype"] == "float32" and d["tensors"]["w"]["global_shape"] == [2]

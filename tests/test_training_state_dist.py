@@ -163,10 +163,10 @@ def test_tp2_to_tp1_replicated_and_column_parallel(pool: WorkerPool, tmp_path) -
     (one,) = pool.run(1, fns.r_tp16_load, path, steps)
     # the replicated tensor (and its moments) appear once, at [H]
     assert torch.equal(tp[0]["ln"], tp[1]["ln"])
-    assert one["chunks"]["ln.weight"] == 1
+    assert one["chunks"]["model.ln.weight"] == 1
     assert one["chunks"]["optim.state.ln.weight.exp_avg"] == 1
     assert one["chunks"]["optim.state.ln.weight.exp_avg_sq"] == 1
-    assert one["chunks"]["col.weight"] == 2
+    assert one["chunks"]["model.col.weight"] == 2
     assert one["chunks"]["optim.state.col.weight.exp_avg"] == 2
     assert one["ln"].shape == (fns.H,) and torch.equal(one["ln"], tp[0]["ln"])
     # the column-parallel weight is [2H, H] in TP-rank row order
@@ -212,8 +212,8 @@ def test_fused_qkv_tp_block_2_to_1_and_4(pool: WorkerPool, tmp_path) -> None:
     m = reshard.inspect(path)
     canonical = {"attn.q.weight", "attn.k.weight", "attn.v.weight", "attn.o.weight",
                  "mlp.gate.weight", "mlp.up.weight", "mlp.down.weight"}
-    shapes = {k: tuple(m.tensors[k].global_shape) for k in canonical}
-    assert set(k for k in m.tensors if not k.startswith("optim.")) == canonical
+    shapes = {k: tuple(m.tensors[f"model.{k}"].global_shape) for k in canonical}
+    assert set(k[len("model."):] for k in m.tensors if not k.startswith("optim.")) == canonical
     assert shapes["attn.q.weight"] == (8, 8) and shapes["attn.o.weight"] == (8, 8)
     # optimizer moments are named after the canonical views, not the fused buffer
     for k in canonical:
@@ -254,7 +254,7 @@ def test_moe_experts_ep2_to_ep4_and_ep1(pool: WorkerPool, tmp_path) -> None:
     # global expert index e sits at row e: saved values were built from e
     assert torch.equal((full["w"][:, 0, 0] / 10).round(), torch.arange(4.0))
     m = reshard.inspect(path)
-    assert tuple(m.tensors["moe.experts.w"].global_shape) == (4, fns.D, fns.D)
+    assert tuple(m.tensors["model.moe.experts.w"].global_shape) == (4, fns.D, fns.D)
     assert tuple(m.tensors["optim.state.moe.experts.w.exp_avg"].global_shape) == (4, fns.D, fns.D)
     for world in (4, 1):
         got = pool.run(world, fns.r_ep_load, path, 4)

@@ -4,8 +4,14 @@ Values round-trip with their Python types: ``None``, ``bool``, ``int`` (any
 size), ``float`` (NaN and +-inf included), ``str``, ``bytes``, ``list``,
 ``tuple``, ``dict`` (any encodable keys, e.g. ints, insertion order kept),
 ``collections.Counter``, ``collections.OrderedDict``, ``set``, ``frozenset``,
-``slice``, NumPy arrays and scalars (e.g. ``numpy.random.get_state()``), and
-small torch tensors and dtypes appearing inside values.
+``slice``, ``complex``, NumPy arrays and scalars (e.g.
+``numpy.random.get_state()``), small torch tensors (complex64/complex128
+included), ``torch.dtype``, ``torch.device``, ``pathlib`` paths (the concrete
+or pure class is kept), ``datetime.datetime`` / ``date`` / ``time`` /
+``timedelta`` (naive, ``datetime.timezone`` offsets and ``zoneinfo.ZoneInfo``
+zones). Anything else -- ``enum.Enum`` members (``IntEnum`` included),
+``decimal.Decimal``, ``fractions.Fraction``, arbitrary objects -- is refused
+with a TypeError naming the value's path and type, never pickled.
 
 Encoded form: JSON in which every JSON object is a tag ``{"$tag": payload}``,
 so user data can never be confused with a tag. Decoding only builds the types
@@ -16,7 +22,11 @@ from __future__ import annotations
 
 import base64
 import collections
+import datetime as _dt
+import enum
 import math
+import pathlib
+import zoneinfo
 from typing import Any
 
 import msgspec
@@ -34,6 +44,42 @@ def _enc_float(x: float) -> Any:
     if math.isinf(x):
         return {"$float": "inf" if x > 0 else "-inf"}
     return x
+
+
+_PATHS: dict[str, type[pathlib.PurePath]] = {
+    "posix": pathlib.PosixPath, "windows": pathlib.WindowsPath,
+    "pure_posix": pathlib.PurePosixPath, "pure_windows": pathlib.PureWindowsPath,
+}
+_PATH_KIND: dict[type, str] = {c: k for k, c in _PATHS.items()}
+
+
+def _enc_tz(tz: _dt.tzinfo | None, *, path: str) -> Any:
+    if tz is None:
+        return None
+    if type(tz) is _dt.timezone:
+        off = tz.utcoffset(None)
+        name = tz.tzname(None)
+        default = str(_dt.timezone(off))
+        return {"offset_us": (off.days * 86400 + off.seconds) * 10**6 + off.microseconds,
+                "name": None if name == default else name}
+    if type(tz) is zoneinfo.ZoneInfo and tz.key is not None:
+        return {"zone": tz.key}
+    t = type(tz)
+    raise TypeError(f"{path or 'value'}: cannot store a datetime whose tzinfo is a "
+                    f"{t.__module__}.{t.__qualname__} (datetime.timezone and zoneinfo.ZoneInfo are stored)")
+
+
+def _dec_tz(p: Any) -> _dt.tzinfo | None:
+    if p is None:
+        return None
+    if "zone" in p:
+        return zoneinfo.ZoneInfo(str(p["zone"]))
+    off = _dt.timedelta(microseconds=int(p["offset_us"]))
+    return _dt.timezone(off) if p["name"] is None else _dt.timezone(off, str(p["name"]))
+
+
+def _time_fields(v: _dt.time | _dt.datetime) -> list[int]:
+    return [v.hour, v.minute, v.second, v.microsecond, v.fold]
 
 
 def to_json(value: Any, *, path: str = "") -> Any:
@@ -70,8 +116,23 @@ def to_json(value: Any, *, path: str = "") -> Any:
     if isinstance(value, np.generic):
         arr = np.asarray(value)
         return {"$npscalar": [arr.dtype.str, base64.b64encode(arr.tobytes()).decode("ascii")]}
+    if t is complex:
+        return {"$complex": [_enc_float(value.real), _enc_float(value.imag)]}
     if isinstance(value, torch.dtype):
         return {"$torch_dtype": str(value).removeprefix("torch.")}
+    if t is torch.device:
+        return {"$torch_device": str(value)}
+    if t in _PATH_KIND:
+        return {"$path": [_PATH_KIND[t], str(value)]}
+    if t is _dt.datetime:
+        return {"$datetime": [value.year, value.month, value.day, *_time_fields(value),
+                              _enc_tz(value.tzinfo, path=path)]}
+    if t is _dt.date:
+        return {"$date": [value.year, value.month, value.day]}
+    if t is _dt.time:
+        return {"$time": [*_time_fields(value), _enc_tz(value.tzinfo, path=path)]}
+    if t is _dt.timedelta:
+        return {"$timedelta": [value.days, value.seconds, value.microseconds]}
     if isinstance(value, torch.Tensor):
         from .sharding import dtype_name
 
@@ -79,7 +140,11 @@ def to_json(value: Any, *, path: str = "") -> Any:
         flat = cpu.reshape(-1).clone(memory_format=torch.contiguous_format)  # stride 1, even for 1 element
         raw = flat.view(torch.uint8).numpy().tobytes() if cpu.numel() else b""
         return {"$tensor": [dtype_name(cpu.dtype), list(cpu.shape), base64.b64encode(raw).decode("ascii")]}
-    if isinstance(value, int) and not isinstance(value, bool):  # IntEnum and friends: store the int
+    if isinstance(value, enum.Enum):  # IntEnum/StrEnum too: storing the int would lose the type
+        raise TypeError(f"{path or 'value'}: cannot store the enum member {value!r} "
+                        f"(type {t.__module__}.{t.__qualname__}) in reshard's pickle-free encoding; "
+                        "store its .value or .name and rebuild the member in load_state_dict")
+    if isinstance(value, int) and not isinstance(value, bool):  # int subclasses: store the int
         return to_json(int(value), path=path)
     if isinstance(value, float):
         return _enc_float(float(value))
@@ -98,6 +163,8 @@ def from_json(data: Any) -> Any:
         raise
     except (TypeError, ValueError, KeyError, IndexError) as e:
         raise ManifestError(f"encoded value is malformed: {type(e).__name__}: {e}") from None
+    except RecursionError:
+        raise ManifestError("encoded value is nested too deeply to decode") from None
 
 
 def _from_json(data: Any) -> Any:
@@ -139,6 +206,30 @@ def _from_json(data: Any) -> Any:
         if not isinstance(dtype, torch.dtype):
             raise ManifestError(f"encoded value: unknown torch dtype {p!r}")
         return dtype
+    if tag == "$complex":
+        return complex(_from_json(p[0]), _from_json(p[1]))
+    if tag == "$torch_device":
+        return torch.device(str(p))
+    if tag == "$path":
+        kind, s = p
+        if kind not in _PATHS:
+            raise ManifestError(f"encoded value: unknown path kind {kind!r}")
+        try:
+            return _PATHS[kind](str(s))
+        except (NotImplementedError, OSError):  # a WindowsPath read on POSIX (or back): keep its flavour
+            return _PATHS["pure_" + kind](str(s))
+    if tag == "$datetime":
+        *f, tz = p
+        y, mo, d, h, mi, s, us, fold = (int(x) for x in f)
+        return _dt.datetime(y, mo, d, h, mi, s, us, tzinfo=_dec_tz(tz), fold=fold)
+    if tag == "$date":
+        return _dt.date(*(int(x) for x in p))
+    if tag == "$time":
+        *f, tz = p
+        h, mi, s, us, fold = (int(x) for x in f)
+        return _dt.time(h, mi, s, us, tzinfo=_dec_tz(tz), fold=fold)
+    if tag == "$timedelta":
+        return _dt.timedelta(days=int(p[0]), seconds=int(p[1]), microseconds=int(p[2]))
     if tag == "$tensor":
         from .sharding import torch_dtype
 
@@ -162,4 +253,6 @@ def decode(raw: bytes | memoryview) -> Any:
         data = msgspec.json.decode(raw)
     except msgspec.DecodeError as e:
         raise ManifestError(f"encoded value is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ManifestError("encoded value is nested too deeply to decode") from None
     return from_json(data)

@@ -21,15 +21,16 @@ The coordinator is rank 0 of the group.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import msgspec
 import torch
 
-from .errors import RankFailure, agreed_error, summarize_failures
+from .errors import CheckpointError, RankFailure, agreed_error, summarize_failures
 
 T = TypeVar("T")
 
@@ -142,7 +143,7 @@ def agree_steps(rank: int, what: str, exc: BaseException | None,
         failures = {int(f["rank"]): RankFailure.from_json(f) for f in rep["failures"]}
         err = agreed_error(what, failures, groups=rep["groups"], total=int(rep["n"]))
     else:
-        err = agreed_error(what, failures)
+        err = agreed_error(what, failures, world_size=len(got))
     if exc is not None:
         raise err from exc
     raise err
@@ -202,6 +203,28 @@ class SingleProcess(Collectives):
         pass
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _lost_rank_errors(fn: F) -> F:
+    """A collective of the backend that fails (gloo's "Connection closed by
+    peer", a timeout: RuntimeErrors) raises CheckpointError on this rank,
+    naming the cause, with the backend's error as its ``__cause__``."""
+
+    @functools.wraps(fn)
+    def wrapper(self: TorchCollectives, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except RuntimeError as e:  # DistBackendError and gloo/NCCL failures are RuntimeErrors
+            msg = (str(e).strip().splitlines() or [""])[0][:300]
+            raise CheckpointError(
+                f"{fn.__name__} over the {self.world_size} ranks of the checkpoint group failed on "
+                f"rank {self.rank}: a rank was lost or did not arrive within the group's timeout "
+                f"({type(e).__name__}: {msg})") from e
+
+    return wrapper  # type: ignore[return-value]
+
+
 class TorchCollectives(Collectives):
     """Collectives over a ``torch.distributed`` process group.
 
@@ -242,6 +265,7 @@ class TorchCollectives(Collectives):
     def _bytes(t: torch.Tensor) -> bytes:
         return bytes(t.cpu().numpy().tobytes())
 
+    @_lost_rank_errors
     def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:
         dist, dev, n = self._dist, self._device, self.world_size
         size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
@@ -261,6 +285,7 @@ class TorchCollectives(Collectives):
         bufs[dst] = self._u8(data)
         return [self._bytes(b) for b in bufs]
 
+    @_lost_rank_errors
     def scatter_bytes(self, parts: Sequence[bytes] | None, src: int = 0) -> bytes:
         dist, dev, n = self._dist, self._device, self.world_size
         mine = torch.zeros(1, dtype=torch.int64, device=dev)
@@ -282,6 +307,7 @@ class TorchCollectives(Collectives):
         dist.recv(buf, src=self._global[src], group=self.group)
         return self._bytes(buf)
 
+    @_lost_rank_errors
     def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
         dist, dev = self._dist, self._device
         payload = (data or b"") if self.rank == src else b""
@@ -294,6 +320,7 @@ class TorchCollectives(Collectives):
         dist.broadcast(buf, src=self._global[src], group=self.group)
         return bytes(payload) if self.rank == src else self._bytes(buf)
 
+    @_lost_rank_errors
     def all_reduce_ints(self, values: Sequence[int], op: str = "sum") -> list[int]:
         dist = self._dist
         if op not in OPS:
@@ -304,6 +331,7 @@ class TorchCollectives(Collectives):
             dist.all_reduce(t, op=rop, group=self.group)
         return [int(v) for v in t.cpu().tolist()]
 
+    @_lost_rank_errors
     def all_gather_bytes(self, data: bytes) -> list[bytes]:
         dist, dev, n = self._dist, self._device, self.world_size
         size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
@@ -318,6 +346,7 @@ class TorchCollectives(Collectives):
         dist.all_gather(outs, buf, group=self.group)
         return [self._bytes(o[:k]) for o, k in zip(outs, lens, strict=True)]
 
+    @_lost_rank_errors
     def barrier(self) -> None:
         self._dist.barrier(group=self.group)
 
@@ -404,11 +433,27 @@ def group_key(coll: Collectives) -> tuple[Any, ...]:
 def new_checkpoint_group(group: Any = None, timeout_s: float | None = None) -> Any:
     """A new gloo process group over the ranks of ``group`` (all ranks must
     call it), for background checkpoint traffic that must never interleave
-    with training collectives."""
+    with training collectives. Its timeout is ``timeout_s`` seconds, by
+    default that of ``group`` (so a rank that never arrives fails a background
+    save as soon as it would fail the caller's own collectives)."""
     import torch.distributed as dist
 
     ranks = dist.get_process_group_ranks(group) if group is not None else None
     kwargs: dict[str, Any] = {"backend": "gloo"}
+    if timeout_s is None:  # as long as the caller's group waits, not torch's 30-minute default
+        timeout_s = group_timeout_s(group)
     if timeout_s is not None:
         kwargs["timeout"] = timedelta(seconds=timeout_s)
     return dist.new_group(ranks=ranks, **kwargs)
+
+
+def group_timeout_s(group: Any = None) -> float | None:
+    """The timeout (seconds) of ``group`` (None: the default group) where the
+    backend exposes it (gloo does), else None."""
+    import torch.distributed as dist
+
+    pg: Any = group if group is not None else dist.group.WORLD
+    try:
+        return float(pg._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+    except Exception:  # noqa: BLE001 - a backend without CPU options (NCCL): torch's default
+        return None

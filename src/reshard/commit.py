@@ -31,6 +31,7 @@ from __future__ import annotations
 import hmac
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from hashlib import sha256
@@ -248,6 +249,25 @@ def publish_marker(storage: Storage, path: str, manifest: Manifest) -> None:
             "(save under a new step)") from None
 
 
+def delete_checkpoint(storage: Storage, path: str) -> None:
+    """Delete the committed checkpoint at ``path`` so that no moment of the
+    deletion leaves a listed checkpoint with missing files. Where rename is
+    atomic, the directory is first renamed to an abandoned attempt's name
+    (``<path>.incomplete-deleting-<id>``), then deleted; elsewhere the
+    manifest (the proof of the commit) is deleted first, then the rest. An
+    interrupted deletion leaves only what ``gc`` removes."""
+    if storage.capabilities.atomic_rename:
+        doomed = f"{path}{INCOMPLETE}deleting-{os.urandom(4).hex()}"
+        storage.rename_dir(path, doomed)
+        storage.fsync_dir(storage.parent(path) or "/")
+        storage.delete_tree(doomed)
+        return
+    mpath = storage.join(path, MANIFEST_NAME)
+    if storage.exists(mpath):
+        storage.delete_tree(mpath)
+    storage.delete_tree(path)
+
+
 def read_manifest(storage: Storage, path: str, *, hmac_key: bytes | None = None) -> Manifest:
     """Read and validate the manifest of the checkpoint at ``path``.
 
@@ -379,10 +399,13 @@ class Entry:
 
 
 def scan(storage: Storage, root: str) -> list[Entry]:
-    """Every child of ``root``: committed checkpoints (with valid manifests),
-    quarantined ones (``quarantined``; their manifest when it still reads),
-    abandoned attempts, and directories with an invalid or missing manifest
-    (``problem`` says which). Records (``HEAD``, sidecars) are not entries.
+    """Every child of ``root`` that is ours: committed checkpoints (with valid
+    manifests), quarantined ones (``quarantined``; their manifest when it
+    still reads), abandoned attempts (``*.incomplete-*`` / ``*.retired-*``, or
+    a directory of reshard shard files without a manifest), and directories
+    with an invalid manifest (``problem`` says which). Records (``HEAD``,
+    sidecars) are not entries; other children (e.g. ``tensorboard/``) are
+    left out.
 
     Raises:
         StorageError: listing failed (never reported as "no checkpoints").
@@ -407,8 +430,12 @@ def scan(storage: Storage, root: str) -> list[Entry]:
             m = decode_manifest(raw, where=storage.join(p, MANIFEST_NAME))
             digest = manifest_digest(raw)
         except CheckpointNotFoundError:
-            if not _is_dir_like(storage, p):
-                continue  # a record or a stray file: not a checkpoint
+            # only a directory holding our shard files is an attempt; anything
+            # else (tensorboard/, logs/, a record, a stray file) is not ours:
+            # never listed, never deleted
+            if not _holds_shard_files(storage, p) and not (
+                    QUARANTINED in name or name in marks):
+                continue
             problem = "no manifest"
         except (ManifestError, IntegrityError) as e:
             problem = str(e)
@@ -427,10 +454,12 @@ def scan(storage: Storage, root: str) -> list[Entry]:
     return out
 
 
-def _is_dir_like(storage: Storage, p: str) -> bool:
+_SHARD_FILE = re.compile(r"^data-r\d{5}-\d+\.safetensors$")  # planning.data_file_name
+
+
+def _holds_shard_files(storage: Storage, p: str) -> bool:
     try:
-        storage.list_dir(p)
-        return True
+        return any(_SHARD_FILE.match(n) for n in storage.list_dir(p))
     except (FileNotFoundError, NotADirectoryError):
         return False
 

@@ -143,7 +143,7 @@ def summarize_failures(failures: dict[int, RankFailure]) -> list[dict[str, objec
 
 def agreed_error(what: str, failures: dict[int, RankFailure], *,
                  groups: list[dict[str, object]] | None = None, total: int | None = None,
-                 ) -> CheckpointError:
+                 world_size: int | None = None) -> CheckpointError:
     """Build the error every rank raises after an all-ranks agreement step.
 
     ``failures``: the failures this rank knows (every failing rank's on the
@@ -153,7 +153,9 @@ def agreed_error(what: str, failures: dict[int, RankFailure], *,
     when they agree (e.g. every failing rank raised ``ShardingError``), else
     ``CheckpointError``. The message lists each distinct (type, message) once,
     with the ranks that raised it as ranges, so its size is bounded whatever
-    the world size.
+    the world size. In a world of one rank (``world_size`` 1) it is that
+    rank's message alone (with the exception type when it is not the class
+    raised), without rank framing (prefixed by what failed).
     """
     if groups is None:
         groups = summarize_failures(failures)
@@ -162,6 +164,11 @@ def agreed_error(what: str, failures: dict[int, RankFailure], *,
     cls: type[CheckpointError] = CheckpointError
     if len(names) == 1 and len(groups) <= MAX_GROUPS:
         cls = _BY_NAME.get(next(iter(names)), CheckpointError)
+    if world_size == 1 and len(failures) == 1:
+        f = next(iter(failures.values()))
+        kind = "" if f.type_name == cls.__name__ else f"{f.type_name}: "
+        msg = f"{what} failed: {kind}{f.message}"
+        return cls(msg, failures=failures)
     lines = [f"{what} failed on {n} rank(s):"]
     for g in groups:
         if not g["type_name"]:
@@ -188,4 +195,4 @@ def raise_agreed(what: str, gathered: list[dict[str, object]], mine: BaseExcepti
     failures = {r: RankFailure.from_json(g["error"])  # type: ignore[arg-type]
                 for r, g in enumerate(gathered) if g.get("error")}
     if failures:
-        raise agreed_error(what, failures) from mine
+        raise agreed_error(what, failures, world_size=len(gathered)) from mine

@@ -11,9 +11,11 @@ entries and the ``HEAD`` record that :mod:`reshard.commit` reads.
   its ancestors (parent links followed through the checkpoints that still
   exist) and its descendants *since* ``HEAD`` was written: checkpoints whose
   ``lineage`` is the ``HEAD`` id, or whose parent is a descendant (or the
-  source) and that were committed after ``HEAD``. A checkpoint committed
-  before a rollback is therefore never a descendant, even when its parent is
-  the source (the abandoned branch of a rollback).
+  source) and that were committed after ``HEAD``, or that record neither a
+  parent nor a lineage (a plain :func:`reshard.save` after the resume) and
+  were committed after ``HEAD``. A checkpoint committed before a rollback is
+  therefore never a descendant, even when its parent is the source (the
+  abandoned branch of a rollback).
 * Without ``HEAD`` every committed checkpoint is on the current lineage (the
   order is then the step order of :func:`reshard.commit.committed`).
 
@@ -113,7 +115,13 @@ def lineage_of(entries: Sequence[Entry], head: Head | None) -> Lineage:
             if m.lineage == head.id:
                 ok = True
                 break
-            if m.parent is None or m.created_at < head.time:
+            if m.created_at < head.time:
+                break
+            if m.parent is None:
+                # committed after HEAD by a save that records no lineage (a
+                # plain reshard.save of the resumed run): the newest work
+                # since the resume, never to be passed over for HEAD's source
+                ok = m.lineage is None
                 break
             if src is not None and m.parent == src.name:
                 ok = True

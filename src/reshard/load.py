@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 import xxhash
 
@@ -26,7 +27,7 @@ from .errors import (
     IntegrityError,
     ShardingError,
 )
-from .manifest import Manifest, ObjectChunk, TensorEntry
+from .manifest import FORMAT_VERSION, Manifest, ObjectChunk, TensorEntry
 from .options import LoadOptions
 from .planning import Request, check_entry_coverage, plan_reads
 from .reading import Groups, Reader, Target
@@ -35,7 +36,7 @@ from .sharding import ShardedObject, ShardedTensor
 from .storage import Storage, resolve
 from .transforms import consumed_by, extra_allow_missing, manifest_view, provided_by
 from .transforms import resolve as resolve_target
-from .tree import flatten
+from .tree import flatten, join, positions, scoped_manifest, v1_rules
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,6 +76,10 @@ class LoadResult:
 #: it consumes by a rule of its own (e.g. RNG streams re-derived for another
 #: grid), so they are not reported as unexpected.
 HANDLED = "reshard.handled_keys"
+
+#: ``LoadResult.notes`` entry of a checkpoint of an earlier format version
+#: whose names were migrated: ``{"from_format_version": 1, "renamed": {new: old}}``.
+MIGRATED = "reshard.format_migration"
 
 MissingRule = str | Callable[[str, torch.Tensor], None]
 
@@ -130,7 +135,7 @@ def load(
         manifest: read through this manifest instead of ``path/manifest.json``
             (foreign formats: a DCP checkpoint or a Hugging Face directory
             presented as a reshard manifest over a storage that serves their
-            bytes; see :mod:`reshard.dcp` and :mod:`reshard.export`).
+            bytes; see :mod:`reshard.formats.dcp` and :mod:`reshard.formats.hf_export`).
 
     Transactional up to the reads: everything that can be checked without
     reading data (the manifest, presence and size of every file this rank
@@ -156,6 +161,8 @@ def load(
     """
     coll = get_collectives(group)
     opts = options or LoadOptions()
+    if coll.rank != 0 and opts.progress is not False:  # one progress bar: rank 0's
+        opts = dataclasses.replace(opts, progress=False)
     t0 = time.perf_counter()
     st, key = resolve(path, storage)
     base, before = st, st.bytes_read  # (a DCP checkpoint is read through `base`)
@@ -215,17 +222,40 @@ def _read_shared(coll: Collectives, st: Storage, key: str, opts: LoadOptions) ->
     m = read_shared(coll, st, key, hmac_key=opts.hmac_key)
     if m is None:
         return _read_or_dcp(st, key, opts)
+    _same_location(coll, st, key)
     return st, m
+
+
+def _same_location(coll: Collectives, st: Storage, key: str) -> None:
+    """Every rank names the coordinator's checkpoint (the same canonical
+    spelling: relative paths and symbolic links resolved), as a save
+    requires: every rank reads data through the coordinator's manifest, so a
+    rank naming another checkpoint (per-rank paths, a relative path under
+    another working directory, ``latest(root)`` evaluated per rank while a
+    newer one was published) would read another checkpoint's bytes. One
+    broadcast of the coordinator's spelling; the check is agreed by the
+    caller's all-reduce.
+
+    Raises:
+        CheckpointError: this rank names another location.
+    """
+    mine = st.canonical(key)
+    coord = coll.broadcast_bytes(mine.encode() if coll.rank == 0 else None).decode()
+    if mine != coord:
+        raise CheckpointError(
+            f"rank {coll.rank} loads checkpoint {mine!r}, the coordinator (rank 0) loads "
+            f"{coord!r}: every rank must name the same checkpoint (resolve the path once, e.g. "
+            "on rank 0, and pass it to every rank)")
 
 
 def _read_or_dcp(st: Storage, key: str, opts: LoadOptions) -> tuple[Storage, Manifest]:
     """The manifest at ``key``; where there is none but a PyTorch DCP
-    ``.metadata``, the DCP checkpoint presented by :func:`reshard.dcp.open_dcp`
+    ``.metadata``, the DCP checkpoint presented by :func:`reshard.formats.dcp.open_dcp`
     (unsigned: refused when an HMAC key is given)."""
     try:
         return st, read_manifest(st, key, hmac_key=opts.hmac_key)
     except CheckpointNotFoundError:
-        from .dcp import DCP_METADATA, open_dcp
+        from .formats.dcp import DCP_METADATA, open_dcp
 
         if not st.exists(st.join(key, DCP_METADATA)):
             raise
@@ -251,6 +281,14 @@ def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
     loaded_values: dict[str, Any] = {}
     loaded_objects: dict[tuple[str, tuple[int, ...]], Any] = {}
     leaves = flatten(state, loaded_values=loaded_values, loaded_objects=loaded_objects)
+    if m.format_version < FORMAT_VERSION:
+        version = m.format_version
+        m, moved = _migrate_v1(m, leaves.legacy)
+        notes[MIGRATED] = {"from_format_version": version, "renamed": moved}
+    if "dcp_values" in m.extra:  # a DCP checkpoint (or one converted from DCP): its leaf values
+        from .formats.dcp_values import regroup  # grouped into the paths this state asks for
+
+        m = regroup(m, set(leaves.values))
     sts: list[ShardedTensor] = list(leaves.tensors)
     for p, t in leaves.plain.items():
         sts.append(ShardedTensor(p, t, global_shape=tuple(t.shape), global_offset=(0,) * t.dim()))
@@ -279,24 +317,49 @@ def _prepare_hooks(state: Any, m: Manifest, notes: dict[str, Any]) -> None:
     object with ``reshard_prepare_load(manifest) -> dict | None`` (e.g. an
     OptimizerState that creates the state tensors of a fresh optimizer, or an
     RNGState that must re-derive streams for another grid) is called once,
-    before the state tree is walked. Returned dicts are merged into
-    ``LoadResult.notes``."""
-    seen: set[int] = set()
-    stack: list[Any] = [state]
-    while stack:  # iterative: no self-referencing closure keeping the manifest alive
-        x = stack.pop()
-        if id(x) in seen:
-            continue
-        seen.add(id(x))
+    before the state tree is walked, with the manifest as seen from its
+    position in the tree (:func:`reshard.tree.scoped_manifest`: names relative
+    to it). The notes it returns are relative too: they are merged into
+    ``LoadResult.notes`` under its path (its ``HANDLED`` keys likewise)."""
+    for path, x in positions(state):
         hook = getattr(x, "reshard_prepare_load", None)
-        if callable(hook) and not isinstance(x, type):
-            out = hook(m)
-            if out:
-                notes.update(out)
-        if isinstance(x, Mapping):
-            stack.extend(reversed(list(x.values())))
-        elif isinstance(x, (list, tuple)):
-            stack.extend(reversed(x))
+        if not callable(hook) or isinstance(x, type):
+            continue
+        out = hook(scoped_manifest(m, path, v1_rules(x)))
+        for k, v in (out or {}).items():
+            if k == HANDLED:
+                notes.setdefault(HANDLED, []).extend(join(path, h) for h in v)
+            else:
+                notes[join(path, k)] = v
+
+
+def _migrate_v1(m: Manifest, legacy: dict[str, str]) -> tuple[Manifest, dict[str, str]]:
+    """A format-version-1 manifest with its names moved to those of the
+    target tree (version 1 named a ShardedTensor or ShardedObject by its fqn
+    alone, without its container's path). ``legacy``: new key -> old name.
+    Returns the migrated view and the names it moved (new -> old)."""
+    moved = {new: old for new, old in legacy.items()
+             if new not in m.tensors and new not in m.objects
+             and (old in m.tensors or old in m.objects or old in m.aliases)}
+    if not moved:
+        return msgspec.structs.replace(m, format_version=FORMAT_VERSION), {}
+    kept = set(legacy)  # an old name that is also a key of the target stays as it is
+    first: dict[str, str] = {}
+    for new, old in moved.items():
+        first.setdefault(old, new)
+
+    def rn(k: str) -> str:
+        return k if k in kept else first.get(k, k)
+
+    def move(d: dict[str, Any]) -> dict[str, Any]:
+        out = {rn(k): v for k, v in d.items()}
+        out.update({new: d[old] for new, old in moved.items() if old in d})
+        return out
+
+    aliases = {rn(k): rn(t) for k, t in m.aliases.items()}
+    aliases.update({new: rn(m.aliases[old]) for new, old in moved.items() if old in m.aliases})
+    return msgspec.structs.replace(m, format_version=FORMAT_VERSION, tensors=move(m.tensors),
+                                   objects=move(m.objects), aliases=aliases), moved
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -438,11 +501,26 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
         values[ob.key] = v
     for p, enc in (m.values or {}).items():
         values[p] = codec.from_json(enc)
+    _check_hooks(leaves.statefuls, objects)
     if opts.verify_first:
         reader.verify_only(groups)
     return _Plan(manifest=m, reader=reader, groups=groups, rules=rules, finalize=finalize,
                  missing=tuple(missing), unexpected=tuple(unexpected), objects=objects,
                  values=values)
+
+
+def _check_hooks(statefuls: Sequence[tuple[str, Any, Any]],
+                 objects: Mapping[tuple[str, tuple[int, ...]], Any]) -> None:
+    """Before any target is written, a Stateful with ``reshard_check_load(objects)``
+    (e.g. an OptimizerState that must refuse saved hyperparameters its param
+    groups cannot hold) sees the objects loaded for it, by key relative to its
+    position in the tree, and may raise."""
+    for path, obj, _ in statefuls:
+        hook = getattr(obj, "reshard_check_load", None)
+        if not callable(hook):
+            continue
+        pre = f"{path}." if path else ""
+        hook({k[len(pre):]: v for (k, _off), v in objects.items() if k.startswith(pre)})
 
 
 def _apply(plan: _Plan, ctx: dict[str, Any], st: Storage, key: str) -> LoadResult:

@@ -31,10 +31,13 @@ import msgspec
 
 from .collectives import get_collectives
 from .commit import (
+    _TMP,
     INCOMPLETE,
     QUARANTINED,
+    RETIRED,
     Entry,
     committed,
+    delete_checkpoint,
     read_head,
     read_record,
     scan,
@@ -329,8 +332,32 @@ class CheckpointManager:
     def _after_commit(self, name: str) -> None:
         if self.coll.rank == 0:
             self.verify_checkpoint(name)
-            self.apply_retention()
+            moved = self._head_moved()
+            if moved is None:
+                self.apply_retention()
+            else:
+                log.warning("%s: HEAD changed since this run resumed (another run resumed from "
+                            "%s); this run (lineage %s) deletes nothing: its retention would "
+                            "follow the other run's lineage", self.root, moved.name, self._lineage)
             self.gc_abandoned()
+
+    def _head_moved(self) -> Head | None:
+        """The root's HEAD when another run sharing the root resumed since
+        this run resumed or joined, and saves (a requeued job while the old
+        one still runs: a checkpoint of the HEAD's lineage exists), else
+        None. Such a run never applies retention: its lineage is not the
+        root's current one, and retention by the current lineage would
+        delete the other run's checkpoints (its newest included). A HEAD
+        written by a reader that does not save (an evaluation resuming with
+        a manager) does not stop retention."""
+        if not self._joined:
+            return None
+        head = Head.from_record(read_head(self.storage, self.root))
+        if head is None or head.id == self._lineage:
+            return None
+        saving = any(e.manifest is not None and e.manifest.lineage == head.id
+                     for e in committed(self.storage, self.root))
+        return head if saving else None
 
     # ------------------------------------------------------------ verification
     def _verified_path(self, name: str) -> str:
@@ -465,16 +492,28 @@ class CheckpointManager:
         if not dry_run:
             for name in plan.decision.delete:
                 log.info("retention: deleting %s", name)
-                self.storage.delete_tree(self.storage.join(self.root, name))
-                self.storage.delete_tree(self._verified_path(name))
+                self._delete_checkpoint(name)
         return plan.decision
 
+    def _delete_checkpoint(self, name: str) -> None:
+        """Delete a committed checkpoint so that an interruption (SIGKILL)
+        never leaves a torn checkpoint listed as committed, nor a directory
+        that nothing cleans (:func:`reshard.commit.delete_checkpoint`: renamed
+        out of the committed namespace first where rename is atomic, manifest
+        first elsewhere; :meth:`gc_abandoned` finishes an interrupted
+        deletion). Its verification record goes first (a checkpoint left
+        unverified is still a checkpoint; a record left without one is litter)."""
+        self.storage.delete_tree(self._verified_path(name))
+        delete_checkpoint(self.storage, self.storage.join(self.root, name))
+
     def gc_abandoned(self, grace_s: float | None = None, *, dry_run: bool = False) -> list[str]:
-        """Delete ``*.incomplete-*`` attempts older than ``grace_s`` seconds
-        (never one of this manager's in-flight saves, never a quarantined
-        checkpoint). On a store without atomic rename (S3): the attempts
-        whose lease has expired, and their open multipart uploads
-        (:func:`reshard.attempts.gc_root`); returns ``<checkpoint>/<attempt
+        """Delete ``*.incomplete-*`` attempts, ``*.retired-*`` leftovers
+        (an overwrite's or a retention's interrupted deletion) and records'
+        temporaries (``HEAD.tmp-*``: a write killed before its rename) older than
+        ``grace_s`` seconds (never one of this manager's in-flight saves,
+        never a quarantined checkpoint). On a store without atomic rename
+        (S3): the attempts whose lease has expired, and their open multipart
+        uploads (:func:`reshard.attempts.gc_root`); returns ``<checkpoint>/<attempt
         id>`` names."""
         grace = self.gc_grace_s if grace_s is None else grace_s
         if not self.storage.capabilities.atomic_rename:  # attempts live under the final prefix
@@ -485,7 +524,8 @@ class CheckpointManager:
         inflight = set(self._pending_names())
         out = []
         for e in scan(self.storage, self.root):
-            if not e.abandoned or INCOMPLETE not in e.name or e.quarantined:
+            if not e.abandoned or e.quarantined or (INCOMPLETE not in e.name
+                                                    and RETIRED not in e.name):
                 continue
             if e.name.split(INCOMPLETE, 1)[0] in inflight:
                 continue
@@ -494,6 +534,16 @@ class CheckpointManager:
             out.append(e.name)
             if not dry_run:
                 self.storage.delete_tree(e.path)
+        for child in self.storage.list_dir(self.root) if self.storage.exists(self.root) else ():
+            if _TMP not in child:  # a record's temporary left by a SIGKILL (HEAD.tmp-..., ...)
+                continue
+            p = self.storage.join(self.root, child)
+            mtime = self.storage.modified_time(p)
+            if mtime is not None and now - mtime < grace:
+                continue
+            out.append(child)
+            if not dry_run:
+                self.storage.delete_tree(p)
         return out
 
     def _pending_names(self) -> list[str]:

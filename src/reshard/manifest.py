@@ -26,7 +26,10 @@ from .errors import CoverageError, IntegrityError, ManifestError
 from .sharding import DTYPE_NAMES, itemsize, numel
 
 FORMAT = "reshard"
-FORMAT_VERSION = 1
+#: 2: a leaf's key is its tree path (DESIGN.md section 2); 1 named a
+#: ShardedTensor/ShardedObject by its own fqn, without its container's path:
+#: :func:`reshard.load` migrates those names (``LoadResult.notes``).
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 KNOWN_FEATURES: frozenset[str] = frozenset()
 # A declared dimension above this is refused before anything is allocated.
@@ -88,11 +91,23 @@ class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=Fal
     blocks: int = 0
 
 
+class PlanIndex(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False):
+    """The save plan kept beside the checkpoint (``file``, a sibling of the
+    manifest, ``size`` bytes, xxh3-64 ``checksum`` in hex) and its ``plan_id``:
+    what the first save after a restart reuses (:mod:`reshard.plan_store`).
+    Not needed to load."""
+
+    file: str
+    size: int
+    checksum: str
+    plan_id: int
+
+
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """A committed checkpoint's description.
 
     Attributes:
-        format / format_version: the storage format ("reshard", 1).
+        format / format_version: the storage format ("reshard", 2).
         required_features: features a reader must understand to load this.
         schema_version: the user's model/training schema version (opaque str).
         step: training step recorded by ``save(..., step=N)``.
@@ -112,6 +127,8 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         lineage: id of the root's ``HEAD`` record (the resume) that the
             saving run continued from (``CheckpointManager`` sets it); None
             outside a manager's lineage. See :mod:`reshard.lineage`.
+        plan: the save plan kept beside the checkpoint (:class:`PlanIndex`);
+            None in manifests written before it existed or by other writers.
     """
 
     attempt_id: str
@@ -133,6 +150,7 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     extra: dict[str, Any] = {}
     parent: str | None = None
     lineage: str | None = None
+    plan: PlanIndex | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -175,6 +193,8 @@ def decode_manifest(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
         m = _DECODER.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
         raise ManifestError(f"{where}: invalid manifest: {e}") from None
+    except RecursionError:  # JSON nested deeper than the interpreter's recursion limit
+        raise ManifestError(f"{where}: invalid manifest: nested too deeply") from None
     validate_manifest(m, where=where)
     return m
 

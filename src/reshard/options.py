@@ -33,6 +33,8 @@ class SaveOptions:
         max_pending: asynchronous saves in flight at most (async_save).
         if_busy: what a further async_save does at ``max_pending``: "block"
             until the oldest commits, or "skip" it with a warning.
+        progress: a progress bar on stderr for rank 0's writes (bytes); None:
+            only when the environment variable ``RESHARD_PROGRESS=1``.
         parent: recorded as the manifest's ``parent``: the name of the
             checkpoint (a sibling under the same root) this state continues
             from. A plain ``save`` records exactly what is given (default
@@ -55,6 +57,7 @@ class SaveOptions:
     verify_replicas: bool = True
     max_pending: int = 1
     if_busy: str = "block"
+    progress: bool | None = None
     parent: str | None = None
     lineage: str | None = None
 
@@ -83,6 +86,8 @@ class LoadOptions:
         schema_version: the schema the caller expects; a checkpoint recorded
             with another one raises unless a transform migrates it.
         hmac_key: verify the manifest's HMAC with this key (refuse unsigned).
+        progress: a progress bar on stderr for rank 0's reads; None: only when
+            the environment variable ``RESHARD_PROGRESS=1``.
         verify_first: before any target is written, read every block the
             load needs once and verify its checksum (into one bounded scratch
             buffer of 4 MiB per reader thread), then read again to load. A
@@ -106,6 +111,7 @@ class LoadOptions:
     direct_read_min_bytes: int = 1 << 20
     schema_version: str | None = None
     hmac_key: bytes | None = None
+    progress: bool | None = None
     verify_first: bool = False
 
     def __post_init__(self) -> None:

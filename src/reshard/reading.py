@@ -254,17 +254,21 @@ class Reader:
                 self._stop.set()
                 raise
 
-        if self.opts.threads > 1 and len(jobs) > 1:
-            with ThreadPoolExecutor(max_workers=min(self.opts.threads, len(jobs)),
-                                    thread_name_prefix="reshard-read") as ex:
-                futs = [ex.submit(guarded, j) for j in jobs]
-                for f in futs:
-                    f.exception()  # wait for all
-            errs = [f.exception() for f in futs if f.exception() is not None]
-            if errs:
-                raise errs[0]  # type: ignore[misc]
-            return [f.result() for f in futs]
-        return [guarded(j) for j in jobs]
+        if self.opts.threads <= 1 or len(jobs) <= 1:
+            return [guarded(j) for j in jobs]
+        # many small jobs (thousands of small tensors): several per task, so that
+        # scheduling a task does not cost more than the job itself
+        per = max(1, len(jobs) // (self.opts.threads * 8))
+        tasks = [jobs[i:i + per] for i in range(0, len(jobs), per)]
+        with ThreadPoolExecutor(max_workers=min(self.opts.threads, len(tasks)),
+                                thread_name_prefix="reshard-read") as ex:
+            futs = [ex.submit(lambda js: [guarded(j) for j in js], task) for task in tasks]
+            for f in futs:
+                f.exception()  # wait for all
+        errs = [f.exception() for f in futs if f.exception() is not None]
+        if errs:
+            raise errs[0]  # type: ignore[misc]
+        return [r for f in futs for r in f.result()]
 
     def run(self, groups: Groups) -> None:
         per_file: dict[str, list[tuple[int, int, str, Chunk, list[tuple[ReadItem, Target]]]]] = (
@@ -288,7 +292,14 @@ class Reader:
                 cur.append(r)
             if cur:
                 jobs.append(partial(self._read_span, name, cur))
-        self._execute(jobs)
+        from .progress import bar, wanted
+
+        with bar(len(jobs), "load", enabled=wanted(self.opts.progress), unit="reads") as pb:
+            def counted(j: Callable[[], None]) -> None:
+                j()
+                pb.update(1)
+
+            self._execute([partial(counted, j) for j in jobs])
 
     def _direct_ok(self, c: Chunk, item: ReadItem, t: Target, lo: int, hi: int) -> bool:
         if (lo, hi) != (0, c.length) or item.byte_start != 0 or item.byte_stop != c.length:

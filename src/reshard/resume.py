@@ -2,8 +2,10 @@
 
 Every rank tries the same checkpoints in the same order
 (:func:`reshard.lineage.resume_order`) and reaches the same outcome for each:
-the ranks' findings are gathered (one short status per rank) before anything
-is decided, so all ranks fall back, quarantine or raise together.
+the ranks' findings are agreed (an all-reduce of status counters; the
+failing ranks' details are gathered to the coordinator only when some rank
+failed) before anything is decided, so all ranks fall back, quarantine or
+raise together.
 
 * ``torn``: it is unloadable (the coordinator found a file missing, short or
   a symbolic link; a rank found the manifest invalid; the load found a
@@ -14,6 +16,15 @@ is decided, so all ranks fall back, quarantine or raise together.
 * ``storage``: the store failed (``StorageError``): raised on every rank; a
   failure that may be transient is never a reason to quarantine or to fall
   back past a good checkpoint.
+* only ranks other than the coordinator found it unloadable, and the
+  coordinator's :func:`reshard.verify` (every checksum) finds it intact:
+  those ranks see another copy (node-local storage, a partial sync); raised
+  on every rank, never quarantined (it would set aside every good
+  checkpoint of the shared root).
+* ``key``: with ``LoadOptions(hmac_key=...)``, the manifest's signature does
+  not verify (another key, a manifest not signed, or tampering): raised on
+  every rank, never quarantined (a wrong key would otherwise set aside every
+  checkpoint of the root).
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .commit import (
+    check_signature,
     committed,
     quarantine,
     read_head_tagged,
@@ -41,20 +53,26 @@ from .errors import (
     IntegrityError,
     ManifestError,
     StorageError,
+    rank_ranges,
 )
 from .lineage import Head, lineage_of, resume_order
 from .load import LoadResult, load
-from .manifest import FORMAT, FORMAT_VERSION, KNOWN_FEATURES
+from .manifest import FORMAT, FORMAT_VERSION, KNOWN_FEATURES, MANIFEST_NAME
 from .records import record_path
+from .verify import verify
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
 
 
-def _probe(mgr: CheckpointManager, path: str) -> tuple[str, str, BaseException | None]:
+def _probe(mgr: CheckpointManager, path: str,
+           hmac_key: bytes | None = None) -> tuple[str, str, BaseException | None]:
     """This rank's structural check of one checkpoint (no checksums): every
     rank reads the manifest (as its load would); the coordinator alone stats
-    every file (one stat per file in all, not per rank)."""
+    every file (one stat per file in all, not per rank). With ``hmac_key``,
+    the manifest's signature is checked apart: a signature that does not
+    verify ("key") says the reader's key is not the writer's (or the
+    manifest was tampered with), not that the checkpoint is damaged."""
     try:
         m = read_manifest(mgr.storage, path)
         problems = torn_files(mgr.storage, path, m) if mgr.coll.rank == 0 else {}
@@ -64,6 +82,11 @@ def _probe(mgr: CheckpointManager, path: str) -> tuple[str, str, BaseException |
         return "gone", str(e), None
     except (IntegrityError, ManifestError) as e:
         return "torn", f"{type(e).__name__}: {e}", None
+    if hmac_key is not None:
+        try:
+            check_signature(m, hmac_key, where=mgr.storage.join(path, MANIFEST_NAME))
+        except IntegrityError as e:
+            return "key", str(e), e
     if problems:
         return "torn", "; ".join(list(problems.values())[:3]), None
     return "ok", "", None
@@ -74,6 +97,7 @@ def _plan(mgr: CheckpointManager, step: int | None, name: str | None) -> dict[st
     checkpoints and order them (:func:`resume_order`), keeping those of
     ``step`` / ``name``."""
     st, root = mgr.storage, mgr.root
+    listed_at = time.time()  # HEAD's time: what is committed after the listing descends
     notes = _quarantine_invalid(mgr)
     entries = committed(st, root)
     head, head_tag = read_head_tagged(st, root)
@@ -83,7 +107,7 @@ def _plan(mgr: CheckpointManager, step: int | None, name: str | None) -> dict[st
         order = [e for e in order if e.step == step]
     if name is not None:
         order = [e for e in order if e.name == name]
-    return {"notes": notes, "order": [e.name for e in order],
+    return {"notes": notes, "order": [e.name for e in order], "listed_at": listed_at,
             "other": [e.name for e in order if lin.head is not None and e.name not in lin.current],
             "head": lin.head.name if lin.head is not None else None,
             "head_tag": head_tag,
@@ -112,6 +136,33 @@ def _coordinated(mgr: CheckpointManager, what: str, fn: Any, *args: Any) -> Any:
     return json.loads(coll.broadcast_bytes(json.dumps(out).encode() if coll.rank == 0 else None))
 
 
+_STATUSES = ("storage", "torn", "gone", "key")
+
+
+def _census(coll: Any, status: str) -> dict[str, int]:
+    """How many ranks found each failure status: one all-reduce of small
+    counters (no per-rank payload reaches any rank)."""
+    flags = [int(status == s) for s in _STATUSES]
+    red = coll.all_reduce_ints([*flags, int(status != "ok"), int(status == "torn" and coll.rank == 0)], "sum")
+    n = len(_STATUSES)
+    return {**dict(zip(_STATUSES, red[:n], strict=True)), "bad": red[n], "torn_coordinator": red[n + 1]}
+
+
+def _unloadable(coll: Any, path: str, status: str, detail: str) -> str:
+    """The agreed message for a checkpoint some rank could not load: the
+    failing ranks' status and detail gathered to the coordinator only (run
+    only when some rank failed), summarized there (rank ranges, the first
+    detail, bounded) and broadcast."""
+    got = coll.gather_bytes(json.dumps([status, detail[:2000]] if status != "ok" else None).encode())
+    msg = None
+    if got is not None:
+        rows = [(r, json.loads(b)) for r, b in enumerate(got)]
+        bad = [r for r, x in rows if x is not None]
+        why = next((x[1] for _, x in rows if x is not None and x[1]), "")
+        msg = f"{path}: unloadable ({why}{' ' if why else ''}on rank(s) {rank_ranges(bad)})"
+    return coll.broadcast_bytes(msg.encode() if msg is not None else None).decode()
+
+
 def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step: int | None,
                        name: str | None, allow_fresh_start: bool,
                        load_kwargs: dict[str, Any]) -> LoadResult | None:
@@ -124,37 +175,49 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
     if name is not None and not plan["order"]:
         raise CheckpointNotFoundError(f"{root}: no committed checkpoint named {name!r}")
     failures: list[str] = list(plan["notes"])
+    opts = load_kwargs.get("options")
+    hmac_key = getattr(opts, "hmac_key", None)
     for cname in plan["order"]:
         path = st.join(root, cname)
-        status, detail, exc = _probe(mgr, path)
-        statuses = coll.all_gather_json(status)
-        if "storage" in statuses:
+        status, detail, exc = _probe(mgr, path, hmac_key)
+        counts = _census(coll, status)
+        if counts["storage"]:
             coll.agree(f"restore {path}", exc)
-        if "torn" not in statuses and "gone" not in statuses:
+        if counts["key"]:  # never a reason to quarantine, nor to fall back (older ones too)
+            coll.agree(f"restore {path} (the HMAC key given does not verify its manifest; "
+                       "nothing was quarantined)", exc)
+        torn_coord = counts["torn_coordinator"]  # from the probe: did rank 0 itself find it torn
+        if not counts["torn"] and not counts["gone"]:
             try:
                 res = load(state, path, group=mgr.group, storage=st, **load_kwargs)
             except (IntegrityError, ManifestError) as le:
                 status, detail = "torn", f"load failed: {le}"
+                torn_coord = int(0 in (sorted(le.failures) or [0]))  # agreed: same on every rank
             except CheckpointNotFoundError as le:
                 status, detail = "gone", str(le)
             else:
                 status = "ok"
-            statuses = coll.all_gather_json(status)  # load agrees its errors; confirm anyway
-        if all(s == "ok" for s in statuses):
+            counts = _census(coll, status)  # load agrees its errors; confirm anyway
+        if not counts["bad"]:
             if cname in plan["other"]:
                 warnings.warn(f"{root}: no checkpoint of the current lineage (HEAD: "
                               f"{plan['head']}) loads; resuming {cname} of another lineage",
                               RuntimeWarning, stacklevel=3)
             _write_head(mgr, cname, plan["attempt"].get(cname), plan["step"].get(cname),
-                        plan["head_tag"])
+                        plan["listed_at"], plan["head_tag"])
             if failures:
                 res.notes["fallback"] = failures
             return res
-        bad = [r for r, s in enumerate(statuses) if s != "ok"]
-        details = coll.all_gather_json(detail if status != "ok" else "")  # only on a failure
-        why = next((d for d in details if d), "")
-        msg = f"{path}: unloadable ({why}{' ' if why else ''}on rank(s) {bad})"
-        if "torn" in statuses:
+        msg = _unloadable(coll, path, status, detail)
+        if counts["torn"] and not torn_coord \
+                and not _coordinated(mgr, f"restore {path} (re-checking)", _damaged, mgr, path):
+            # only other ranks failed, and the coordinator finds every byte
+            # intact: those ranks see another copy (node-local storage, a
+            # partial sync), never a reason to quarantine or to fall back
+            raise CheckpointError(
+                f"{msg}, but the coordinator (rank 0) finds it intact (every file and checksum): "
+                "those rank(s) do not see the same storage as rank 0; nothing was quarantined")
+        if counts["torn"]:
             msg += _quarantine(mgr, cname, plan["attempt"].get(cname), msg)
         failures.append(msg)
         warnings.warn(f"{msg}; falling back to an older checkpoint", RuntimeWarning, stacklevel=3)
@@ -172,6 +235,13 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
             f"{root}: no committed checkpoint, but {len(abandoned)} abandoned attempt(s) "
             f"{abandoned[:3]}; refusing a silent fresh start (pass allow_fresh_start=True)")
     return None
+
+
+def _damaged(mgr: CheckpointManager, path: str) -> bool:
+    """Coordinator: whether its own view of ``path`` is damaged
+    (:func:`reshard.verify` with every checksum; run only when other ranks
+    alone failed to load it)."""
+    return not verify(path, storage=mgr.storage).ok
 
 
 def _quarantine_invalid(mgr: CheckpointManager) -> list[str]:
@@ -219,13 +289,17 @@ def _quarantine(mgr: CheckpointManager, name: str, attempt_id: str | None, reaso
 
 
 def _write_head(mgr: CheckpointManager, name: str, attempt_id: str | None,
-                step: int | None, expect: str | None) -> None:
-    """Coordinator writes HEAD naming ``name`` (compare-and-swap on the HEAD
-    the plan read, tag ``expect``, where the store swaps conditionally);
-    every rank adopts it, or every rank raises the lost race."""
+                step: int | None, listed_at: float, expect: str | None) -> None:
+    """Coordinator writes HEAD naming ``name``; every rank adopts it, or
+    every rank raises the lost race (compare-and-swap on the HEAD the plan
+    read, tag ``expect``, where the store swaps conditionally). Its
+    time is when the coordinator listed the root (``listed_at``), not when
+    the load ended: a checkpoint the source's run committed while this
+    restore was loading (another job resuming for an evaluation, say) is
+    a descendant, not an abandoned branch."""
     coll = mgr.coll
     head = Head(name=name, id=f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-"
-                f"{os.urandom(4).hex()}", time=time.time(), attempt_id=attempt_id, step=step)
+                f"{os.urandom(4).hex()}", time=listed_at, attempt_id=attempt_id, step=step)
     err = None
     if coll.rank == 0:
         try:

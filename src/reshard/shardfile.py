@@ -34,7 +34,7 @@ import torch
 import xxhash
 
 from .errors import IntegrityError
-from .sharding import safetensors_code
+from .sharding import VIEW_METADATA_PREFIX, safetensors_entry
 from .storage import Storage
 
 #: name of the block-digest table entry of a shard file
@@ -119,14 +119,17 @@ def write_shard_file(
     WrittenItem per input item in input order)``.
     """
     order = sorted(range(len(items)), key=lambda i: -items[i].itemsize)
-    header: dict[str, object] = {"__metadata__": {"format": "reshard"}}
+    meta: dict[str, str] = {"format": "reshard"}
+    header: dict[str, object] = {"__metadata__": meta}
     pos = 0
     rel: dict[int, int] = {}
     for i in order:
         it = items[i]
         n = len(it.data)
-        header[it.name] = {"dtype": safetensors_code(it.dtype), "shape": list(it.shape),
-                           "data_offsets": [pos, pos + n]}
+        code, shape = safetensors_entry(it.dtype, it.shape)
+        if shape != list(it.shape):  # a view (complex128 as float64 pairs): record it
+            meta[VIEW_METADATA_PREFIX + it.name] = it.dtype
+        header[it.name] = {"dtype": code, "shape": shape, "data_offsets": [pos, pos + n]}
         rel[i] = pos
         pos += n
     table = block_table and checksums

@@ -45,9 +45,17 @@ _DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "uint16": (torch.uint16, "U16"),
     "uint8": (torch.uint8, "U8"),
     "bool": (torch.bool, "BOOL"),
+    "complex64": (torch.complex64, "C64"),
+    # safetensors has no complex128 code: stored as float64 pairs, i.e. the
+    # header says F64 with a trailing dimension of 2 (real, imaginary), and
+    # the file's __metadata__ records "reshard.view.<name>": "complex128"
+    "complex128": (torch.complex128, "F64"),
 }
+# dtype name -> (safetensors code, trailing dimension) for dtypes stored as a view
+_ST_VIEWS: dict[str, tuple[str, int]] = {"complex128": ("F64", 2)}
+VIEW_METADATA_PREFIX = "reshard.view."
 _NAME_OF: dict[torch.dtype, str] = {t: n for n, (t, _) in _DTYPES.items()}
-_NAME_OF_ST: dict[str, str] = {st: n for n, (_, st) in _DTYPES.items()}
+_NAME_OF_ST: dict[str, str] = {st: n for n, (_, st) in _DTYPES.items() if n not in _ST_VIEWS}
 
 DTYPE_NAMES: frozenset[str] = frozenset(_DTYPES)
 
@@ -73,6 +81,27 @@ def torch_dtype(name: str) -> torch.dtype:
 def safetensors_code(name: str) -> str:
     """safetensors header code ("F32", "BF16", ...) of a manifest dtype name."""
     return _DTYPES[name][1]
+
+
+def safetensors_entry(name: str, shape: Sequence[int]) -> tuple[str, list[int]]:
+    """``(safetensors code, header shape)`` of a tensor of dtype ``name`` and
+    ``shape`` (elements): the shape itself, or for a dtype stored as a view
+    (complex128 as float64 pairs) the shape with its trailing dimension."""
+    view = _ST_VIEWS.get(name)
+    if view is None:
+        return _DTYPES[name][1], list(shape)
+    return view[0], [*shape, view[1]]
+
+
+def safetensors_view(name: str, code: str, shape: Sequence[int]) -> tuple[str, tuple[int, ...]]:
+    """Inverse of :func:`safetensors_entry` for a header entry recorded as a
+    view of dtype ``name``: ``(dtype name, shape)``; ShardingError when the
+    entry cannot be that view."""
+    view = _ST_VIEWS.get(name)
+    if view is None or code != view[0] or not shape or shape[-1] != view[1]:
+        raise ShardingError(f"a {code} {list(shape)} entry cannot hold a {name} view "
+                            f"(known views: {sorted(_ST_VIEWS)})")
+    return name, tuple(shape[:-1])
 
 
 def dtype_from_safetensors(code: str) -> str:
@@ -134,8 +163,10 @@ class ShardedTensor:
     """One rank's shard of a logical tensor, or a request for one at load.
 
     Args:
-        fqn: stable name of the logical tensor (authoritative: the key under
-            which the record sits in the state tree does not change it).
+        fqn: stable name of the logical tensor, relative to its container in
+            the state tree: it takes the place of the key under which the
+            record sits (``{"model": {"w": ShardedTensor("mlp.gate", ...)}}``
+            saves ``model.mlp.gate``; at the root the fqn is the key).
         data: the local tensor. Shape ``local_shape``; or, with
             ``flattened_range``, 1-D of length ``stop - start``. At load it is
             the destination buffer, filled in place.
@@ -249,7 +280,8 @@ class ShardedObject:
     """A per-rank value that is not a replica: one element of a grid of objects.
 
     Args:
-        key: stable name of the object grid (like a tensor's fqn).
+        key: stable name of the object grid, relative to its container in the
+            state tree like a tensor's fqn.
         value: a plain value (stored in reshard's typed, pickle-free encoding).
         global_shape: shape of the grid, e.g. ``(pp, tp)`` or ``(world_size,)``;
             ``()`` for a single object.

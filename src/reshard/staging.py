@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from .collectives import Collectives, SingleProcess, TorchCollectives, get_collectives
-from .errors import CheckpointError
 from .options import SaveOptions
+from .pending import SAVERS, SAVERS_LOCK, raise_pending_error
 from .save import SaveResult, Snapshot, check_step, collect, finish_digests, run_save
 from .storage import Storage, resolve
 
@@ -154,39 +154,13 @@ class _Saver:
         self.pending = keep
 
 
-_SAVERS: dict[Any, _Saver] = {}
-_SAVERS_LOCK = threading.Lock()
-
-
 def _saver(group: Any) -> _Saver:
     key = group if group is not None else "default"
-    with _SAVERS_LOCK:
-        s = _SAVERS.get(key)
+    with SAVERS_LOCK:
+        s = SAVERS.get(key)
         if s is None:
-            s = _SAVERS[key] = _Saver(group)
+            s = SAVERS[key] = _Saver(group)
         return s
-
-
-def raise_pending_error(group: Any = None, *, wait: bool = False) -> None:
-    """Raise (once) the error of a failed background save of ``group``.
-
-    With ``wait``, first wait for every in-flight save of the group, so that
-    all ranks decide on the same outcome (a background failure is agreed
-    across ranks, but may surface on one rank slightly before another)."""
-    s = _SAVERS.get(group if group is not None else "default")
-    if s is None:
-        return
-    if wait:
-        for slot in list(s.pending):
-            slot.handle.committed.exception()
-    s.reclaim()
-    if s.error is not None:
-        err, h, s.error, s.error_handle = s.error, s.error_handle, None, None
-        if h is not None and h._reported:  # already raised by its handle's wait()
-            return
-        if h is not None:
-            h._reported = True
-        raise CheckpointError(f"a previous asynchronous save failed: {err}") from err
 
 
 def async_save(
@@ -291,7 +265,7 @@ def async_save(
 
 def wait_all(group: Any = None, timeout: float | None = None) -> None:
     """Wait for every in-flight save of ``group`` (or of all groups)."""
-    savers = list(_SAVERS.values()) if group is None else [_saver(group)]
+    savers = list(SAVERS.values()) if group is None else [_saver(group)]
     for s in savers:
         for slot in list(s.pending):
             slot.handle.committed.exception(timeout)
@@ -301,7 +275,7 @@ def wait_all(group: Any = None, timeout: float | None = None) -> None:
 def _at_exit() -> None:
     """Process exit waits for pending commits; a Ctrl-C during that wait
     abandons them without publishing."""
-    pending = [slot for s in _SAVERS.values() for slot in s.pending if not slot.handle.done()]
+    pending = [slot for s in SAVERS.values() for slot in s.pending if not slot.handle.done()]
     if not pending:
         return
     try:

@@ -1,28 +1,61 @@
-"""Walking the state tree.
+"""Walking the state tree (DESIGN.md section 2: a leaf's checkpoint key is its tree path).
 
 Leaves: ``ShardedTensor`` (or a list/tuple of them: several views of one
 local buffer), ``ShardedObject``, ``torch.Tensor`` / ``numpy.ndarray`` (plain
 tensors: replicated), ``DTensor`` (sharded as its placements say), Stateful
 objects (``state_dict()``/``load_state_dict()``, whose mapping is walked the
-same way) and plain values. A container (mapping, list, tuple) that holds
-none of the special leaves is one plain value. Paths join keys with ``.``; a
-key containing ``.`` is a ShardingError. A ShardedTensor's own fqn is
-authoritative; every other leaf is named by its path.
+same way; an ``nn.Module`` is walked as :class:`~reshard.ModelState` of it) and
+plain values. A container (mapping, list, tuple) that holds none of the
+special leaves is one plain value.
+
+Naming (format version 2):
+
+* A leaf's key is its tree path, the keys from the root joined with ``.``;
+  keys may contain ``.`` themselves, so ``{"model": model.state_dict()}``
+  saves ``model.0.weight`` as DCP does. List and tuple items are keyed by
+  their index.
+* A ``ShardedTensor``'s ``fqn`` (a ``ShardedObject``'s ``key``) takes the place
+  of the key under which it sits, below its container's path: at the root,
+  ``{"mlp.gate": ShardedTensor("mlp.gate", ...)}`` is ``mlp.gate``; under
+  ``"model"`` it is ``model.mlp.gate``. A list or tuple made only of them is
+  several views: each view takes the place of the list's key.
+* Two leaves that map to one key raise ShardingError naming both tree paths.
+  Several ShardedTensors (or ShardedObjects) of one name inside one container
+  are chunks of one tensor (elements of one grid), not a collision; at load,
+  several tensor leaves of one key are several destinations of one tensor.
+
+Adapters name their tensors relative to their own position and never see
+absolute names: at load, :func:`scoped_manifest` presents the manifest to a
+``reshard_prepare_load`` hook as seen from the adapter's position.
+
+Checkpoints of format version 1 named a ShardedTensor/ShardedObject by its own
+fqn alone (no container path) and adapters by fixed prefixes; every leaf
+records that name in :attr:`Leaves.legacy`, so :func:`reshard.load` migrates
+such a checkpoint's names to the new ones (see ``V1_NAMES``).
 """
 
 from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
 from .errors import ShardingError
 from .sharding import ShardedObject, ShardedTensor
+
+#: Name of an optional attribute of a Stateful: ``((v1_prefix, rel_prefix), ...)``
+#: saying how format version 1 named what its ``state_dict()`` now names
+#: relative to its position: a relative name starting with ``rel_prefix`` was
+#: ``v1_prefix + rest`` (a prefix that is neither empty nor ends with ``.`` is an
+#: exact name). Pairs are tried in order; without the attribute a relative
+#: name was the version-1 name as it is.
+V1_NAMES = "_reshard_v1_names"
 
 
 def is_stateful(x: Any) -> bool:
@@ -51,25 +84,53 @@ def _is_special(x: Any) -> bool:
     return False
 
 
-def _join(prefix: str, key: Any) -> str:
+def _check_key(where: str, key: Any) -> str:
     if isinstance(key, bool) or not isinstance(key, (str, int)):
-        raise ShardingError(
-            f"{prefix or '<root>'}: state keys must be str or int, got {type(key).__name__} {key!r}"
-        )
+        raise ShardingError(f"{where}: state keys must be str or int, got {type(key).__name__} {key!r}")
     k = str(key)
-    if "." in k:
-        raise ShardingError(
-            f"{prefix or '<root>'}: key {k!r} contains '.', which joins tree paths "
-            "(nest the mapping instead, or wrap a module in reshard.ModelState)"
-        )
     if not k:
-        raise ShardingError(f"{prefix or '<root>'}: empty key")
+        raise ShardingError(f"{where}: empty key")
+    return k
+
+
+def join(prefix: str, key: Any) -> str:
+    """The checkpoint key of ``key`` below ``prefix`` (``""`` at the root)."""
+    k = _check_key(prefix or "<root>", key)
     return f"{prefix}.{k}" if prefix else k
+
+
+def _v1_name(rules: tuple[tuple[str, str], ...], rel: str) -> str:
+    for v1, mine in rules:
+        if not mine or mine.endswith("."):
+            if rel.startswith(mine):
+                return v1 + rel[len(mine):]
+        elif rel == mine:
+            return v1
+    return rel
+
+
+def _v1_rel(rules: tuple[tuple[str, str], ...], name: str) -> str | None:
+    """Inverse of :func:`_v1_name`: the relative name of version-1 ``name``, if it is one."""
+    for v1, mine in rules:
+        if not v1 or v1.endswith("."):
+            if name.startswith(v1):
+                return mine + name[len(v1):]
+        elif name == v1:
+            return mine
+    return None if rules else name
+
+
+_IDENTITY: tuple[tuple[str, str], ...] = (("", ""),)
+
+
+def v1_rules(x: Any) -> tuple[tuple[str, str], ...]:
+    return tuple(getattr(x, V1_NAMES, None) or _IDENTITY)
 
 
 @dataclass
 class Leaves:
-    """The flattened state: what a save writes or a load fills."""
+    """The flattened state: what a save writes or a load fills. Every name is a
+    checkpoint key (ShardedTensors and ShardedObjects are renamed copies)."""
 
     tensors: list[ShardedTensor] = field(default_factory=list)
     #: plain tensors by path (replicated at save, "the whole tensor" at load)
@@ -79,6 +140,40 @@ class Leaves:
     dtensors: dict[str, Any] = field(default_factory=dict)
     #: Stateful objects with the rebuilt state dict to hand back at load
     statefuls: list[tuple[str, Any, Callable[[], Any]]] = field(default_factory=list)
+    #: checkpoint key -> the name format version 1 gave it, where they differ
+    legacy: dict[str, str] = field(default_factory=dict)
+
+
+def _renamed(x: Any, name: str) -> Any:
+    if isinstance(x, ShardedObject):
+        return x if x.key == name else replace(x, key=name)
+    if x.fqn == name:
+        return x
+    out = object.__new__(ShardedTensor)  # a copy without a second validation of the geometry
+    d = out.__dict__
+    d.update(x.__dict__)
+    d["fqn"] = name
+    return out
+
+
+def _all_sharded(x: Any) -> bool:
+    return all(isinstance(v, (ShardedTensor, ShardedObject)) for v in x)
+
+
+def _tree(parts: tuple[str, ...]) -> str:
+    return "state" + "".join(parts)
+
+
+#: the claim group of a plain value (never shared with a tensor, even at load)
+_VALUE = "\x00value"
+
+
+def _as_stateful(x: Any) -> Any:
+    if isinstance(x, torch.nn.Module):
+        from .adapters.model import ModelState
+
+        return ModelState(x)
+    return x
 
 
 def flatten(
@@ -87,46 +182,99 @@ def flatten(
     loaded_values: dict[str, Any] | None = None,
     loaded_objects: dict[tuple[str, tuple[int, ...]], Any] | None = None,
 ) -> Leaves:
-    """Flatten ``state`` into leaves.
+    """Flatten ``state`` into leaves named by checkpoint key.
 
-    With ``loaded_values`` (path -> value) and ``loaded_objects`` ((key,
+    With ``loaded_values`` (key -> value) and ``loaded_objects`` ((key,
     global_offset) -> value), at load, each Stateful gets a closure that
     rebuilds its state dict with the loaded plain values and objects in place
     of its own (tensors are filled in place), ready for ``load_state_dict``.
+
+    Raises:
+        ShardingError: a key that is not a str or int, or is empty; two leaves
+            that map to one checkpoint key (both tree paths named); a root that
+            is not a mapping; an object array.
     """
     if loaded_objects is None:
         loaded_objects = {}
     if not isinstance(state, Mapping):
         raise ShardingError(f"state must be a mapping, got {type(state).__name__}")
     out = Leaves()
-    seen_paths: set[str] = set()
+    #: checkpoint key -> (tree path parts, container of a ShardedTensor/ShardedObject or None)
+    owner: dict[str, tuple[tuple[str, ...], str | None]] = {}
+    loading = loaded_values is not None
 
-    def rebuild(x: Any, path: str, root: bool = False) -> Any:
+    def claim(key: str, tree: tuple[str, ...], group: str | None) -> None:
+        prev = owner.get(key)
+        if prev is None:
+            owner[key] = (tree, group)
+            return
+        if group is not None and prev[1] == group:
+            return  # another chunk of the same tensor (element of the same grid)
+        if loading and group != _VALUE and prev[1] != _VALUE:
+            return  # at load, two destinations of one saved tensor are two requests
+        raise ShardingError(
+            f"checkpoint key {key!r} is given by two leaves: {_tree(prev[0])} and {_tree(tree)}; keys join tree "
+            "paths with '.', so separate them: nest one under another key (e.g. "
+            "{'model': ..., 'ema': ...}) or rename the tensor")
+
+    def rebuild(x: Any, path: str, cpath: str, root: bool = False) -> Any:
         if loaded_values is None:
             return x
         if isinstance(x, ShardedObject):
-            key = (x.key, x.global_offset)
+            key = (join(cpath, x.key), x.global_offset)
             return replace(x, value=loaded_objects[key]) if key in loaded_objects else x
         if not root and path in loaded_values:
             return loaded_values[path]
         if isinstance(x, Mapping) and (root or _is_special(x)):
-            d = {k: rebuild(v, _join(path, k)) for k, v in x.items()}
+            d = {k: rebuild(v, join(path, k), path) for k, v in x.items()}
             return d if type(x) is dict else type(x)(d)  # type: ignore[call-arg]
-        if isinstance(x, (list, tuple)) and _is_special(x) and not _all_sharded(x):
-            items = [rebuild(v, _join(path, i)) for i, v in enumerate(x)]
+        if isinstance(x, (list, tuple)) and _is_special(x):
+            if x and _all_sharded(x):
+                items = [rebuild(v, path, cpath) for v in x]
+            else:
+                items = [rebuild(v, join(path, i), path) for i, v in enumerate(x)]
             return type(x)(items) if isinstance(x, tuple) else items
         return x
 
-    def walk(x: Any, path: str) -> None:
-        if path in seen_paths:
-            raise ShardingError(f"{path}: two leaves map to the same path (keys '1' and 1?)")
-        if isinstance(x, ShardedTensor):
-            out.tensors.append(x)
-        elif isinstance(x, ShardedObject):
-            out.objects.append(x)
-        elif isinstance(x, (list, tuple)) and x and _all_sharded(x):
-            out.tensors.extend(x)
-        elif is_dtensor(x):
+    def sharded(x: Any, cpath: str, tree: tuple[str, ...], rules: tuple[tuple[str, str], ...]) -> None:
+        name = join(cpath, x.fqn)
+        claim(name, tree, cpath)
+        v1 = x.fqn if rules == _IDENTITY else _v1_name(rules, x.fqn)
+        if v1 != name:
+            out.legacy[name] = v1
+        (out.objects if isinstance(x, ShardedObject) else out.tensors).append(_renamed(x, name))
+
+    def walk(x: Any, path: str, cpath: str, tree: tuple[str, ...],
+             rules: tuple[tuple[str, str], ...]) -> None:
+        if isinstance(x, (ShardedTensor, ShardedObject)):
+            sharded(x, cpath, tree, rules)
+            return
+        x = _as_stateful(x)
+        if isinstance(x, (list, tuple)) and x and _all_sharded(x):
+            for i, v in enumerate(x):
+                sharded(v, cpath, (*tree, f"[{i}]"), rules)
+            return
+        if is_stateful(x) and not isinstance(x, Mapping):
+            try:
+                sd = x.state_dict()
+            except ShardingError as e:
+                raise ShardingError(f"{path}: {e}") from None
+            if not isinstance(sd, Mapping):
+                raise ShardingError(f"{path}: state_dict() returned {type(sd).__name__}, not a mapping")
+            walk_container(sd, path, (*tree, f"<{type(x).__name__}>.state_dict()"), v1_rules(x))
+            out.statefuls.append((path, x, functools.partial(rebuild, sd, path, cpath, True)))
+            return
+        if isinstance(x, Mapping) and _is_special(x):
+            walk_container(x, path, tree, rules)
+            return
+        if isinstance(x, (list, tuple)) and _is_special(x):
+            for i, v in enumerate(x):
+                walk(v, join(path, i), path, (*tree, f"[{i}]"), rules)
+            return
+        if not path:
+            raise ShardingError("the root of the state must be a mapping")
+        claim(path, tree, None if isinstance(x, (torch.Tensor, np.ndarray)) else _VALUE)
+        if is_dtensor(x):
             out.dtensors[path] = x
         elif isinstance(x, torch.Tensor):
             out.plain[path] = x
@@ -134,32 +282,16 @@ def flatten(
             if x.dtype.hasobject:
                 raise ShardingError(f"{path}: NumPy object arrays cannot be saved")
             out.plain[path] = torch.from_numpy(x) if x.flags.writeable else torch.from_numpy(x.copy())
-        elif is_stateful(x) and not isinstance(x, Mapping):
-            sd = x.state_dict()
-            if not isinstance(sd, Mapping):
-                raise ShardingError(f"{path}: state_dict() returned {type(sd).__name__}, not a mapping")
-            walk_container(sd, path)
-            out.statefuls.append((path, x, functools.partial(rebuild, sd, path, True)))
-            return
-        elif isinstance(x, Mapping) and _is_special(x):
-            walk_container(x, path)
-            return
-        elif isinstance(x, (list, tuple)) and _is_special(x):
-            for i, v in enumerate(x):
-                walk(v, _join(path, i))
-            return
         else:
-            if not path:
-                raise ShardingError("the root of the state must be a mapping")
             out.values[path] = x
-        seen_paths.add(path)
 
-    def walk_container(m: Mapping[Any, Any], path: str) -> None:
+    def walk_container(m: Mapping[Any, Any], path: str, tree: tuple[str, ...],
+                       rules: tuple[tuple[str, str], ...]) -> None:
         for k, v in m.items():
-            walk(v, _join(path, k))
+            walk(v, join(path, k), path, (*tree, f"[{k!r}]"), rules)
 
     try:
-        walk_container(state, "")
+        walk_container(state, "", (), _IDENTITY)
     finally:
         # walk and walk_container refer to each other: break that cycle, which
         # would otherwise keep `out` (and every tensor of the state) alive
@@ -168,5 +300,49 @@ def flatten(
     return out
 
 
-def _all_sharded(x: Any) -> bool:
-    return all(isinstance(v, ShardedTensor) for v in x)
+def positions(state: Any) -> Iterator[tuple[str, Any]]:
+    """``(checkpoint key, object)`` of every object reachable from ``state``
+    through mappings, lists and tuples (never calling ``state_dict()``), depth
+    first, each object once."""
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [("", state)]
+    while stack:
+        path, x = stack.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        yield path, x
+        if isinstance(x, Mapping):
+            stack.extend(reversed([(join(path, k), v) for k, v in x.items()]))
+        elif isinstance(x, (list, tuple)):
+            stack.extend(reversed([(join(path, i), v) for i, v in enumerate(x)]))
+
+
+def scoped_manifest(m: Any, path: str, rules: tuple[tuple[str, str], ...] = (("", ""),)) -> Any:
+    """The manifest ``m`` as seen from position ``path``: the tensors,
+    objects, aliases and common values whose keys lie below ``path``, with
+    ``path.`` stripped (at the root, ``m`` itself). For a format-version-1
+    checkpoint, the names are those the adapter's ``V1_NAMES`` rules give."""
+    legacy = m.format_version < 2
+    if not path and not legacy:
+        return m
+    pre = f"{path}." if path else ""
+
+    def rel(name: str) -> str | None:
+        if legacy:
+            return _v1_rel(rules, name)
+        return name[len(pre):] if name.startswith(pre) else None
+
+    def scope(d: Mapping[str, Any]) -> dict[str, Any]:
+        return {r: v for k, v in d.items() if (r := rel(k)) is not None}
+
+    tensors, objects = scope(m.tensors), scope(m.objects)
+    aliases = {}
+    for k, t in m.aliases.items():
+        rk, rt = rel(k), rel(t)
+        if rk is not None and rt is not None:
+            aliases[rk] = rt
+    # common values are named by their tree path in both versions
+    values = ({k[len(pre):]: v for k, v in m.values.items() if k.startswith(pre)}
+              if isinstance(m.values, Mapping) else m.values)
+    return msgspec.structs.replace(m, tensors=tensors, objects=objects, aliases=aliases, values=values)

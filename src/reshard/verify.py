@@ -58,13 +58,22 @@ def latest_entry(st: Storage, root: str) -> Entry | None:
 
 
 def inspect(path: str | os.PathLike[str], *, storage: Storage | None = None) -> Manifest:
-    """The validated manifest of the checkpoint at ``path``.
+    """The validated manifest of the checkpoint at ``path``; for a PyTorch DCP
+    checkpoint, the manifest :func:`reshard.formats.dcp.open_dcp` presents
+    (``extra["source"] == "dcp"``, no checksums, one value per DCP key).
 
     Raises:
         CheckpointNotFoundError, ManifestError, IntegrityError.
     """
     st, key = resolve(path, storage)
-    return read_manifest(st, key)
+    try:
+        return read_manifest(st, key)
+    except CheckpointNotFoundError:
+        from .formats.dcp import is_dcp_checkpoint, open_dcp
+
+        if not is_dcp_checkpoint(key, storage=st):
+            raise
+        return open_dcp(key, storage=st)[1]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,16 +92,19 @@ class VerifyReport:
     problems: tuple[str, ...] = ()
     bytes_checked: int = 0
     manifest: Manifest | None = field(default=None, repr=False)
+    #: what the check could and could not cover (e.g. a DCP checkpoint has no checksums)
+    notes: tuple[str, ...] = ()
 
 
 def verify(path: str | os.PathLike[str], *, checksums: bool = True,
-           storage: Storage | None = None) -> VerifyReport:
+           storage: Storage | None = None, progress: bool | None = None) -> VerifyReport:
     """Check a checkpoint's structure and, by default, every checksum.
 
     Structure: the manifest validates; every logical element of every tensor
     is covered exactly once; every object grid is complete; every file exists,
     is not a symbolic link, and has its declared size. Checksums: every block
-    of every chunk and every whole file.
+    of every chunk and every whole file. ``progress``: a progress bar (bytes
+    checksummed) on stderr; None: only with ``RESHARD_PROGRESS=1``.
 
     Raises:
         CheckpointNotFoundError: no manifest at ``path``. Every other problem
@@ -103,6 +115,10 @@ def verify(path: str | os.PathLike[str], *, checksums: bool = True,
     try:
         m = read_manifest(st, key)
     except CheckpointNotFoundError:
+        from .formats.dcp import is_dcp_checkpoint
+
+        if is_dcp_checkpoint(key, storage=st):
+            return _verify_dcp(st, key, decode=checksums, progress=progress)
         raise
     except CheckpointError as e:
         return VerifyReport(path=key, ok=False, problems=(f"{type(e).__name__}: {e}",))
@@ -134,12 +150,16 @@ def verify(path: str | os.PathLike[str], *, checksums: bool = True,
     good_files = {name for name in m.files if name not in torn}
     checked = 0
     if checksums:
-        checked = _verify_checksums(st, key, m, good_files, problems)
+        from .progress import bar, wanted
+
+        with bar(sum(m.files[n].size for n in good_files), "verify", enabled=wanted(progress)) as pb:
+            checked = _verify_checksums(st, key, m, good_files, problems, pb)
     return VerifyReport(path=key, ok=not problems, problems=tuple(problems), bytes_checked=checked,
                         manifest=m)
 
 
-def _verify_checksums(st: Storage, key: str, m: Manifest, files: set[str], problems: list[str]) -> int:
+def _verify_checksums(st: Storage, key: str, m: Manifest, files: set[str], problems: list[str],
+                      pb: Any) -> int:
     """Recompute every block digest of every chunk and object, and every
     file's hash tree from them, reading each file once. Returns bytes read."""
     b = m.checksum_block_bytes
@@ -171,6 +191,7 @@ def _verify_checksums(st: Storage, key: str, m: Manifest, files: set[str], probl
         first = items[0][0] if items else fe.size
         prefix = st.read_bytes(p, 0, first)
         checked += first
+        pb.update(first)
         tree: list[tuple[str, ...]] = []
         step = b * max(1, _READ // b)  # whole blocks per read
         for off, length, want, what in items:
@@ -178,6 +199,7 @@ def _verify_checksums(st: Storage, key: str, m: Manifest, files: set[str], probl
             for a in range(0, length, step):
                 data = st.read_bytes(p, off + a, min(step, length - a))
                 got.extend(block_digests(memoryview(data), b))
+                pb.update(len(data))
             checked += length
             tree.append(tuple(got))
             if want and tuple(got) != tuple(want):
@@ -186,3 +208,54 @@ def _verify_checksums(st: Storage, key: str, m: Manifest, files: set[str], probl
         if fe.checksum and all(i[2] for i in items) and file_checksum(prefix, tree) != fe.checksum:
             problems.append(f"{p}: file checksum mismatch (header or layout changed)")
     return checked
+
+
+DCP_NOTE = ("DCP has no checksums: structure, sizes and (unless --no-checksums) that every "
+            "tensor item decodes as declared were checked; the bytes cannot be verified")
+
+
+def _verify_dcp(st: Storage, key: str, *, decode: bool, progress: bool | None) -> VerifyReport:
+    """A PyTorch DCP checkpoint: the metadata is accepted by the restricted
+    unpickler, every tensor's chunks cover it exactly once, every declared
+    byte range lies inside its data file; with ``decode``, every tensor item
+    is read and decoded (``torch.load(weights_only=True)``) and must be the
+    dtype and shape the metadata declares. No checksums exist to compare."""
+    from .formats.dcp import open_dcp
+    from .progress import bar, wanted
+
+    try:
+        dst, m = open_dcp(key, storage=st, cache_bytes=0)
+    except CheckpointError as e:
+        return VerifyReport(path=key, ok=False, problems=(f"{type(e).__name__}: {e}",),
+                            notes=(DCP_NOTE,))
+    problems: list[str] = []
+    for fqn, te in m.tensors.items():
+        chunks: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+        for i, c in enumerate(te.chunks):
+            chunks[(c.global_offset, c.local_shape, c.flattened_range)].append((0, i))
+        try:
+            _check_coverage(fqn, te.global_shape, chunks)
+        except ShardingError as e:
+            problems.append(f"coverage: {e}")
+    for name in m.files:
+        try:
+            dst.size(name)  # the declared byte range lies inside its data file
+        except (CheckpointError, OSError) as e:
+            problems.append(f"{type(e).__name__}: {e}")
+    checked = 0
+    if decode and not problems:
+        total = sum(c.length for te in m.tensors.values() for c in te.chunks)
+        with bar(total, "verify", enabled=wanted(progress)) as pb:
+            for fqn, te in m.tensors.items():
+                for c in te.chunks:
+                    try:
+                        dst.chunk(c.file, keep=False)
+                    except (CheckpointError, OSError) as e:
+                        problems.append(f"tensor {fqn!r} chunk at {list(c.global_offset)}: {e}")
+                    checked += c.length
+                    pb.update(c.length)
+    for k, why in (m.extra.get("dcp_skipped_values") or {}).items():
+        problems.append(f"value {k!r} cannot be read safely: {why}")
+    return VerifyReport(path=key, ok=not problems, problems=tuple(problems), bytes_checked=checked,
+                        manifest=m, notes=(DCP_NOTE,))
+

@@ -16,7 +16,9 @@ logical tensors, so that a checkpoint never depends on the parallel layout.
   data), as ShardedTensors with ``flattened_range``.
 
 All sizes are in elements (rows along ``dim``); offsets are row-major,
-intervals half-open.
+intervals half-open. The fqns passed in are names relative to the adapter
+whose layout returns the views (for ModelState the canonical tensor's fqn, for
+OptimizerState ``state.{fqn}.{key}``): the state tree adds the adapter's path.
 """
 
 from __future__ import annotations

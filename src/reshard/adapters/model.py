@@ -11,6 +11,7 @@ from torch import nn
 from ..errors import ShardingError
 from ..sharding import ShardedObject, ShardedTensor
 from ..tree import is_dtensor
+from .names import canonical_names
 
 #: ``layout(fqn, tensor)`` -> the ShardedTensor(s) describing this rank's
 #: ``tensor`` (several views of one local buffer for fused layouts), or None
@@ -23,10 +24,14 @@ EXTRA_STATE_SUFFIX = "_extra_state"
 class ModelState:
     """Stateful adapter for an ``nn.Module``.
 
-    Saved keys are exactly the keys of ``module.state_dict()`` (so buffers
-    registered ``persistent=False`` are not saved and keep their constructed
-    value), prefixed by ``prefix``. Parameters and buffers are filled in place
-    at load.
+    Saved keys are the keys of ``module.state_dict()`` (so buffers registered
+    ``persistent=False`` are not saved and keep their constructed value),
+    relative to the adapter's position in the state tree: under ``"model"``,
+    ``model.<fqn>``. Wrapper components (DDP ``module.``, FSDP1
+    ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``, torch.compile
+    ``_orig_mod.``) are left out of the fqn, as DCP's ``get_state_dict`` does,
+    so a wrapped model loads into the plain one and back. Parameters and
+    buffers are filled in place at load.
 
     * A DTensor is saved as its placements say; a plain tensor is a replica
       (identical on every rank) unless ``layout`` describes its sharding.
@@ -39,18 +44,22 @@ class ModelState:
       on all ranks that hold it.
 
     Args:
-        model: the module.
-        layout: ``layout(fqn, tensor) -> ShardedTensor | list | None``.
-        prefix: prepended to every fqn (e.g. "student.").
+        model: the module (wrapped or not).
+        layout: ``layout(fqn, tensor) -> ShardedTensor | list | None``, called
+            with the canonical fqn; the ShardedTensors it returns are named
+            relative to the adapter (the parameter's fqn, or the canonical
+            tensors it is a view of).
+
+    Raises:
+        ShardingError: at save, a ``state_dict()`` entry that is not a tensor.
     """
 
-    def __init__(self, model: nn.Module, *, layout: Layout | None = None, prefix: str = ""):
+    def __init__(self, model: nn.Module, *, layout: Layout | None = None):
         self.model = model
         self.layout = layout
-        self.prefix = prefix
 
     def shards(self, fqn: str, t: torch.Tensor) -> list[ShardedTensor]:
-        """How ``t`` (named ``fqn`` without prefix) is described in the tree."""
+        """How ``t`` (named by its canonical ``fqn``) is described in the tree."""
         if self.layout is not None:
             out = self.layout(fqn, t)
             if out is not None:
@@ -58,19 +67,27 @@ class ModelState:
         if is_dtensor(t):
             from .dtensor import dtensor_shards
 
-            return dtensor_shards(self.prefix + fqn, t)
-        return [ShardedTensor(self.prefix + fqn, t, global_shape=tuple(t.shape),
-                              global_offset=(0,) * t.dim())]
+            return dtensor_shards(fqn, t)
+        return [ShardedTensor(fqn, t, global_shape=tuple(t.shape), global_offset=(0,) * t.dim())]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(canonical fqn, parameter)`` of every parameter of the model."""
+        params = list(self.model.named_parameters())
+        names = canonical_names(self.model, [n for n, _ in params])
+        return [(names[n], p) for n, p in params]
 
     def state_dict(self) -> dict[str, Any]:
         tensors: list[ShardedTensor] = []
         extra: list[ShardedObject] = []
-        for fqn, t in self.model.state_dict().items():
+        sd = self.model.state_dict()
+        names = canonical_names(self.model, sd)
+        for key, t in sd.items():
+            fqn = names[key]
             if fqn.rsplit(".", 1)[-1] == EXTRA_STATE_SUFFIX:
-                extra.append(ShardedObject(self.prefix + fqn, t))
+                extra.append(ShardedObject(fqn, t))
                 continue
             if not isinstance(t, torch.Tensor):
-                raise ShardingError(f"{self.prefix}{fqn}: state_dict entry of type {type(t).__name__}")
+                raise ShardingError(f"{fqn}: state_dict entry of type {type(t).__name__}")
             tensors.extend(self.shards(fqn, t))
         # no entry for an empty list: it would be saved as a common value that is not a key of
         # the module's state_dict, and on a rank that holds nothing (a pipeline stage without
@@ -82,8 +99,12 @@ class ModelState:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         # tensors were filled in place; hand extra state to its modules
-        for ob in sd.get("extra_state", []):
-            name = ob.key[len(self.prefix):]
+        if not sd.get("extra_state"):
+            return
+        names = canonical_names(self.model, self.model.state_dict())
+        original = {fqn: key for key, fqn in names.items()}
+        for ob in sd["extra_state"]:
+            name = original.get(ob.key, ob.key)
             mod_name = name.rsplit(".", 1)[0] if "." in name else ""
             mod = self.model.get_submodule(mod_name)
             mod.set_extra_state(ob.value)

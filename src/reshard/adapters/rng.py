@@ -55,7 +55,9 @@ class RNGState:
         coords: logical coordinates of this rank (e.g. ``{"dp": 1, "tp": 0}``)
             used when streams must be re-derived.
         streams: named ``torch.Generator``s to save besides the global ones.
-        key: the object key in the checkpoint.
+        key: the name of the streams in format-version-1 checkpoints (read
+            only: the streams are now saved as ``streams`` and the base seed as
+            ``meta``, relative to the adapter's position, e.g. ``rng.streams``).
     """
 
     def __init__(self, *, rank: int | None = None, world_size: int | None = None,
@@ -97,15 +99,20 @@ class RNGState:
             for i, s in enumerate(st["cuda"][: torch.cuda.device_count()]):
                 torch.cuda.set_rng_state(s, i)
 
+    @property
+    def _reshard_v1_names(self) -> tuple[tuple[str, str], ...]:
+        """Format version 1 named the streams ``key`` and the seed ``key.meta``."""
+        return ((f"{self.key}.meta", "meta"), (self.key, "streams"))
+
     def state_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"meta": ShardedObject(f"{self.key}.meta", {"base_seed": self.base_seed})}
+        d: dict[str, Any] = {"meta": ShardedObject("meta", {"base_seed": self.base_seed})}
         if self._rederive is None:
-            d["streams"] = ShardedObject(self.key, self.capture(), global_shape=(self.world_size,),
+            d["streams"] = ShardedObject("streams", self.capture(), global_shape=(self.world_size,),
                                          global_offset=(self.rank,))
         return d
 
     def reshard_prepare_load(self, m: Manifest) -> dict[str, Any] | None:
-        oe = m.objects.get(self.key)
+        oe = m.objects.get("streams")
         if oe is None or tuple(oe.global_shape) == (self.world_size,):
             self._rederive = None
             return None
@@ -117,7 +124,7 @@ class RNGState:
             RuntimeWarning, stacklevel=2)
         from ..load import HANDLED
 
-        return {f"{self.key}.rederived": True, HANDLED: [self.key]}
+        return {"rederived": True, HANDLED: ["streams"]}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         base = sd["meta"].value["base_seed"]

@@ -369,10 +369,12 @@ def run_demo(cfg: DemoConfig) -> int:
                 f"max |diff| {drift:.3e}")
         # 5. final checkpoint and export to Hugging Face safetensors
         final = pool.run(lb.world_size, r_save, "b", str(root), cfg.every, timeout=600)[0]
-        from ..export import export_hf
+        from ..formats.hf_export import export_hf
 
         hf_out = out / "hf"
         t0 = time.perf_counter()
+        # the model's own names (the "model" subtree, its path left out), as Hugging Face
+        # loaders expect: export_hf's default
         ex = export_hf(final["path"], hf_out, overwrite=True,
                        copy_files=[os.path.join(hf_dir, f) for f in ("config.json", "tokenizer.json",
                                                                      "vocab.txt")] if hf_dir else ())

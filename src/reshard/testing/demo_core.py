@@ -79,10 +79,10 @@ def save_rank(path: str, rows: int) -> dict[str, Any]:
     model: dict[str, Any] = {"norm": expected("model.norm", rows).clone()}
     if n:
         model["row_w"] = reshard.ShardedTensor(
-            "model.row_w", expected("model.row_w", rows)[off:off + n].clone(),
+            "row_w", expected("model.row_w", rows)[off:off + n].clone(),
             global_shape=(rows, WIDTH), global_offset=(off, 0))
         model["col_w"] = reshard.ShardedTensor(
-            "model.col_w", expected("model.col_w", rows)[:, off:off + n].contiguous(),
+            "col_w", expected("model.col_w", rows)[:, off:off + n].contiguous(),
             global_shape=(WIDTH, rows), global_offset=(0, off))
     state = {"model": model, "step": 1}
     opts = reshard.SaveOptions(overwrite=True, mesh={"dp": world}, extra={"demo": True})
@@ -102,11 +102,11 @@ def load_rank(path: str, rows: int) -> dict[str, Any]:
     if cn:
         targets["model.row_w"] = torch.full((rows, cn), sentinel)
         model["row_w"] = reshard.ShardedTensor(
-            "model.row_w", targets["model.row_w"], global_shape=(rows, WIDTH), global_offset=(0, coff))
+            "row_w", targets["model.row_w"], global_shape=(rows, WIDTH), global_offset=(0, coff))
     if fn:
         targets["model.col_w"] = torch.full((fn,), sentinel)
         model["col_w"] = reshard.ShardedTensor(
-            "model.col_w", targets["model.col_w"], global_shape=(WIDTH, rows),
+            "col_w", targets["model.col_w"], global_shape=(WIDTH, rows),
             global_offset=(0, 0), local_shape=(WIDTH, rows), flattened_range=slice(foff, foff + fn))
     state = {"model": model, "step": 0}
     res, secs = _timed(lambda: reshard.load(state, path))

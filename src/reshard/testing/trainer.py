@@ -340,9 +340,9 @@ class Zero1:
         assert fqn is None and p is self.flat
         if v.dim() == 0:
             self._steps = [v.detach().clone() for _ in self.covered()]
-            return [ShardedTensor(f"optim.state.{f}.{key}", t, global_shape=(), global_offset=())
+            return [ShardedTensor(f"state.{f}.{key}", t, global_shape=(), global_offset=())
                     for f, t in zip(self.covered(), self._steps, strict=True)]
-        return self.flat_views(v, lambda f: f"optim.state.{f}.{key}")
+        return self.flat_views(v, lambda f: f"state.{f}.{key}")
 
     def finish_load(self) -> None:
         """After a load: master from the loaded weights, ``step`` from its copies."""
@@ -412,9 +412,12 @@ class Trainer:
     def import_hf(self, hf_dir: str, **kw: Any) -> reshard.LoadResult:
         """The model weights from a Hugging Face directory (bert: the MLM head
         is not in it and keeps its initialisation from ``head_seed``)."""
-        from ..export import import_hf
+        from ..formats.hf_import import import_hf
+        from ..transforms import Rename
 
-        kw.setdefault("allow_missing", [("cls.*", "keep")])
+        kw.setdefault("allow_missing", [("model.cls.*", "keep")])
+        # Hugging Face names are the module's own; here they sit under "model"
+        kw["transforms"] = [Rename(r"^", "model."), *kw.get("transforms", ())]
         res = import_hf({"model": reshard.ModelState(self.module, layout=self.module.layout)},
                         hf_dir, **kw)
         self.zero.sync_master()

@@ -1,4 +1,4 @@
-"""Convert a PyTorch DCP checkpoint into a reshard checkpoint (see :mod:`reshard.dcp`).
+"""Convert a PyTorch DCP checkpoint into a reshard checkpoint (see :mod:`reshard.formats.dcp`).
 """
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import os
 import time
 from typing import Any
 
+from ..errors import CheckpointError, IntegrityError
+from ..manifest import Chunk, FileEntry, Manifest, TensorEntry, validate_manifest
+from ..sharding import itemsize
+from ..storage import Storage, resolve
 from .dcp import DCPStorage, open_dcp
-from .errors import CheckpointError, IntegrityError
-from .manifest import Chunk, FileEntry, Manifest, TensorEntry, validate_manifest
-from .sharding import itemsize
-from .storage import Storage, resolve
 
 # --------------------------------------------------------------------------- conversion
 
@@ -47,7 +47,7 @@ def convert_dcp(
     Args:
         step: recorded in the new manifest.
         options: :class:`reshard.SaveOptions` (checksums, block size,
-            durable, overwrite, schema_version, extra, hmac_key).
+            durable, overwrite, schema_version, extra, hmac_key, progress).
         file_bytes: target size of one shard file.
         skip_unsafe_values: convert even when some BYTE_IO values cannot be
             decoded with ``torch.load(weights_only=True)`` (they are left out
@@ -64,20 +64,20 @@ def convert_dcp(
         failure is raised on every rank (as the common class of every rank's
         error) and publishes nothing.
     """
-    from . import attempts
-    from .collectives import get_collectives
-    from .commit import publish, sign_manifest
-    from .errors import outcome, raise_agreed
-    from .manifest import MANIFEST_NAME
-    from .options import SaveOptions
-    from .save import (
+    from .. import attempts
+    from ..collectives import get_collectives
+    from ..commit import publish, sign_manifest
+    from ..errors import outcome, raise_agreed
+    from ..manifest import MANIFEST_NAME
+    from ..options import SaveOptions
+    from ..save import (
         SaveResult,
         agree_attempt_location,
         agree_or_discard,
         discard_attempt,
         open_attempt,
     )
-    from .shardfile import FileItem, tensor_bytes, write_shard_file
+    from ..shardfile import FileItem, tensor_bytes, write_shard_file
 
     opts: SaveOptions = options or SaveOptions()
     coll = get_collectives(group)
@@ -126,6 +126,10 @@ def convert_dcp(
     mine = [(k, f) for k, f in enumerate(files) if k % world == rank]
     written: list[dict[str, Any]] = []
     err = None
+    from ..progress import bar, wanted
+
+    pb = bar(sum(m.tensors[f].chunks[ci].length for _k, mem in mine for f, ci in mem), "convert",
+             enabled=rank == 0 and wanted(opts.progress))
     try:
         for n, (_k, members) in enumerate(mine):
             name = f"data-r{rank:05d}-{n}.safetensors"
@@ -142,11 +146,14 @@ def convert_dcp(
                 dst_st, dst_st.join(attempt, name), fitems, block_bytes=opts.checksum_block_bytes,
                 checksums=opts.checksums, durable=opts.durable)
             del fitems
+            pb.update(sum(w.length for w in wr))
             written.append({"name": name, "size": fsize, "checksum": checksum,
                             "items": [[fqn, ci, w.offset, w.length, list(w.checksums)]
                                       for (fqn, ci), w in zip(members, wr, strict=True)]})
     except Exception as e:  # noqa: BLE001
         err = e
+    finally:
+        pb.close()
     t2 = time.perf_counter()
     reports = agree_or_discard(coll, dst_st, attempt, "convert_dcp",
                                outcome(rank, err, written=written), err, attempt_id=attempt_id)

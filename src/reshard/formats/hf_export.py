@@ -28,37 +28,28 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import mmap
 import os
 import re
 import shutil
-import struct
 import time
-import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import torch
-import xxhash
 
-from .collectives import SingleProcess
-from .commit import read_manifest
-from .errors import ManifestError
-from .load import load
-from .manifest import Manifest, TensorEntry
-from .options import LoadOptions
-from .shardfile import tensor_bytes
-from .sharding import (
-    ShardedTensor,
+from ..collectives import SingleProcess
+from ..commit import read_manifest
+from ..manifest import Manifest, TensorEntry
+from ..options import LoadOptions
+from ..progress import bar, wanted
+from ..sharding import (
     dtype_name,
-    itemsize,
-    numel,
-    safetensors_code,
     torch_dtype,
 )
-from .storage import Storage, resolve
+from ..storage import Storage, resolve
+from .hf_write import TIED_KEY, _fsync_dir, _fsync_file, _Item, _write_shard
 
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -67,10 +58,6 @@ _SHARD_RX = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 MAX_HEADER_BYTES = 100_000_000
 #: an index larger than this is refused before it is read (bytes)
 MAX_INDEX_BYTES = 256 << 20
-_VALIDATE_BLOCK = 4 << 20
-#: tensors larger than this are read and written in blocks of whole rows of
-#: at most this many saved bytes (bytes)
-READ_BLOCK_BYTES = 32 << 20
 
 _DTYPE_ALIASES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -153,19 +140,6 @@ class ExportResult:
     duration_s: float = 0.0
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Item:
-    out: str  # output (Hugging Face) name
-    saved: str  # fqn of the tensor in the checkpoint that holds the bytes
-    src_dtype: str
-    dtype: str  # output dtype name
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return numel(self.shape) * itemsize(self.dtype)
-
-
 def _include_fn(include: Any) -> Callable[[str], bool]:
     if include is None:
         return lambda fqn: not fqn.startswith("optim.")
@@ -180,7 +154,7 @@ def _output_names(m: Manifest, transforms: Sequence[Any]
     """``({output name: saved fqn} of tensors, {output alias: (saved alias,
     output name of its target)})``
     after the manifest-level transforms (Rename, Reset)."""
-    from .transforms import manifest_view
+    from ..transforms import manifest_view
 
     for t in transforms:
         if not hasattr(t, "apply_manifest"):
@@ -206,6 +180,23 @@ def _output_names(m: Manifest, transforms: Sequence[Any]
     return names, aliases
 
 
+def _subtree(m: Manifest, subtree: str | None, key: str) -> Manifest:
+    """``m`` seen from ``subtree`` (see :func:`export_hf`): its tensors and
+    aliases below it, renamed relative to it."""
+    if subtree is None:
+        subtree = "model" if any(k.startswith("model.") for k in m.tensors) else ""
+    if not subtree:
+        return m
+    pre = subtree.rstrip(".") + "."
+    tensors = {k[len(pre):]: te for k, te in m.tensors.items() if k.startswith(pre)}
+    if not tensors:
+        raise ValueError(f"export_hf: {key}: no tensor under {subtree!r} (saved e.g. "
+                         f"{sorted(m.tensors)[:3]}; pass subtree='' for every tensor)")
+    aliases = {a[len(pre):]: t[len(pre):] for a, t in m.aliases.items()
+               if a.startswith(pre) and t.startswith(pre)}
+    return msgspec.structs.replace(m, tensors=tensors, aliases=aliases, objects={}, values=None)
+
+
 def _plan(items: list[_Item], max_shard_bytes: int) -> list[list[_Item]]:
     """Group items (in name order) into shards of at most ``max_shard_bytes``
     tensor bytes; a larger tensor gets a shard of its own."""
@@ -221,36 +212,6 @@ def _plan(items: list[_Item], max_shard_bytes: int) -> list[list[_Item]]:
     if cur or not shards:
         shards.append(cur)
     return shards
-
-
-def _header(items: list[_Item]) -> tuple[bytes, list[_Item]]:
-    """The safetensors prefix (u64 length + JSON header padded with spaces to
-    8 bytes) and the data order: larger item sizes first, so every tensor
-    starts at a multiple of its item size."""
-    order = sorted(items, key=lambda it: (-itemsize(it.dtype), it.out))
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    pos = 0
-    for it in order:
-        header[it.out] = {"dtype": safetensors_code(it.dtype), "shape": list(it.shape),
-                          "data_offsets": [pos, pos + it.nbytes]}
-        pos += it.nbytes
-    hb = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    hb += b" " * (-len(hb) % 8)
-    return struct.pack("<Q", len(hb)) + hb, order
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    mv = memoryview(data).cast("B")
-    while mv:
-        mv = mv[os.write(fd, mv):]
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _existing_outputs(out_dir: str) -> list[str]:
@@ -270,15 +231,17 @@ def export_hf(
     transforms: Sequence[Any] = (),
     copy_files: Sequence[str | os.PathLike[str]] = (),
     include_aliases: bool = False,
+    subtree: str | None = None,
     overwrite: bool = False,
     validate: bool = True,
     options: LoadOptions | None = None,
     storage: Storage | None = None,
+    progress: bool | None = None,
 ) -> ExportResult:
     """Write the model tensors of the checkpoint ``ckpt`` as a Hugging Face
     safetensors directory ``out_dir`` (a local path, or an ``s3://`` /
     ``memory://`` prefix: then each shard streams into a multipart upload,
-    see :mod:`reshard.export_store`), one tensor (or one block of at most
+    see :mod:`reshard.formats.hf_store`), one tensor (or one block of at most
     ``READ_BLOCK_BYTES`` of a larger one) in memory at a time. Single
     process: call it on one rank (it uses no process group).
 
@@ -289,6 +252,13 @@ def export_hf(
         max_shard_bytes: tensor bytes per shard file at most (an int, or a
             size such as ``"2GB"`` / ``"2GiB"``); a single larger tensor gets a
             shard of its own. Tensors fill shards in output-name order.
+        subtree: the tree path of the model to export (``"model"``, ``"ema"``,
+            ``"app.model"``); its tensors are written under their names
+            relative to it, the model's own parameter names, as Hugging Face
+            loaders expect. None (default): ``"model"`` when the checkpoint
+            has tensors under ``model.``, else the whole checkpoint; ``""``:
+            the whole checkpoint, names as saved. ``include`` and
+            ``transforms`` then see the relative names.
         include: which checkpoint fqns (before transforms) to export: a glob,
             a list of globs, or a predicate. Default: every tensor whose fqn
             does not start with ``"optim."`` (optimizer state, gradients).
@@ -299,9 +269,15 @@ def export_hf(
         copy_files: files copied into ``out_dir`` as they are (config.json,
             tokenizer files...).
         include_aliases: tied weights (``manifest.aliases``) are exported as
-            the canonical tensor only (Hugging Face loaders re-tie them;
-            safetensors cannot share storage between names). With True,
-            each included alias is also written, as a copy under its own name.
+            the canonical tensor only, as ``transformers``' ``save_pretrained``
+            does for tied embeddings (its loaders re-tie them from the
+            config's ``tie_word_embeddings``; safetensors cannot share storage
+            between names); the tie is recorded as ``{alias: target}`` under
+            ``"tied_weights"`` in the index's ``metadata`` and in every
+            shard's ``__metadata__`` (a JSON string), from which
+            :func:`~reshard.formats.hf_import.import_hf` restores it. With
+            True, each included alias is also written, as a copy under its
+            own name (and no tie is recorded).
         overwrite: replace model files already in ``out_dir`` (stale shards of
             an earlier export are removed). Without it, such files are an error.
         validate: re-open each written shard with ``safetensors`` (names,
@@ -311,6 +287,8 @@ def export_hf(
         options: LoadOptions for the reads (checksums on by default, HMAC key).
         storage: a backend for ``ckpt`` instead of resolving its URL. The
             output is written to the local file system.
+        progress: a progress bar (bytes written) on stderr; None: only with
+            ``RESHARD_PROGRESS=1`` (see :mod:`reshard.progress`).
 
     Shards are written under temporary names, fsync'd, validated, renamed
     into place; the index is written last.
@@ -327,7 +305,7 @@ def export_hf(
     limit = parse_size(max_shard_bytes)
     st, key = resolve(ckpt, storage)
     read0 = st.bytes_read
-    m = read_manifest(st, key, hmac_key=opts.hmac_key)
+    m = _subtree(read_manifest(st, key, hmac_key=opts.hmac_key), subtree, key)
     keep = _include_fn(include)
     names, alias_names = _output_names(m, transforms)
     kept = set(names.values())
@@ -373,7 +351,7 @@ def export_hf(
         return (json.dumps(body, indent=2) + "\n").encode()
 
     if "://" in os.fspath(out_dir) and not os.fspath(out_dir).startswith("file://"):
-        from .export_store import write_shards
+        from .hf_store import write_shards
 
         out_st, out_key = resolve(out_dir)
         if type(out_st) is type(st) and (out_key == key or out_key.startswith(key.rstrip("/") + "/")):
@@ -401,11 +379,14 @@ def export_hf(
     written = 0
     tmps: list[str] = []
     one = SingleProcess()
+    pb = bar(sum(it.nbytes for it in items), "export", enabled=wanted(progress))
+    written_names = {it.out for it in items}
+    tied = {a: t for a, t in out_aliases.items() if a not in written_names and t in written_names}
     try:
         for fname, shard in zip(files, shards, strict=True):
             tmp = os.path.join(out, f".{fname}.partial")
             tmps.append(tmp)
-            written += _write_shard(st, key, m, tmp, shard, opts, one, validate)
+            written += _write_shard(st, key, m, tmp, shard, opts, one, validate, pb, tied)
             for it in shard:
                 weight_map[it.out] = fname
         for tmp, fname in zip(tmps, files, strict=True):
@@ -425,7 +406,10 @@ def export_hf(
         index_file = None
         if n > 1:
             index_file = INDEX_NAME
-            body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            meta: dict[str, Any] = {"total_size": total}
+            if tied:
+                meta[TIED_KEY] = dict(sorted(tied.items()))
+            body = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
             tmp = os.path.join(out, f".{INDEX_NAME}.partial")
             tmps.append(tmp)
             with open(tmp, "w", encoding="utf-8") as f:
@@ -437,6 +421,7 @@ def export_hf(
             tmps = []
         _fsync_dir(out)
     finally:
+        pb.close()
         for tmp in tmps:
             try:
                 os.unlink(tmp)
@@ -448,163 +433,4 @@ def export_hf(
                         bytes_written=written, duration_s=time.perf_counter() - t0)
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sub_manifest(m: Manifest, fqn: str) -> Manifest:
-    """``m`` reduced to the one tensor ``fqn`` and the files its chunks name."""
-    te = m.tensors[fqn]
-    used = {c.file for c in te.chunks}
-    return msgspec.structs.replace(m, tensors={fqn: te}, objects={}, values=None, aliases={},
-                                   files={f: m.files[f] for f in used})
-
-
-def _anon_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor in its own anonymous memory map, unmapped (given
-    back to the OS) as soon as the tensor is freed. The allocator would keep
-    freed blocks of this size in its heaps, and an export's RSS would grow to
-    the size of the model instead of one tensor."""
-    n = numel(shape) * dtype.itemsize
-    if n == 0:
-        return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        u8 = torch.frombuffer(mmap.mmap(-1, n), dtype=torch.uint8)
-    return u8.view(dtype).reshape(shape)
-
-
-@dataclass(frozen=True)
-class _Block:
-    """One read request: the box ``[offset, offset + shape)`` of the saved
-    tensor, or, with ``flat``, elements ``[flat[0], flat[1])`` of the
-    row-major flattening of the whole tensor. Either way a contiguous byte
-    range of the tensor in row-major order, so blocks are written back to back."""
-
-    offset: tuple[int, ...]
-    shape: tuple[int, ...]
-    flat: tuple[int, int] | None = None
-
-
-def _blocks(it: _Item, te: TensorEntry) -> list[_Block]:
-    """The requests that read ``it`` with at most about ``READ_BLOCK_BYTES``
-    saved bytes in memory: blocks of whole rows when the saved chunks are
-    boxes (row-, column-, block-sharded), flat element ranges when every
-    chunk is a flat range of the whole tensor (ZeRO / FSDP flat shards),
-    otherwise the whole tensor in one request."""
-    shape = it.shape
-    whole = [_Block(offset=(0,) * len(shape), shape=shape)]
-    isz = itemsize(it.src_dtype)
-    if not shape or numel(shape) * isz <= READ_BLOCK_BYTES:
-        return whole
-    if all(c.flattened_range is None for c in te.chunks):
-        rows = shape[0]
-        step = max(1, READ_BLOCK_BYTES // max(numel(shape[1:]) * isz, 1))
-        return [_Block(offset=(r0,) + (0,) * (len(shape) - 1),
-                       shape=(min(rows, r0 + step) - r0, *shape[1:]))
-                for r0 in range(0, rows, step)]
-    if all(tuple(c.local_shape) == shape for c in te.chunks):
-        n, step = numel(shape), max(1, READ_BLOCK_BYTES // isz)
-        return [_Block(offset=(0,) * len(shape), shape=shape, flat=(a, min(n, a + step)))
-                for a in range(0, n, step)]
-    return whole
-
-
-def _read_block(st: Storage, key: str, m: Manifest, it: _Item, blk: _Block,
-                opts: LoadOptions, one: SingleProcess) -> torch.Tensor:
-    """One block of the saved tensor ``it.saved``, in the saved dtype, through
-    ``reshard.load`` of one request (checksums verified as at any load)."""
-    dtype = torch_dtype(it.src_dtype)
-    if blk.flat is None:
-        buf = _anon_empty(blk.shape, dtype)
-        req = ShardedTensor(it.saved, buf, global_shape=it.shape, global_offset=blk.offset)
-    else:
-        buf = _anon_empty((blk.flat[1] - blk.flat[0],), dtype)
-        req = ShardedTensor(it.saved, buf, global_shape=it.shape, global_offset=blk.offset,
-                            local_shape=blk.shape, flattened_range=slice(*blk.flat))
-    load({"t": req}, key, group=one, options=opts, storage=st, manifest=_sub_manifest(m, it.saved))
-    return buf
-
-
-def _write_shard(st: Storage, key: str, m: Manifest, path: str, shard: list[_Item],
-                 opts: LoadOptions, one: SingleProcess, validate: bool) -> int:
-    """Write one shard: its header, then each tensor streamed in blocks (see
-    :func:`_blocks`), cast if asked; fsync; validate."""
-    prefix, order = _header(shard)
-    digests: dict[str, str] = {}
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        _write_all(fd, prefix)
-        total = len(prefix)
-        for it in order:
-            h = xxhash.xxh3_64()
-            for blk in _blocks(it, m.tensors[it.saved]):
-                t = _read_block(st, key, m, it, blk, opts, one)
-                if t.dtype != torch_dtype(it.dtype):
-                    cast = _anon_empty(tuple(t.shape), torch_dtype(it.dtype))
-                    cast.copy_(t)
-                    t = cast
-                data = tensor_bytes(t)
-                _write_all(fd, data)
-                h.update(data)
-                total += len(data)
-                del t, data
-            digests[it.out] = h.hexdigest()
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if validate:
-        _validate_shard(path, order, digests)
-    return total
-
-
-def _validate_shard(path: str, order: list[_Item], digests: Mapping[str, str]) -> None:
-    """Check the written shard: ``safetensors`` parses it and lists exactly the
-    names, dtypes and shapes written, and the bytes at each tensor's
-    ``data_offsets`` (as the file's own header declares them) hash to what was
-    written. Reads in blocks of ``_VALIDATE_BLOCK`` bytes (no mapping of the
-    shard, so memory stays bounded)."""
-    from safetensors import safe_open
-
-    want = {it.out: it for it in order}
-    with safe_open(path, framework="pt") as f:
-        keys = set(f.keys())
-        if keys != set(want):
-            raise ManifestError(f"{path}: safetensors lists {sorted(keys ^ set(want))[:5]} unexpectedly")
-        for name, it in want.items():
-            sl = f.get_slice(name)
-            code, shape = sl.get_dtype(), tuple(sl.get_shape())
-            if code != safetensors_code(it.dtype) or shape != it.shape:
-                raise ManifestError(f"{path}: {name}: reads back as {code} {list(shape)}, "
-                                    f"written as {safetensors_code(it.dtype)} {list(it.shape)}")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-        header = json.loads(os.pread(fd, hlen, 8))
-        buf = bytearray(_VALIDATE_BLOCK)
-        mv = memoryview(buf)
-        for name in want:
-            lo, hi = header[name]["data_offsets"]
-            h = xxhash.xxh3_64()
-            pos = 8 + hlen + lo
-            end = 8 + hlen + hi
-            while pos < end:
-                n = os.preadv(fd, [mv[:min(len(mv), end - pos)]], pos)
-                if n <= 0:
-                    raise ManifestError(f"{path}: {name}: file ends at {pos}, before {end}")
-                h.update(mv[:n])
-                pos += n
-            if h.hexdigest() != digests[name]:
-                raise ManifestError(f"{path}: {name}: bytes read back differ from those written")
-    finally:
-        os.close(fd)
-
-
-# import lives in its own module; kept importable from here
-from .hf_import import hf_manifest, import_hf  # noqa: E402
-
-__all__ = ["ExportResult", "export_hf", "hf_manifest", "import_hf", "parse_dtype", "parse_size"]
+__all__ = ["ExportResult", "export_hf", "parse_dtype", "parse_size"]

@@ -1,6 +1,6 @@
 """Hugging Face export to an object store (``s3://``, ``memory://``).
 
-:func:`reshard.export.export_hf` hands its planned shards here when
+:func:`reshard.formats.hf_export.export_hf` hands its planned shards here when
 ``out_dir`` is such a URL. Each shard streams into the store
 (:meth:`Storage.open_write`: a multipart upload on S3, so at most
 ``READ_BLOCK_BYTES`` of tensor data plus the upload's in-flight parts are
@@ -19,13 +19,13 @@ from typing import Any
 
 import xxhash
 
-from .collectives import SingleProcess
-from .errors import ManifestError
-from .manifest import Manifest
-from .options import LoadOptions
-from .shardfile import tensor_bytes
-from .sharding import safetensors_code, torch_dtype
-from .storage import Storage
+from ..collectives import SingleProcess
+from ..errors import ManifestError
+from ..manifest import Manifest
+from ..options import LoadOptions
+from ..shardfile import tensor_bytes
+from ..sharding import safetensors_code, torch_dtype
+from ..storage import Storage
 
 _VALIDATE_BLOCK = 4 << 20
 
@@ -43,7 +43,7 @@ def write_shards(st: Storage, key: str, m: Manifest, out_st: Storage, out: str,
         FileExistsError: model files already there and not ``overwrite``.
         ManifestError: a shard reads back differently from what was written.
     """
-    from .export import _SHARD_RX, INDEX_NAME, SINGLE_NAME
+    from .hf_export import _SHARD_RX, INDEX_NAME, SINGLE_NAME
 
     try:
         present = out_st.list_dir(out)
@@ -86,7 +86,7 @@ def write_shards(st: Storage, key: str, m: Manifest, out_st: Storage, out: str,
 
 def _write_shard(st: Storage, key: str, m: Manifest, out_st: Storage, path: str,
                  shard: list[Any], opts: LoadOptions, one: SingleProcess, validate: bool) -> int:
-    from .export import _anon_empty, _blocks, _header, _read_block
+    from .hf_write import _anon_empty, _blocks, _header, _read_block
 
     prefix, order = _header(shard)
     digests: dict[str, str] = {}

@@ -11,16 +11,19 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .collectives import get_collectives
-from .errors import CheckpointNotFoundError, ManifestError, ShardingError
-from .export import INDEX_NAME, MAX_HEADER_BYTES, MAX_INDEX_BYTES, SINGLE_NAME
-from .load import LoadResult, load
-from .manifest import Chunk, FileEntry, Manifest, TensorEntry, check_file_name, validate_manifest
-from .options import LoadOptions
-from .sharding import (
+from ..collectives import get_collectives
+from ..errors import CheckpointNotFoundError, ManifestError, ShardingError
+from ..load import LoadResult, load
+from ..manifest import Chunk, FileEntry, Manifest, TensorEntry, check_file_name, validate_manifest
+from ..options import LoadOptions
+from ..sharding import (
+    VIEW_METADATA_PREFIX,
     dtype_from_safetensors,
+    safetensors_view,
 )
-from .storage import Storage, resolve
+from ..storage import Storage, resolve
+from .hf_export import INDEX_NAME, MAX_HEADER_BYTES, MAX_INDEX_BYTES, SINGLE_NAME
+from .hf_write import TIED_KEY
 
 # ----------------------------------------------------------------------------- import
 
@@ -33,7 +36,7 @@ def _read_json(st: Storage, path: str, cap: int) -> Any:
         raise ManifestError(f"{path}: {size} bytes, more than the {cap} allowed")
     try:
         return json.loads(st.read_bytes(path, 0, size))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ManifestError(f"{path}: not valid JSON: {e}") from None
 
 
@@ -56,7 +59,7 @@ def _file_tensors(st: Storage, path: str, name: str) -> tuple[int, dict[str, Ten
         raise ManifestError(f"{path}: header length {hlen} is impossible for a file of {size} bytes")
     try:
         header = json.loads(st.read_bytes(path, 8, hlen))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ManifestError(f"{path}: safetensors header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise ManifestError(f"{path}: safetensors header is not a JSON object")
@@ -74,11 +77,14 @@ def _file_tensors(st: Storage, path: str, name: str) -> tuple[int, dict[str, Ten
         if not (isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)
                 and 0 <= offs[0] <= offs[1]):
             raise ManifestError(f"{where}: bad data_offsets {offs!r}")
+        view = meta.get(VIEW_METADATA_PREFIX + tname) if isinstance(meta, dict) else None
         try:
-            dt = dtype_from_safetensors(code)
+            if view is not None:  # complex128 stored as float64 pairs
+                dt, shp = safetensors_view(str(view), code, shape)
+            else:
+                dt, shp = dtype_from_safetensors(code), tuple(shape)
         except ShardingError as e:
             raise ManifestError(f"{where}: {e}") from None
-        shp = tuple(shape)
         out[tname] = TensorEntry(dtype=dt, global_shape=shp, chunks=(
             Chunk(global_offset=(0,) * len(shp), local_shape=shp, file=name,
                   offset=base + offs[0], length=offs[1] - offs[0]),))
@@ -95,12 +101,31 @@ def _file_tensors(st: Storage, path: str, name: str) -> tuple[int, dict[str, Ten
     return size, out, meta
 
 
+def _tied(tied: Any, tensors: Mapping[str, TensorEntry], *, where: str) -> dict[str, str]:
+    """The recorded ties ``{alias: target}``: each target a tensor of the
+    directory, each alias not one (the tied copy an export left out)."""
+    if tied is None:
+        return {}
+    if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                             for k, v in tied.items()):
+        raise ManifestError(f"{where}: {TIED_KEY!r} is not a mapping of tensor name -> tensor name")
+    for alias, target in tied.items():
+        if target not in tensors:
+            raise ManifestError(f"{where}: {TIED_KEY!r} ties {alias!r} to {target!r}, which is not here")
+        if alias in tensors:
+            raise ManifestError(f"{where}: {TIED_KEY!r} ties {alias!r}, which is also stored")
+    return dict(sorted(tied.items()))
+
+
 def hf_manifest(hf_dir: str | os.PathLike[str], *, storage: Storage | None = None
                 ) -> tuple[Storage, str, Manifest]:
     """A reshard Manifest describing the Hugging Face safetensors directory
     ``hf_dir`` (``model.safetensors``, or ``model.safetensors.index.json`` and
     the shards it names): one chunk per tensor with its absolute byte range,
-    no checksums, file sizes from the store. Returns ``(storage, key, manifest)``.
+    no checksums, file sizes from the store; tied weights an export recorded
+    (``"tied_weights"`` in the index metadata or the file's ``__metadata__``)
+    become ``manifest.aliases``, so a load fills the tied copy from its
+    target. Returns ``(storage, key, manifest)``.
 
     Raises:
         CheckpointNotFoundError: neither file is there.
@@ -113,8 +138,11 @@ def hf_manifest(hf_dir: str | os.PathLike[str], *, storage: Storage | None = Non
     st, key = resolve(hf_dir, storage)
     ipath = st.join(key, INDEX_NAME)
     wmap: dict[str, str] | None = None
+    tied: Any = None
     if st.exists(ipath):
         idx = _read_json(st, ipath, MAX_INDEX_BYTES)
+        imeta = idx.get("metadata") if isinstance(idx, dict) else None
+        tied = imeta.get(TIED_KEY) if isinstance(imeta, dict) else None
         wm = idx.get("weight_map") if isinstance(idx, dict) else None
         if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
             raise ManifestError(f"{ipath}: no weight_map of tensor name -> file name")
@@ -141,10 +169,16 @@ def hf_manifest(hf_dir: str | os.PathLike[str], *, storage: Storage | None = Non
         for t, f in wmap.items():
             if t not in tensors or tensors[t].chunks[0].file != f:
                 raise ManifestError(f"{ipath}: maps {t!r} to {f}, which does not hold it")
+    if tied is None and wmap is None and isinstance(metadata.get(SINGLE_NAME, {}).get(TIED_KEY), str):
+        try:
+            tied = json.loads(metadata[SINGLE_NAME][TIED_KEY])
+        except json.JSONDecodeError as e:
+            raise ManifestError(f"{key}/{SINGLE_NAME}: __metadata__ {TIED_KEY!r} is not JSON: {e}") from None
+    aliases = _tied(tied, tensors, where=ipath if wmap is not None else f"{key}/{SINGLE_NAME}")
     mtime = st.modified_time(st.join(key, names[0])) or 0.0
     m = Manifest(attempt_id="huggingface", created_at=mtime, world_size=1,
                  checksum_block_bytes=1 << 20, tensors=dict(sorted(tensors.items())), files=files,
-                 extra={"source": "huggingface", "safetensors_metadata": metadata})
+                 aliases=aliases, extra={"source": "huggingface", "safetensors_metadata": metadata})
     validate_manifest(m, where=key)
     return st, key, m
 
@@ -159,6 +193,7 @@ def import_hf(
     transforms: Sequence[Any] = (),
     options: LoadOptions | None = None,
     storage: Storage | None = None,
+    subtree: str | None = None,
 ) -> LoadResult:
     """Fill the tensors of ``state`` (ShardedTensors, DTensors, plain tensors,
     as for :func:`reshard.load`) from the Hugging Face directory ``hf_dir``.
@@ -168,8 +203,14 @@ def import_hf(
     row-sharded request reads its rows; a column-sharded one reads the
     contiguous span that holds its columns). Arguments as for ``load``; use
     ``transforms=[Rename(...)]`` to map Hugging Face names to the model's,
-    ``Cast`` to load into another dtype. Hugging Face files carry no
-    checksums: the bytes are read as they are.
+    ``Cast`` to load into another dtype. ``subtree``: where the model sits
+    in ``state`` (``"model"`` for ``{"model": ModelState(m)}``): the
+    directory's names (the model's own parameter names, as
+    :func:`~reshard.formats.hf_export.export_hf` writes them) are read as
+    ``subtree.<name>``. Tied weights the export recorded are restored: the
+    tied copy is filled from its target (the same tensor again when the
+    target model ties them). Hugging Face files carry no checksums: the
+    bytes are read as they are.
 
     Raises:
         As :func:`hf_manifest` and :func:`reshard.load`; every failure is
@@ -185,5 +226,9 @@ def import_hf(
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             err = e
         coll.agree(f"import_hf {os.fspath(hf_dir)}", err)
+    if subtree:
+        from ..transforms import Rename
+
+        transforms = [Rename(r"^", subtree.rstrip(".") + "."), *transforms]
     return load(state, key, group=coll, strict=strict, allow_missing=allow_missing,
                 transforms=transforms, options=options, storage=st, manifest=m)

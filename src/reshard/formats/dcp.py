@@ -32,7 +32,8 @@ API:
   it, for ``reshard.load(state, path, storage=..., manifest=...)``.
   ``reshard.load(state, path)`` does this by itself when ``path`` holds a
   ``.metadata`` and no ``manifest.json``.
-* :func:`convert_dcp` -- write a committed reshard checkpoint from a DCP one.
+* :func:`reshard.formats.dcp_convert.convert_dcp` -- write a committed reshard
+  checkpoint from a DCP one.
 
 Only the default ``torch_save`` serialization of ``FileSystemWriter`` is
 supported; stream transforms (``transform_descriptors``, e.g. compression
@@ -44,7 +45,6 @@ from __future__ import annotations
 import collections
 import io
 import os
-import pickle
 import re
 import threading
 from collections.abc import Mapping
@@ -54,185 +54,31 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import codec
-from .errors import CheckpointError, IntegrityError, ManifestError, ShardingError, StorageError
-from .manifest import Chunk, FileEntry, Manifest, TensorEntry, check_file_name, validate_manifest
-from .sharding import dtype_name, itemsize, numel
-from .storage import Capabilities, Storage, WriteStream, resolve
+from .. import codec
+from ..errors import CheckpointError, IntegrityError, ManifestError, ShardingError, StorageError
+from ..manifest import Chunk, FileEntry, Manifest, TensorEntry, check_file_name, validate_manifest
+from ..sharding import dtype_name, itemsize, numel
+from ..storage import Capabilities, Storage, WriteStream, resolve
+from .dcp_blob import decode_tensor_blob
+from .dcp_metadata import DCP_METADATA, _read_metadata, read_dcp_metadata
+from .dcp_values import DCP_VALUES
 
 __all__ = [
     "DCP_METADATA",
     "DCPStorage",
-    "convert_dcp",
     "is_dcp_checkpoint",
     "open_dcp",
     "read_dcp_metadata",
 ]
 
-DCP_METADATA = ".metadata"
+#: a DCP item (torch.save blob) at most this large (bytes) is read with one
+#: ranged read and decoded from memory; a larger one is streamed
+WHOLE_BLOB_BYTES = 16 << 20
 #: default bound of the decoded-chunk cache of :class:`DCPStorage`, in bytes
 DEFAULT_CACHE_BYTES = 256 << 20
-#: largest ``.metadata`` read (a crafted file cannot make us read more)
-MAX_METADATA_BYTES = 1 << 30
-
-_MD = "torch.distributed.checkpoint.metadata"
-_FS = "torch.distributed.checkpoint.filesystem"
-_LEGACY = "torch.distributed._shard.sharded_tensor.metadata"
-# DCP records rebuilt with NEWOBJ + BUILD: a fresh subclass of each per read
-_RECORD_CLASSES = (
-    (_MD, "Metadata"),
-    (_MD, "TensorStorageMetadata"),
-    (_MD, "BytesStorageMetadata"),
-    (_MD, "ChunkStorageMetadata"),
-    (_MD, "TensorProperties"),
-    (_MD, "MetadataIndex"),
-    (_MD, "StorageMeta"),
-    (_FS, "_StorageInfo"),
-)
-
-
-def _torch_singletons() -> dict[tuple[str, str], Any]:
-    """``("torch", name)`` for every dtype, layout and memory format torch
-    exposes (immutable C objects: ``BUILD`` cannot set attributes on them)."""
-    out: dict[tuple[str, str], Any] = {}
-    for name, v in vars(torch).items():
-        if isinstance(v, (torch.dtype, torch.layout, torch.memory_format)):
-            out[("torch", name)] = v
-            if isinstance(v, torch.memory_format):  # how a bare memory format pickles
-                out[("torch._utils", f"torch.{name}")] = v
-    return out
-
-
-def _make_tables() -> tuple[dict[tuple[str, str], Any], dict[str, type]]:
-    """The allowed globals for one read, and the record classes handed out."""
-    from torch.distributed.checkpoint import filesystem as fs
-    from torch.distributed.checkpoint import metadata as md
-
-    mods = {_MD: md, _FS: fs}
-    allowed = _torch_singletons()
-    records: dict[str, type] = {}
-    for mod, name in _RECORD_CLASSES:
-        base = getattr(mods[mod], name)
-        sub = type(name, (base,), {"__module__": f"reshard.dcp.<{mod}>"})
-        records[name] = sub
-        allowed[(mod, name)] = sub
-    base_props = md.TensorProperties
-    encodings = {e.value: e for e in md._MEM_FORMAT_ENCODING}
-
-    def mem_format_encoding(value: Any) -> Any:
-        # the real enum member is only passed to TensorProperties.__setstate__
-        # (below); the unpickler sees an int, so it cannot BUILD onto the member
-        if type(value) is not int or value not in encodings:
-            raise ManifestError(f"invalid _MEM_FORMAT_ENCODING value {value!r}")
-        return _MemFormat(value)
-
-    def setstate(self: Any, state: Any) -> None:
-        if not isinstance(state, tuple) or len(state) != 5 or not isinstance(state[3], _MemFormat):
-            raise ManifestError(f"invalid TensorProperties state {state!r:.200}")
-        base_props.__setstate__(self, (*state[:3], encodings[state[3].value], state[4]))
-
-    records["TensorProperties"].__setstate__ = setstate  # type: ignore[attr-defined]
-    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
-
-    def get_layout(name: Any) -> Any:
-        if type(name) is not str or name not in layouts:
-            raise ManifestError(f"unknown torch layout {name!r:.100}")
-        return layouts[name]
-
-    def path(*parts: Any) -> str:  # StorageMeta.checkpoint_id: kept as a string
-        if not all(type(p) is str for p in parts):
-            raise ManifestError("a path in the DCP metadata has non-string parts")
-        return "/".join(parts)
-
-    allowed[(_MD, "_MEM_FORMAT_ENCODING")] = mem_format_encoding
-    # older torch pickled the sharded-tensor copies of these (same state format)
-    allowed[(_LEGACY, "TensorProperties")] = records["TensorProperties"]
-    allowed[(_LEGACY, "MEM_FORMAT_ENCODING")] = mem_format_encoding
-    allowed[("torch.serialization", "_get_layout")] = get_layout
-    allowed[("torch", "Size")] = torch.Size
-    allowed[("collections", "OrderedDict")] = collections.OrderedDict
-    allowed[("builtins", "set")] = set
-    allowed[("builtins", "frozenset")] = frozenset
-    for mod in ("pathlib", "pathlib._local"):
-        for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
-            allowed[(mod, name)] = path
-    return allowed, records
-
-
-@dataclass(frozen=True)
-class _MemFormat:
-    value: int
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP ``.metadata`` and nothing else (see the module docstring)."""
-
-    def __init__(self, file: Any, *, where: str):
-        super().__init__(file)
-        self.where = where
-        self.allowed, self.records = _make_tables()
-
-    def find_class(self, module: str, name: str) -> Any:
-        obj = self.allowed.get((module, name))
-        if obj is None:
-            raise ManifestError(
-                f"{self.where}: DCP metadata names the global {module}.{name}, which is not allowed "
-                "(only DCP metadata records, torch.Size and torch dtypes/layouts may appear); "
-                "refusing to unpickle it"
-            )
-        return obj
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise ManifestError(f"{self.where}: DCP metadata uses a persistent id; refusing to unpickle it")
-
-
-def read_dcp_metadata(path: str | os.PathLike[str], *, storage: Storage | None = None) -> Any:
-    """The ``torch.distributed.checkpoint.metadata.Metadata`` of the DCP
-    checkpoint directory ``path`` (``path/.metadata``), read through a
-    restricted unpickler.
-
-    The records returned are instances of subclasses of torch's DCP classes
-    (``isinstance`` holds), made fresh for this read.
-
-    Raises:
-        CheckpointNotFoundError: no ``.metadata`` at ``path``.
-        ManifestError: the file names any global outside the allow-list (the
-            message names its module and name; nothing is executed), is not a
-            valid pickle, or does not hold a DCP ``Metadata``.
-    """
-    st, key = resolve(path, storage)
-    return _read_metadata(st, key)
-
-
-def _read_metadata(st: Storage, key: str) -> Any:
-    from .errors import CheckpointNotFoundError
-
-    mpath = st.join(key, DCP_METADATA)
-    if st.is_link(mpath):
-        raise ManifestError(f"{mpath}: DCP metadata is a symbolic link (refused)")
-    try:
-        size = st.size(mpath)
-        if size > MAX_METADATA_BYTES:
-            raise ManifestError(f"{mpath}: DCP metadata is {size} bytes, more than the "
-                                f"{MAX_METADATA_BYTES} this reader accepts")
-        raw = st.read_bytes(mpath, 0, size)
-    except (FileNotFoundError, NotADirectoryError):
-        raise CheckpointNotFoundError(f"{key}: no DCP checkpoint here (no {DCP_METADATA})") from None
-    up = _MetadataUnpickler(io.BytesIO(raw), where=mpath)
-    try:
-        md = up.load()
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - anything a malformed pickle raises
-        raise ManifestError(f"{mpath}: unreadable DCP metadata: {type(e).__name__}: {e}") from None
-    if type(md) is not up.records["Metadata"]:
-        raise ManifestError(f"{mpath}: DCP metadata holds a {type(md).__name__}, not a Metadata")
-    return md
-
-
 def is_dcp_checkpoint(path: str | os.PathLike[str], *, storage: Storage | None = None) -> bool:
     """``path`` holds a DCP ``.metadata`` (and no reshard ``manifest.json``)."""
-    from .manifest import MANIFEST_NAME
+    from ..manifest import MANIFEST_NAME
 
     st, key = resolve(path, storage)
     return st.exists(st.join(key, DCP_METADATA)) and not st.exists(st.join(key, MANIFEST_NAME))
@@ -330,7 +176,7 @@ class DCPStorage(Storage):
 
     def tensor(self, name: str) -> torch.Tensor:
         """Virtual file ``name`` decoded as its tensor (dtype and shape of the chunk)."""
-        from .sharding import torch_dtype
+        from ..sharding import torch_dtype
 
         it = self.items[name]
         return self.chunk(name).view(torch_dtype(it.dtype)).reshape(it.shape)
@@ -342,16 +188,26 @@ class DCPStorage(Storage):
             if self.base.is_link(fpath):
                 raise ManifestError(f"{fpath}: DCP data file is a symbolic link (refused)")
             self._checked_files.add(it.file)
-        try:
-            size = self.base.size(fpath)
-        except FileNotFoundError:
-            raise IntegrityError(f"{where}: data file is missing") from None
+        with self._lock:
+            size = self._file_sizes.get(it.file)
+        if size is None:  # one stat per data file, not one per item
+            try:
+                size = self.base.size(fpath)
+            except FileNotFoundError:
+                raise IntegrityError(f"{where}: data file is missing") from None
+            with self._lock:
+                self._file_sizes[it.file] = size
         if it.offset + it.length > size:
             raise IntegrityError(f"{where}: bytes [{it.offset}, {it.offset + it.length}) reach past "
                                  f"the end ({size} bytes) of the file")
-        # torch.load reads the storage record with one readinto straight into the
-        # tensor's memory: no intermediate copy of the blob
-        obj = _torch_load(_BlobReader(self.base, fpath, it.offset, it.length), where=where)
+        if it.length <= WHOLE_BLOB_BYTES:  # one ranged read, then decoded from memory
+            raw = self.base.read_bytes(fpath, it.offset, it.length)
+            obj = decode_tensor_blob(raw)  # the narrow fast path (dcp_blob), else torch.load
+            if obj is None:
+                obj = _torch_load(io.BytesIO(raw), where=where)
+        else:  # torch.load reads the storage record with one readinto straight into the
+            # tensor's memory: no intermediate copy of a large blob
+            obj = _torch_load(_BlobReader(self.base, fpath, it.offset, it.length), where=where)
         if type(obj) not in (torch.Tensor, torch.nn.Parameter):
             raise IntegrityError(f"{where}: holds a {type(obj).__module__}.{type(obj).__qualname__}, "
                                  "not a tensor (refused)")
@@ -507,31 +363,6 @@ def _value_paths(md: Any, byte_fqns: list[str], tensor_fqns: list[str]) -> dict[
     return out
 
 
-def _assemble(parts: list[tuple[tuple[Any, ...], Any]]) -> Any:
-    """Rebuild one value from DCP-flattened pieces ``(relative path, value)``:
-    dicts for str keys, lists where the keys are exactly 0..n-1."""
-    if len(parts) == 1 and parts[0][0] == ():
-        return parts[0][1]
-    tree: dict[Any, Any] = {}
-    for path, v in parts:
-        node = tree
-        for c in path[:-1]:
-            node = node.setdefault(c, {})
-            if not isinstance(node, dict):
-                raise ValueError("a value is both a leaf and a container")
-        node[path[-1]] = v
-
-    def fix(x: Any) -> Any:
-        if not isinstance(x, dict):
-            return x
-        out = {k: fix(v) for k, v in x.items()}
-        if out and all(type(k) is int for k in out) and sorted(out) == list(range(len(out))):
-            return [out[i] for i in range(len(out))]
-        return out
-
-    return fix(tree)
-
-
 def _build(st: Storage, key: str, md: Any, *, values: bool) -> tuple[dict[str, _Item], Manifest]:
     from torch.distributed.checkpoint import metadata as dm
     from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -629,29 +460,33 @@ def _build(st: Storage, key: str, md: Any, *, values: bool) -> tuple[dict[str, _
         vp = paths[fqn]
         cut = next((i for i in range(1, len(vp) + 1) if vp[:i] not in tensor_prefixes), len(vp))
         groups.setdefault(vp[:cut], []).append((vp[cut:], fqn))
-    for root, members in sorted(groups.items(), key=lambda kv: ".".join(map(str, kv[0]))):
-        vpath = ".".join(map(str, root))
-        if not values:
-            skipped[vpath] = "not decoded (values=False)"
-            continue
-        try:
-            parts: list[tuple[tuple[Any, ...], Any]] = []
-            for sub, fqn in members:
+    # every BYTE_IO item is kept as the value of its own DCP key; its state-dict
+    # path and default group (the largest container without a tensor below it)
+    # are recorded, so that a load regroups the values into the paths it asks
+    # for (reshard.formats.dcp_values.regroup)
+    table: dict[str, list[Any]] = {}
+    for root, members in groups.items():
+        for _sub, fqn in members:
+            table[fqn] = [list(paths[fqn]), len(root)]
+            if not values:
+                skipped[fqn] = "not decoded (values=False)"
+                continue
+            try:
                 info = infos.get((fqn, None))
                 if info is None:
                     raise ManifestError(f"{fqn}: no storage_data entry")
                 raw = st.read_bytes(st.join(key, info.relative_path), info.offset, info.length)
-                parts.append((sub, _torch_load(raw, where=f"{where}: value {fqn!r}")))
-            v = _assemble(parts)
-            vals[vpath] = codec.to_json(v, path=vpath)
-        except (CheckpointError, TypeError, ValueError) as e:
-            skipped[vpath] = f"{type(e).__name__}: {e}"[:500]
+                vals[fqn] = codec.to_json(_torch_load(raw, where=f"{where}: value {fqn!r}"), path=fqn)
+            except (CheckpointError, TypeError, ValueError) as e:
+                skipped[fqn] = f"{type(e).__name__}: {e}"[:500]
     ranks = [re.match(r"__(\d+)_", f) for f in file_sizes]
     world = 1 + max((int(r.group(1)) for r in ranks if r is not None), default=0)
     sm = getattr(md, "storage_meta", None)
     save_id = getattr(sm, "save_id", None)
     extra: dict[str, Any] = {"source": "dcp", "dcp_version": md.version if type(md.version) is str else None,
                              "dcp_files": len(file_sizes)}
+    if table:
+        extra[DCP_VALUES] = table
     if skipped:
         extra["dcp_skipped_values"] = skipped
     if skipped_tensors:
@@ -683,12 +518,14 @@ def open_dcp(
     The manifest lists every tensor (dtype, global shape, one chunk per
     non-empty DCP chunk, no checksums: DCP records none) over virtual files of
     ``storage``; common values come from the BYTE_IO items, decoded with
-    ``torch.load(weights_only=True)`` and regrouped into the containers of the
-    saved state dict (``planner_data``: e.g. ``optim.param_groups`` as one
-    list, a dict whose keys were exactly ``0..n-1`` comes back as a list).
+    ``torch.load(weights_only=True)``, one per DCP key (``sched.last_epoch``,
+    ``optim.param_groups.0.lr``), with their state-dict paths recorded so
+    that :func:`reshard.load` regroups them into the paths the target state
+    asks for (:mod:`reshard.formats.dcp_values`: ``optim.param_groups`` as
+    one list, a dict whose keys were exactly ``0..n-1`` as a list).
     Values that cannot be decoded that way or stored in reshard's encoding are
     skipped and listed in ``manifest.extra["dcp_skipped_values"]``; tensors of
-    a dtype outside reshard's allow-list (complex, ...) in
+    a dtype outside reshard's allow-list (float8 variants, ...) in
     ``manifest.extra["dcp_skipped_tensors"]`` (a strict load asking for one
     reports it missing).
 
@@ -714,5 +551,20 @@ def open_dcp(
     return DCPStorage(st, key, items, cache_bytes=cache_bytes), m
 
 
-# conversion lives in its own module; kept importable from here
-from .dcp_convert import convert_dcp  # noqa: E402
+def dcp_checkpoints(storage: Storage, root: str) -> list[tuple[str, float | None]]:
+    """``(name, modified time)`` of every child of ``root`` that is a DCP
+    checkpoint (a ``.metadata`` and no reshard manifest), by name."""
+    from ..manifest import MANIFEST_NAME
+
+    try:
+        names = storage.list_dir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for name in sorted(names):
+        p = storage.join(root, name)
+        if storage.exists(storage.join(p, DCP_METADATA)) and not storage.exists(
+                storage.join(p, MANIFEST_NAME)):
+            out.append((name, storage.modified_time(storage.join(p, DCP_METADATA))))
+    return out
+

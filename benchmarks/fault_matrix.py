@@ -1,0 +1,64 @@
+"""The whole fault matrix (every fault x phase x mode), as a report.
+
+Not a test. Usage::
+
+    python benchmarks/fault_matrix.py [--quick] [--backend local] [--only TEXT] [--json PATH]
+
+Runs :func:`reshard.testing.fault_matrix.cells` on 2 real gloo ranks per cell
+(the same runner as ``reshard faults``), prints one line per cell (verdict,
+seconds, every rank's outcome, ``latest``, whether the previous checkpoint
+loads bit-exact, what was left behind before ``gc``) and the counts, and
+writes them as JSON. Exits 1 if any cell is unsafe.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one cell per fault class (and a few more)")
+    ap.add_argument("--backend", choices=["local"], default="local")
+    ap.add_argument("--only", default=None, help="only cells whose name contains this text")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+
+    from reshard.testing.fault_matrix import cells, run_matrix
+
+    chosen = [c for c in cells(quick=args.quick, backend=args.backend)
+              if args.only is None or args.only in c.name]
+    if not chosen:
+        print(f"no cell matches {args.only!r}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+
+    def show(r):  # type: ignore[no-untyped-def]
+        ranks = "; ".join(f"r{k}={v.split(':', 1)[0]}" for k, v in sorted(r.ranks.items()))
+        print(f"{'safe  ' if r.safe else 'UNSAFE'} {r.seconds:5.1f}s {r.cell.name:58s} {ranks:42s} "
+              f"latest={os.path.basename(r.latest) if r.latest else '-'} "
+              f"prev_bit_exact={r.previous_loads} left={','.join(r.left_behind) or '-'}", flush=True)
+        for p in r.problems:
+            print(f"        {p[:300]}")
+
+    with tempfile.TemporaryDirectory(prefix="reshard-faults-") as d:
+        results = run_matrix(chosen, workdir=d, progress=show)
+    unsafe = [r for r in results if not r.safe]
+    secs = time.perf_counter() - t0
+    print(f"cells run: {len(results)}, safe: {len(results) - len(unsafe)}, unsafe: {len(unsafe)} "
+          f"({secs:.0f} s)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cells": len(results), "safe": len(results) - len(unsafe),
+                       "unsafe": len(unsafe), "seconds": round(secs, 1),
+                       "results": [r.to_json() for r in results]}, f, indent=1)
+    return 1 if unsafe else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

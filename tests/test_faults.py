@@ -1,0 +1,218 @@
+"""The fault-injecting storage wrapper, real ENOSPC on a small tmpfs, and the
+CI subset of the fault matrix (one cell per fault class, real gloo ranks)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import uuid
+
+import pytest
+import torch
+
+import reshard
+from reshard.errors import IntegrityError, StorageError
+from reshard.storage import LocalStorage
+from reshard.testing.faults import PHASES, Fault, FaultStorage
+
+
+def _state(seed: int, n: int = 64) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(n, 8, generator=g), "i": torch.arange(n, dtype=torch.int64) * seed}
+
+
+def _assert_loads(path: str, seed: int, n: int = 64) -> None:
+    tgt = {k: torch.zeros_like(v) for k, v in _state(seed, n).items()}
+    reshard.load(tgt, path)
+    for k, v in _state(seed, n).items():
+        assert torch.equal(tgt[k], v), k
+
+
+def _left_behind(root: str) -> list[str]:
+    return sorted(n for n in os.listdir(root) if ".incomplete-" in n or ".retired-" in n)
+
+
+@pytest.mark.parametrize("action", ["enospc", "eio", "edquot", "timeout"])
+@pytest.mark.parametrize("phase", ["attempt", "data", "data-durable", "manifest", "publish"])
+def test_storage_error_at_each_phase_publishes_nothing(tmp_path, phase, action):
+    root = str(tmp_path)
+    good = os.path.join(root, "step-1")
+    reshard.save(_state(1), good, step=1)
+    fs = FaultStorage(LocalStorage(), [Fault(op=phase, action=action)])
+    with pytest.raises(StorageError) as ei:
+        reshard.save(_state(2), os.path.join(root, "step-2"), step=2, storage=fs)
+    assert fs.fired, f"the fault at {phase} never triggered: {fs.log}"
+    assert "(injected)" in str(ei.value)
+    cause = ei.value.__cause__
+    while cause is not None and not isinstance(cause, (OSError, TimeoutError)):
+        cause = cause.__cause__
+    if action == "timeout":
+        assert isinstance(cause, TimeoutError)
+    else:
+        assert isinstance(cause, OSError) and cause.errno == getattr(errno, action.upper())
+    assert reshard.latest(root) == good
+    assert not os.path.exists(os.path.join(root, "step-2"))
+    assert _left_behind(root) == []
+    _assert_loads(good, 1)
+
+
+def test_nth_call_and_match(tmp_path):
+    fs = FaultStorage(LocalStorage(), [Fault(op="write", action="eio", match="b", nth=2)])
+    fs.write_bytes(str(tmp_path / "a"), b"x")
+    fs.write_bytes(str(tmp_path / "b"), b"x")
+    with pytest.raises(StorageError, match="Input/output error"):
+        fs.write_bytes(str(tmp_path / "b"), b"y")
+    fs.write_bytes(str(tmp_path / "b"), b"z")  # times=1: only the 2nd
+    assert (tmp_path / "b").read_bytes() == b"z"
+    assert fs.fired == [("write", str(tmp_path / "b"), "eio")]
+    with pytest.raises(ValueError):
+        Fault(op="nope", action="eio")
+
+
+def test_read_fault_fails_the_load(tmp_path):
+    p = str(tmp_path / "c")
+    reshard.save(_state(3), p)
+    fs = FaultStorage(LocalStorage(), [Fault(op="read", action="eio", match="data-*")])
+    with pytest.raises(StorageError, match="injected"):
+        reshard.load({k: torch.zeros_like(v) for k, v in _state(3).items()}, p, storage=fs)
+    _assert_loads(p, 3)
+
+
+@pytest.mark.parametrize("action", ["flip", "truncate"])
+def test_silent_corruption_after_write_is_refused_on_load(tmp_path, action):
+    p = str(tmp_path / "c")
+    fs = FaultStorage(LocalStorage(), [Fault(op="data-durable", action=action)])
+    try:
+        reshard.save(_state(4), p, storage=fs)
+    except IntegrityError:  # a pre-publish size check caught the truncation: nothing published
+        assert action == "truncate" and reshard.latest(str(tmp_path)) is None
+        return
+    assert fs.fired
+    with pytest.raises(IntegrityError):
+        reshard.load({k: torch.zeros_like(v) for k, v in _state(4).items()}, p)
+    assert not reshard.verify(p).ok
+
+
+def test_delayed_writer_still_commits(tmp_path):
+    p = str(tmp_path / "c")
+    fs = FaultStorage(LocalStorage(), [Fault(op="data", action="delay", delay_s=0.3)])
+    res = reshard.save(_state(5), p, storage=fs)
+    assert res.timings["write"] >= 0.3
+    _assert_loads(p, 5)
+
+
+def test_phases_are_the_calls_a_save_makes(tmp_path):
+    fs = FaultStorage(LocalStorage(), [Fault(op=ph, action="call", callback=lambda o, p: None,
+                                             times=0) for ph in PHASES])
+    reshard.save(_state(6), str(tmp_path / "a"), storage=fs)
+    reshard.save(_state(6), str(tmp_path / "a"), storage=fs, options=reshard.SaveOptions(overwrite=True))
+    reshard.load({k: torch.zeros_like(v) for k, v in _state(6).items()}, str(tmp_path / "a"), storage=fs)
+    seen = {(op, ph) for op, _, _ in fs.fired for ph, (o, _) in PHASES.items() if o == op}
+    assert {ph for _, ph in seen} == set(PHASES), fs.log
+
+
+# --------------------------------------------------------------------------- real ENOSPC
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("real ENOSPC needs root to mount a 2 MiB tmpfs (the wrapper covers ENOSPC)")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"mount -t tmpfs refused ({r.stderr.strip()}); the wrapper covers ENOSPC")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_real_enospc_on_a_full_tmpfs(small_tmpfs):
+    root = small_tmpfs
+    good = os.path.join(root, "step-1")
+    reshard.save(_state(7, 1024), good, step=1)  # ~40 KiB
+    failed = None
+    for step in range(2, 20):  # 256 KiB per save: the 2 MiB tmpfs fills within a few
+        try:
+            reshard.save(_state(step, 8192), os.path.join(root, f"step-{step}"), step=step)
+        except StorageError as e:
+            failed = (step, e)
+            break
+    assert failed is not None, "the tmpfs never filled"
+    step, e = failed
+    assert "no space left on device" in str(e)
+    assert not os.path.exists(os.path.join(root, f"step-{step}"))
+    assert _left_behind(root) == []
+    assert reshard.latest(root) == os.path.join(root, f"step-{step - 1}")
+    _assert_loads(good, 7, 1024)
+    for s in range(2, step):
+        _assert_loads(os.path.join(root, f"step-{s}"), s, 8192)
+
+
+# --------------------------------------------------------------------------- the matrix (CI subset)
+
+
+def test_fault_matrix_quick(tmp_path):
+    from reshard.testing.fault_matrix import cells, run_matrix
+
+    chosen = cells(quick=True, backend="local")
+    classes = {c.fault_class for c in cells(backend="local")}
+    assert {c.fault_class for c in chosen} == classes and len(chosen) < 15
+    results = run_matrix(chosen, workdir=str(tmp_path / f"m-{uuid.uuid4().hex[:6]}"))
+    unsafe = [r for r in results if not r.safe]
+    assert not unsafe, "\n".join(f"{r.cell.name}: {r.problems}" for r in unsafe)
+    assert len(results) == len(chosen)
+
+
+def test_interrupted_retention_never_lists_a_half_deleted_checkpoint(tmp_path):
+    """Found by the fault matrix (sigkill-save/retention-mid): retention
+    deleted a checkpoint file by file, so a kill in the middle left a
+    directory whose valid manifest named missing files, listed as committed.
+    Retention now renames it out of the committed namespace first."""
+    from reshard.commit import committed
+
+    root = str(tmp_path)
+
+    class Interrupted(Exception):
+        pass
+
+    def half_delete(op, path):
+        for n in sorted(os.listdir(path)):
+            if n.startswith("data-"):
+                os.unlink(os.path.join(path, n))
+                break
+        raise Interrupted(path)
+
+    fs = FaultStorage(LocalStorage(), [Fault(op="delete", match="*.incomplete-deleting-*", action="call",
+                                             callback=half_delete)])
+    mgr = reshard.CheckpointManager(root, keep_last=1, storage=fs, preempt_signals=(), gc_grace_s=0.0)
+    mgr.save(1, _state(1))
+    with pytest.raises(Interrupted):
+        mgr.save(2, _state(2))
+    listed = [e.name for e in committed(LocalStorage(), root)]
+    assert listed == ["step-00000002"]
+    assert all(reshard.verify(os.path.join(root, n)).ok for n in listed)
+    _assert_loads(os.path.join(root, "step-00000002"), 2)
+    reshard.CheckpointManager(root, preempt_signals=()).gc_abandoned(grace_s=0.0)
+    assert _left_behind(root) == [] and "step-00000001" not in os.listdir(root)
+
+
+def test_cli_faults(tmp_path):
+    from click.testing import CliRunner
+
+    from reshard.cli import main
+
+    out = tmp_path / "m.json"
+    r = CliRunner().invoke(main, ["faults", "--only", "integrity--/extra-file", "--json", str(out),
+                                  "--workdir", str(tmp_path / "w")])
+    assert r.exit_code == 0, r.output
+    assert "1 cells run, 1 safe, 0 unsafe" in r.output
+    rep = json.loads(out.read_text())
+    assert rep["cells"] == 1 and rep["results"][0]["previous_loads_bit_exact"] is True
+    assert CliRunner().invoke(main, ["faults", "--only", "no such cell"]).exit_code == 2
+    assert CliRunner().invoke(main, ["faults", "--backend", "gcs"]).exit_code == 2

@@ -1,0 +1,96 @@
+"""Hugging Face round trip with tied weights (issue 10 item 3, case 3): export
+writes the model's own parameter names (the container path stripped; an
+option names the subtree), leaves the tied copy out as ``save_pretrained``
+does and records the tie; import restores it."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from torch import nn
+
+import reshard
+from reshard.formats.hf_export import INDEX_NAME, SINGLE_NAME, export_hf
+from reshard.formats.hf_import import hf_manifest, import_hf
+from reshard.testing.pool import WorkerPool
+
+V, D = 11, 4
+
+
+class Tied(nn.Module):
+    def __init__(self, seed: int, tie: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(V, D)
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, V, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+
+def r_save_tied(path: str) -> None:
+    """Two gloo ranks save the same (replicated) tied model and an EMA copy."""
+    reshard.save({"model": reshard.ModelState(Tied(0)), "ema": reshard.ModelState(Tied(5)),
+                  "step": 3}, path, step=3)
+
+
+@pytest.fixture(scope="module")
+def ckpt(pool: WorkerPool, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    p = tmp_path_factory.mktemp("hf") / "ck"
+    pool.run(2, r_save_tied, str(p))
+    return p
+
+
+def _file_meta(path: Path) -> dict[str, Any]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n])["__metadata__"]
+
+
+def test_export_writes_own_names_and_leaves_the_tied_copy_out(ckpt: Path, tmp_path: Path) -> None:
+    assert reshard.inspect(ckpt).aliases == {"model.head.weight": "model.emb.weight",
+                                              "ema.head.weight": "ema.emb.weight"}
+    res = export_hf(ckpt, tmp_path / "hf")
+    assert sorted(res.weight_map) == ["emb.weight", "norm.bias", "norm.weight"]  # "model." stripped
+    assert res.aliases == {"head.weight": "emb.weight"}
+    assert json.loads(_file_meta(tmp_path / "hf" / SINGLE_NAME)["tied_weights"]) == {
+        "head.weight": "emb.weight"}
+    with safe_open(str(tmp_path / "hf" / SINGLE_NAME), framework="pt") as f:
+        assert sorted(f.keys()) == ["emb.weight", "norm.bias", "norm.weight"]
+        assert torch.equal(f.get_tensor("emb.weight"), Tied(0).emb.weight.detach())
+    # the other subtree, by name; sharded: the tie is in the index metadata too
+    res = export_hf(ckpt, tmp_path / "ema", subtree="ema", max_shard_bytes=V * D * 4)
+    idx = json.loads((tmp_path / "ema" / INDEX_NAME).read_text())
+    assert idx["metadata"]["tied_weights"] == {"head.weight": "emb.weight"}
+    assert sorted(idx["weight_map"]) == ["emb.weight", "norm.bias", "norm.weight"]
+    with safe_open(str(tmp_path / "ema" / idx["weight_map"]["emb.weight"]), framework="pt") as f:
+        assert torch.equal(f.get_tensor("emb.weight"), Tied(5).emb.weight.detach())
+    # the whole checkpoint, names as saved
+    res = export_hf(ckpt, tmp_path / "all", subtree="")
+    assert "model.emb.weight" in res.weight_map and "ema.emb.weight" in res.weight_map
+    with pytest.raises(ValueError, match="no tensor under 'nope'"):
+        export_hf(ckpt, tmp_path / "x", subtree="nope")
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_import_restores_the_tie(ckpt: Path, tmp_path: Path, sharded: bool) -> None:
+    out = tmp_path / "hf"
+    export_hf(ckpt, out, max_shard_bytes=V * D * 4 if sharded else 1 << 30)
+    assert hf_manifest(out)[2].aliases == {"head.weight": "emb.weight"}
+    m = Tied(9)  # tied, other values
+    res = import_hf({"model": reshard.ModelState(m)}, out, subtree="model")  # strict
+    assert not res.missing and not res.unexpected
+    ref = Tied(0)
+    assert torch.equal(m.emb.weight, ref.emb.weight) and torch.equal(m.norm.weight, ref.norm.weight)
+    assert m.head.weight is m.emb.weight  # still the same tensor
+    # into an untied model: the copy is filled from its target
+    u = Tied(9, tie=False)
+    import_hf({"model": reshard.ModelState(u)}, out, subtree="model")
+    assert torch.equal(u.head.weight, ref.emb.weight) and u.head.weight is not u.emb.weight
+
