@@ -707,7 +707,8 @@ __all__ = ["human_bytes", "main"]
 
 @main.group("bench")
 def bench_group() -> None:
-    """Benchmarks that run in this process (no data written)."""
+    """Benchmarks: `scale` simulates the coordination in this process (no data
+    written); `io` measures checkpoint I/O of a model state on real gloo ranks."""
 
 
 @bench_group.command("scale")
@@ -782,6 +783,12 @@ def bench_scale_cmd(tp: int, pp: int, dp: int, ep: int, model: str, optimizer: s
     if plot_path:
         plot(rows, plot_path)
         click.echo(f"plot written to {plot_path}")
+
+
+# `reshard bench io` lives in its own module (real gloo ranks, data written)
+from .bench.io import io_cmd  # noqa: E402
+
+bench_group.add_command(io_cmd)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -58,6 +58,11 @@ class LoadResult:
         manifest: the checkpoint's manifest.
         notes: what adapters report about the load (e.g. parameters of an
             optimizer that had no saved state, RNG streams re-derived).
+        timings: seconds per phase on this rank: "manifest" (read, verify,
+            target declared, ranks agreed), "plan" (load plan and every check
+            before writing, agreed), "read" (read, verify checksums and place
+            the bytes into the targets), "place" (the rest: finishing steps,
+            agreement and the Stateful ``load_state_dict``).
     """
 
     path: str
@@ -70,6 +75,7 @@ class LoadResult:
     duration_s: float = 0.0
     manifest: Manifest | None = None
     notes: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 #: a ``reshard_prepare_load`` hook returns ``{HANDLED: [keys]}`` for saved keys
@@ -182,6 +188,7 @@ def load(
     # agree on the manifest (one all-reduce); the coordinator finds the keys no
     # rank requested from every rank's key bitmap (gather, then one broadcast)
     coll.agree("load", err)
+    t_plan = time.perf_counter()
     census = key_census(coll, ctx["manifest"], ctx["requested"], transforms)
     # every check that needs no target write (files, coverage, shapes, dtypes,
     # strictness, devices; checksums too with verify_first), agreed before any
@@ -195,6 +202,7 @@ def load(
         err = e
     coll.agree("load (checked before writing: every target is unchanged)", err)
     assert plan is not None
+    t_read = time.perf_counter()
     err = None
     result: LoadResult | None = None
     try:
@@ -211,8 +219,11 @@ def load(
     except Exception as e:  # noqa: BLE001
         err = e
     coll.agree("load (load_state_dict)", err)
+    total = time.perf_counter() - t0
+    timings = {"manifest": t_plan - t0, "plan": t_read - t_plan, "read": result.timings["read"]}
+    timings["place"] = total - sum(timings.values())
     return LoadResult(**{**result.__dict__, "bytes_read": base.bytes_read - before,
-                         "duration_s": time.perf_counter() - t0})
+                         "duration_s": total, "timings": timings})
 
 
 def _read_shared(coll: Collectives, st: Storage, key: str, opts: LoadOptions) -> tuple[Storage, Manifest]:
@@ -528,7 +539,9 @@ def _apply(plan: _Plan, ctx: dict[str, Any], st: Storage, key: str) -> LoadResul
     ``plan.reader.written``), transforms' finishing steps, then the
     ``allow_missing`` rules; hand objects and values to the tree."""
     m = plan.manifest
+    t0 = time.perf_counter()
     plan.reader.run(plan.groups)
+    t_read = time.perf_counter() - t0
     for fn in plan.finalize:
         fn()
     initialized: list[str] = []
@@ -547,7 +560,7 @@ def _apply(plan: _Plan, ctx: dict[str, Any], st: Storage, key: str) -> LoadResul
             ctx["loaded_values"][p] = plan.values[p]
     return LoadResult(path=key, step=m.step, missing=plan.missing, unexpected=plan.unexpected,
                       initialized=tuple(initialized), values=plan.values, manifest=m,
-                      notes=dict(ctx["notes"]))
+                      notes=dict(ctx["notes"]), timings={"read": t_read})
 
 
 def _raise_after_writes(coll: Collectives, mine: BaseException | None, written: Sequence[str]) -> None:

@@ -40,7 +40,7 @@ from .commit import (
     check_signature,
     committed,
     quarantine,
-    read_head,
+    read_head_tagged,
     read_manifest,
     read_manifest_bytes,
     scan,
@@ -100,7 +100,8 @@ def _plan(mgr: CheckpointManager, step: int | None, name: str | None) -> dict[st
     listed_at = time.time()  # HEAD's time: what is committed after the listing descends
     notes = _quarantine_invalid(mgr)
     entries = committed(st, root)
-    lin = lineage_of(entries, Head.from_record(read_head(st, root)))
+    head, head_tag = read_head_tagged(st, root)
+    lin = lineage_of(entries, Head.from_record(head))
     order = resume_order(entries, lin)
     if step is not None:
         order = [e for e in order if e.step == step]
@@ -109,6 +110,7 @@ def _plan(mgr: CheckpointManager, step: int | None, name: str | None) -> dict[st
     return {"notes": notes, "order": [e.name for e in order], "listed_at": listed_at,
             "other": [e.name for e in order if lin.head is not None and e.name not in lin.current],
             "head": lin.head.name if lin.head is not None else None,
+            "head_tag": head_tag,
             "attempt": {e.name: e.manifest.attempt_id for e in order if e.manifest is not None},
             "step": {e.name: e.step for e in order}}
 
@@ -202,7 +204,7 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
                               f"{plan['head']}) loads; resuming {cname} of another lineage",
                               RuntimeWarning, stacklevel=3)
             _write_head(mgr, cname, plan["attempt"].get(cname), plan["step"].get(cname),
-                        plan["listed_at"])
+                        plan["listed_at"], plan["head_tag"])
             if failures:
                 res.notes["fallback"] = failures
             return res
@@ -287,8 +289,10 @@ def _quarantine(mgr: CheckpointManager, name: str, attempt_id: str | None, reaso
 
 
 def _write_head(mgr: CheckpointManager, name: str, attempt_id: str | None,
-                step: int | None, listed_at: float) -> None:
-    """Coordinator writes HEAD naming ``name``; every rank adopts it. Its
+                step: int | None, listed_at: float, expect: str | None) -> None:
+    """Coordinator writes HEAD naming ``name``; every rank adopts it, or
+    every rank raises the lost race (compare-and-swap on the HEAD the plan
+    read, tag ``expect``, where the store swaps conditionally). Its
     time is when the coordinator listed the root (``listed_at``), not when
     the load ended: a checkpoint the source's run committed while this
     restore was loading (another job resuming for an evaluation, say) is
@@ -299,7 +303,7 @@ def _write_head(mgr: CheckpointManager, name: str, attempt_id: str | None,
     err = None
     if coll.rank == 0:
         try:
-            write_head(mgr.storage, mgr.root, head.to_record())
+            write_head(mgr.storage, mgr.root, head.to_record(), expect=expect)
         except Exception as we:  # noqa: BLE001 - raised on every rank by agree()
             err = we
     coll.agree(f"restore {mgr.root} (writing HEAD)", err)

@@ -1,0 +1,570 @@
+"""Rank side of ``reshard bench io``: module-level functions run on every rank
+of a :class:`reshard.testing.pool.WorkerPool` group (real gloo ranks, one
+torch thread each). The workload stays in the worker between tasks (``_W``).
+
+Every timed call is bracketed by barriers: ``total_s`` is barrier to barrier
+(the slowest rank's time, the same on every rank), ``own_s`` this rank's own
+call. Each call returns a JSON-safe dict; the parent builds the records.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import reshard
+
+from ..testing.memory import PeakRSS
+from .models import LayoutSpec, Workload, build, parse_layout
+
+_W: dict[str, Any] = {}
+
+SAVE_METHODS = ("limit-write", "reshard", "reshard-nocheck", "dcp", "torch-save", "safetensors")
+ASYNC_METHODS = ("memcpy", "reshard-async", "dcp-async", "dcp-async-process")
+LOAD_METHODS = ("limit-read", "reshard", "reshard-nocheck", "dcp", "dcp-threads", "torch-load",
+                "safetensors")
+
+
+def _w() -> Workload:
+    w: Workload = _W["w"]
+    return w
+
+
+def _rank() -> int:
+    return dist.get_rank()
+
+
+def _timed(fn: Callable[[], Any], profile: str | None = None) -> tuple[Any, float, float]:
+    """``(result, own seconds, barrier-to-barrier seconds)``; with ``profile``
+    (a name) and a profile directory set, the call runs under pyinstrument and
+    its text report is written there."""
+    prof = None
+    if profile is not None and _W.get("profile_dir"):
+        from pyinstrument import Profiler
+
+        prof = Profiler(interval=0.0005)
+    dist.barrier()
+    if prof is not None:
+        prof.start()
+    t0 = time.perf_counter()
+    out = fn()
+    own = time.perf_counter() - t0
+    if prof is not None:
+        prof.stop()
+        name = f"{profile}-w{dist.get_world_size()}-r{_rank()}"
+        with open(os.path.join(_W["profile_dir"], name + ".txt"), "w") as f:
+            f.write(prof.output_text(unicode=False, color=False, show_all=False))
+    dist.barrier()
+    return out, own, time.perf_counter() - t0
+
+
+def _nbytes(ts: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+# ------------------------------------------------------------------------------- setup
+def setup(model: str, layout: str, synthetic_mib: float, seq_len: int,
+          profile_dir: str | None = None) -> dict[str, Any]:
+    """Build this rank's workload (one training step creates the moments);
+    with ``profile_dir``, the timed reshard calls are profiled there."""
+    _W.clear()
+    gc.collect()
+    _W["profile_dir"] = profile_dir
+    spec: LayoutSpec = parse_layout(layout).on(dist.get_world_size())
+    t0 = time.perf_counter()
+    w = _W["w"] = build(model, spec, synthetic_mib=synthetic_mib, seq_len=seq_len)
+    build_s = time.perf_counter() - t0
+    ts = w.tensors()
+    local = _nbytes(ts)
+    logical = 0
+    for t in _flat_tensors(w.dcp_state()):
+        logical += t.numel() * t.element_size()  # DTensor: global numel
+    _W["bg_pg"] = dist.new_group(backend="gloo")  # DCP's background collectives
+    return {"rank": _rank(), "local_bytes": local, "logical_bytes": logical, "tensors": len(ts),
+            "params": sum(p.numel() for p in w.model.parameters()), "build_s": build_s,
+            "layout": str(spec), "fingerprint": fingerprint()}
+
+
+def _flat_tensors(x: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    if isinstance(x, torch.Tensor):
+        out.append(x)
+    elif isinstance(x, dict):
+        for v in x.values():
+            out.extend(_flat_tensors(v))
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            out.extend(_flat_tensors(v))
+    return out
+
+
+def _malloc_trim() -> None:
+    """Give freed heap memory back to the OS (glibc): the state-sized copies of
+    the peers (tensors under glibc's 32 MiB mmap threshold come from the heap)
+    otherwise stay resident after they are freed and add up over the phases."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def trim() -> None:
+    """Free what the async phases hold: reshard's staging pools, the memcpy
+    targets, DCP's stager and its checkpoint process (and the state copies it
+    keeps in shared memory)."""
+    from .. import staging
+
+    staging.wait_all()
+    for saver in staging.SAVERS.values():
+        saver.pool.trim(set())
+    _W.pop("copy_dst", None)
+    _W.pop("stager", None)
+    from torch.distributed.checkpoint import _async_process_executor as ape
+
+    proc = ape._CHECKPOINT_PROCESS  # DCP's checkpoint process, if the process mode ran
+    if proc is not None:
+        proc.__del__()  # asks it to terminate, then SIGTERM
+        ape._CHECKPOINT_PROCESS = None
+    gc.collect()
+    _malloc_trim()
+
+
+def release() -> None:
+    """Free this rank's workload, buffers and async staging pools (between world sizes)."""
+    trim()
+    _W.clear()
+    gc.collect()
+
+
+def fingerprint() -> float:
+    """Sum of every element of the logical state (float64; each element once)."""
+    s = torch.zeros((), dtype=torch.float64)
+    for t in _flat_tensors(_w().dcp_state()):
+        if hasattr(t, "to_local"):
+            s += t.to_local().detach().double().sum()
+        elif _rank() == 0:
+            s += t.detach().double().sum()
+    dist.all_reduce(s)
+    return float(s)
+
+
+def _owned() -> dict[str, torch.Tensor]:
+    """The tensors this rank writes in the torch.save / safetensors baselines:
+    its local shards (FSDP), or a byte-balanced share of the replicated state
+    (each tensor once, tied tensors once)."""
+    w = _w()
+    names: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+
+    def walk(x: Any, path: str) -> None:
+        if isinstance(x, torch.Tensor):
+            t = (x.to_local() if hasattr(x, "to_local") else x).detach()
+            if t.numel() and t.untyped_storage().data_ptr() in seen:
+                return
+            if t.numel():
+                seen.add(t.untyped_storage().data_ptr())
+            names.append((path, t.contiguous()))
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+
+    walk(w.dcp_state(), "")
+    fsdp = any(hasattr(t, "to_local") for t in _flat_tensors(w.dcp_state()))
+    if fsdp:
+        return dict(names)
+    world, rank = dist.get_world_size(), _rank()
+    load = [0] * world
+    out = {}
+    for name, t in sorted(names, key=lambda nt: -nt[1].nbytes):
+        r = min(range(world), key=lambda i: load[i])
+        load[r] += t.nbytes
+        if r == rank:
+            out[name] = t
+    return out
+
+
+# ----------------------------------------------------------------------- writes / reads
+def _write_fsync(path: str, views: list[memoryview], nbytes: int) -> int:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    done = 0
+    try:
+        for mv in views:
+            mv = mv[:max(0, nbytes - done)]
+            while mv:
+                n = os.write(fd, mv)
+                mv = mv[n:]
+                done += n
+            if done >= nbytes:
+                break
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return done
+
+
+def _views() -> list[memoryview]:
+    from ..shardfile import tensor_bytes
+
+    return [tensor_bytes(t) for t in _w().tensors() if t.numel()]
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _local_dir(path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+# --------------------------------------------------------------------------------- saves
+def save(method: str, path: str, limit_bytes: list[int]) -> dict[str, Any]:
+    """One timed save of the whole state with ``method`` (see SAVE_METHODS);
+    ``limit-write`` writes ``limit_bytes[rank]`` bytes of this rank's tensors."""
+    w = _w()
+    rank = _rank()
+    res: dict[str, Any] = {"rank": rank}
+    if method == "limit-write":
+        d = _local_dir(path)
+        views = _views()
+        dist.barrier()
+        n, own, total = _timed(lambda: _write_fsync(os.path.join(d, f"r{rank:05d}.bin"), views,
+                                                       limit_bytes[rank]))
+        res.update(bytes=n, files=1)
+    elif method in ("reshard", "reshard-nocheck"):
+        opts = reshard.SaveOptions(checksums=method == "reshard")
+        state = w.reshard_state()
+        out, own, total = _timed(lambda: reshard.save(state, path, step=1, options=opts), f"save-{method}")
+        res.update(bytes=out.bytes_written, timings=out.timings, total_bytes=out.total_bytes,
+                   files=out.num_files)
+    elif method == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        state = w.dcp_state()
+        _, own, total = _timed(lambda: dcp.save(state, checkpoint_id=path))
+        res.update(bytes=os.path.getsize(os.path.join(path, f"__{rank}_0.distcp")))
+    elif method in ("torch-save", "safetensors"):
+        d = _local_dir(path)
+        owned = _owned()
+        f = os.path.join(d, f"r{rank:05d}." + ("pt" if method == "torch-save" else "safetensors"))
+
+        def run() -> None:
+            if method == "torch-save":
+                torch.save(owned, f)
+            else:
+                from safetensors.torch import save_file
+
+                save_file(owned, f)
+            _fsync_file(f)
+
+        _, own, total = _timed(run)
+        res.update(bytes=os.path.getsize(f), files=1)
+    else:
+        raise ValueError(f"unknown save method {method!r}")
+    res.update(own_s=own, total_s=total)
+    return res
+
+
+def bytes_written_by(path: str) -> int:
+    """Bytes of this rank's files in a checkpoint directory (for the stored size)."""
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
+def drop(path: str) -> None:
+    """Delete ``path`` (rank 0, after every rank is done with it)."""
+    dist.barrier()
+    if _rank() == 0:
+        if path.startswith("memory://"):
+            from ..storage import resolve
+
+            st, key = resolve(path)
+            st.delete_tree(key)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()
+
+
+def quiet(settle: float) -> None:
+    """No pending writeback from earlier phases: ``os.sync`` then rest."""
+    if _rank() == 0:
+        os.sync()
+    time.sleep(settle)
+    dist.barrier()
+
+
+# ---------------------------------------------------------------------------------- async
+def _memcpy_targets() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    if "copy_dst" not in _W:
+        src = [t for t in _w().tensors() if t.numel()]
+        _W["copy_dst"] = [torch.empty_like(t).fill_(0) for t in src]  # preallocated, touched
+    return [t for t in _w().tensors() if t.numel()], _W["copy_dst"]
+
+
+def _memcpy() -> None:
+    src, dst = _memcpy_targets()
+    for s, d in zip(src, dst, strict=True):
+        d.copy_(s)
+
+
+def start_async(method: str, path: str, state: Any = None) -> tuple[float, Any]:
+    """Start one asynchronous save of the workload's state (or ``state``);
+    ``(stall seconds, the handle or future)``."""
+    w = _w()
+    if method == "reshard-async":
+        state = w.reshard_state() if state is None else state
+        t0 = time.perf_counter()
+        h = reshard.async_save(state, path, step=1)
+        return time.perf_counter() - t0, h
+    import torch.distributed.checkpoint as dcp
+
+    state = w.dcp_state() if state is None else state
+    if method == "dcp-async":
+        t0 = time.perf_counter()
+        f = dcp.async_save(state, checkpoint_id=path, process_group=_W["bg_pg"])
+        return time.perf_counter() - t0, f
+    if method == "dcp-async-process":
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        if "stager" not in _W:  # DCP's pinned-memory stager (pinned only where CUDA is)
+            cuda = torch.cuda.is_available()
+            _W["stager"] = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
+                                                        use_async_staging=cuda,
+                                                        use_non_blocking_copy=cuda))
+        import multiprocessing
+
+        # DCP starts its checkpoint process on the first call (from a thread of
+        # its own); a pool worker is a daemonic process, which multiprocessing
+        # forbids to have children: this worker stops calling itself daemonic
+        # (the pool still kills it; release() ends DCP's process)
+        multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
+        f = dcp.async_save(state, checkpoint_id=path, process_group=_W["bg_pg"],
+                           async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                           async_stager=_W["stager"])
+        return time.perf_counter() - t0, f
+    raise ValueError(f"unknown async method {method!r}")
+
+
+def _done(h: Any) -> bool:
+    if isinstance(h, reshard.SaveHandle):
+        return h.done()
+    f = getattr(h, "upload_completion", h)
+    return bool(f.done())
+
+
+def _wait(h: Any) -> Any:
+    if isinstance(h, reshard.SaveHandle):
+        return h.wait()
+    f = getattr(h, "upload_completion", h)
+    return f.result()
+
+
+def async_save(method: str, path: str) -> dict[str, Any]:
+    """One asynchronous save: the foreground stall and the time to commit after it."""
+    res: dict[str, Any] = {"rank": _rank()}
+    if method == "memcpy":
+        _memcpy_targets()
+        _, own, total = _timed(_memcpy)
+        res.update(stall_s=own, total_s=total, own_s=own)
+        return res
+    dist.barrier()
+    stall, h = start_async(method, path)
+    t1 = time.perf_counter()
+    out = _wait(h)
+    bg = time.perf_counter() - t1
+    dist.barrier()
+    res.update(stall_s=stall, background_s=bg, own_s=stall + bg)
+    if isinstance(out, reshard.SaveResult):
+        res.update(timings=out.timings, bytes=out.bytes_written)
+    return res
+
+
+# ---------------------------------------------------------------------------------- train
+def train(methods: list[str], base: str, steps: int, settle: float) -> dict[str, Any]:
+    """Step times with no save in flight, and while each method's background
+    save is in flight (a real forward/backward/AdamW step of the workload)."""
+    w = _w()
+    out: dict[str, Any] = {"rank": _rank(), "no_save": [], "during": {}, "save_s": {}}
+    w.step()
+    for m in methods:
+        p = f"{base}-{m}"
+        quiet(settle)
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            w.step()
+            out["no_save"].append(time.perf_counter() - t0)
+        dist.barrier()
+        _, h = start_async(m, p)
+        t_start = time.perf_counter()
+        xs = []
+        while not _done(h):
+            t0 = time.perf_counter()
+            w.step()
+            xs.append(time.perf_counter() - t0)
+        _wait(h)
+        out["save_s"][m] = time.perf_counter() - t_start
+        out["during"][m] = xs
+        drop(p)
+    return out
+
+
+def step_time() -> float:
+    t0 = time.perf_counter()
+    _w().step()
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------- loads
+def _read_limit(files: list[str], buf: memoryview) -> None:
+    """Read the files one after another (sequential ``os.preadv``, one thread)
+    into ``buf`` until it is full, wrapping around the files."""
+    off_buf, i = 0, 0
+    while off_buf < len(buf):
+        fd = os.open(files[i % len(files)], os.O_RDONLY)
+        try:
+            off = 0
+            while off_buf < len(buf):
+                n = os.preadv(fd, [buf[off_buf:]], off)
+                if n == 0:
+                    break
+                off += n
+                off_buf += n
+        finally:
+            os.close(fd)
+        i += 1
+
+
+def load(method: str, path: str, repeat: int, verify_fp: float | None = None) -> dict[str, Any]:
+    """Warm load (one untimed call first), then ``repeat`` timed ones."""
+    w = _w()
+    rank = _rank()
+    res: dict[str, Any] = {"rank": rank, "own_s": [], "total_s": [], "timings": []}
+    local = _nbytes(w.tensors())
+    fn: Callable[[], Any]
+    if method == "limit-read":
+        d = path
+        files = sorted(os.path.join(d, f) for f in os.listdir(d) if not f.endswith(".json"))
+        read_buf = torch.empty(local, dtype=torch.uint8).fill_(0)  # preallocated, touched
+        mv = memoryview(read_buf.numpy().data)
+        fn = lambda: _read_limit(files, mv)  # noqa: E731
+    elif method in ("reshard", "reshard-nocheck"):
+        opts = reshard.LoadOptions(checksums=method == "reshard")
+        fn = lambda: reshard.load(w.reshard_state(), path, options=opts)  # noqa: E731
+    elif method in ("dcp", "dcp-threads"):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        def fn() -> None:
+            sd = w.dcp_state()
+            dcp.load(sd, checkpoint_id=path)
+            set_state_dict(w.model, w.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    elif method in ("torch-load", "safetensors"):
+        owned = _owned()
+        f = os.path.join(path, f"r{rank:05d}." + ("pt" if method == "torch-load" else "safetensors"))
+
+        def fn() -> None:
+            if method == "torch-load":
+                got = torch.load(f, weights_only=True)
+            else:
+                from safetensors.torch import load_file
+
+                got = load_file(f)
+            with torch.no_grad():
+                for k, t in owned.items():
+                    t.copy_(got[k])
+    else:
+        raise ValueError(f"unknown load method {method!r}")
+    threads = torch.get_num_threads()
+    if method == "dcp-threads":
+        torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        fn()  # warm: page cache, first-call imports
+        for _ in range(repeat):
+            out, own, total = _timed(fn, f"load-{method}" if method.startswith("reshard") else None)
+            res["own_s"].append(own)
+            res["total_s"].append(total)
+            if isinstance(out, reshard.LoadResult):
+                res["timings"].append(out.timings)
+                res["bytes"] = out.bytes_read
+    finally:
+        torch.set_num_threads(threads)
+    res.setdefault("bytes", local)
+    gc.collect()
+    _malloc_trim()  # torch.load / load_file / DCP buffers: freed, and given back
+    if verify_fp is not None:
+        got_fp = fingerprint()
+        res["fingerprint_ok"] = abs(got_fp - verify_fp) <= 1e-9 * max(1.0, abs(verify_fp))
+    return res
+
+
+# ------------------------------------------------------------------------------------ RSS
+def rss(method: str, path: str) -> dict[str, Any]:
+    """Peak extra RSS of one call of ``method`` ("save", "async-save" (two
+    consecutive ones, each committed), "load", "dcp-save", "dcp-load")."""
+    w = _w()
+    out: dict[str, Any] = {"rank": _rank(), "state_bytes": _nbytes(w.tensors())}
+    if method == "async-save":
+        extras = []
+        for i in range(2):
+            p = f"{path}-{i}"
+            dist.barrier()
+            with PeakRSS() as m:
+                _, h = start_async("reshard-async", p)
+                _wait(h)
+            extras.append(max(m.sampled_extra, m.hwm_extra or 0))
+            drop(p)
+        out["extra"] = extras
+        return out
+    import torch.distributed.checkpoint as dcp
+
+    fns: dict[str, Callable[[], Any]] = {
+        "save": lambda: reshard.save(w.reshard_state(), path, step=1),
+        "load": lambda: reshard.load(w.reshard_state(), path),
+        "dcp-save": lambda: dcp.save(w.dcp_state(), checkpoint_id=path),
+        "dcp-load": lambda: dcp.load(w.dcp_state(), checkpoint_id=path),
+    }
+    if method.endswith("load"):
+        fns[method]()  # warm
+    dist.barrier()
+    with PeakRSS() as m:
+        fns[method]()
+    dist.barrier()
+    out["extra"] = [max(m.sampled_extra, m.hwm_extra or 0)]
+    return out
+
+
+def warm(base: str, methods: list[str]) -> None:
+    """First-call costs (imports, DCP planner, staging pool) paid on a tiny
+    state, outside every timed call."""
+    import torch.distributed.checkpoint as dcp
+
+    small = {"w": torch.ones(4, 4)}
+    for m in methods:
+        p = f"{base}-{m}"
+        if m == "reshard":
+            reshard.save(small, p, step=1)
+            reshard.load({"w": torch.zeros(4, 4)}, p)
+        elif m == "reshard-async":
+            reshard.async_save(small, p, step=1).wait()
+        elif m == "dcp":
+            dcp.save(small, checkpoint_id=p)
+            dcp.load({"w": torch.zeros(4, 4)}, checkpoint_id=p)
+        elif m == "dcp-async":
+            _wait(dcp.async_save(small, checkpoint_id=p, process_group=_W["bg_pg"]))
+        elif m == "dcp-async-process":  # starts DCP's checkpoint process
+            _wait(start_async(m, p, small)[1])
+        drop(p)

@@ -1,0 +1,361 @@
+"""Summary, terminal table and plot of ``reshard bench io`` records.
+
+Conventions: a time of one measurement is the slowest rank's (barrier to
+barrier); repeats give min and median; GB = 1e9 bytes of the logical state.
+Ratios of saves and loads are *speed* ratios (``t_reference / t``: above 1 is
+faster than the reference); ratios of stalls and training steps are *time*
+ratios (``t / t_reference``: below 1 is shorter).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any
+
+MiB = 1 << 20
+GB = 1e9
+
+NAMES = {
+    "limit-write": "limit: os.write+fsync, 1 writer/rank", "reshard": "reshard.save",
+    "reshard-nocheck": "reshard.save, no checksums", "dcp": "DCP save", "torch-save": "torch.save+fsync",
+    "safetensors": "safetensors save_file+fsync", "memcpy": "limit: memcpy, preallocated",
+    "reshard-async": "reshard.async_save", "dcp-async": "DCP async_save (thread)",
+    "dcp-async-process": "DCP async_save (process, DefaultStager)",
+}
+LOAD_NAMES = {
+    "limit-read": "limit: preadv page cache, 1 thread", "memcpy": "limit: memcpy, preallocated",
+    "reshard": "reshard.load (checksums)", "reshard-nocheck": "reshard.load, no checksums",
+    "dcp": "DCP load, 1 thread", "dcp-threads": "DCP load, all cores",
+    "torch-load": "torch.load(weights_only)+copy", "safetensors": "safetensors load_file+copy",
+    "first-step": "first training step after load",
+}
+TARGETS = {
+    "save_vs_limit": 0.95, "save_vs_dcp": 1.2, "stall_vs_memcpy": 1.3, "stall_vs_dcp": 0.5,
+    "step_slowdown": 1.05, "load_vs_limit": 0.75, "load_vs_dcp": 3.0, "load_nocheck_vs_limit": 0.9,
+}
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _stats(xs: list[float]) -> dict[str, Any]:
+    return {"seconds": xs, "min_s": min(xs) if xs else float("nan"), "median_s": _med(xs)}
+
+
+def summarise(records: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, Any]:
+    """Per backend and world size: every method's min/median, bytes, per-rank
+    figures, ratios to the limit and the peer, and the targets."""
+    out: dict[str, Any] = {}
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        groups[(r["backend"], r["world"])].append(r)
+    for (backend, world), recs in groups.items():
+        s: dict[str, Any] = {"save": {}, "async": {}, "load": {}, "reshard": {}, "rss": {}}
+        setup = next(r for r in recs if r["phase"] == "setup")
+        logical = setup["logical_bytes"]
+        s["logical_bytes"] = logical
+        s["local_bytes_per_rank"] = [p["local_bytes"] for p in setup["per_rank"]]
+        s["tensors_per_rank"] = [p["tensors"] for p in setup["per_rank"]]
+        s["params"] = setup["per_rank"][0]["params"]
+        s["layout"] = setup["layout"]
+        s["loadavg"] = [r["loadavg"][0] for r in recs]
+        by: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+        for r in recs:
+            by[(r["phase"], r["method"] + ("@" + r["target"] if "target" in r else ""))].append(r)
+        for (phase, m), rs in by.items():
+            if phase == "save":
+                xs = [max(p["total_s"] for p in r["per_rank"]) for r in rs]
+                e = _stats(xs)
+                e["gb_per_s"] = logical / GB / e["median_s"]
+                last = rs[-1]
+                e["per_rank"] = [{"rank": p["rank"], "bytes": p.get("bytes"), "own_s": p["own_s"],
+                                  "timings": p.get("timings")} for p in last["per_rank"]]
+                e["slowest_writer"] = max(last["per_rank"], key=lambda p: p["own_s"])["rank"]
+                e["stored_bytes"] = last.get("stored_bytes")
+                e["files"] = last.get("files") or sum(p.get("files", 0) for p in last["per_rank"])
+                if last["per_rank"][0].get("timings"):
+                    e["phases_s"] = {k: _med([max(p["timings"].get(k, 0.0) for p in r["per_rank"])
+                                              for r in rs]) for k in ("stage", "plan", "write", "commit")}
+                s["save"][m] = e
+            elif phase == "async":
+                st = [max(p["stall_s"] for p in r["per_rank"]) for r in rs]
+                e = {"stall": _stats(st)}
+                if "background_s" in rs[0]["per_rank"][0]:
+                    e["background"] = _stats([max(p["background_s"] for p in r["per_rank"]) for r in rs])
+                    if rs[-1]["per_rank"][0].get("timings"):
+                        e["phases_s"] = {k: max(p["timings"].get(k, 0.0) for p in rs[-1]["per_rank"])
+                                         for k in ("stage", "checksum", "plan", "write", "commit")}
+                s["async"][m] = e
+            elif phase in ("load", "reshard"):
+                r = rs[-1]
+                n = len(r["per_rank"][0]["total_s"])
+                xs = [max(p["total_s"][i] for p in r["per_rank"]) for i in range(n)]
+                e = _stats(xs)
+                if m.split("@")[0] != "first-step":
+                    e["gb_per_s"] = logical / GB / e["median_s"]
+                e["per_rank_own_s"] = [_med(p["own_s"]) for p in r["per_rank"]]
+                e["fingerprint_ok"] = all(p.get("fingerprint_ok", True) for p in r["per_rank"])
+                tl = [p["timings"] for p in r["per_rank"] if p.get("timings")]
+                if tl:
+                    e["phases_s"] = {k: max(_med([t.get(k, 0.0) for t in p["timings"]])
+                                            for p in r["per_rank"] if p.get("timings"))
+                                     for k in ("manifest", "plan", "read", "place")}
+                if "target" in r:
+                    e["target"], e["target_world"] = r["target"], r["target_world"]
+                s[phase][m] = e
+            elif phase == "rss":
+                r = rs[-1]
+                s["rss"][m] = {"extra_per_rank": [p["extra"] for p in r["per_rank"]],
+                               "state_bytes_per_rank": [p["state_bytes"] for p in r["per_rank"]]}
+            elif phase == "train":
+                r = rs[-1]
+                trows: list[dict[str, Any]] = []
+                for p in r["per_rank"]:
+                    base = _med(p["no_save"])
+                    trows.append({"no_save_s": base, **{k: {"median_s": _med(v), "ratio": _med(v) / base,
+                                                           "steps": len(v), "save_s": p["save_s"][k]}
+                                                       for k, v in p["during"].items()}})
+                s["train"] = {"per_rank": trows, **{f"{k}_ratio": max(x[k]["ratio"] for x in trows)
+                                                   for k in r["per_rank"][0]["during"]}}
+        rss_after = [r["rss_after"] for r in recs if r.get("rss_after") and "target" not in r]
+        if rss_after:
+            s["rss_after_max_per_rank"] = [max((x[i] or 0) for x in rss_after if len(x) > i)
+                                           for i in range(max(len(x) for x in rss_after))]
+        s["ratios"] = _ratios(s)
+        out[f"{backend}/w{world}"] = s
+    return out
+
+
+def _t(s: dict[str, Any], phase: str, m: str) -> float | None:
+    e = s[phase].get(m)
+    return None if e is None else e["median_s"]
+
+
+def _ratios(s: dict[str, Any]) -> dict[str, Any]:
+    r: dict[str, Any] = {}
+    sv, lim, dcp = _t(s, "save", "reshard"), _t(s, "save", "limit-write"), _t(s, "save", "dcp")
+    if sv and lim:
+        r["save_vs_limit"] = lim / sv
+    if sv and dcp:
+        r["save_vs_dcp"] = dcp / sv
+    a = s["async"]
+    if "reshard-async" in a and "memcpy" in a:
+        r["stall_vs_memcpy"] = a["reshard-async"]["stall"]["median_s"] / a["memcpy"]["stall"]["median_s"]
+    if "reshard-async" in a and "dcp-async" in a:
+        r["stall_vs_dcp"] = a["reshard-async"]["stall"]["median_s"] / a["dcp-async"]["stall"]["median_s"]
+    if "train" in s and "reshard-async_ratio" in s["train"]:
+        r["step_slowdown"] = s["train"]["reshard-async_ratio"]
+    ld, lr = _t(s, "load", "reshard"), _t(s, "load", "limit-read")
+    dl = [x for x in (_t(s, "load", "dcp"), _t(s, "load", "dcp-threads")) if x]
+    if ld and lr:
+        r["load_vs_limit"] = lr / ld
+    nc = _t(s, "load", "reshard-nocheck")
+    if nc and lr:
+        r["load_nocheck_vs_limit"] = lr / nc
+    if ld and dl:
+        r["load_vs_dcp"] = min(dl) / ld
+    if sv and _t(s, "save", "reshard-nocheck"):
+        r["checksum_cost_save"] = sv / _t(s, "save", "reshard-nocheck")  # type: ignore[operator]
+    if ld and nc:
+        r["checksum_cost_load"] = ld / nc
+    rss = s["rss"]
+    if "load" in rss:
+        worst = max((e[0] - (0.10 * b + 64 * MiB)) for e, b in
+                    zip(rss["load"]["extra_per_rank"], s["local_bytes_per_rank"], strict=False))
+        r["load_rss_within_target"] = worst <= 0
+    if "async-save" in rss:
+        ex = rss["async-save"]["extra_per_rank"]
+        r["async_rss_over_state"] = max(e[0] / b for e, b in zip(ex, s["local_bytes_per_rank"], strict=False))
+        r["async_rss_flat"] = all(x <= 32 * MiB for e in ex for x in e[1:])  # no growth after the first
+    return r
+
+
+def _fmt_s(x: float | None) -> str:
+    return "" if x is None or x != x else f"{x:.3f}"
+
+
+def table(doc: dict[str, Any]) -> str:
+    """The terminal report."""
+    cfg, meta = doc["config"], doc["meta"]
+    lines = [f"reshard bench io: {cfg['model']}, layout {cfg['layout']}, worlds {cfg['worlds']}, "
+             f"backends {cfg['backends']}, repeat {cfg['repeat']} (min / median); {meta['cpus']} CPUs, "
+             f"torch {meta['torch']}, CUDA {'yes' if meta['cuda'] else 'no (no device->host figure)'}; "
+             f"load average {meta['loadavg_start'][0]:.1f} -> {meta['loadavg_end'][0]:.1f}; "
+             f"{meta['wall_s']:.0f} s; GB = 1e9 B"]
+    for key, s in doc["summary"].items():
+        lb = s["logical_bytes"]
+        lines.append("")
+        lines.append(f"== {key} ({s['layout']}): {s['params'] / 1e6:.1f}M params, logical state "
+                     f"{lb / GB:.3f} GB, {s['tensors_per_rank'][0]} tensors on rank 0, per rank "
+                     f"{', '.join(f'{b / MiB:.0f}' for b in s['local_bytes_per_rank'])} MiB; load average "
+                     f"{min(s['loadavg']):.1f}-{max(s['loadavg']):.1f}")
+        rows: list[tuple[str, ...]] = []
+        sv = s["save"]
+        lim, dcp = _t(s, "save", "limit-write"), _t(s, "save", "dcp")
+        rows.append(("save (fsync)", "min s", "med s", "GB/s", "x limit", "x DCP", ""))
+        for m, e in sv.items():
+            extra = []
+            if e.get("stored_bytes"):
+                extra.append(f"stored {e['stored_bytes'] / MiB:.0f} MiB in {e['files']} files")
+            if e.get("phases_s"):
+                extra.append("stage/plan/write/commit " + "/".join(f"{v:.2f}" for v in e["phases_s"].values()))
+            extra.append(f"slowest writer r{e['slowest_writer']}")
+            rows.append((f"  {NAMES.get(m, m)}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
+                         f"{e['gb_per_s']:.2f}", _ratio(lim, e["median_s"]), _ratio(dcp, e["median_s"]),
+                         "; ".join(extra)))
+        a = s["async"]
+        if a:
+            mc = a.get("memcpy", {}).get("stall", {}).get("median_s")
+            dc = a.get("dcp-async", {}).get("stall", {}).get("median_s")
+            rows.append(("async: stall", "min s", "med s", "bg s", "x memcpy", "x DCP", "(time ratios)"))
+            for m, e in a.items():
+                bg = e.get("background", {}).get("median_s")
+                ph = e.get("phases_s")
+                rows.append((f"  {NAMES.get(m, m)}", _fmt_s(e["stall"]["min_s"]), _fmt_s(e["stall"]["median_s"]),
+                             _fmt_s(bg), _ratio(e["stall"]["median_s"], mc, inv=True),
+                             _ratio(e["stall"]["median_s"], dc, inv=True),
+                             "" if not ph else "background checksum/plan/write/commit " +
+                             "/".join(f"{ph[k]:.2f}" for k in ("checksum", "plan", "write", "commit"))))
+        ld = s["load"]
+        if ld:
+            lr = _t(s, "load", "limit-read")
+            dl = min([x for x in (_t(s, "load", "dcp"), _t(s, "load", "dcp-threads")) if x] or [float("nan")])
+            rows.append(("warm load", "min s", "med s", "GB/s", "x limit", "x DCP", ""))
+            if "memcpy" in a:  # the limit of a load from memory: the memcpy of the async phase
+                e = a["memcpy"]["stall"]
+                rows.append((f"  {LOAD_NAMES['memcpy']}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
+                             f"{s['logical_bytes'] / GB / e['median_s']:.2f}", _ratio(lr, e["median_s"]), "",
+                             "(the async phase's copy)"))
+            for m, e in ld.items():
+                ph = e.get("phases_s")
+                note = "" if not ph else "manifest/plan/read/place " + "/".join(f"{v:.3f}" for v in ph.values())
+                if not e["fingerprint_ok"]:
+                    note += " STATE DIFFERS"
+                rows.append((f"  {LOAD_NAMES.get(m, m)}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
+                             f"{e['gb_per_s']:.2f}" if "gb_per_s" in e else "",
+                             "" if m == "first-step" else _ratio(lr, e["median_s"]),
+                             "" if m == "first-step" else _ratio(dl, e["median_s"]), note))
+        for m, e in s["reshard"].items():
+            name, _, tgt = m.partition("@")
+            rows.append((f"  reshard {tgt}: {LOAD_NAMES.get(name, name)}", _fmt_s(e["min_s"]),
+                         _fmt_s(e["median_s"]), f"{e['gb_per_s']:.2f}" if "gb_per_s" in e else "", "", "",
+                         ("state equal" if e["fingerprint_ok"] else "STATE DIFFERS") if name != "first-step" else ""))
+        lines.extend(_grid(rows))
+        if "train" in s:
+            tr = s["train"]
+            r0 = tr["per_rank"][0]
+            parts = [f"no save {r0['no_save_s'] * 1e3:.0f} ms"]
+            for k in ("reshard-async", "dcp-async"):
+                if k in r0:
+                    parts.append(f"during {NAMES[k]} {r0[k]['median_s'] * 1e3:.0f} ms (x{tr[k + '_ratio']:.2f} "
+                                 f"worst rank, {r0[k]['steps']} steps, save {r0[k]['save_s']:.2f} s)")
+            lines.append("training step (rank 0): " + "; ".join(parts))
+        rss = s["rss"]
+        if rss:
+            lines.append("peak extra RSS per rank (MiB): " + "; ".join(
+                f"{m} [" + ", ".join("/".join(f"{x / MiB:.0f}" for x in e) for e in v["extra_per_rank"]) + "]"
+                for m, v in rss.items()))
+        hi = s.get("rss_after_max_per_rank")
+        if hi:
+            lines.append("resident memory per rank, highest after any phase (MiB): "
+                         + ", ".join(f"{x / MiB:.0f}" for x in hi))
+        lines.append("targets: " + ", ".join(_target(k, v) for k, v in s["ratios"].items()))
+    for n in doc["notes"]:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
+
+
+def _target(k: str, v: Any) -> str:
+    if isinstance(v, bool):
+        return f"{k} {'yes' if v else 'NO'}"
+    t = TARGETS.get(k)
+    if t is None:
+        return f"{k} {v:.2f}"
+    ok = v <= t if k in ("stall_vs_memcpy", "stall_vs_dcp", "step_slowdown") else v >= t
+    return f"{k} {v:.2f} ({'<=' if k.startswith(('stall', 'step')) else '>='} {t}: {'met' if ok else 'MISSED'})"
+
+
+def _ratio(ref: float | None, t: float | None, inv: bool = False) -> str:
+    if not ref or not t or ref != ref or t != t:
+        return ""
+    return f"{(ref / t):.2f}"
+
+
+def _grid(rows: list[tuple[str, ...]]) -> list[str]:
+    w = [max(len(r[i]) for r in rows) for i in range(6)]
+    out = []
+    for r in rows:
+        out.append(f"{r[0]:{w[0]}}  " + "  ".join(f"{c:>{w[i]}}" for i, c in enumerate(r[1:6], 1))
+                   + (f"  {r[6]}" if r[6] else ""))
+    return out
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    """PNG: per-rank timelines of the last reshard save (stage, plan, write,
+    commit) and load (manifest, plan, read, place) of each world size, and
+    GB/s over world sizes per backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summ = doc["summary"]
+    keys = list(summ)
+    fig, axes = plt.subplots(len(keys) + 1, 2, figsize=(13, 2.6 * (len(keys) + 1)), squeeze=False)
+    colors = {"stage": "#8c564b", "plan": "#1f77b4", "write": "#d62728", "commit": "#2ca02c",
+              "manifest": "#9467bd", "read": "#ff7f0e", "place": "#17becf", "checksum": "#7f7f7f"}
+    for row, key in enumerate(keys):
+        s = summ[key]
+        for col, (phase, m, parts) in enumerate((("save", "reshard", ("stage", "plan", "write", "commit")),
+                                                 ("load", "reshard", ("manifest", "plan", "read", "place")))):
+            ax = axes[row][col]
+            e = s[phase].get(m)
+            ax.set_title(f"{key}: reshard {phase} per rank", fontsize=9)
+            if e is None:
+                ax.text(0.5, 0.5, "not measured", ha="center")
+                continue
+            timings = ([p["timings"] for p in e["per_rank"]] if phase == "save" else
+                       _load_timings(doc, key))
+            for r, t in enumerate(timings):
+                x = 0.0
+                for k in parts:
+                    v = (t or {}).get(k, 0.0)
+                    ax.barh(r, v, left=x, color=colors[k], label=k if r == 0 else None)
+                    x += v
+            ax.set_yticks(range(len(timings)), [f"rank {i}" for i in range(len(timings))])
+            ax.set_xlabel("seconds")
+            ax.legend(fontsize=7, loc="lower right")
+    ax = axes[-1][0]
+    for backend in sorted({k.split("/")[0] for k in keys}):
+        ws = sorted(int(k.split("/w")[1]) for k in keys if k.startswith(backend + "/"))
+        for phase, m, style in (("save", "reshard", "-o"), ("save", "limit-write", "--"), ("save", "dcp", ":x"),
+                                ("load", "reshard", "-s"), ("load", "limit-read", "--"), ("load", "dcp", ":+")):
+            ys = [summ[f"{backend}/w{w}"][phase].get(m, {}).get("gb_per_s", float("nan")) for w in ws]
+            if any(y == y for y in ys):
+                ax.plot(ws, ys, style, label=f"{backend} {phase} {m}")
+    ax.set_xticks(sorted({int(k.split("/w")[1]) for k in keys}))
+    ax.set_xlabel("world size")
+    ax.set_ylabel("GB/s of logical state")
+    ax.set_title("scaling over world sizes and backends", fontsize=9)
+    ax.legend(fontsize=6)
+    ax = axes[-1][1]
+    for key in keys:
+        a = summ[key]["async"]
+        names = [m for m in a]
+        ax.bar([f"{key}\n{m}" for m in names], [a[m]["stall"]["median_s"] for m in names])
+    ax.set_ylabel("foreground stall, s")
+    ax.tick_params(axis="x", labelsize=5, rotation=60)
+    ax.set_title("async save stall", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _load_timings(doc: dict[str, Any], key: str) -> list[dict[str, float]]:
+    backend, w = key.split("/w")
+    for r in reversed(doc["records"]):
+        if (r["phase"], r["method"], r["backend"], str(r["world"])) == ("load", "reshard", backend, w):
+            return [p["timings"][-1] if p.get("timings") else {} for p in r["per_rank"]]
+    return []
