@@ -165,7 +165,7 @@ def _unloadable(coll: Any, path: str, status: str, detail: str) -> str:
 
 def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step: int | None,
                        name: str | None, allow_fresh_start: bool,
-                       load_kwargs: dict[str, Any]) -> LoadResult | None:
+                       load_kwargs: dict[str, Any], record_head: bool = True) -> LoadResult | None:
     coll, st, root = mgr.coll, mgr.storage, mgr.root
     plan = _coordinated(mgr, f"restore {root} (listing)", _plan, mgr, step, name)
     for note in plan["notes"]:
@@ -203,8 +203,9 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
                 warnings.warn(f"{root}: no checkpoint of the current lineage (HEAD: "
                               f"{plan['head']}) loads; resuming {cname} of another lineage",
                               RuntimeWarning, stacklevel=3)
-            _write_head(mgr, cname, plan["attempt"].get(cname), plan["step"].get(cname),
-                        plan["listed_at"], plan["head_tag"])
+            if record_head:  # (an evaluation reading a live root leaves its lineage alone)
+                _write_head(mgr, cname, plan["attempt"].get(cname), plan["step"].get(cname),
+                            plan["listed_at"], plan["head_tag"])
             if failures:
                 res.notes["fallback"] = failures
             return res
