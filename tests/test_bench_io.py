@@ -85,7 +85,7 @@ def test_bench_io_smoke(tmp_path: Path) -> None:
 
 def _manifest_bytes(doc: dict) -> int:
     rec = [r for r in doc["records"] if r["phase"] == "save" and r["method"] == "reshard"][-1]
-    return int(rec["manifest_bytes"])
+    return int(rec["manifest_bytes"]) + int(rec["plan_bytes"])
 
 
 def test_bench_scale_smoke_beside_io() -> None:

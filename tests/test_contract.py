@@ -142,7 +142,7 @@ def test_export_refuses_to_write_into_the_checkpoint_or_cast_to_ints(tmp_path: P
     with pytest.raises(ValueError, match="floating-point"):
         export_hf(tmp_path / "ck", tmp_path / "hf", dtype=torch.int32)
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["data-r00000-0.safetensors",
-                                                                   "manifest.json"]
+                                                                   "manifest.json", "plan.bin"]
 
 
 def test_hf_import_refuses_overlapping_data_offsets(tmp_path: Path) -> None:

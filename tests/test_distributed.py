@@ -339,7 +339,7 @@ def _manifest(path: Path) -> tuple[bytes, reshard.Manifest]:
 
 def _normalised(m: reshard.Manifest) -> bytes:
     """The manifest with what legitimately differs between layouts blanked: attempt id,
-    commit time, world size, file list, and where in which file each chunk lies (its byte
+    commit time, world size, file list, the save plan kept beside it, and where in which file each chunk lies (its byte
     offset and the index of its first block in the file's block table)."""
     tensors = {
         k: msgspec.structs.replace(
@@ -349,7 +349,7 @@ def _normalised(m: reshard.Manifest) -> bytes:
         for k, e in m.tensors.items()
     }
     return encode_manifest(msgspec.structs.replace(
-        m, attempt_id="", created_at=0.0, world_size=0, files={}, tensors=tensors
+        m, attempt_id="", created_at=0.0, world_size=0, files={}, plan=None, tensors=tensors
     ))
 
 

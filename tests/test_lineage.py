@@ -368,3 +368,28 @@ def test_restore_quarantines_a_checkpoint_with_a_damaged_manifest(tmp_path: Path
     assert "step-00000150.quarantined-" in quarantined and "invalid (1" in r.stdout
     assert "step-00000200: " in r.stdout.partition("invalid (1")[2]
     assert _mgr(root).save(150, _state(150)).path == str(root / "step-00000150.1")
+
+
+def test_evaluation_restore_with_record_head_false_never_rolls_training_back(tmp_path: Path) -> None:
+    """Found by a fresh-user review: an evaluation calling restore(step=100) on a
+    live training root rewrote HEAD, so the training run's next restart went back
+    to 100. With record_head=False the root's lineage is untouched."""
+    root = tmp_path / "ckpts"
+    train = _mgr(root)
+    assert train.restore(_blank(), allow_fresh_start=True) is None
+    train.save(100, _state(100))
+    train.save(150, _state(150))
+    before = (root / "HEAD").read_bytes() if (root / "HEAD").exists() else None
+    state = _blank()
+    res = _mgr(root).restore(state, step=100, record_head=False)  # the evaluation
+    assert res is not None and res.values["meta"] == {"step": 100, "salt": 0}
+    assert torch.equal(state["model"]["w"], torch.full((4, 3), 100.0))
+    after = (root / "HEAD").read_bytes() if (root / "HEAD").exists() else None
+    assert after == before
+    train.save(200, _state(200))
+    assert reshard.latest(root) == str(root / "step-00000200")
+    res = _mgr(root).restore(_blank())  # the training run's restart
+    assert res is not None and res.path == str(root / "step-00000200")
+    # the default (record_head=True) is a rollback: the next save continues from 100
+    _mgr(root).restore(_blank(), step=100)
+    assert json.loads((root / "HEAD").read_text())["name"] == "step-00000100"

@@ -458,7 +458,7 @@ def test_save_refuses_existing_checkpoint_unless_overwrite(tmp_path: Path) -> No
     res = reshard.load({"w": w, "v": 0}, ck)
     assert w.tolist() == [2.0, 2.0, 2.0] and res.values["v"] == 2
     assert sorted(os.listdir(tmp_path)) == ["ck"]  # old one retired and removed
-    assert sorted(os.listdir(ck)) == ["data-r00000-0.safetensors", "manifest.json"]
+    assert sorted(os.listdir(ck)) == ["data-r00000-0.safetensors", "manifest.json", "plan.bin"]
 
 
 def test_save_creates_parent_directories(tmp_path: Path) -> None:
@@ -535,7 +535,7 @@ def test_shard_files_open_with_safetensors(tmp_path: Path) -> None:
                                  flattened_range=slice(4, 6))]}
     reshard.save(state, tmp_path / "ck", options=SaveOptions(files_per_rank=2))
     m = reshard.inspect(tmp_path / "ck")
-    files = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name != "manifest.json")
+    files = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name not in ("manifest.json", "plan.bin"))
     assert files == sorted(m.files) == ["data-r00000-0.safetensors", "data-r00000-1.safetensors"]
     found: dict[str, torch.Tensor] = {}
     for name in files:

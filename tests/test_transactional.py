@@ -52,7 +52,7 @@ def test_same_checkpoint_spelled_relative_and_through_a_symlink(pool: Any, tmp_p
         assert r["raised"] is None, r
         assert r["loaded"] == r["expected"]
     assert sorted(os.listdir(tmp_path / "real")) == ["ck"]  # one checkpoint, no attempt left
-    assert sorted(os.listdir(tmp_path / "real" / "ck")) == [DATA0, DATA1, "manifest.json"]
+    assert sorted(os.listdir(tmp_path / "real" / "ck")) == [DATA0, DATA1, "manifest.json", "plan.bin"]
     assert reshard.verify(tmp_path / "real" / "ck").ok
     assert ATTEMPT_NONCE not in reshard.inspect(tmp_path / "real" / "ck").files
 
@@ -89,7 +89,7 @@ def test_file_short_at_publish_publishes_nothing(pool: Any, tmp_path: Path) -> N
 
 def test_single_process_save_leaves_no_nonce(tmp_path: Path) -> None:
     reshard.save({"a": torch.ones(3)}, tmp_path / "ck")
-    assert sorted(os.listdir(tmp_path / "ck")) == [DATA0, "manifest.json"]
+    assert sorted(os.listdir(tmp_path / "ck")) == [DATA0, "manifest.json", "plan.bin"]
     reshard.save({"a": torch.ones(3)}, "memory://txn-single/ck")
     from reshard.storage import MemoryStorage
 
@@ -105,7 +105,7 @@ def test_single_process_save_leaves_no_nonce(tmp_path: Path) -> None:
 def _saved(pool: Any, tmp_path: Path) -> Path:
     ck = tmp_path / "ck"
     pool.run(2, r_save, str(ck))
-    assert sorted(os.listdir(ck)) == [DATA0, DATA1, "manifest.json"]
+    assert sorted(os.listdir(ck)) == [DATA0, DATA1, "manifest.json", "plan.bin"]
     return ck
 
 

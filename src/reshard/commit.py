@@ -16,7 +16,10 @@ and validates. Two publish strategies, chosen by the storage's capabilities
 Beside the checkpoints of a root live small JSON records, each written by
 :func:`write_record` (atomic where the store can rename): the ``HEAD`` record
 (the checkpoint the current lineage resumed from, :mod:`reshard.lineage`) and
-quarantine markers. A checkpoint found unloadable by a restore is quarantined:
+quarantine markers. On stores without rename but with conditional puts the
+``HEAD`` is replaced by compare-and-swap (:func:`write_head`: S3 ``If-Match``
+on the ETag read, ``If-None-Match: *`` when there was none), so of two jobs
+resuming one root at once the second gets a clear error naming the first. A checkpoint found unloadable by a restore is quarantined:
 renamed aside to ``<name>.quarantined-<id>`` where rename is atomic, else
 marked by a ``<name>.quarantined.json`` record; either way it is never listed
 as committed, never returned by ``latest`` and never deleted by retention or
@@ -37,7 +40,7 @@ from typing import Any
 import msgspec
 import xxhash
 
-from .errors import CheckpointNotFoundError, IntegrityError, ManifestError
+from .errors import CheckpointError, CheckpointNotFoundError, IntegrityError, ManifestError
 from .manifest import MANIFEST_NAME, Manifest, decode_manifest, encode_manifest
 from .storage import Storage
 
@@ -481,6 +484,60 @@ def read_head(storage: Storage, root: str) -> dict[str, Any] | None:
     return read_record(storage, storage.join(root, HEAD_NAME))
 
 
-def write_head(storage: Storage, root: str, record: dict[str, Any]) -> None:
-    """Replace the root's ``HEAD`` record (atomically, :func:`write_record`)."""
-    write_record(storage, storage.join(root, HEAD_NAME), record)
+def read_head_tagged(storage: Storage, root: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The root's ``HEAD`` record (None: none, or it does not parse) and the
+    version tag to pass to :func:`write_head` as ``expect`` (None: no HEAD
+    object). The tag is read only where :func:`write_head` swaps
+    conditionally (no rename, conditional puts); elsewhere it is None."""
+    path = storage.join(root, HEAD_NAME)
+    caps = storage.capabilities
+    if caps.atomic_rename or not caps.conditional_put:
+        return read_record(storage, path), None
+    try:
+        data, tag = storage.read_tagged(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None, None
+    try:
+        rec = json.loads(data)
+    except ValueError:
+        return None, tag
+    return (rec if isinstance(rec, dict) else None), tag
+
+
+_UNREAD = "\0unread"  # write_head's default: the tag is read just before the swap
+
+
+def write_head(storage: Storage, root: str, record: dict[str, Any], *,
+               expect: str | None = _UNREAD) -> None:
+    """Replace the root's ``HEAD`` record.
+
+    Where the store renames atomically: :func:`write_record` (the last writer
+    wins, atomically). Where it cannot rename but has conditional puts (S3,
+    ``memory://``): a compare-and-swap on the HEAD as read by
+    :func:`read_head_tagged` (``expect``: its tag, None when there was no
+    HEAD; by default the HEAD is read again just before the swap), so another
+    writer's HEAD is never overwritten silently. Elsewhere a plain put.
+
+    Raises:
+        CheckpointError: another writer replaced (or created, or removed)
+            ``HEAD`` since it was read; the message names the HEAD it wrote.
+            Nothing is changed.
+        StorageError: the store failed.
+    """
+    path = storage.join(root, HEAD_NAME)
+    caps = storage.capabilities
+    if caps.atomic_rename or not caps.conditional_put:
+        write_record(storage, path, record)
+        return
+    if expect == _UNREAD:
+        _, expect = read_head_tagged(storage, root)
+    try:
+        storage.put_if_match(path, json.dumps(record, sort_keys=True).encode(), expect)
+    except FileExistsError as e:
+        other = read_head(storage, root)
+        who = (f"it now names {other.get('name')!r} (HEAD id {other.get('id')!r}, attempt "
+               f"{other.get('attempt_id')!r})" if other is not None else "it is now absent or unreadable")
+        raise CheckpointError(
+            f"{path}: another writer replaced HEAD while this job was resuming ({who}); "
+            f"this job's HEAD naming {record.get('name')!r} was not written. Two jobs resume "
+            f"from one root: stop one, or give each its own root") from e

@@ -19,8 +19,10 @@ and the scale simulator (which runs N of them in lockstep in one process,
 
 The cache lives in this process (:data:`PLAN_CACHE`, per group); it is
 invalidated on every rank by any change on any rank (the all-reduce of the
-structure hash), and dropped by any failed save. It is not rebuilt from a
-committed manifest after a restart: the first save of a new process plans.
+structure hash), and dropped by any failed save. Every save also keeps its
+plan beside the checkpoint (``plan.bin``, named by the manifest); after a
+restart the cache is rebuilt from the parent checkpoint's
+(:mod:`reshard.plan_store`) and reused under the same all-reduce.
 
 Messages are msgpack (msgspec) records encoded as arrays, with each rank's fqns
 interned in a table. Nothing here does I/O: writing, publishing and discarding
@@ -40,7 +42,7 @@ import xxhash
 
 from .collectives import Request, agree_steps
 from .errors import CheckpointError, IntegrityError, ShardingError
-from .manifest import Chunk, FileEntry, Manifest, ObjectChunk, ObjectEntry, TensorEntry
+from .manifest import Chunk, FileEntry, Manifest, ObjectChunk, ObjectEntry, PlanIndex, TensorEntry
 from .planning import LocalObjectItem, LocalPlan, LocalTensorItem, plan_save
 
 _MASK = (1 << 62) - 1
@@ -146,6 +148,9 @@ class Layout:
     replicas: list[list[tuple[int, int]]]
     replica_names: list[str]
     aliases: dict[str, str]
+    struct_hashes: list[int] = field(default_factory=list)
+    #: plan.bin's bytes and index, encoded once per layout (cached saves reuse them)
+    encoded: tuple[bytes, PlanIndex] | None = None
 
 
 def check_values(digests: Sequence[dict[str, str]]) -> None:
@@ -180,6 +185,14 @@ def merge_aliases(plans: Sequence[LocalPlan]) -> dict[str, str]:
     return out
 
 
+def plan_id_of(struct_hashes: Sequence[int]) -> int:
+    """The plan's id: a nonzero 63-bit hash of every rank's structure hash, in rank order."""
+    h = xxhash.xxh3_64()
+    for sh in struct_hashes:
+        h.update(sh.to_bytes(8, "little"))
+    return (h.intdigest() & _MASK) | 1
+
+
 def coordinate(messages: Sequence[bytes], *, files_per_rank: int) -> tuple[list[bytes], Layout]:
     """The coordinator's planning: decode every rank's plan, validate (values,
     aliases, dtype/shape conflicts, replica digests, coverage), deduplicate
@@ -194,10 +207,7 @@ def coordinate(messages: Sequence[bytes], *, files_per_rank: int) -> tuple[list[
     check_values([d[2] for d in decoded])
     aliases = merge_aliases(plans)
     plan = plan_save(plans, files_per_rank=files_per_rank)
-    h = xxhash.xxh3_64()
-    for _, sh, _ in decoded:
-        h.update(sh.to_bytes(8, "little"))
-    plan_id = (h.intdigest() & _MASK) | 1
+    plan_id = plan_id_of([sh for _, sh, _ in decoded])
     # replica groups (more than one holder): their digests are compared at every save
     checks: list[list[tuple[int, int]]] = [[] for _ in plans]
     replicas: list[list[tuple[int, int]]] = []
@@ -220,14 +230,14 @@ def coordinate(messages: Sequence[bytes], *, files_per_rank: int) -> tuple[list[
         writes = [(0 if w.kind == "tensor" else 1, w.index, index[w.file]) for w in plan.writes.get(p.rank, ())]
         assignments.append(Assignment(plan_id=plan_id, files=files, writes=writes, check=checks[p.rank]))
     layout = Layout(plan_id=plan_id, plans=plans, assignments=assignments, replicas=replicas,
-                    replica_names=names, aliases=aliases)
+                    replica_names=names, aliases=aliases, struct_hashes=[sh for _, sh, _ in decoded])
     return [_ENC.encode(a) for a in assignments], layout
 
 
 def build_manifest(layout: Layout, reports: Sequence[bytes], *, attempt_id: str, step: int | None,
                    checksum_block_bytes: int, schema_version: str | None, mesh: dict[str, Any] | None,
                    values: Any, extra: dict[str, Any], parent: str | None = None,
-                   lineage: str | None = None) -> Manifest:
+                   lineage: str | None = None, plan: PlanIndex | None = None) -> Manifest:
     """The manifest from the layout and every rank's write report: compares
     the digests of every replica group, then places each written item at the
     offset, length and checksums its writer reported. Deterministic.
@@ -279,7 +289,7 @@ def build_manifest(layout: Layout, reports: Sequence[bytes], *, attempt_id: str,
         objects={k: ObjectEntry(global_shape=v[0], chunks=tuple(sorted(v[1], key=lambda c: c.global_offset)))
                  for k, v in sorted(objects.items())},
         values=values, aliases=dict(sorted(layout.aliases.items())), files=dict(sorted(files.items())),
-        extra=dict(extra), parent=parent, lineage=lineage)
+        extra=dict(extra), parent=parent, lineage=lineage, plan=plan)
 
 
 # ----------------------------------------------------------------------------- plan cache
@@ -313,6 +323,8 @@ class RankSave:
     ``check_location(info)`` (every rank, before writing): this rank sees it.
     ``persist(info, assignment) -> (report bytes, bytes written)``.
     ``publish(info, manifest)``, ``discard(info)``: coordinator only.
+    ``write_plan(info, raw)`` (coordinator, before publish; optional): keep
+    the plan (``plan.bin``, :mod:`reshard.plan_store`) in the attempt.
     """
 
     rank: int
@@ -328,6 +340,7 @@ class RankSave:
     discard: Callable[[dict[str, Any]], None]
     manifest_args: Callable[[], dict[str, Any]]
     cache: CacheEntry | None = None
+    write_plan: Callable[[dict[str, Any], bytes], None] | None = None
     new_cache: CacheEntry | None = None
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -428,8 +441,19 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
         tm = time.process_time()
         try:
             assert layout is not None
-            manifest = build_manifest(layout, reports, attempt_id=str(info["attempt"]), **ctx.manifest_args())
+            pidx = None
+            if ctx.write_plan is not None:
+                if layout.encoded is None:
+                    from .plan_store import encode_plan_file
+
+                    layout.encoded = encode_plan_file(layout, files_per_rank=ctx.files_per_rank)
+                pidx = layout.encoded[1]
+            manifest = build_manifest(layout, reports, attempt_id=str(info["attempt"]), plan=pidx,
+                                      **ctx.manifest_args())
             ctx.timings["manifest_build_cpu"] = time.process_time() - tm
+            if ctx.write_plan is not None:
+                assert layout.encoded is not None
+                ctx.write_plan(info, layout.encoded[0])
             ctx.publish(info, manifest)
             totals = [manifest.total_bytes, len(manifest.files)]
         except Exception as e:  # noqa: BLE001

@@ -557,7 +557,7 @@ class CheckpointManager:
 
     def restore(self, state: Mapping[str, Any], *, step: int | None = None,
                 name: str | None = None, allow_fresh_start: bool = False,
-                **load_kwargs: Any) -> LoadResult | None:
+                record_head: bool = True, **load_kwargs: Any) -> LoadResult | None:
         """Load the newest checkpoint of the current lineage that loads (or
         the checkpoint of ``step``: the current lineage's first when several
         hold it; or the checkpoint called ``name``); collective: every rank
@@ -570,7 +570,11 @@ class CheckpointManager:
         deleted) with a warning, and the next one is tried; one that vanished
         meanwhile is skipped. On success the coordinator writes the root's
         ``HEAD`` record naming the checkpoint resumed from; the saves that
-        follow continue its lineage.
+        follow continue its lineage. ``record_head=False`` (an evaluation or
+        an export reading a live training root) writes no ``HEAD``: a restore
+        of an older step then never rolls the training run's lineage back.
+        A manager restored that way must not save (its saves would join the
+        lineage of the existing ``HEAD``, not of the checkpoint it loaded).
 
         Returns:
             The LoadResult (``notes["fallback"]`` lists what was skipped), or
@@ -586,7 +590,8 @@ class CheckpointManager:
                 ``step`` (``name``) is not committed.
         """
         return restore_collective(self, state, step=step, name=name,
-                                  allow_fresh_start=allow_fresh_start, load_kwargs=load_kwargs)
+                                  allow_fresh_start=allow_fresh_start, load_kwargs=load_kwargs,
+                                  record_head=record_head)
 
     def _resumed(self, head: Head) -> None:
         self._lineage, self._parent, self._joined = head.id, head.name, True

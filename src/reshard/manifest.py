@@ -91,6 +91,18 @@ class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=Fal
     blocks: int = 0
 
 
+class PlanIndex(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False):
+    """The save plan kept beside the checkpoint (``file``, a sibling of the
+    manifest, ``size`` bytes, xxh3-64 ``checksum`` in hex) and its ``plan_id``:
+    what the first save after a restart reuses (:mod:`reshard.plan_store`).
+    Not needed to load."""
+
+    file: str
+    size: int
+    checksum: str
+    plan_id: int
+
+
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """A committed checkpoint's description.
 
@@ -115,6 +127,8 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
         lineage: id of the root's ``HEAD`` record (the resume) that the
             saving run continued from (``CheckpointManager`` sets it); None
             outside a manager's lineage. See :mod:`reshard.lineage`.
+        plan: the save plan kept beside the checkpoint (:class:`PlanIndex`);
+            None in manifests written before it existed or by other writers.
     """
 
     attempt_id: str
@@ -136,6 +150,7 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     extra: dict[str, Any] = {}
     parent: str | None = None
     lineage: str | None = None
+    plan: PlanIndex | None = None
 
     @property
     def total_bytes(self) -> int:

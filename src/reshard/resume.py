@@ -2,8 +2,10 @@
 
 Every rank tries the same checkpoints in the same order
 (:func:`reshard.lineage.resume_order`) and reaches the same outcome for each:
-the ranks' findings are gathered (one short status per rank) before anything
-is decided, so all ranks fall back, quarantine or raise together.
+the ranks' findings are agreed (an all-reduce of status counters; the
+failing ranks' details are gathered to the coordinator only when some rank
+failed) before anything is decided, so all ranks fall back, quarantine or
+raise together.
 
 * ``torn``: it is unloadable (the coordinator found a file missing, short or
   a symbolic link; a rank found the manifest invalid; the load found a
@@ -38,7 +40,7 @@ from .commit import (
     check_signature,
     committed,
     quarantine,
-    read_head,
+    read_head_tagged,
     read_manifest,
     read_manifest_bytes,
     scan,
@@ -51,6 +53,7 @@ from .errors import (
     IntegrityError,
     ManifestError,
     StorageError,
+    rank_ranges,
 )
 from .lineage import Head, lineage_of, resume_order
 from .load import LoadResult, load
@@ -97,7 +100,8 @@ def _plan(mgr: CheckpointManager, step: int | None, name: str | None) -> dict[st
     listed_at = time.time()  # HEAD's time: what is committed after the listing descends
     notes = _quarantine_invalid(mgr)
     entries = committed(st, root)
-    lin = lineage_of(entries, Head.from_record(read_head(st, root)))
+    head, head_tag = read_head_tagged(st, root)
+    lin = lineage_of(entries, Head.from_record(head))
     order = resume_order(entries, lin)
     if step is not None:
         order = [e for e in order if e.step == step]
@@ -106,6 +110,7 @@ def _plan(mgr: CheckpointManager, step: int | None, name: str | None) -> dict[st
     return {"notes": notes, "order": [e.name for e in order], "listed_at": listed_at,
             "other": [e.name for e in order if lin.head is not None and e.name not in lin.current],
             "head": lin.head.name if lin.head is not None else None,
+            "head_tag": head_tag,
             "attempt": {e.name: e.manifest.attempt_id for e in order if e.manifest is not None},
             "step": {e.name: e.step for e in order}}
 
@@ -131,9 +136,36 @@ def _coordinated(mgr: CheckpointManager, what: str, fn: Any, *args: Any) -> Any:
     return json.loads(coll.broadcast_bytes(json.dumps(out).encode() if coll.rank == 0 else None))
 
 
+_STATUSES = ("storage", "torn", "gone", "key")
+
+
+def _census(coll: Any, status: str) -> dict[str, int]:
+    """How many ranks found each failure status: one all-reduce of small
+    counters (no per-rank payload reaches any rank)."""
+    flags = [int(status == s) for s in _STATUSES]
+    red = coll.all_reduce_ints([*flags, int(status != "ok"), int(status == "torn" and coll.rank == 0)], "sum")
+    n = len(_STATUSES)
+    return {**dict(zip(_STATUSES, red[:n], strict=True)), "bad": red[n], "torn_coordinator": red[n + 1]}
+
+
+def _unloadable(coll: Any, path: str, status: str, detail: str) -> str:
+    """The agreed message for a checkpoint some rank could not load: the
+    failing ranks' status and detail gathered to the coordinator only (run
+    only when some rank failed), summarized there (rank ranges, the first
+    detail, bounded) and broadcast."""
+    got = coll.gather_bytes(json.dumps([status, detail[:2000]] if status != "ok" else None).encode())
+    msg = None
+    if got is not None:
+        rows = [(r, json.loads(b)) for r, b in enumerate(got)]
+        bad = [r for r, x in rows if x is not None]
+        why = next((x[1] for _, x in rows if x is not None and x[1]), "")
+        msg = f"{path}: unloadable ({why}{' ' if why else ''}on rank(s) {rank_ranges(bad)})"
+    return coll.broadcast_bytes(msg.encode() if msg is not None else None).decode()
+
+
 def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step: int | None,
                        name: str | None, allow_fresh_start: bool,
-                       load_kwargs: dict[str, Any]) -> LoadResult | None:
+                       load_kwargs: dict[str, Any], record_head: bool = True) -> LoadResult | None:
     coll, st, root = mgr.coll, mgr.storage, mgr.root
     plan = _coordinated(mgr, f"restore {root} (listing)", _plan, mgr, step, name)
     for note in plan["notes"]:
@@ -148,48 +180,45 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
     for cname in plan["order"]:
         path = st.join(root, cname)
         status, detail, exc = _probe(mgr, path, hmac_key)
-        statuses = coll.all_gather_json(status)
-        failed_on = [r for r, s in enumerate(statuses) if s == "torn"]  # the ranks that found it torn
-        if "storage" in statuses:
+        counts = _census(coll, status)
+        if counts["storage"]:
             coll.agree(f"restore {path}", exc)
-        if "key" in statuses:  # never a reason to quarantine, nor to fall back (older ones too)
+        if counts["key"]:  # never a reason to quarantine, nor to fall back (older ones too)
             coll.agree(f"restore {path} (the HMAC key given does not verify its manifest; "
                        "nothing was quarantined)", exc)
-        if "torn" not in statuses and "gone" not in statuses:
+        torn_coord = counts["torn_coordinator"]  # from the probe: did rank 0 itself find it torn
+        if not counts["torn"] and not counts["gone"]:
             try:
                 res = load(state, path, group=mgr.group, storage=st, **load_kwargs)
             except (IntegrityError, ManifestError) as le:
                 status, detail = "torn", f"load failed: {le}"
-                failed_on = sorted(le.failures) or list(range(coll.world_size))  # agreed: same on every rank
+                torn_coord = int(0 in (sorted(le.failures) or [0]))  # agreed: same on every rank
             except CheckpointNotFoundError as le:
                 status, detail = "gone", str(le)
             else:
                 status = "ok"
-            statuses = coll.all_gather_json(status)  # load agrees its errors; confirm anyway
-        if all(s == "ok" for s in statuses):
+            counts = _census(coll, status)  # load agrees its errors; confirm anyway
+        if not counts["bad"]:
             if cname in plan["other"]:
                 warnings.warn(f"{root}: no checkpoint of the current lineage (HEAD: "
                               f"{plan['head']}) loads; resuming {cname} of another lineage",
                               RuntimeWarning, stacklevel=3)
-            _write_head(mgr, cname, plan["attempt"].get(cname), plan["step"].get(cname),
-                        plan["listed_at"])
+            if record_head:  # (an evaluation reading a live root leaves its lineage alone)
+                _write_head(mgr, cname, plan["attempt"].get(cname), plan["step"].get(cname),
+                            plan["listed_at"], plan["head_tag"])
             if failures:
                 res.notes["fallback"] = failures
             return res
-        bad = [r for r, s in enumerate(statuses) if s != "ok"]
-        details = coll.all_gather_json(detail if status != "ok" else "")  # only on a failure
-        why = next((d for d in details if d), "")
-        msg = f"{path}: unloadable ({why}{' ' if why else ''}on rank(s) {bad})"
-        if "torn" in statuses and 0 not in failed_on \
+        msg = _unloadable(coll, path, status, detail)
+        if counts["torn"] and not torn_coord \
                 and not _coordinated(mgr, f"restore {path} (re-checking)", _damaged, mgr, path):
             # only other ranks failed, and the coordinator finds every byte
             # intact: those ranks see another copy (node-local storage, a
             # partial sync), never a reason to quarantine or to fall back
             raise CheckpointError(
                 f"{msg}, but the coordinator (rank 0) finds it intact (every file and checksum): "
-                f"rank(s) {failed_on} do not see the same storage as rank 0; nothing was "
-                "quarantined")
-        if "torn" in statuses:
+                "those rank(s) do not see the same storage as rank 0; nothing was quarantined")
+        if counts["torn"]:
             msg += _quarantine(mgr, cname, plan["attempt"].get(cname), msg)
         failures.append(msg)
         warnings.warn(f"{msg}; falling back to an older checkpoint", RuntimeWarning, stacklevel=3)
@@ -261,8 +290,10 @@ def _quarantine(mgr: CheckpointManager, name: str, attempt_id: str | None, reaso
 
 
 def _write_head(mgr: CheckpointManager, name: str, attempt_id: str | None,
-                step: int | None, listed_at: float) -> None:
-    """Coordinator writes HEAD naming ``name``; every rank adopts it. Its
+                step: int | None, listed_at: float, expect: str | None) -> None:
+    """Coordinator writes HEAD naming ``name``; every rank adopts it, or
+    every rank raises the lost race (compare-and-swap on the HEAD the plan
+    read, tag ``expect``, where the store swaps conditionally). Its
     time is when the coordinator listed the root (``listed_at``), not when
     the load ended: a checkpoint the source's run committed while this
     restore was loading (another job resuming for an evaluation, say) is
@@ -273,7 +304,7 @@ def _write_head(mgr: CheckpointManager, name: str, attempt_id: str | None,
     err = None
     if coll.rank == 0:
         try:
-            write_head(mgr.storage, mgr.root, head.to_record())
+            write_head(mgr.storage, mgr.root, head.to_record(), expect=expect)
         except Exception as we:  # noqa: BLE001 - raised on every rank by agree()
             err = we
     coll.agree(f"restore {mgr.root} (writing HEAD)", err)

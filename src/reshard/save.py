@@ -38,6 +38,7 @@ from .manifest import (
     Manifest,
 )
 from .options import SaveOptions
+from .plan_store import PLAN_FILE, parent_path, restart_entry
 from .planning import LocalObjectItem, LocalPlan, LocalTensorItem
 from .shardfile import FileItem, block_digests, digest_of, tensor_bytes, write_shard_file
 from .sharding import ShardedTensor, dtype_name
@@ -383,6 +384,18 @@ def run_save(
                     lineage=options.lineage)
 
     published: list[Manifest] = []
+    cache = PLAN_CACHE.pop(gkey, None)
+    restored = False
+    if cache is None and lp is not None:  # a new process: the parent checkpoint's plan, if it fits
+        prev = parent_path(st, key, options.parent)
+        if prev is not None:
+            cache = restart_entry(st, prev, rank, coll.world_size, files_per_rank=options.files_per_rank,
+                                  hmac_key=options.hmac_key)
+            restored = cache is not None
+
+    def write_plan(info: dict[str, Any], raw: bytes) -> None:
+        st.write_bytes(st.join(info["attempt_path"], PLAN_FILE), raw, durable=options.durable)
+
     leases: list[attempts.AttemptLease] = []
 
     def begin() -> dict[str, Any]:
@@ -397,7 +410,9 @@ def run_save(
                    check_location=check_location, persist=do_persist, publish=do_publish,
                    discard=lambda info: discard_attempt(coll, st, info["attempt_path"],
                                                         attempt_id=info["attempt"]),
-                   manifest_args=manifest_args, cache=PLAN_CACHE.pop(gkey, None))
+                   manifest_args=manifest_args, cache=cache,
+                   # attempts share the final prefix without rename: no plan kept there
+                   write_plan=write_plan if st.capabilities.atomic_rename else None)
     try:
         out = drive(coll, save_steps(ctx))
     finally:
@@ -407,9 +422,17 @@ def run_save(
         PLAN_CACHE[gkey] = ctx.new_cache
     timings.update(ctx.timings)
     timings["cached_plan"] = float(out.cached)
+    timings["plan_from_parent"] = float(out.cached and restored)
     return SaveResult(path=key, step=step, attempt_id=out.attempt_id, bytes_written=out.bytes_written,
                       total_bytes=out.total_bytes, num_files=out.num_files, timings=timings,
                       manifest=published[0] if published else None)
+
+
+def drop_plan_cache(group: Any = None) -> None:
+    """Forget this process's cached save plan for ``group`` (default: the
+    default group), as a restart does: the next save reuses the parent
+    checkpoint's plan (``SaveOptions.parent``) when it fits, else plans."""
+    PLAN_CACHE.pop(group_key(get_collectives(group)), None)
 
 
 def open_attempt(st: Storage, key: str, options: SaveOptions) -> dict[str, Any]:

@@ -169,15 +169,7 @@ def copy_checkpoint(src: Storage, src_path: str, dst: Storage, dst_path: str, *,
         dst.makedirs(target)
         for n in sorted(m.files):
             copied += _copy_file(src, src.join(src_path, n), dst, dst.join(target, names[n]), m, n)
-        new = msgspec.structs.replace(
-            m,
-            files={names[n]: fe for n, fe in m.files.items()},
-            tensors={k: msgspec.structs.replace(te, chunks=tuple(
-                msgspec.structs.replace(c, file=names[c.file]) for c in te.chunks))
-                for k, te in m.tensors.items()},
-            objects={k: msgspec.structs.replace(oe, chunks=tuple(
-                msgspec.structs.replace(c, file=names[c.file]) for c in oe.chunks))
-                for k, oe in m.objects.items()})
+        new = attempts.rename_files(m, names)
         if hmac_key is not None and "hmac_sha256" in m.extra:
             new = sign_manifest(new, hmac_key)
         publish(dst, target, dst_path, new, overwrite=False, durable=True)

@@ -48,6 +48,7 @@ from typing import Any
 
 import click
 
+from ..plan_store import PLAN_FILE
 from .models import MODELS, parse_layout
 
 GB = 1e9
@@ -168,6 +169,8 @@ class Runner:
                     mf = os.path.join(p, "manifest.json")
                     if os.path.exists(mf):
                         extra["manifest_bytes"] = os.path.getsize(mf)
+                    pf = os.path.join(p, PLAN_FILE)  # the cached save plan (reshard.plan_store)
+                    extra["plan_bytes"] = os.path.getsize(pf) if os.path.exists(pf) else 0
                 self.record("save", m, world, backend, out, **extra)
                 if m in keep:
                     self.run(world, ranks.drop, keep[m])

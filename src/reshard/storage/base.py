@@ -139,6 +139,40 @@ class Storage(ABC):
             raise FileExistsError(f"{path}: already exists")
         self.write_bytes(path, data)
 
+    def read_tagged(self, path: str) -> tuple[bytes, str]:
+        """The whole object at ``path`` and an opaque version tag of it (S3:
+        its ETag; here: the xxh3-128 of its bytes), for :meth:`put_if_match`.
+
+        Raises:
+            FileNotFoundError: there is no ``path``.
+        """
+        import xxhash
+
+        data = self.read_bytes(path)
+        return data, xxhash.xxh3_128_hexdigest(data)
+
+    def put_if_match(self, path: str, data: bytes, tag: str | None) -> None:
+        """Compare-and-swap: replace ``path`` with ``data`` only if it still
+        has version ``tag`` (from :meth:`read_tagged`); ``tag=None``: only if
+        it does not exist (:meth:`put_if_absent`). Atomic against other
+        writers where ``capabilities.conditional_put`` (S3 ``If-Match`` /
+        ``If-None-Match: *``); this default compares then writes.
+
+        Raises:
+            FileExistsError: another writer changed (or created, or deleted)
+                ``path`` since ``tag`` was read; ``path`` is left as it is.
+        """
+        if tag is None:
+            self.put_if_absent(path, data)
+            return
+        try:
+            _, now = self.read_tagged(path)
+        except FileNotFoundError:
+            raise FileExistsError(f"{path}: deleted by another writer since it was read") from None
+        if now != tag:
+            raise FileExistsError(f"{path}: replaced by another writer since it was read")
+        self.write_bytes(path, data)
+
     def list_uploads(self, prefix: str) -> list[tuple[str, str, float]]:
         """Open multipart uploads below ``prefix``: ``(key, upload id,
         initiated seconds since the epoch)``; none where not ``multipart``."""

@@ -53,6 +53,18 @@ class MemoryStorage(Storage):
             self._objects[path] = bytes(data)
         self._count_write(len(data))
 
+    def put_if_match(self, path: str, data: bytes, tag: str | None) -> None:
+        import xxhash
+
+        with self._lock:  # compare and swap under the store's lock: atomic
+            cur = self._objects.get(path)
+            if tag is None and cur is not None:
+                raise FileExistsError(f"memory://{path}: already exists")
+            if tag is not None and (cur is None or xxhash.xxh3_128_hexdigest(cur) != tag):
+                raise FileExistsError(f"memory://{path}: changed by another writer since it was read")
+            self._objects[path] = bytes(data)
+        self._count_write(len(data))
+
     def rename_dir(self, src: str, dst: str) -> None:
         raise NotImplementedError("memory:// has no atomic rename")
 

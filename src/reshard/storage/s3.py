@@ -11,7 +11,9 @@ files (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
   ``write``/``close`` and the upload is aborted.
 * Reads: ``read_into`` issues ranged GETs of exactly the bytes asked for,
   split into ``range_bytes`` pieces fetched in parallel.
-* Conditional put: ``put_if_absent`` is ``PutObject`` with ``If-None-Match: *``.
+* Conditional put: ``put_if_absent`` is ``PutObject`` with ``If-None-Match: *``;
+  ``put_if_match`` (compare-and-swap of a small record) is ``PutObject`` with
+  ``If-Match: <ETag>`` (S3 since 2024-11; MinIO, moto 5.2 honour it too).
 * Retries: throttling (503 SlowDown), 5xx, timeouts and reset connections are
   retried with exponential backoff and full jitter, bounded by
   ``deadline_s`` seconds per request; past it a :class:`StorageError`.
@@ -328,6 +330,45 @@ class S3Storage(Storage):
             if tried[0] > 1 and self._get_all(path) == data:
                 return
             raise
+        self._count_write(len(data))
+
+    def read_tagged(self, path: str) -> tuple[bytes, str]:
+        b, k = _split(path)
+
+        def get() -> tuple[bytes, str]:
+            r = self.client.get_object(Bucket=b, Key=k)
+            return bytes(r["Body"].read()), str(r["ETag"])
+
+        data, etag = self._call("get", path, get)
+        self._count_read(len(data))
+        return data, etag
+
+    def put_if_match(self, path: str, data: bytes, tag: str | None) -> None:
+        """``PutObject`` with ``If-Match: <tag>`` (``If-None-Match: *`` when
+        ``tag`` is None): S3 refuses it with 412 when another writer got there
+        first. A 412 (or 404: deleted meanwhile) is FileExistsError, unless a
+        retry after a lost response finds our own bytes there."""
+        if tag is None:
+            self.put_if_absent(path, data)
+            return
+        b, k = _split(path)
+        tried = [0]
+
+        def put() -> Any:
+            tried[0] += 1
+            return self.client.put_object(Bucket=b, Key=k, Body=data, IfMatch=tag)
+
+        try:
+            self._call("conditional replace", path, put)
+        except (FileExistsError, FileNotFoundError) as e:
+            if tried[0] > 1:
+                try:
+                    if self._get_all(path) == data:
+                        return
+                except FileNotFoundError:
+                    pass
+            raise FileExistsError(f"s3://{path}: changed by another writer since it was read "
+                                  f"(If-Match {tag} refused)") from e
         self._count_write(len(data))
 
     def rename_dir(self, src: str, dst: str) -> None:

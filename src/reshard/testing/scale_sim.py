@@ -8,7 +8,10 @@ in lockstep (:class:`reshard.testing.simulate.SimWorld`):
    planning, scatter assignments, gather write reports, manifest build); the
    write itself is replaced by a report of the offsets, lengths and per-block
    checksums the files would get (no data is written);
-2. a cached re-save from the cache entries the first save left on every rank;
+2. a cached re-save from the cache entries the first save left on every rank,
+   and one after a simulated restart: every rank's entry rebuilt from the
+   checkpoint's ``plan.bin`` (:mod:`reshard.plan_store`; ``restart_*``,
+   ``cached_after_restart_*``);
 3. the manifest encoded as JSON (``manifest_bytes``) and decoded + validated
    (``manifest_parse_s``);
 4. the load into the target layout: the manifest broadcast, the strictness
@@ -37,6 +40,7 @@ import xxhash
 from ..coordination import Assignment, CacheEntry, RankSave, report_bytes, save_steps
 from ..coordination_load import key_census_steps, saved_keys
 from ..manifest import Manifest, decode_manifest, encode_manifest
+from ..plan_store import restart_entry
 from ..planning import LocalPlan, Request, plan_reads
 from .scale_layout import Layout, rank_items, rank_plan, scaled_layouts
 from .simulate import SimWorld
@@ -85,18 +89,45 @@ def _save(plans: list[LocalPlan], caches: list[CacheEntry | None]) -> tuple[list
         out["raw"] = encode_manifest(m)
         out["encode_s"] = time.process_time() - t0
 
+    def write_plan(info: dict[str, Any], raw: bytes) -> None:
+        out["plan"] = raw
+
     ctxs = [RankSave(rank=r, world_size=n, plan=plans[r], value_digests={"step": "1"}, err=None,
                      files_per_rank=1, begin=lambda: {"attempt": "sim-attempt"},
                      check_location=lambda info: None, persist=_fake_persist(plans[r]),
                      publish=publish, discard=lambda a: None,
                      manifest_args=lambda: dict(step=1, checksum_block_bytes=BLOCK, schema_version=None,
                                                 mesh=None, values={}, extra={}),
-                     cache=caches[r]) for r in range(n)]
+                     cache=caches[r], write_plan=write_plan) for r in range(n)]
     results, stats = SimWorld(n).run([save_steps(c) for c in ctxs])
     bad = [x for x in results if isinstance(x, BaseException)]
     if bad:
         raise bad[0]
+    out["cached"] = all(x.cached for x in results)
     return ctxs, stats, out
+
+
+def _restart_caches(out: dict[str, Any], n: int) -> dict[str, Any]:
+    """Every rank's plan-cache entry as a new process rebuilds it from the
+    committed checkpoint (:func:`reshard.plan_store.restart_entry`), with the
+    CPU seconds and storage bytes each rank spends on it."""
+    from ..storage import MemoryStorage, clear_memory_storage
+
+    ns = "scale-sim-restart"
+    clear_memory_storage(ns)
+    st = MemoryStorage(ns)
+    st.write_bytes("ck/manifest.json", out["raw"], durable=False)
+    st.write_bytes("ck/plan.bin", out["plan"], durable=False)
+    caches: list[CacheEntry | None] = []
+    seconds, read = [], []
+    for r in range(n):
+        b0 = st.bytes_read
+        t0 = time.process_time()
+        caches.append(restart_entry(st, "ck", r, n, files_per_rank=1))
+        seconds.append(time.process_time() - t0)
+        read.append(st.bytes_read - b0)
+    clear_memory_storage(ns)
+    return {"caches": caches, "seconds": seconds, "read": read}
 
 
 def _minus_writes(stats: Any, ctxs: list[RankSave]) -> None:
@@ -137,11 +168,18 @@ def simulate_one(model: str, layout: Layout, target: Layout, *, optimizer: str =
         ctxs2, st2, out2 = _save(plans, caches)
         cached_ok = all(c.new_cache is not None for c in ctxs2)
         _minus_writes(st2, ctxs2)
+        # a restart: every rank's cache rebuilt from the checkpoint's plan.bin (rank 0:
+        # manifest + whole file, checked; others: three ranged reads of their own record)
+        restart = _restart_caches(out1, n)
+        ctxs3, st4, out4 = _save(plans, restart["caches"])
+        restart_ok = out4["cached"] and all(c.new_cache is not None for c in ctxs3)
+        _minus_writes(st4, ctxs3)
     finally:
         gc.enable()
     raw = out1["raw"]
-    assert out2["raw"] and len(out2["raw"]) > 0 and cached_ok
-    del ctxs, ctxs2, caches
+    assert out2["raw"] and len(out2["raw"]) > 0 and cached_ok and out2["cached"] and not out1["cached"]
+    assert restart_ok and all(c is not None for c in restart["caches"]), "restart cache"
+    del ctxs, ctxs2, ctxs3, caches
     gc.collect()
     t0 = time.process_time()
     m = decode_manifest(raw)
@@ -189,6 +227,14 @@ def simulate_one(model: str, layout: Layout, target: Layout, *, optimizer: str =
         "cached_coordinator_s": round(st2.seconds[0], 3),
         "cached_max_rank_s": round(st2.max_other("seconds"), 4),
         "cached_max_rank_recv_bytes": int(st2.max_other("recv")),
+        "plan_file_bytes": len(out1["plan"]),
+        "restart_rebuild_coordinator_s": round(restart["seconds"][0], 3),
+        "restart_rebuild_max_rank_s": round(max(restart["seconds"][1:], default=0.0), 5),
+        "restart_max_rank_read_bytes": max(restart["read"][1:], default=0),
+        "cached_after_restart_coordinator_s": round(restart["seconds"][0] + st4.seconds[0], 3),
+        "cached_after_restart_max_rank_s": round(max(
+            (restart["seconds"][r] + st4.seconds[r] for r in range(1, n)), default=0.0), 4),
+        "cached_after_restart_max_rank_recv_bytes": int(st4.max_other("recv")),
         "load_world": nt,
         "load_plan_max_rank_s": round(max(plan_s), 4),
         "load_census_max_rank_recv_bytes": int(st3.max_other("recv")),
@@ -221,7 +267,8 @@ def scaling_exponent(rows: list[dict[str, Any]], key: str, lo: int = 1024, hi: i
 
 HEADER = (f"{'world':>6} {'coord s':>8} {'rank s':>7} {'rank recv':>10} {'coord recv':>11} "
           f"{'manifest':>10} {'parse s':>7} {'cached coord s':>14} {'cached rank s':>13} "
-          f"{'cached recv':>11} {'load plan s':>11}")
+          f"{'cached recv':>11} {'restart coord s':>15} {'restart rank s':>14} {'restart recv':>12} "
+          f"{'load plan s':>11}")
 
 
 def _mb(n: int) -> str:
@@ -233,7 +280,9 @@ def format_row(r: dict[str, Any]) -> str:
             f"{_mb(r['max_rank_recv_bytes']):>10} {_mb(r['coordinator_recv_bytes']):>11} "
             f"{_mb(r['manifest_bytes']):>10} {r['manifest_parse_s']:>7.2f} "
             f"{r['cached_coordinator_s']:>14.2f} {r['cached_max_rank_s']:>13.4f} "
-            f"{_mb(r['cached_max_rank_recv_bytes']):>11} {r['load_plan_max_rank_s']:>11.3f}")
+            f"{_mb(r['cached_max_rank_recv_bytes']):>11} {r['cached_after_restart_coordinator_s']:>15.2f} "
+            f"{r['cached_after_restart_max_rank_s']:>14.4f} "
+            f"{_mb(r['cached_after_restart_max_rank_recv_bytes']):>12} {r['load_plan_max_rank_s']:>11.3f}")
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -248,6 +297,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     for key, label in [("coordinator_s", "coordinator (first save)"), ("max_rank_s", "max other rank"),
                        ("cached_coordinator_s", "coordinator (cached)"),
                        ("cached_max_rank_s", "max other rank (cached)"),
+                       ("cached_after_restart_coordinator_s", "coordinator (cached, after restart)"),
                        ("manifest_parse_s", "manifest parse"), ("load_plan_max_rank_s", "load plan / rank")]:
         a.loglog(w, [max(r[key], 1e-5) for r in rows], marker="o", label=label)
     a.set_xlabel("world size (ranks)")
