@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import reshard
 
+from ..formats.hf_write import _fsync_file
 from ..testing.memory import PeakRSS
 from .models import LayoutSpec, Workload, build, parse_layout
 
@@ -215,14 +216,6 @@ def _views() -> list[memoryview]:
     from ..shardfile import tensor_bytes
 
     return [tensor_bytes(t) for t in _w().tensors() if t.numel()]
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _local_dir(path: str) -> str:

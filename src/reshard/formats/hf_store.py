@@ -23,8 +23,7 @@ from ..collectives import SingleProcess
 from ..errors import ManifestError
 from ..manifest import Manifest
 from ..options import LoadOptions
-from ..shardfile import tensor_bytes
-from ..sharding import safetensors_code, torch_dtype
+from ..sharding import safetensors_code
 from ..storage import Storage
 
 _VALIDATE_BLOCK = 4 << 20
@@ -86,28 +85,14 @@ def write_shards(st: Storage, key: str, m: Manifest, out_st: Storage, out: str,
 
 def _write_shard(st: Storage, key: str, m: Manifest, out_st: Storage, path: str,
                  shard: list[Any], opts: LoadOptions, one: SingleProcess, validate: bool) -> int:
-    from .hf_write import _anon_empty, _blocks, _header, _read_block
+    from .hf_write import _header, _stream_items
 
     prefix, order = _header(shard)
-    digests: dict[str, str] = {}
     s = out_st.open_write(path)
     try:
         s.write(prefix)
-        total = len(prefix)
-        for it in order:
-            h = xxhash.xxh3_64()
-            for blk in _blocks(it, m.tensors[it.saved]):
-                t = _read_block(st, key, m, it, blk, opts, one)
-                if t.dtype != torch_dtype(it.dtype):
-                    cast = _anon_empty(tuple(t.shape), torch_dtype(it.dtype))
-                    cast.copy_(t)
-                    t = cast
-                data = tensor_bytes(t)
-                s.write(data)
-                h.update(data)
-                total += len(data)
-                del t, data
-            digests[it.out] = h.hexdigest()
+        total, digests = _stream_items(st, key, m, order, opts, one, s.write)
+        total += len(prefix)
     except BaseException:
         s.abort()
         raise

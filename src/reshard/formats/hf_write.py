@@ -174,32 +174,47 @@ def _read_block(st: Storage, key: str, m: Manifest, it: _Item, blk: _Block,
     return buf
 
 
+def _stream_items(st: Storage, key: str, m: Manifest, order: list[_Item], opts: LoadOptions,
+                  one: SingleProcess, write: Any) -> tuple[int, dict[str, str]]:
+    """Stream the bytes of each item of ``order`` through ``write`` in blocks
+    (see :func:`_blocks`; cast to the item's dtype if asked), one block in
+    memory at a time. Returns the data bytes written and the xxh3 of each
+    item's bytes by output name (for the shard's validation)."""
+    total = 0
+    digests: dict[str, str] = {}
+    for it in order:
+        h = xxhash.xxh3_64()
+        for blk in _blocks(it, m.tensors[it.saved]):
+            t = _read_block(st, key, m, it, blk, opts, one)
+            if t.dtype != torch_dtype(it.dtype):
+                cast = _anon_empty(tuple(t.shape), torch_dtype(it.dtype))
+                cast.copy_(t)
+                t = cast
+            data = tensor_bytes(t)
+            write(data)
+            h.update(data)
+            total += len(data)
+            del t, data
+        digests[it.out] = h.hexdigest()
+    return total, digests
+
+
 def _write_shard(st: Storage, key: str, m: Manifest, path: str, shard: list[_Item],
                  opts: LoadOptions, one: SingleProcess, validate: bool, pb: Any,
                  tied: Mapping[str, str] | None = None) -> int:
     """Write one shard: its header, then each tensor streamed in blocks (see
     :func:`_blocks`), cast if asked; fsync; validate."""
     prefix, order = _header(shard, tied)
-    digests: dict[str, str] = {}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         _write_all(fd, prefix)
-        total = len(prefix)
-        for it in order:
-            h = xxhash.xxh3_64()
-            for blk in _blocks(it, m.tensors[it.saved]):
-                t = _read_block(st, key, m, it, blk, opts, one)
-                if t.dtype != torch_dtype(it.dtype):
-                    cast = _anon_empty(tuple(t.shape), torch_dtype(it.dtype))
-                    cast.copy_(t)
-                    t = cast
-                data = tensor_bytes(t)
-                _write_all(fd, data)
-                h.update(data)
-                total += len(data)
-                pb.update(len(data))
-                del t, data
-            digests[it.out] = h.hexdigest()
+
+        def write(data: memoryview) -> None:
+            _write_all(fd, data)
+            pb.update(len(data))
+
+        total, digests = _stream_items(st, key, m, order, opts, one, write)
+        total += len(prefix)
         os.fsync(fd)
     finally:
         os.close(fd)
