@@ -11,7 +11,10 @@ is refused (reduce it first).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
+
+import torch
 
 from ..errors import ShardingError
 from ..sharding import ShardedTensor
@@ -23,27 +26,49 @@ def dtensor_shards(fqn: str, dt: Any) -> list[ShardedTensor]:
     Raises:
         ShardingError: a ``Partial`` or otherwise unsupported placement.
     """
-    from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from torch.distributed.tensor.placement_types import _StridedShard
-
     mesh = dt.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:  # this rank is not in the mesh: it holds nothing
         return []
+    key = (tuple(dt.shape), mesh, tuple(dt.placements), tuple(coord))
+    try:
+        box = _box(*key)
+    except TypeError:  # an unhashable mesh or placement: not cached
+        box = _box.__wrapped__(*key)
+    if isinstance(box, str):
+        raise ShardingError(f"{fqn}: {box}")
+    shape, offset, replica = box
+    gshape = key[0]
+    # the local shard itself (``to_local()`` without its autograd node: the
+    # ShardedTensor is a view of the same storage either way)
+    local = getattr(dt, "_local_tensor", None)
+    if not isinstance(local, torch.Tensor):
+        local = dt.to_local()
+    if tuple(local.shape) != shape:
+        raise ShardingError(f"{fqn}: DTensor local shape {tuple(local.shape)} differs from the "
+                            f"shape {shape} its placements imply")
+    return [ShardedTensor(fqn, local, global_shape=gshape, global_offset=offset, replica_id=replica)]
+
+
+@functools.lru_cache(maxsize=4096)
+def _box(gshape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...],
+         coord: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int] | str:
+    """This rank's ``(local shape, global offset, replica id)`` of a DTensor of
+    global shape ``gshape`` on ``mesh`` (where this rank sits at ``coord``)
+    with ``placements``; a str: why the placements are refused. Cached: the
+    hundreds of parameters and moments of a model share a few of these."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
     replica = 0
-    for d, p in enumerate(dt.placements):
+    for d, p in enumerate(placements):
         if isinstance(p, Partial):
-            raise ShardingError(f"{fqn}: DTensor with a Partial placement on mesh dim {d} cannot be "
-                                "saved; reduce it (redistribute to Replicate/Shard) first")
+            return (f"DTensor with a Partial placement on mesh dim {d} cannot be saved; reduce it "
+                    "(redistribute to Replicate/Shard) first")
         if isinstance(p, Replicate):
             replica = replica * mesh.size(d) + coord[d]
         elif not isinstance(p, (Shard, _StridedShard)):  # _StridedShard: FSDP2 over TP
-            raise ShardingError(f"{fqn}: DTensor placement {p!r} is not supported")
-    shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
-    local = dt.to_local()
-    if tuple(local.shape) != tuple(shape):
-        raise ShardingError(f"{fqn}: DTensor local shape {tuple(local.shape)} differs from the "
-                            f"shape {tuple(shape)} its placements imply")
-    return [ShardedTensor(fqn, local, global_shape=tuple(dt.shape), global_offset=tuple(offset),
-                          replica_id=replica)]
+            return f"DTensor placement {p!r} is not supported"
+    shape, offset = compute_local_shape_and_global_offset(gshape, mesh, placements)
+    return tuple(shape), tuple(offset), replica
