@@ -11,7 +11,6 @@ is refused (reduce it first).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -30,17 +29,23 @@ def dtensor_shards(fqn: str, dt: Any) -> list[ShardedTensor]:
     coord = mesh.get_coordinate()
     if coord is None:  # this rank is not in the mesh: it holds nothing
         return []
-    key = (tuple(dt.shape), mesh, tuple(dt.placements), tuple(coord))
+    gshape, placements = tuple(dt.shape), tuple(dt.placements)
     try:
-        box = _box(*key)
-    except TypeError:  # an unhashable mesh or placement: not cached
-        box = _box.__wrapped__(*key)
+        key: tuple[Any, ...] | None = (gshape, tuple(mesh.shape), tuple(int(c) for c in coord), placements)
+        box = _BOXES.get(key)  # type: ignore[arg-type]
+    except TypeError:  # an unhashable placement or a symbolic coordinate: not remembered
+        key, box = None, None
+    if box is None:
+        box = _box(gshape, mesh, coord, placements)
+        if key is not None:
+            if len(_BOXES) >= 8192:
+                _BOXES.clear()
+            _BOXES[key] = box
     if isinstance(box, str):
         raise ShardingError(f"{fqn}: {box}")
     shape, offset, replica = box
-    gshape = key[0]
-    # the local shard itself (``to_local()`` without its autograd node: the
-    # ShardedTensor is a view of the same storage either way)
+    # the local shard itself: ``to_local()`` without its autograd node (what
+    # ``to_local`` returns under no_grad; the same storage either way)
     local = getattr(dt, "_local_tensor", None)
     if not isinstance(local, torch.Tensor):
         local = dt.to_local()
@@ -50,13 +55,18 @@ def dtensor_shards(fqn: str, dt: Any) -> list[ShardedTensor]:
     return [ShardedTensor(fqn, local, global_shape=gshape, global_offset=offset, replica_id=replica)]
 
 
-@functools.lru_cache(maxsize=4096)
-def _box(gshape: tuple[int, ...], mesh: Any, placements: tuple[Any, ...],
-         coord: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int] | str:
+#: ``_box`` results by (global shape, mesh shape, this rank's mesh coordinate,
+#: placements), all they depend on: a state's hundreds of DTensors repeat a
+#: few layouts, and every save and load describes each of them again
+_BOXES: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...], int] | str] = {}
+
+
+def _box(gshape: tuple[int, ...], mesh: Any, coord: Any,
+         placements: tuple[Any, ...]) -> tuple[tuple[int, ...], tuple[int, ...], int] | str:
     """This rank's ``(local shape, global offset, replica id)`` of a DTensor of
     global shape ``gshape`` on ``mesh`` (where this rank sits at ``coord``)
-    with ``placements``; a str: why the placements are refused. Cached: the
-    hundreds of parameters and moments of a model share a few of these."""
+    with ``placements`` (``compute_local_shape_and_global_offset``, as DCP
+    does); a str: why the placements are refused."""
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
