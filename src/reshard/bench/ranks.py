@@ -23,6 +23,7 @@ import reshard
 
 from ..formats.hf_write import _fsync_file
 from ..testing.memory import PeakRSS
+from . import digest
 from .models import LayoutSpec, Workload, build, parse_layout
 
 _W: dict[str, Any] = {}
@@ -84,13 +85,17 @@ def setup(model: str, layout: str, synthetic_mib: float, seq_len: int,
     build_s = time.perf_counter() - t0
     ts = w.tensors()
     local = _nbytes(ts)
-    logical = 0
-    for t in _flat_tensors(w.dcp_state()):
-        logical += t.numel() * t.element_size()  # DTensor: global numel
     _W["bg_pg"] = dist.new_group(backend="gloo")  # DCP's background collectives
-    return {"rank": _rank(), "local_bytes": local, "logical_bytes": logical, "tensors": len(ts),
-            "params": sum(p.numel() for p in w.model.parameters()), "build_s": build_s,
-            "layout": str(spec), "fingerprint": fingerprint()}
+    d = digest.state_digest(w.reshard_state())
+    params = sum(p.numel() for p in w.model.parameters())
+    if spec.kind == "grid":  # each rank holds its stage's TP shards: the logical count
+        n = torch.tensor([params if w.trainer.g.dp_rank == 0 else 0], dtype=torch.int64)
+        dist.all_reduce(n)
+        params = int(n)
+    return {"rank": _rank(), "local_bytes": local, "logical_bytes": d["bytes"], "tensors": len(ts),
+            "params": params, "build_s": build_s, "layout": str(spec), "peers": w.peers,
+            "fingerprint": d["digest"], "digest_tensors": d["tensors"],
+            "replicas_differ": d["replicas_differ"]}
 
 
 def _flat_tensors(x: Any) -> list[torch.Tensor]:
@@ -146,16 +151,17 @@ def release() -> None:
     gc.collect()
 
 
-def fingerprint() -> float:
-    """Sum of every element of the logical state (float64; each element once)."""
-    s = torch.zeros((), dtype=torch.float64)
-    for t in _flat_tensors(_w().dcp_state()):
-        if hasattr(t, "to_local"):
-            s += t.to_local().detach().double().sum()
-        elif _rank() == 0:
-            s += t.detach().double().sum()
-    dist.all_reduce(s)
-    return float(s)
+def fingerprint() -> str:
+    """The bit-exact, layout-independent digest of the state's tensors
+    (:func:`reshard.bench.digest.state_digest`; a collective)."""
+    return str(digest.state_digest(_w().reshard_state())["digest"])
+
+
+def _reshard_load(path: str, opts: reshard.LoadOptions | None = None) -> reshard.LoadResult:
+    w = _w()
+    res = reshard.load(w.reshard_state(), path, options=opts)
+    w.after_load()
+    return res
 
 
 def _owned() -> dict[str, torch.Tensor]:
@@ -230,7 +236,14 @@ def save(method: str, path: str, limit_bytes: list[int]) -> dict[str, Any]:
     w = _w()
     rank = _rank()
     res: dict[str, Any] = {"rank": rank}
-    if method == "limit-write":
+    if method == "limit-write" and path.startswith("s3://"):
+        from .objstore import put_limit
+
+        views = _views()
+        dist.barrier()
+        n, own, total = _timed(lambda: put_limit(f"{path}/r{rank:05d}.bin", views, limit_bytes[rank]))
+        res.update(bytes=n, files=1)
+    elif method == "limit-write":
         d = _local_dir(path)
         views = _views()
         dist.barrier()
@@ -280,7 +293,7 @@ def drop(path: str) -> None:
     """Delete ``path`` (rank 0, after every rank is done with it)."""
     dist.barrier()
     if _rank() == 0:
-        if path.startswith("memory://"):
+        if "://" in path:
             from ..storage import resolve
 
             st, key = resolve(path)
@@ -441,7 +454,7 @@ def _read_limit(files: list[str], buf: memoryview) -> None:
         i += 1
 
 
-def load(method: str, path: str, repeat: int, verify_fp: float | None = None) -> dict[str, Any]:
+def load(method: str, path: str, repeat: int, verify_fp: str | None = None) -> dict[str, Any]:
     """Warm load (one untimed call first), then ``repeat`` timed ones."""
     w = _w()
     rank = _rank()
@@ -449,14 +462,18 @@ def load(method: str, path: str, repeat: int, verify_fp: float | None = None) ->
     local = _nbytes(w.tensors())
     fn: Callable[[], Any]
     if method == "limit-read":
-        d = path
-        files = sorted(os.path.join(d, f) for f in os.listdir(d) if not f.endswith(".json"))
         read_buf = torch.empty(local, dtype=torch.uint8).fill_(0)  # preallocated, touched
         mv = memoryview(read_buf.numpy().data)
-        fn = lambda: _read_limit(files, mv)  # noqa: E731
+        if path.startswith("s3://"):
+            from .objstore import get_limit
+
+            fn = lambda: get_limit(path, mv)  # noqa: E731
+        else:
+            files = sorted(os.path.join(path, f) for f in os.listdir(path) if not f.endswith(".json"))
+            fn = lambda: _read_limit(files, mv)  # noqa: E731
     elif method in ("reshard", "reshard-nocheck"):
         opts = reshard.LoadOptions(checksums=method == "reshard")
-        fn = lambda: reshard.load(w.reshard_state(), path, options=opts)  # noqa: E731
+        fn = lambda: _reshard_load(path, opts)  # noqa: E731
     elif method in ("dcp", "dcp-threads"):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -500,7 +517,7 @@ def load(method: str, path: str, repeat: int, verify_fp: float | None = None) ->
     _malloc_trim()  # torch.load / load_file / DCP buffers: freed, and given back
     if verify_fp is not None:
         got_fp = fingerprint()
-        res["fingerprint_ok"] = abs(got_fp - verify_fp) <= 1e-9 * max(1.0, abs(verify_fp))
+        res["fingerprint_ok"] = got_fp == verify_fp
     return res
 
 
@@ -526,7 +543,7 @@ def rss(method: str, path: str) -> dict[str, Any]:
 
     fns: dict[str, Callable[[], Any]] = {
         "save": lambda: reshard.save(w.reshard_state(), path, step=1),
-        "load": lambda: reshard.load(w.reshard_state(), path),
+        "load": lambda: _reshard_load(path),
         "dcp-save": lambda: dcp.save(w.dcp_state(), checkpoint_id=path),
         "dcp-load": lambda: dcp.load(w.dcp_state(), checkpoint_id=path),
     }
