@@ -135,7 +135,8 @@ def _ints(text: str | None) -> list[int] | None:
               help="Training steps with no save in flight before each background save.")
 @click.option("--settle", type=float, default=0.5, show_default=True,
               help="Seconds of rest after os.sync() before each timed save.")
-@click.option("--skip", default="", help="Comma-separated methods to leave out (e.g. dcp-async-process).")
+@click.option("--skip", default="", help="Comma-separated methods (e.g. dcp-async-process, reshard-nocheck) "
+              "or phases (rss, train) to leave out.")
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None,
               help="Scratch directory on the disk to measure (default: a temporary one).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,

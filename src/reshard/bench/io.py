@@ -190,7 +190,7 @@ class Runner:
         warm = [m for m in warm if m not in cfg["skip"]]
         self.run(world, ranks.warm, base + "-warm", warm)
         # peak RSS of the first save and of the first two async saves (the staging pool's growth)
-        for m in ("save", "async-save"):
+        for m in ("save", "async-save") if "rss" not in cfg["skip"] else ():
             self.ctx = f"w{world} {backend}: rss {m}"
             p = self.url(backend, scratch, f"w{world}-rss-{m}")
             self.record("rss", m, world, backend, self.run(world, ranks.rss, m, p))
@@ -199,8 +199,9 @@ class Runner:
         # training-step slowdown while a background save is in flight
         self.tick(f"w{world} {backend}: training during a background save")
         tm = ["reshard-async"] + (["dcp-async"] if peers and "dcp-async" not in cfg["skip"] else [])
-        out = self.run(world, ranks.train, tm, base + "-train", cfg["steps"], settle)
-        self.record("train", "step", world, backend, out)
+        if "train" not in cfg["skip"]:
+            out = self.run(world, ranks.train, tm, base + "-train", cfg["steps"], settle)
+            self.record("train", "step", world, backend, out)
         fp = self.run(world, ranks.fingerprint)[0]
         # saves
         methods = [m for m in ranks.SAVE_METHODS if (peers or m.startswith("reshard")
@@ -250,6 +251,7 @@ class Runner:
         self.tick(f"w{world} {backend}: rss of a load")
         ckpt = keep["reshard"]
         rm = ["load"] + (["dcp-save", "dcp-load"] if peers and "dcp" in keep else [])
+        rm = [] if "rss" in cfg["skip"] else rm
         for m in rm:
             p = ckpt if m == "load" else keep.get("dcp", "") if m == "dcp-load" else \
                 self.url(backend, scratch, f"w{world}-rss-{m}")

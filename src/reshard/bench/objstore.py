@@ -98,8 +98,8 @@ def objects(url: str) -> list[tuple[str, int]]:
 
 
 def put_limit(url: str, views: list[memoryview], nbytes: int) -> int:
-    """Upload the first ``nbytes`` of ``views`` as the object ``url`` with raw
-    boto3 calls; the bytes uploaded."""
+    """Upload ``nbytes`` of ``views`` (wrapping around them, as the local
+    limit does) as the object ``url`` with raw boto3 calls; the bytes uploaded."""
     from ..storage.s3 import S3Config, _client
 
     cfg = S3Config.from_env()
@@ -108,8 +108,9 @@ def put_limit(url: str, views: list[memoryview], nbytes: int) -> int:
     parts: list[bytes] = []
     cur: list[memoryview] = []
     have = done = 0
-    for mv in views:
-        mv = mv.cast("B")[:max(0, nbytes - done)]
+    from .ranks import _cycle
+
+    for mv in _cycle(views, nbytes):
         while mv:
             take = mv[:cfg.part_bytes - have]
             cur.append(take)
@@ -119,8 +120,6 @@ def put_limit(url: str, views: list[memoryview], nbytes: int) -> int:
             if have == cfg.part_bytes:
                 parts.append(b"".join(cur))
                 cur, have = [], 0
-        if done >= nbytes:
-            break
     if cur:
         parts.append(b"".join(cur))
     if len(parts) <= 1:

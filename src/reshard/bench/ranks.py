@@ -13,7 +13,7 @@ import gc
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -200,18 +200,30 @@ def _owned() -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------- writes / reads
+def _cycle(views: list[memoryview], nbytes: int) -> Iterator[memoryview]:
+    """The first ``nbytes`` of ``views`` one after another, wrapping around
+    them when they hold fewer bytes (a limit writes as many bytes as reshard did)."""
+    views = [mv.cast("B") for mv in views if mv.nbytes]
+    done = 0
+    while views and done < nbytes:
+        for mv in views:
+            mv = mv[:nbytes - done]
+            if mv:
+                yield mv
+                done += len(mv)
+            if done >= nbytes:
+                return
+
+
 def _write_fsync(path: str, views: list[memoryview], nbytes: int) -> int:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     done = 0
     try:
-        for mv in views:
-            mv = mv[:max(0, nbytes - done)]
+        for mv in _cycle(views, nbytes):
             while mv:
                 n = os.write(fd, mv)
                 mv = mv[n:]
                 done += n
-            if done >= nbytes:
-                break
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -30,6 +30,9 @@ LOAD_NAMES = {
     "torch-load": "torch.load(weights_only)+copy", "safetensors": "safetensors load_file+copy",
     "first-step": "first training step after load",
 }
+#: the limits on S3 (raw boto3 calls on the same endpoint; see reshard.bench.objstore)
+S3_NAMES = {"limit-write": "limit: boto3 PUT/multipart, 1 object/rank",
+            "limit-read": "limit: boto3 ranged GETs into preallocated memory"}
 TARGETS = {
     "save_vs_limit": 0.95, "save_vs_dcp": 1.2, "stall_vs_memcpy": 1.3, "stall_vs_dcp": 0.5,
     "step_slowdown": 1.05, "load_vs_limit": 0.75, "load_vs_dcp": 3.0, "load_nocheck_vs_limit": 0.9,
@@ -186,6 +189,9 @@ def table(doc: dict[str, Any]) -> str:
              f"{meta['wall_s']:.0f} s; GB = 1e9 B"]
     for key, s in doc["summary"].items():
         lb = s["logical_bytes"]
+        s3 = key.startswith("s3/")
+        names = {**NAMES, **S3_NAMES} if s3 else NAMES
+        lnames = {**LOAD_NAMES, **S3_NAMES} if s3 else LOAD_NAMES
         lines.append("")
         lines.append(f"== {key} ({s['layout']}): {s['params'] / 1e6:.1f}M params, logical state "
                      f"{lb / GB:.3f} GB, {s['tensors_per_rank'][0]} tensors on rank 0, per rank "
@@ -194,7 +200,7 @@ def table(doc: dict[str, Any]) -> str:
         rows: list[tuple[str, ...]] = []
         sv = s["save"]
         lim, dcp = _t(s, "save", "limit-write"), _t(s, "save", "dcp")
-        rows.append(("save (fsync)", "min s", "med s", "GB/s", "x limit", "x DCP", ""))
+        rows.append(("save (durable)" if s3 else "save (fsync)", "min s", "med s", "GB/s", "x limit", "x DCP", ""))
         for m, e in sv.items():
             extra = []
             if e.get("stored_bytes"):
@@ -202,7 +208,7 @@ def table(doc: dict[str, Any]) -> str:
             if e.get("phases_s"):
                 extra.append("stage/plan/write/commit " + "/".join(f"{v:.2f}" for v in e["phases_s"].values()))
             extra.append(f"slowest writer r{e['slowest_writer']}")
-            rows.append((f"  {NAMES.get(m, m)}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
+            rows.append((f"  {names.get(m, m)}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
                          f"{e['gb_per_s']:.2f}", _ratio(lim, e["median_s"]), _ratio(dcp, e["median_s"]),
                          "; ".join(extra)))
         a = s["async"]
@@ -222,10 +228,10 @@ def table(doc: dict[str, Any]) -> str:
         if ld:
             lr = _t(s, "load", "limit-read")
             dl = min([x for x in (_t(s, "load", "dcp"), _t(s, "load", "dcp-threads")) if x] or [float("nan")])
-            rows.append(("warm load", "min s", "med s", "GB/s", "x limit", "x DCP", ""))
+            rows.append(("load" if s3 else "warm load", "min s", "med s", "GB/s", "x limit", "x DCP", ""))
             if "memcpy" in a:  # the limit of a load from memory: the memcpy of the async phase
                 e = a["memcpy"]["stall"]
-                rows.append((f"  {LOAD_NAMES['memcpy']}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
+                rows.append((f"  {lnames['memcpy']}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
                              f"{s['logical_bytes'] / GB / e['median_s']:.2f}", _ratio(lr, e["median_s"]), "",
                              "(the async phase's copy)"))
             for m, e in ld.items():
@@ -233,13 +239,13 @@ def table(doc: dict[str, Any]) -> str:
                 note = "" if not ph else "manifest/plan/read/place " + "/".join(f"{v:.3f}" for v in ph.values())
                 if not e["fingerprint_ok"]:
                     note += " STATE DIFFERS"
-                rows.append((f"  {LOAD_NAMES.get(m, m)}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
+                rows.append((f"  {lnames.get(m, m)}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
                              f"{e['gb_per_s']:.2f}" if "gb_per_s" in e else "",
                              "" if m == "first-step" else _ratio(lr, e["median_s"]),
                              "" if m == "first-step" else _ratio(dl, e["median_s"]), note))
         for m, e in s["reshard"].items():
             name, _, tgt = m.partition("@")
-            rows.append((f"  reshard {tgt}: {LOAD_NAMES.get(name, name)}", _fmt_s(e["min_s"]),
+            rows.append((f"  reshard {tgt}: {lnames.get(name, name)}", _fmt_s(e["min_s"]),
                          _fmt_s(e["median_s"]), f"{e['gb_per_s']:.2f}" if "gb_per_s" in e else "", "", "",
                          ("state equal" if e["fingerprint_ok"] else "STATE DIFFERS") if name != "first-step" else ""))
         lines.extend(_grid(rows))
@@ -322,7 +328,8 @@ def plot(doc: dict[str, Any], path: str) -> None:
                 x = 0.0
                 for k in parts:
                     v = (t or {}).get(k, 0.0)
-                    ax.barh(r, v, left=x, color=colors[k], label=k if r == 0 else None)
+                    ax.barh(r, v, left=x, color=colors[k],
+                            label=(k if k != "commit" else "commit (finalize)") if r == 0 else None)
                     x += v
             ax.set_yticks(range(len(timings)), [f"rank {i}" for i in range(len(timings))])
             ax.set_xlabel("seconds")
@@ -330,8 +337,8 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax = axes[-1][0]
     for backend in sorted({k.split("/")[0] for k in keys}):
         ws = sorted(int(k.split("/w")[1]) for k in keys if k.startswith(backend + "/"))
-        for phase, m, style in (("save", "reshard", "-o"), ("save", "limit-write", "--"), ("save", "dcp", ":x"),
-                                ("load", "reshard", "-s"), ("load", "limit-read", "--"), ("load", "dcp", ":+")):
+        for phase, m, style in (("save", "reshard", "-o"), ("save", "limit-write", "--^"), ("save", "dcp", ":x"),
+                                ("load", "reshard", "-s"), ("load", "limit-read", "--v"), ("load", "dcp", ":+")):
             ys = [summ[f"{backend}/w{w}"][phase].get(m, {}).get("gb_per_s", float("nan")) for w in ws]
             if any(y == y for y in ys):
                 ax.plot(ws, ys, style, label=f"{backend} {phase} {m}")
