@@ -120,6 +120,13 @@ def test_bench_io_smoke(tmp_path: Path) -> None:
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     # the scratch directory holds nothing after the run
     assert sorted(x.name for x in tmp_path.iterdir()) == ["io.json", "io.png"]
+    # `reshard advise --bench` takes the median reshard save time of this file as the cost
+    log = tmp_path / "failures.txt"
+    log.write_text("0\n7200\n")
+    r = CliRunner().invoke(main, ["advise", "--failures", str(log), "--bench", str(out),
+                                  "--step-time-s", "1", "--every-steps", "100"])
+    assert r.exit_code == 0, r.output
+    assert f"checkpoint cost: {rs['median_s']:.3f} s" in r.output, r.output
 
 
 @pytest.mark.timeout(300)

@@ -254,7 +254,7 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
 @click.option("--failures", "failures_log", type=click.Path(dir_okay=False, exists=True), required=True,
               help="Failure log: one failure time per line (seconds since the epoch or ISO 8601).")
 @click.option("--bench", "bench_json", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="JSON from benchmarks/bench_core.py (its reshard save time is the cost C).")
+              help="JSON from benchmarks/bench_core.py or `reshard bench io` (its reshard save time is the cost C).")
 @click.option("--cost-s", type=float, default=None, help="Foreground cost of one checkpoint, seconds.")
 @click.option("--step-time-s", type=float, required=True, help="Seconds per training step.")
 @click.option("--every-steps", type=int, required=True, help="Current cadence: checkpoint every N steps.")
@@ -312,10 +312,15 @@ def _parse_time(text: str) -> float:
 
 
 def _bench_cost(path: str) -> float:
-    """The median reshard save time of a ``benchmarks/bench_core.py --json`` file."""
+    """The median reshard save time of a ``benchmarks/bench_core.py --json``
+    file, or of a ``reshard bench io --json`` file (its largest world size)."""
     try:
-        return float(json.load(open(path))["save"]["reshard"]["median_s"])
-    except (KeyError, TypeError, ValueError) as e:
+        doc = json.load(open(path))
+        if "save" not in doc and "summary" in doc:
+            runs = sorted(doc["summary"].values(), key=lambda s: len(s["local_bytes_per_rank"]))
+            doc = runs[-1]
+        return float(doc["save"]["reshard"]["median_s"])
+    except (KeyError, TypeError, ValueError, IndexError) as e:
         raise click.BadParameter(f"{path}: no save.reshard.median_s ({e})", param_hint="--bench") from None
 
 

@@ -136,7 +136,7 @@ def _ints(text: str | None) -> list[int] | None:
 @click.option("--settle", type=float, default=0.5, show_default=True,
               help="Seconds of rest after os.sync() before each timed save.")
 @click.option("--skip", default="", help="Comma-separated methods (e.g. dcp-async-process, reshard-nocheck) "
-              "or phases (rss, train) to leave out.")
+              "or phases (rss, train, async) to leave out.")
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None,
               help="Scratch directory on the disk to measure (default: a temporary one).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
@@ -148,11 +148,15 @@ def _ints(text: str | None) -> list[int] | None:
 @click.option("--profile", "profile_dir", type=click.Path(file_okay=False), default=None,
               help="Profile every timed reshard save and load with pyinstrument (a dev dependency) "
                    "on every rank; text reports written to this directory.")
+@click.option("--demo-report", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="A `reshard demo` report.txt: its save and restore times beside this run's for the "
+                   "same state (run with the demo's --layout and --reshard-to).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ...], backend: str,
            s3_endpoint: str | None, repeat: int, synthetic_mib: float, seq_len: int, steps: int,
            settle: float, skip: str, scratch_dir: str | None, json_path: str | None,
-           plot_path: str | None, timeout: float, profile_dir: str | None, no_progress: bool) -> None:
+           plot_path: str | None, timeout: float, profile_dir: str | None, demo_report: str | None,
+           no_progress: bool) -> None:
     """Measure save, async save, load and reshard of a model state, with DCP,
     torch.save, safetensors and the machine's limits in the same run."""
     from .bench import report
@@ -177,6 +181,13 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
         if importlib.util.find_spec("moto") is None:
             fail(USAGE, "--backend s3 starts moto's S3 server on 127.0.0.1: pip install 'moto[server]' "
                         "(or give --s3-endpoint URL)")
+    demo = None
+    if demo_report:
+        try:
+            with open(demo_report, encoding="utf-8") as f:
+                demo = report.parse_demo_report(f.read())
+        except ValueError as e:
+            raise click.BadParameter(f"{demo_report}: {e}", param_hint="--demo-report") from None
     if profile_dir:
         try:
             import pyinstrument  # noqa: F401
@@ -193,6 +204,8 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
     }
     doc = run(cfg, progress=not no_progress and interactive(), json_path=json_path,
               scratch_dir=scratch_dir)
+    if demo is not None:
+        doc["demo"] = report.demo_compare(doc, demo)
     click.echo(report.table(doc))
     if json_path:
         with open(json_path, "w") as f:

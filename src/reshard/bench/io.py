@@ -116,7 +116,8 @@ class Runner:
         from . import ranks
 
         c = self.cfg
-        return self.run(world, ranks.setup, c["model"], layout, c["synthetic_mib"], c["seq_len"], c["profile"])
+        return self.run(world, ranks.setup, c["model"], layout, c["synthetic_mib"], c["seq_len"], c["profile"],
+                        c.get("synthetic_width"))
 
     def tick(self, what: str) -> None:
         self.ctx = what
@@ -190,17 +191,18 @@ class Runner:
         warm = [m for m in warm if m not in cfg["skip"]]
         self.run(world, ranks.warm, base + "-warm", warm)
         # peak RSS of the first save and of the first two async saves (the staging pool's growth)
-        for m in ("save", "async-save") if "rss" not in cfg["skip"] else ():
+        for m in [m for m in ("save", "async-save") if m not in cfg["skip"] and "rss" not in cfg["skip"]]:
             self.ctx = f"w{world} {backend}: rss {m}"
             p = self.url(backend, scratch, f"w{world}-rss-{m}")
-            self.record("rss", m, world, backend, self.run(world, ranks.rss, m, p))
+            self.record("rss", m, world, backend, self.run(world, ranks.rss, m, p, cfg.get("rss_saves", 2)))
             if m == "save":
                 self.run(world, ranks.drop, p)
         # training-step slowdown while a background save is in flight
         self.tick(f"w{world} {backend}: training during a background save")
         tm = ["reshard-async"] + (["dcp-async"] if peers and "dcp-async" not in cfg["skip"] else [])
         if "train" not in cfg["skip"]:
-            out = self.run(world, ranks.train, tm, base + "-train", cfg["steps"], settle)
+            out = self.run(world, ranks.train, tm, base + "-train", cfg["steps"], settle,
+                           cfg.get("bg_saves", 1))
             self.record("train", "step", world, backend, out)
         fp = self.run(world, ranks.fingerprint)[0]
         # saves
@@ -210,7 +212,9 @@ class Runner:
         keep: dict[str, str] = {}
         limit_bytes: list[int] = [0] * world
         methods = ["reshard"] + [m for m in methods if m != "reshard"]  # bytes per rank first
-        for r in range(rep):
+        if "save" in cfg["skip"] and "load" in cfg["skip"]:
+            methods = []  # nothing to load: no save either
+        for r in range(rep if methods else 0):
             order = methods if r == 0 else methods[r % len(methods):] + methods[:r % len(methods)]
             for m in order:
                 self.tick(f"w{world} {backend}: save {m}")
@@ -225,8 +229,8 @@ class Runner:
                 keep[m] = p
         # async saves
         amethods = [m for m in ranks.ASYNC_METHODS if (peers or m in ("memcpy", "reshard-async"))
-                    and m not in cfg["skip"]]
-        for r in range(rep):
+                    and m not in cfg["skip"] and "async" not in cfg["skip"]]
+        for r in range(rep if amethods else 0):
             order = amethods[r % len(amethods):] + amethods[:r % len(amethods)]
             for m in order:
                 self.tick(f"w{world} {backend}: async {m}")
@@ -247,6 +251,10 @@ class Runner:
                 if m != "memcpy":
                     self.run(world, ranks.drop, p)
         self.run(world, ranks.trim)  # the async phases' buffers, before the loads allocate theirs
+        if "load" in cfg["skip"]:
+            self.run(world, ranks.release)
+            self._remove(keep, world)
+            return
         # peak RSS
         self.tick(f"w{world} {backend}: rss of a load")
         ckpt = keep["reshard"]
@@ -264,6 +272,7 @@ class Runner:
                "reshard-nocheck": keep["reshard"], "dcp": keep.get("dcp"),
                "dcp-threads": keep.get("dcp"), "torch-load": keep.get("torch-save"),
                "safetensors": keep.get("safetensors")}
+        src["reshard-verify-first"] = keep["reshard"] if cfg.get("verify_first") else None
         lm = [m for m in ranks.LOAD_METHODS if src.get(m) is not None and m not in cfg["skip"]
               and (peers or m.startswith("reshard") or (limits and m == "limit-read"))]
         for m in lm:
@@ -284,9 +293,16 @@ class Runner:
                                   "processes, which do not see this one's memory)")
                 continue
             self.reshard_to(world, backend, target, keep, fp)
+        self._remove(keep, world)
+
+    def _remove(self, keep: dict[str, str], world: int = 1) -> None:
+        """Delete the kept checkpoints (memory://: in the workers of ``world``,
+        the same group: a memory run never reshards to another world)."""
+        from . import ranks
+
         for p in keep.values():
             if p.startswith("memory://"):
-                self.run(world, ranks.drop, p)  # held in the workers (the same group: see above)
+                self.run(world, ranks.drop, p)
             elif p.startswith("s3://"):
                 from ..storage import resolve
 

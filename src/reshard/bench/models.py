@@ -328,11 +328,13 @@ def _build_grid(name: str, layout: LayoutSpec, seq_len: int, seed: int) -> GridW
 
 
 def build(name: str, layout: LayoutSpec, *, synthetic_mib: float = 256.0, seq_len: int = 16,
-          seed: int = 0) -> Workload:
+          seed: int = 0, synthetic_width: int | None = None) -> Workload:
     """Build ``name`` in ``layout`` on the current default process group, and
     run one training step (which creates the AdamW moments).
 
     A "grid" layout builds the demo's trainer (:class:`GridWorkload`).
+    ``synthetic_width``: columns (and rows) of each synthetic layer (default
+    2048: 16 MiB tensors; 256 below 64 MiB of parameters).
 
     Raises:
         ValueError: an unknown model; a grid layout of a model the demo's
@@ -346,7 +348,7 @@ def build(name: str, layout: LayoutSpec, *, synthetic_mib: float = 256.0, seq_le
     g = torch.Generator().manual_seed(seed + 1 + (dist.get_rank() if dist.is_initialized() else 0))
     model: Any
     if name == "synthetic":
-        width = 2048 if synthetic_mib >= 64 else 256
+        width = synthetic_width or (2048 if synthetic_mib >= 64 else 256)
         n = max(1, round(synthetic_mib * (1 << 20) / (width * width * 4)))
         model = Synthetic(n, width)
         batch = torch.randn(8, width, generator=g)

@@ -30,8 +30,8 @@ _W: dict[str, Any] = {}
 
 SAVE_METHODS = ("limit-write", "reshard", "reshard-nocheck", "dcp", "torch-save", "safetensors")
 ASYNC_METHODS = ("memcpy", "reshard-async", "dcp-async", "dcp-async-process")
-LOAD_METHODS = ("limit-read", "reshard", "reshard-nocheck", "dcp", "dcp-threads", "torch-load",
-                "safetensors")
+LOAD_METHODS = ("limit-read", "reshard", "reshard-nocheck", "reshard-verify-first", "dcp", "dcp-threads",
+                "torch-load", "safetensors")
 
 
 def _w() -> Workload:
@@ -73,7 +73,7 @@ def _nbytes(ts: list[torch.Tensor]) -> int:
 
 # ------------------------------------------------------------------------------- setup
 def setup(model: str, layout: str, synthetic_mib: float, seq_len: int,
-          profile_dir: str | None = None) -> dict[str, Any]:
+          profile_dir: str | None = None, synthetic_width: int | None = None) -> dict[str, Any]:
     """Build this rank's workload (one training step creates the moments);
     with ``profile_dir``, the timed reshard calls are profiled there."""
     _W.clear()
@@ -81,7 +81,8 @@ def setup(model: str, layout: str, synthetic_mib: float, seq_len: int,
     _W["profile_dir"] = profile_dir
     spec: LayoutSpec = parse_layout(layout).on(dist.get_world_size())
     t0 = time.perf_counter()
-    w = _W["w"] = build(model, spec, synthetic_mib=synthetic_mib, seq_len=seq_len)
+    w = _W["w"] = build(model, spec, synthetic_mib=synthetic_mib, seq_len=seq_len,
+                        synthetic_width=synthetic_width)
     build_s = time.perf_counter() - t0
     ts = w.tensors()
     local = _nbytes(ts)
@@ -412,14 +413,18 @@ def async_save(method: str, path: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- train
-def train(methods: list[str], base: str, steps: int, settle: float) -> dict[str, Any]:
+def train(methods: list[str], base: str, steps: int, settle: float, saves: int = 1) -> dict[str, Any]:
     """Step times with no save in flight, and while each method's background
-    save is in flight (a real forward/backward/AdamW step of the workload)."""
+    save is in flight (a real forward/backward/AdamW step of the workload);
+    ``saves`` background saves per method (order rotated), ``save_s`` their
+    median time from start to commit."""
     w = _w()
-    out: dict[str, Any] = {"rank": _rank(), "no_save": [], "during": {}, "save_s": {}}
+    out: dict[str, Any] = {"rank": _rank(), "no_save": [], "during": {m: [] for m in methods}, "save_s": {}}
+    took: dict[str, list[float]] = {m: [] for m in methods}
     w.step()
-    for m in methods:
-        p = f"{base}-{m}"
+    order = [m for i in range(saves) for m in methods[i % len(methods):] + methods[:i % len(methods)]]
+    for i, m in enumerate(order):
+        p = f"{base}-{m}-{i}"
         quiet(settle)
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -434,9 +439,10 @@ def train(methods: list[str], base: str, steps: int, settle: float) -> dict[str,
             w.step()
             xs.append(time.perf_counter() - t0)
         _wait(h)
-        out["save_s"][m] = time.perf_counter() - t_start
-        out["during"][m] = xs
+        took[m].append(time.perf_counter() - t_start)
+        out["during"][m].extend(xs)
         drop(p)
+    out["save_s"] = {m: sorted(v)[len(v) // 2] for m, v in took.items()}
     return out
 
 
@@ -483,8 +489,9 @@ def load(method: str, path: str, repeat: int, verify_fp: str | None = None) -> d
         else:
             files = sorted(os.path.join(path, f) for f in os.listdir(path) if not f.endswith(".json"))
             fn = lambda: _read_limit(files, mv)  # noqa: E731
-    elif method in ("reshard", "reshard-nocheck"):
-        opts = reshard.LoadOptions(checksums=method == "reshard")
+    elif method in ("reshard", "reshard-nocheck", "reshard-verify-first"):
+        opts = reshard.LoadOptions(checksums=method != "reshard-nocheck",
+                                   verify_first=method == "reshard-verify-first")
         fn = lambda: _reshard_load(path, opts)  # noqa: E731
     elif method in ("dcp", "dcp-threads"):
         import torch.distributed.checkpoint as dcp
@@ -534,14 +541,14 @@ def load(method: str, path: str, repeat: int, verify_fp: str | None = None) -> d
 
 
 # ------------------------------------------------------------------------------------ RSS
-def rss(method: str, path: str) -> dict[str, Any]:
-    """Peak extra RSS of one call of ``method`` ("save", "async-save" (two
-    consecutive ones, each committed), "load", "dcp-save", "dcp-load")."""
+def rss(method: str, path: str, saves: int = 2) -> dict[str, Any]:
+    """Peak extra RSS of one call of ``method`` ("save", "async-save"
+    (``saves`` consecutive ones, each committed), "load", "dcp-save", "dcp-load")."""
     w = _w()
     out: dict[str, Any] = {"rank": _rank(), "state_bytes": _nbytes(w.tensors())}
     if method == "async-save":
         extras = []
-        for i in range(2):
+        for i in range(saves):
             p = f"{path}-{i}"
             dist.barrier()
             with PeakRSS() as m:

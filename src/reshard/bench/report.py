@@ -9,6 +9,7 @@ ratios (``t / t_reference``: below 1 is shorter).
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import defaultdict
 from typing import Any
@@ -26,6 +27,7 @@ NAMES = {
 LOAD_NAMES = {
     "limit-read": "limit: preadv page cache, 1 thread", "memcpy": "limit: memcpy, preallocated",
     "reshard": "reshard.load (checksums)", "reshard-nocheck": "reshard.load, no checksums",
+    "reshard-verify-first": "reshard.load, verify_first",
     "dcp": "DCP load, 1 thread", "dcp-threads": "DCP load, all cores",
     "torch-load": "torch.load(weights_only)+copy", "safetensors": "safetensors load_file+copy",
     "first-step": "first training step after load",
@@ -268,6 +270,8 @@ def table(doc: dict[str, Any]) -> str:
             lines.append("resident memory per rank, highest after any phase (MiB): "
                          + ", ".join(f"{x / MiB:.0f}" for x in hi))
         lines.append("targets: " + ", ".join(_target(k, v) for k, v in s["ratios"].items()))
+    if doc.get("demo"):
+        lines.extend(demo_lines(doc["demo"]))
     for n in doc["notes"]:
         lines.append(f"note: {n}")
     return "\n".join(lines)
@@ -366,3 +370,88 @@ def _load_timings(doc: dict[str, Any], key: str) -> list[dict[str, float]]:
         if (r["phase"], r["method"], r["backend"], str(r["world"])) == ("load", "reshard", backend, w):
             return [p["timings"][-1] if p.get("timings") else {} for p in r["per_rank"]]
     return []
+
+
+# ------------------------------------------------------------------ the demo's figures beside the bench's
+_DEMO_HEAD = re.compile(r"layout A \((?P<a>[^)]*)\) -> layout B \((?P<b>[^)]*)\)")
+_DEMO_SAVE = re.compile(r"^\s*save: (?P<mib>[\d.]+) MiB in (?P<files>\d+) files, (?P<s>[\d.]+) s")
+_DEMO_RESTORE = re.compile(r"restored step \d+ from .* in (?P<s>[\d.]+) s, (?P<mib>[\d.]+) MiB read by "
+                           r"(?P<n>\d+) ranks")
+
+#: what differs between the demo's timings and the bench's (the report names them beside a ratio)
+DEMO_DIFFERENCES = (
+    "the demo times one save per checkpoint through CheckpointManager (lineage HEAD, retention), "
+    "right after training steps, each the first of its step (no warm-up call); its restore is the "
+    "first load of freshly started processes (imports and first-call costs, discovery of the newest "
+    "committed checkpoint) timed once; the bench's figures are medians of repeated calls after an "
+    "untimed one, on a quiet disk (os.sync before each save)")
+
+
+def parse_demo_report(text: str) -> dict[str, Any]:
+    """The figures of a ``reshard demo`` report.txt: ``layout_a``, ``layout_b``
+    (the trainer's ``pp,dp,tp`` spelling), ``saves`` (``[{"mib", "files",
+    "s"}]``, layout A) and ``restore`` (``{"s", "mib", "ranks"}``).
+
+    Raises:
+        ValueError: the text is not a demo report (no layout line, or no save).
+    """
+    head = _DEMO_HEAD.search(text)
+    saves = [{"mib": float(m["mib"]), "files": int(m["files"]), "s": float(m["s"])}
+             for m in (_DEMO_SAVE.match(ln) for ln in text.splitlines()) if m]
+    if head is None or not saves:
+        raise ValueError("not a `reshard demo` report (no 'layout A (...) -> layout B (...)' line or "
+                         "no 'save: ... MiB in ... files, ... s' line)")
+    r = _DEMO_RESTORE.search(text)
+    return {"layout_a": head["a"], "layout_b": head["b"], "saves": saves,
+            "restore": None if r is None else {"s": float(r["s"]), "mib": float(r["mib"]),
+                                               "ranks": int(r["n"])}}
+
+
+def demo_compare(doc: dict[str, Any], demo: dict[str, Any]) -> dict[str, Any]:
+    """Ratios of the demo's save and restore times to the bench's for the
+    same state and layouts: ``save_ratio`` (median demo save / median
+    ``reshard.save``), ``restore_ratio`` (demo restore / the bench's
+    ``--reshard-to`` load into layout B, checksums on), ``within_2x`` and the
+    differences that explain a ratio above 2."""
+    key = next((k for k, s in doc["summary"].items()
+                if k.startswith("local/") and s["layout"] == demo["layout_a"]), None)
+    out: dict[str, Any] = {"demo": demo, "bench": key}
+    if key is None:
+        out["why"] = (f"no local run of layout {demo['layout_a']} in this bench (run it with "
+                      f"--layout {demo['layout_a']} --reshard-to {demo['layout_b']})")
+        return out
+    s = doc["summary"][key]
+    ds = _med([x["s"] for x in demo["saves"]])
+    bs = s["save"].get("reshard", {}).get("median_s")
+    if bs:
+        out["save_ratio"] = ds / bs
+        out["save_demo_s"], out["save_bench_s"] = ds, bs
+        out["stored_mib_demo"] = _med([x["mib"] for x in demo["saves"]])
+        out["stored_mib_bench"] = (s["save"]["reshard"].get("stored_bytes") or 0) / MiB
+    rb = s["reshard"].get(f"reshard@{demo['layout_b']}<-{demo['layout_a']}", {}).get("median_s")
+    if demo["restore"] and rb:
+        out["restore_ratio"] = demo["restore"]["s"] / rb
+        out["restore_demo_s"], out["restore_bench_s"] = demo["restore"]["s"], rb
+    ratios = [out[k] for k in ("save_ratio", "restore_ratio") if k in out]
+    out["within_2x"] = bool(ratios) and all(0.5 <= x <= 2.0 for x in ratios)
+    if not out["within_2x"]:
+        out["why"] = DEMO_DIFFERENCES
+    return out
+
+
+def demo_lines(cmp: dict[str, Any]) -> list[str]:
+    """The terminal lines of :func:`demo_compare`."""
+    d = cmp["demo"]
+    lines = [f"demo report ({d['layout_a']} -> {d['layout_b']}) beside this bench ({cmp['bench']}):"]
+    if "save_ratio" in cmp:
+        lines.append(f"  save: demo {cmp['save_demo_s']:.2f} s ({cmp['stored_mib_demo']:.1f} MiB), bench "
+                     f"reshard.save {cmp['save_bench_s']:.2f} s ({cmp['stored_mib_bench']:.1f} MiB): "
+                     f"demo/bench x{cmp['save_ratio']:.2f}")
+    if "restore_ratio" in cmp:
+        lines.append(f"  restore into {d['layout_b']}: demo {cmp['restore_demo_s']:.2f} s, bench "
+                     f"{cmp['restore_bench_s']:.2f} s: demo/bench x{cmp['restore_ratio']:.2f}")
+    if "within_2x" in cmp:
+        lines.append(f"  within 2x: {'yes' if cmp['within_2x'] else 'NO'}")
+    if cmp.get("why"):
+        lines.append(f"  why: {cmp['why']}")
+    return lines
