@@ -142,15 +142,16 @@ def test_bench_io_smoke_s3_tp_to_pp(tmp_path: Path) -> None:
     p = subprocess.run(
         [sys.executable, "-m", "reshard.cli", "bench", "io", "--model", "llama-tiny", "--layout", "tp2",
          "--reshard-to", "pp2", "--backend", "s3", "--repeat", "1", "--settle", "0", "--steps", "1",
-         "--skip", "reshard-nocheck,rss,train", "--json", str(out), "--no-progress"],
-        capture_output=True, text=True, timeout=300, env=env)
+         "--skip", "reshard-nocheck,rss,train,async", "--cold", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env={**env, "RESHARD_PROGRESS": "1"})
     assert p.returncode == 0, p.stdout + p.stderr
     assert "boto3 PUT" in p.stdout and "no S3 writer" in p.stdout
+    assert "bench io" in p.stderr and "phase" in p.stderr  # the progress bar (asked for: not a terminal)
     doc = json.loads(out.read_text())
     s = doc["summary"]["s3/w2"]
     assert s["layout"] == "pp1,dp1,tp2"
     assert set(s["save"]) == {"reshard", "limit-write"}
-    assert {"memcpy", "reshard-async"} == set(s["async"])
+    assert s["async"] == {}  # skipped here (the FSDP smoke runs them)
     assert {"limit-read", "reshard", "first-step"} == set(s["load"])
     assert s["load"]["reshard"]["fingerprint_ok"]
     (key,) = [k for k in s["reshard"] if k.startswith("reshard@")]
@@ -160,6 +161,32 @@ def test_bench_io_smoke_s3_tp_to_pp(tmp_path: Path) -> None:
     assert sum(p["bytes"] for p in s["save"]["limit-write"]["per_rank"]) == sum(
         p["bytes"] for p in rs["per_rank"])  # the limit uploads the bytes reshard wrote
     assert set(rs["phases_s"]) == {"stage", "plan", "write", "commit"}
+    # --cold: the first save, a manager save and the first resharded load of fresh processes
+    assert set(s["cold"]) == {"first-save", "manager-save", "first-load@pp2,dp1,tp1<-pp1,dp1,tp2"}
+    assert s["cold"]["first-load@pp2,dp1,tp1<-pp1,dp1,tp2"]["fingerprint_ok"]
+    assert "first calls in freshly started processes" in p.stdout
+
+
+def test_demo_report_beside_the_bench() -> None:
+    """The demo's figures are read from its report and set beside the bench's
+    for the same layouts, with the ratio and the reason beyond 2x."""
+    from reshard.bench import report
+
+    text = ("reshard demo: bert (full), layout A (pp1,dp2,tp2) -> layout B (pp2,dp2,tp1), 16 steps\n"
+            "  save: 261.0 MiB in 4 files, 4.00 s (65 MiB/s)\n  save: 261.0 MiB in 4 files, 5.00 s (52 MiB/s)\n"
+            "layout B (pp2,dp2,tp1): restored step 8 from /x/step-00000008 in 3.00 s, 484.9 MiB read by 4 ranks\n")
+    d = report.parse_demo_report(text)
+    assert d["layout_a"] == "pp1,dp2,tp2" and d["restore"] == {"s": 3.0, "mib": 484.9, "ranks": 4}
+    s = {"layout": "pp1,dp2,tp2", "save": {"reshard": {"median_s": 1.5, "stored_bytes": 261 << 20}},
+         "reshard": {"reshard@pp2,dp2,tp1<-pp1,dp2,tp2": {"median_s": 2.0}},
+         "cold": {"first-save": {"s": 4.0}, "manager-save": {"s": 1.0}}}
+    cmp = report.demo_compare({"summary": {"local/w4": s}}, d)
+    assert cmp["save_ratio"] == pytest.approx(3.0) and cmp["restore_ratio"] == pytest.approx(1.5)
+    assert cmp["save_ratio_cold"] == pytest.approx(1.125)
+    assert not cmp["within_2x"] and "CheckpointManager" in cmp["why"]
+    assert "demo/bench x3.00" in "\n".join(report.demo_lines(cmp))
+    with pytest.raises(ValueError, match="not a `reshard demo` report"):
+        report.parse_demo_report("hello")
 
 
 def _manifest_bytes(doc: dict) -> int:

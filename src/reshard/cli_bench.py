@@ -151,17 +151,21 @@ def _ints(text: str | None) -> list[int] | None:
 @click.option("--demo-report", type=click.Path(dir_okay=False, exists=True), default=None,
               help="A `reshard demo` report.txt: its save and restore times beside this run's for the "
                    "same state (run with the demo's --layout and --reshard-to).")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@click.option("--cold", is_flag=True,
+              help="Also time the first save (then a CheckpointManager.save) and the first load into each "
+                   "--reshard-to layout in freshly started processes, with no warm-up call, as the demo does.")
+@click.option("--no-progress", is_flag=True,
+              help="No progress bar (shown when stderr is a terminal or RESHARD_PROGRESS=1).")
 def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ...], backend: str,
            s3_endpoint: str | None, repeat: int, synthetic_mib: float, seq_len: int, steps: int,
            settle: float, skip: str, scratch_dir: str | None, json_path: str | None,
            plot_path: str | None, timeout: float, profile_dir: str | None, demo_report: str | None,
-           no_progress: bool) -> None:
+           cold: bool, no_progress: bool) -> None:
     """Measure save, async save, load and reshard of a model state, with DCP,
     torch.save, safetensors and the machine's limits in the same run."""
     from .bench import report
     from .bench.io import check_layouts, run
-    from .progress import interactive
+    from .progress import interactive, wanted
 
     try:
         worlds = check_layouts(model, layout, list(reshard_to), _ints(world))
@@ -200,9 +204,9 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
         "synthetic_mib": synthetic_mib, "seq_len": seq_len, "steps": steps, "settle": settle,
         "skip": {s.strip() for s in skip.split(",") if s.strip()}, "timeout": timeout, "layout_of": {},
         "argv": sys.argv[1:], "cpus": os.cpu_count(),
-        "profile": os.path.abspath(profile_dir) if profile_dir else None,
+        "profile": os.path.abspath(profile_dir) if profile_dir else None, "cold": cold,
     }
-    doc = run(cfg, progress=not no_progress and interactive(), json_path=json_path,
+    doc = run(cfg, progress=not no_progress and (interactive() or wanted(None)), json_path=json_path,
               scratch_dir=scratch_dir)
     if demo is not None:
         doc["demo"] = report.demo_compare(doc, demo)

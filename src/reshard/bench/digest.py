@@ -108,9 +108,9 @@ def combine(per_rank: list[dict[str, tuple[int, int]]]) -> dict[str, Any]:
                 differ.append(cid)
             chunks.setdefault(cid, v)
     per_key: dict[str, int] = {}
-    for cid, (v, _) in chunks.items():
+    for cid, (hs, _) in chunks.items():
         key = cid.split("|", 1)[0]
-        per_key[key] = (per_key.get(key, 0) + v) & _MASK
+        per_key[key] = (per_key.get(key, 0) + hs) & _MASK
     import xxhash
 
     h = xxhash.xxh3_64()

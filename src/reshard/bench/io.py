@@ -177,6 +177,8 @@ class Runner:
         cfg = self.cfg
         rep, settle = cfg["repeat"], cfg["settle"]
         self.ctx = f"w{world} {backend}: setup"
+        if cfg.get("cold") and world in self.pool._groups:
+            self.pool.restart(world)  # freshly started processes for the first save
         info = self.setup(world, cfg["layout"])
         self.info[world] = info
         cfg["layout_of"][world] = info[0]["layout"]
@@ -184,6 +186,15 @@ class Runner:
         self.tick(f"w{world} {backend}: warm-up")
         if info[0]["replicas_differ"]:
             self.notes.append(f"w{world}: replicas differ before any save: {info[0]['replicas_differ']}")
+        if cfg.get("cold"):  # fresh processes (this setup's): the first save, as the demo saves
+            pc, root = self.url(backend, scratch, f"w{world}-cold"), self.url(backend, scratch, f"w{world}-mgr")
+            out = self.run(world, ranks.cold_save, pc, root)
+            self.record("cold", "first-save", world, backend, out)
+            self.record("cold", "manager-save", world, backend,
+                        [{"rank": o["rank"], "own_s": o["manager_own_s"], "total_s": o["manager_total_s"]}
+                         for o in out])
+            self.run(world, ranks.drop, pc)
+            self.run(world, ranks.drop, root)
         peers = backend == "local" and info[0]["peers"]  # DCP, torch.save, safetensors
         limits = backend in ("local", "s3")  # limit-write / limit-read on this storage
         base = self.url(backend, scratch, f"w{world}")
@@ -318,8 +329,13 @@ class Runner:
         spec = parse_layout(target)
         tw = spec.world or world
         self.ctx = f"w{world}->{target}: setup"
+        if cfg.get("cold") and tw in self.pool._groups:
+            self.pool.restart(tw)  # the first load of freshly started processes, as the demo restores
         info = self.setup(tw, target)
         tag = f"{info[0]['layout']}<-{cfg['layout_of'][world]}"
+        if cfg.get("cold"):
+            out = self.run(tw, ranks.load, "reshard", keep["reshard"], 1, fp, False)
+            self.record("cold", "first-load", world, backend, out, target=tag, target_world=tw)
         for m, p in (("reshard", keep["reshard"]), ("reshard-nocheck", keep["reshard"]),
                      ("dcp", keep.get("dcp"))):
             if p is None or m in cfg["skip"]:
@@ -373,6 +389,8 @@ def run(cfg: dict[str, Any], *, progress: bool, json_path: str | None = None,
             "ram_gib": round(psutil.virtual_memory().total / (1 << 30), 1),
             "cuda": torch.cuda.is_available(), "loadavg_start": list(os.getloadavg())}
     scratch = tempfile.mkdtemp(prefix="reshard-bench-io-", dir=scratch_dir)
+    if "save" in cfg["skip"]:
+        cfg["skip"].add("load")  # the loads read the reshard save's checkpoint
     runner = Runner(cfg, progress)
     runner.notes.extend(_notes(cfg))
     t0 = time.perf_counter()

@@ -24,7 +24,7 @@ import reshard
 from ..formats.hf_write import _fsync_file
 from ..testing.memory import PeakRSS
 from . import digest
-from .models import LayoutSpec, Workload, build, parse_layout
+from .models import GridWorkload, LayoutSpec, Workload, build, parse_layout
 
 _W: dict[str, Any] = {}
 
@@ -89,7 +89,7 @@ def setup(model: str, layout: str, synthetic_mib: float, seq_len: int,
     _W["bg_pg"] = dist.new_group(backend="gloo")  # DCP's background collectives
     d = digest.state_digest(w.reshard_state())
     params = sum(p.numel() for p in w.model.parameters())
-    if spec.kind == "grid":  # each rank holds its stage's TP shards: the logical count
+    if isinstance(w, GridWorkload):  # each rank holds its stage's TP shards: the logical count
         n = torch.tensor([params if w.trainer.g.dp_rank == 0 else 0], dtype=torch.int64)
         dist.all_reduce(n)
         params = int(n)
@@ -472,8 +472,21 @@ def _read_limit(files: list[str], buf: memoryview) -> None:
         i += 1
 
 
-def load(method: str, path: str, repeat: int, verify_fp: str | None = None) -> dict[str, Any]:
-    """Warm load (one untimed call first), then ``repeat`` timed ones."""
+def cold_save(path: str, root: str) -> dict[str, Any]:
+    """The first ``reshard.save`` of this (freshly started) process's state,
+    with no warm-up call, then a ``CheckpointManager.save`` of it under
+    ``root`` as ``reshard demo`` saves (``every_steps=1``, no retention)."""
+    w = _w()
+    _, own, total = _timed(lambda: reshard.save(w.reshard_state(), path, step=1))
+    mgr = reshard.CheckpointManager(root, every_steps=1, keep_last=None, preempt_signals=())
+    _, own2, total2 = _timed(lambda: mgr.save(1, w.reshard_state()))
+    return {"rank": _rank(), "own_s": [own], "total_s": [total], "manager_own_s": [own2],
+            "manager_total_s": [total2]}
+
+
+def load(method: str, path: str, repeat: int, verify_fp: str | None = None, warm: bool = True) -> dict[str, Any]:
+    """Warm load (one untimed call first; none with ``warm=False``), then
+    ``repeat`` timed ones."""
     w = _w()
     rank = _rank()
     res: dict[str, Any] = {"rank": rank, "own_s": [], "total_s": [], "timings": []}
@@ -521,7 +534,8 @@ def load(method: str, path: str, repeat: int, verify_fp: str | None = None) -> d
     if method == "dcp-threads":
         torch.set_num_threads(os.cpu_count() or 1)
     try:
-        fn()  # warm: page cache, first-call imports
+        if warm:
+            fn()  # warm: page cache, first-call imports
         for _ in range(repeat):
             out, own, total = _timed(fn, f"load-{method}" if method.startswith("reshard") else None)
             res["own_s"].append(own)

@@ -32,6 +32,8 @@ LOAD_NAMES = {
     "torch-load": "torch.load(weights_only)+copy", "safetensors": "safetensors load_file+copy",
     "first-step": "first training step after load",
 }
+_COLD = {"first-save": "reshard.save", "manager-save": "then CheckpointManager.save",
+         "first-load": "reshard.load"}
 #: the limits on S3 (raw boto3 calls on the same endpoint; see reshard.bench.objstore)
 S3_NAMES = {"limit-write": "limit: boto3 PUT/multipart, 1 object/rank",
             "limit-read": "limit: boto3 ranged GETs into preallocated memory"}
@@ -57,7 +59,7 @@ def summarise(records: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, A
     for r in records:
         groups[(r["backend"], r["world"])].append(r)
     for (backend, world), recs in groups.items():
-        s: dict[str, Any] = {"save": {}, "async": {}, "load": {}, "reshard": {}, "rss": {}}
+        s: dict[str, Any] = {"save": {}, "async": {}, "load": {}, "reshard": {}, "rss": {}, "cold": {}}
         setup = next(r for r in recs if r["phase"] == "setup")
         logical = setup["logical_bytes"]
         s["logical_bytes"] = logical
@@ -110,6 +112,9 @@ def summarise(records: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, A
                 if "target" in r:
                     e["target"], e["target_world"] = r["target"], r["target_world"]
                 s[phase][m] = e
+            elif phase == "cold":  # one call each: the slowest rank's time
+                s["cold"][m] = {"s": max(p["total_s"][0] for p in rs[-1]["per_rank"]),
+                                "fingerprint_ok": all(p.get("fingerprint_ok", True) for p in rs[-1]["per_rank"])}
             elif phase == "rss":
                 r = rs[-1]
                 s["rss"][m] = {"extra_per_rank": [p["extra"] for p in r["per_rank"]],
@@ -202,7 +207,9 @@ def table(doc: dict[str, Any]) -> str:
         rows: list[tuple[str, ...]] = []
         sv = s["save"]
         lim, dcp = _t(s, "save", "limit-write"), _t(s, "save", "dcp")
-        rows.append(("save (durable)" if s3 else "save (fsync)", "min s", "med s", "GB/s", "x limit", "x DCP", ""))
+        if sv:
+            rows.append(("save (durable)" if s3 else "save (fsync)", "min s", "med s", "GB/s", "x limit",
+                         "x DCP", ""))
         for m, e in sv.items():
             extra = []
             if e.get("stored_bytes"):
@@ -251,6 +258,10 @@ def table(doc: dict[str, Any]) -> str:
                          _fmt_s(e["median_s"]), f"{e['gb_per_s']:.2f}" if "gb_per_s" in e else "", "", "",
                          ("state equal" if e["fingerprint_ok"] else "STATE DIFFERS") if name != "first-step" else ""))
         lines.extend(_grid(rows))
+        if s.get("cold"):
+            lines.append("first calls in freshly started processes (no warm-up): " + "; ".join(
+                f"{_COLD.get(m.split('@')[0], m)}{' into ' + m.split('@')[1].split('<-')[0] if '@' in m else ''} "
+                f"{e['s']:.2f} s" for m, e in s["cold"].items()))
         if "train" in s:
             tr = s["train"]
             r0 = tr["per_rank"][0]
@@ -294,6 +305,8 @@ def _ratio(ref: float | None, t: float | None, inv: bool = False) -> str:
 
 
 def _grid(rows: list[tuple[str, ...]]) -> list[str]:
+    if not rows:
+        return []
     w = [max(len(r[i]) for r in rows) for i in range(6)]
     out = []
     for r in rows:
@@ -432,6 +445,15 @@ def demo_compare(doc: dict[str, Any], demo: dict[str, Any]) -> dict[str, Any]:
     if demo["restore"] and rb:
         out["restore_ratio"] = demo["restore"]["s"] / rb
         out["restore_demo_s"], out["restore_bench_s"] = demo["restore"]["s"], rb
+    cold = s.get("cold", {})
+    if "first-save" in cold:
+        out["cold_save_s"] = cold["first-save"]["s"]
+        out["cold_manager_save_s"] = cold["manager-save"]["s"]
+        out["save_ratio_cold"] = ds / max(cold["first-save"]["s"], 1e-9)
+    cl = cold.get(f"first-load@{demo['layout_b']}<-{demo['layout_a']}")
+    if cl and demo["restore"]:
+        out["cold_restore_s"] = cl["s"]
+        out["restore_ratio_cold"] = demo["restore"]["s"] / max(cl["s"], 1e-9)
     ratios = [out[k] for k in ("save_ratio", "restore_ratio") if k in out]
     out["within_2x"] = bool(ratios) and all(0.5 <= x <= 2.0 for x in ratios)
     if not out["within_2x"]:
@@ -450,6 +472,12 @@ def demo_lines(cmp: dict[str, Any]) -> list[str]:
     if "restore_ratio" in cmp:
         lines.append(f"  restore into {d['layout_b']}: demo {cmp['restore_demo_s']:.2f} s, bench "
                      f"{cmp['restore_bench_s']:.2f} s: demo/bench x{cmp['restore_ratio']:.2f}")
+    if "save_ratio_cold" in cmp:
+        lines.append(f"  first calls in fresh processes (--cold): save {cmp['cold_save_s']:.2f} s (demo/cold "
+                     f"x{cmp['save_ratio_cold']:.2f}), then CheckpointManager.save {cmp['cold_manager_save_s']:.2f} s")
+    if "restore_ratio_cold" in cmp:
+        lines.append(f"  first load into {d['layout_b']} in fresh processes: {cmp['cold_restore_s']:.2f} s "
+                     f"(demo/cold x{cmp['restore_ratio_cold']:.2f})")
     if "within_2x" in cmp:
         lines.append(f"  within 2x: {'yes' if cmp['within_2x'] else 'NO'}")
     if cmp.get("why"):
