@@ -317,8 +317,9 @@ def _grid(rows: list[tuple[str, ...]]) -> list[str]:
 
 def plot(doc: dict[str, Any], path: str) -> None:
     """PNG: per-rank timelines of the last reshard save (stage, plan, write,
-    commit) and load (manifest, plan, read, place) of each world size, and
-    GB/s over world sizes per backend."""
+    commit) and load (manifest, plan, read, place) of each world size, and of
+    the load into the first ``--reshard-to`` layout where there is one; GB/s
+    over world sizes per backend and the async stalls."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -326,21 +327,29 @@ def plot(doc: dict[str, Any], path: str) -> None:
 
     summ = doc["summary"]
     keys = list(summ)
-    fig, axes = plt.subplots(len(keys) + 1, 2, figsize=(13, 2.6 * (len(keys) + 1)), squeeze=False)
+    cols = 3 if any(s["reshard"] for s in summ.values()) else 2
+    fig, axes = plt.subplots(len(keys) + 1, cols, figsize=(6.5 * cols, 2.6 * (len(keys) + 1)), squeeze=False)
+    if cols == 3:
+        axes[-1][2].axis("off")
     colors = {"stage": "#8c564b", "plan": "#1f77b4", "write": "#d62728", "commit": "#2ca02c",
               "manifest": "#9467bd", "read": "#ff7f0e", "place": "#17becf", "checksum": "#7f7f7f"}
     for row, key in enumerate(keys):
         s = summ[key]
-        for col, (phase, m, parts) in enumerate((("save", "reshard", ("stage", "plan", "write", "commit")),
-                                                 ("load", "reshard", ("manifest", "plan", "read", "place")))):
+        tgt = next((m for m in s["reshard"] if m.startswith("reshard@")), None)
+        cells = [("save", "reshard", ("stage", "plan", "write", "commit")),
+                 ("load", "reshard", ("manifest", "plan", "read", "place"))]
+        if cols == 3:
+            cells.append(("reshard", tgt or "", ("manifest", "plan", "read", "place")))
+        for col, (phase, m, parts) in enumerate(cells):
             ax = axes[row][col]
             e = s[phase].get(m)
-            ax.set_title(f"{key}: reshard {phase} per rank", fontsize=9)
+            ax.set_title(f"{key}: reshard {phase} per rank" if phase != "reshard" else
+                         f"{key}: load into {m.split('@')[-1].split('<-')[0]} per rank", fontsize=9)
             if e is None:
                 ax.text(0.5, 0.5, "not measured", ha="center")
                 continue
             timings = ([p["timings"] for p in e["per_rank"]] if phase == "save" else
-                       _load_timings(doc, key))
+                       _load_timings(doc, key, phase))
             for r, t in enumerate(timings):
                 x = 0.0
                 for k in parts:
@@ -377,10 +386,10 @@ def plot(doc: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def _load_timings(doc: dict[str, Any], key: str) -> list[dict[str, float]]:
+def _load_timings(doc: dict[str, Any], key: str, phase: str = "load") -> list[dict[str, float]]:
     backend, w = key.split("/w")
     for r in reversed(doc["records"]):
-        if (r["phase"], r["method"], r["backend"], str(r["world"])) == ("load", "reshard", backend, w):
+        if (r["phase"], r["method"], r["backend"], str(r["world"])) == (phase, "reshard", backend, w):
             return [p["timings"][-1] if p.get("timings") else {} for p in r["per_rank"]]
     return []
 
