@@ -162,7 +162,8 @@ def test_bench_io_smoke_s3_tp_to_pp(tmp_path: Path) -> None:
         p["bytes"] for p in rs["per_rank"])  # the limit uploads the bytes reshard wrote
     assert set(rs["phases_s"]) == {"stage", "plan", "write", "commit"}
     # --cold: the first save, a manager save and the first resharded load of fresh processes
-    assert set(s["cold"]) == {"first-save", "manager-save", "first-load@pp2,dp1,tp1<-pp1,dp1,tp2"}
+    assert set(s["cold"]) == {"first-save", "manager-save", "manager-verify",
+                              "first-load@pp2,dp1,tp1<-pp1,dp1,tp2"}
     assert s["cold"]["first-load@pp2,dp1,tp1<-pp1,dp1,tp2"]["fingerprint_ok"]
     assert "first calls in freshly started processes" in p.stdout
 

@@ -193,6 +193,8 @@ class Runner:
             self.record("cold", "manager-save", world, backend,
                         [{"rank": o["rank"], "own_s": o["manager_own_s"], "total_s": o["manager_total_s"]}
                          for o in out])
+            v = out[0]["manager_verify_s"]
+            self.record("cold", "manager-verify", world, backend, [{"rank": 0, "own_s": [v], "total_s": [v]}])
             self.run(world, ranks.drop, pc)
             self.run(world, ranks.drop, root)
         peers = backend == "local" and info[0]["peers"]  # DCP, torch.save, safetensors

@@ -480,8 +480,14 @@ def cold_save(path: str, root: str) -> dict[str, Any]:
     _, own, total = _timed(lambda: reshard.save(w.reshard_state(), path, step=1))
     mgr = reshard.CheckpointManager(root, every_steps=1, keep_last=None, preempt_signals=())
     _, own2, total2 = _timed(lambda: mgr.save(1, w.reshard_state()))
+    verify = None
+    if _rank() == 0:  # the manager's check after each commit, on the coordinator: again, as a dry run
+        t0 = time.perf_counter()
+        mgr.verify_checkpoint(1, record=False)
+        verify = time.perf_counter() - t0
+    dist.barrier()
     return {"rank": _rank(), "own_s": [own], "total_s": [total], "manager_own_s": [own2],
-            "manager_total_s": [total2]}
+            "manager_total_s": [total2], "manager_verify_s": verify}
 
 
 def load(method: str, path: str, repeat: int, verify_fp: str | None = None, warm: bool = True) -> dict[str, Any]:
