@@ -108,7 +108,7 @@ def put_limit(url: str, views: list[memoryview], nbytes: int) -> int:
     parts: list[bytes] = []
     cur: list[memoryview] = []
     have = done = 0
-    from .ranks import _cycle
+    from .limits import _cycle
 
     for mv in _cycle(views, nbytes):
         while mv:

@@ -13,7 +13,7 @@ import gc
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ import reshard
 from ..formats.hf_write import _fsync_file
 from ..testing.memory import PeakRSS
 from . import digest
+from .limits import _read_limit, _write_fsync
 from .models import GridWorkload, LayoutSpec, Workload, build, parse_layout
 
 _W: dict[str, Any] = {}
@@ -201,36 +202,6 @@ def _owned() -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------- writes / reads
-def _cycle(views: list[memoryview], nbytes: int) -> Iterator[memoryview]:
-    """The first ``nbytes`` of ``views`` one after another, wrapping around
-    them when they hold fewer bytes (a limit writes as many bytes as reshard did)."""
-    views = [mv.cast("B") for mv in views if mv.nbytes]
-    done = 0
-    while views and done < nbytes:
-        for mv in views:
-            mv = mv[:nbytes - done]
-            if mv:
-                yield mv
-                done += len(mv)
-            if done >= nbytes:
-                return
-
-
-def _write_fsync(path: str, views: list[memoryview], nbytes: int) -> int:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    done = 0
-    try:
-        for mv in _cycle(views, nbytes):
-            while mv:
-                n = os.write(fd, mv)
-                mv = mv[n:]
-                done += n
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return done
-
-
 def _views() -> list[memoryview]:
     from ..shardfile import tensor_bytes
 
@@ -453,25 +424,6 @@ def step_time() -> float:
 
 
 # ---------------------------------------------------------------------------------- loads
-def _read_limit(files: list[str], buf: memoryview) -> None:
-    """Read the files one after another (sequential ``os.preadv``, one thread)
-    into ``buf`` until it is full, wrapping around the files."""
-    off_buf, i = 0, 0
-    while off_buf < len(buf):
-        fd = os.open(files[i % len(files)], os.O_RDONLY)
-        try:
-            off = 0
-            while off_buf < len(buf):
-                n = os.preadv(fd, [buf[off_buf:]], off)
-                if n == 0:
-                    break
-                off += n
-                off_buf += n
-        finally:
-            os.close(fd)
-        i += 1
-
-
 def cold_save(path: str, root: str) -> dict[str, Any]:
     """The first ``reshard.save`` of this (freshly started) process's state,
     with no warm-up call, then a ``CheckpointManager.save`` of it under
