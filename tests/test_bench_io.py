@@ -163,8 +163,8 @@ def test_bench_io_smoke_s3_tp_to_pp(tmp_path: Path) -> None:
     assert set(rs["phases_s"]) == {"stage", "plan", "write", "commit"}
     # --cold: the first save, a manager save and the first resharded load of fresh processes
     assert set(s["cold"]) == {"first-save", "manager-save", "manager-verify",
-                              "first-load@pp2,dp1,tp1<-pp1,dp1,tp2"}
-    assert s["cold"]["first-load@pp2,dp1,tp1<-pp1,dp1,tp2"]["fingerprint_ok"]
+                              "manager-restore@pp2,dp1,tp1<-pp1,dp1,tp2"}
+    assert s["cold"]["manager-restore@pp2,dp1,tp1<-pp1,dp1,tp2"]["fingerprint_ok"]
     assert "first calls in freshly started processes" in p.stdout
 
 

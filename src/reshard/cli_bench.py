@@ -152,8 +152,9 @@ def _ints(text: str | None) -> list[int] | None:
               help="A `reshard demo` report.txt: its save and restore times beside this run's for the "
                    "same state (run with the demo's --layout and --reshard-to).")
 @click.option("--cold", is_flag=True,
-              help="Also time the first save (then a CheckpointManager.save) and the first load into each "
-                   "--reshard-to layout in freshly started processes, with no warm-up call, as the demo does.")
+              help="Also time, in freshly started processes with no warm-up call, the first save, then a "
+                   "CheckpointManager.save, and a CheckpointManager.restore of it into each --reshard-to "
+                   "layout, as the demo does.")
 @click.option("--no-progress", is_flag=True,
               help="No progress bar (shown when stderr is a terminal or RESHARD_PROGRESS=1).")
 def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ...], backend: str,

@@ -103,6 +103,8 @@ class Runner:
         self.bar: Any = None
         self.info: dict[int, list[dict[str, Any]]] = {}
         self.s3: Any = None  # objstore.Endpoint of an s3 run
+        #: world -> (CheckpointManager root of the --cold save, the state's digest then)
+        self.cold_root: dict[int, tuple[str, str]] = {}
 
     # -- helpers
     def run(self, world: int, fn: Any, *args: Any) -> list[Any]:
@@ -177,7 +179,9 @@ class Runner:
         cfg = self.cfg
         rep, settle = cfg["repeat"], cfg["settle"]
         self.ctx = f"w{world} {backend}: setup"
-        if cfg.get("cold") and world in self.pool._groups:
+        cold = cfg.get("cold") and backend != "memory"  # memory://: a restart would lose the objects
+        self.cold_root.pop(world, None)
+        if cold and world in self.pool._groups:
             self.pool.restart(world)  # freshly started processes for the first save
         info = self.setup(world, cfg["layout"])
         self.info[world] = info
@@ -186,7 +190,7 @@ class Runner:
         self.tick(f"w{world} {backend}: warm-up")
         if info[0]["replicas_differ"]:
             self.notes.append(f"w{world}: replicas differ before any save: {info[0]['replicas_differ']}")
-        if cfg.get("cold"):  # fresh processes (this setup's): the first save, as the demo saves
+        if cold:  # fresh processes (this setup's): the first save, as the demo saves
             pc, root = self.url(backend, scratch, f"w{world}-cold"), self.url(backend, scratch, f"w{world}-mgr")
             out = self.run(world, ranks.cold_save, pc, root)
             self.record("cold", "first-save", world, backend, out)
@@ -196,7 +200,7 @@ class Runner:
             v = out[0]["manager_verify_s"]
             self.record("cold", "manager-verify", world, backend, [{"rank": 0, "own_s": [v], "total_s": [v]}])
             self.run(world, ranks.drop, pc)
-            self.run(world, ranks.drop, root)
+            self.cold_root[world] = (root, info[0]["fingerprint"])  # restored by --reshard-to (cold)
         peers = backend == "local" and info[0]["peers"]  # DCP, torch.save, safetensors
         limits = backend in ("local", "s3")  # limit-write / limit-read on this storage
         base = self.url(backend, scratch, f"w{world}")
@@ -223,6 +227,8 @@ class Runner:
                                                       or (limits and m == "limit-write"))
                    and m not in cfg["skip"]]
         keep: dict[str, str] = {}
+        if world in self.cold_root:
+            keep["cold-manager"] = self.cold_root[world][0]  # removed with the others at the end
         limit_bytes: list[int] = [0] * world
         methods = ["reshard"] + [m for m in methods if m != "reshard"]  # bytes per rank first
         if "save" in cfg["skip"] and "load" in cfg["skip"]:
@@ -331,13 +337,14 @@ class Runner:
         spec = parse_layout(target)
         tw = spec.world or world
         self.ctx = f"w{world}->{target}: setup"
-        if cfg.get("cold") and tw in self.pool._groups:
+        if world in self.cold_root and tw in self.pool._groups:
             self.pool.restart(tw)  # the first load of freshly started processes, as the demo restores
         info = self.setup(tw, target)
         tag = f"{info[0]['layout']}<-{cfg['layout_of'][world]}"
-        if cfg.get("cold"):
-            out = self.run(tw, ranks.load, "reshard", keep["reshard"], 1, fp, False)
-            self.record("cold", "first-load", world, backend, out, target=tag, target_world=tw)
+        if world in self.cold_root:  # the demo's restore: CheckpointManager.restore, first call
+            root, cfp = self.cold_root[world]
+            out = self.run(tw, ranks.cold_restore, root, cfp)
+            self.record("cold", "manager-restore", world, backend, out, target=tag, target_world=tw)
         for m, p in (("reshard", keep["reshard"]), ("reshard-nocheck", keep["reshard"]),
                      ("dcp", keep.get("dcp"))):
             if p is None or m in cfg["skip"]:

@@ -442,6 +442,18 @@ def cold_save(path: str, root: str) -> dict[str, Any]:
             "manager_total_s": [total2], "manager_verify_s": verify}
 
 
+def cold_restore(root: str, verify_fp: str) -> dict[str, Any]:
+    """``CheckpointManager.restore`` of ``root`` into this (freshly started)
+    process's state, the first load call here, as ``reshard demo`` restores;
+    the state checked against ``verify_fp``."""
+    w = _w()
+    mgr = reshard.CheckpointManager(root, every_steps=1, keep_last=None, preempt_signals=())
+    res, own, total = _timed(lambda: mgr.restore(w.reshard_state()))
+    w.after_load()
+    return {"rank": _rank(), "own_s": [own], "total_s": [total], "found": res is not None,
+            "fingerprint_ok": fingerprint() == verify_fp}
+
+
 def load(method: str, path: str, repeat: int, verify_fp: str | None = None, warm: bool = True) -> dict[str, Any]:
     """Warm load (one untimed call first; none with ``warm=False``), then
     ``repeat`` timed ones."""

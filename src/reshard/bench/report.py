@@ -34,7 +34,7 @@ LOAD_NAMES = {
 }
 _COLD = {"first-save": "reshard.save", "manager-save": "then CheckpointManager.save",
          "manager-verify": "of which its post-commit smoke check (rank 0, again)",
-         "first-load": "reshard.load"}
+         "manager-restore": "CheckpointManager.restore"}
 #: the limits on S3 (raw boto3 calls on the same endpoint; see reshard.bench.objstore)
 S3_NAMES = {"limit-write": "limit: boto3 PUT/multipart, 1 object/rank",
             "limit-read": "limit: boto3 ranged GETs into preallocated memory"}
@@ -462,7 +462,7 @@ def demo_compare(doc: dict[str, Any], demo: dict[str, Any]) -> dict[str, Any]:
         out["cold_manager_save_s"] = cold["manager-save"]["s"]
         out["cold_manager_verify_s"] = cold.get("manager-verify", {}).get("s")
         out["save_ratio_cold"] = ds / max(cold["first-save"]["s"], 1e-9)
-    cl = cold.get(f"first-load@{demo['layout_b']}<-{demo['layout_a']}")
+    cl = cold.get(f"manager-restore@{demo['layout_b']}<-{demo['layout_a']}")
     if cl and demo["restore"]:
         out["cold_restore_s"] = cl["s"]
         out["restore_ratio_cold"] = demo["restore"]["s"] / max(cl["s"], 1e-9)
@@ -490,7 +490,8 @@ def demo_lines(cmp: dict[str, Any]) -> list[str]:
                      + ("" if cmp.get("cold_manager_verify_s") is None else
                         f" (its post-commit smoke check on rank 0 alone: {cmp['cold_manager_verify_s']:.2f} s)"))
     if "restore_ratio_cold" in cmp:
-        lines.append(f"  first load into {d['layout_b']} in fresh processes: {cmp['cold_restore_s']:.2f} s "
+        lines.append(f"  CheckpointManager.restore into {d['layout_b']}, the first call of fresh processes: "
+                     f"{cmp['cold_restore_s']:.2f} s "
                      f"(demo/cold x{cmp['restore_ratio_cold']:.2f})")
     if "within_2x" in cmp:
         lines.append(f"  within 2x: {'yes' if cmp['within_2x'] else 'NO'}")
