@@ -238,6 +238,7 @@ def async_save(
     handle.stall_s = time.perf_counter() - t0
 
     def work() -> None:
+        _lower_priority(opts.background_nice)
         try:
             t_sum = time.perf_counter()
             if snap is not None:
@@ -261,6 +262,19 @@ def async_save(
     saver.pending.append(_Slot(handle=handle, buffers=buffers, thread=th))
     th.start()
     return handle
+
+
+def _lower_priority(nice: int | None) -> None:
+    """Raise the calling thread's nice value by ``nice`` (Linux: the nice
+    value is per thread; threads it starts inherit it). Best effort: a
+    platform without per-thread priorities keeps the default."""
+    if not nice or not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        pass
 
 
 def wait_all(group: Any = None, timeout: float | None = None) -> None:

@@ -16,6 +16,29 @@ from typing import Any
 from ..errors import ShardingError
 from ..sharding import ShardedTensor
 
+_BOXES: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+
+
+def _local_box(shape: tuple[int, ...], mesh: Any, coord: Any, placements: tuple[Any, ...]) -> tuple[Any, Any]:
+    """``compute_local_shape_and_global_offset`` (as DCP does), remembered per
+    (global shape, mesh shape, this rank's mesh coordinate, placements), all
+    it depends on: a state's hundreds of DTensors repeat a few layouts, and
+    every save describes each of them again."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    try:
+        key: tuple[Any, ...] | None = (shape, tuple(mesh.shape), tuple(int(c) for c in coord), placements)
+        got = _BOXES.get(key)  # type: ignore[arg-type]
+    except TypeError:  # an unhashable placement or symbolic coordinate: not remembered
+        key, got = None, None
+    if got is None:
+        got = compute_local_shape_and_global_offset(shape, mesh, placements)
+        if key is not None:
+            if len(_BOXES) >= 8192:
+                _BOXES.clear()
+            _BOXES[key] = got
+    return got
+
 
 def dtensor_shards(fqn: str, dt: Any) -> list[ShardedTensor]:
     """The ShardedTensor(s) describing this rank's part of DTensor ``dt``.
@@ -24,7 +47,6 @@ def dtensor_shards(fqn: str, dt: Any) -> list[ShardedTensor]:
         ShardingError: a ``Partial`` or otherwise unsupported placement.
     """
     from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 
     mesh = dt.device_mesh
@@ -40,7 +62,7 @@ def dtensor_shards(fqn: str, dt: Any) -> list[ShardedTensor]:
             replica = replica * mesh.size(d) + coord[d]
         elif not isinstance(p, (Shard, _StridedShard)):  # _StridedShard: FSDP2 over TP
             raise ShardingError(f"{fqn}: DTensor placement {p!r} is not supported")
-    shape, offset = compute_local_shape_and_global_offset(dt.shape, mesh, dt.placements)
+    shape, offset = _local_box(tuple(dt.shape), mesh, coord, tuple(dt.placements))
     local = dt.to_local()
     if tuple(local.shape) != tuple(shape):
         raise ShardingError(f"{fqn}: DTensor local shape {tuple(local.shape)} differs from the "
