@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +35,14 @@ log = logging.getLogger("reshard.attempts")
 PREFIX = "att-"
 LEASE_SUFFIX = ".lease.json"
 DEFAULT_LEASE_TTL_S = 60.0
+
+
+def lease_ttl_s() -> float:
+    """Seconds a lease lasts unless renewed: ``RESHARD_LEASE_TTL_S`` if set
+    (a test or a fault matrix that must see a killed job's lease expire),
+    else :data:`DEFAULT_LEASE_TTL_S`."""
+    v = os.environ.get("RESHARD_LEASE_TTL_S")
+    return float(v) if v else DEFAULT_LEASE_TTL_S
 
 
 def data_name(attempt_id: str, name: str) -> str:
@@ -81,7 +90,8 @@ def lease_key(storage: Storage, path: str, attempt_id: str) -> str:
 
 
 class AttemptLease:
-    """The coordinator's lease on a running attempt, renewed in the background.
+    """The coordinator's lease on a running attempt, renewed in the background
+    (``ttl_s`` seconds; default :func:`lease_ttl_s`).
 
     ``start`` writes the lease before any rank writes data; ``stop`` ends the
     renewal and deletes the lease object (after publish or discard). Renewal
@@ -90,8 +100,9 @@ class AttemptLease:
     """
 
     def __init__(self, storage: Storage, path: str, attempt_id: str,
-                 ttl_s: float = DEFAULT_LEASE_TTL_S):
-        self.storage, self.path, self.attempt_id, self.ttl_s = storage, path, attempt_id, ttl_s
+                 ttl_s: float | None = None):
+        self.storage, self.path, self.attempt_id = storage, path, attempt_id
+        self.ttl_s = lease_ttl_s() if ttl_s is None else ttl_s
         self.key = lease_key(storage, path, attempt_id)
         self.renewals = 0
         self._stop = threading.Event()
