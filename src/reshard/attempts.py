@@ -140,7 +140,19 @@ class AttemptLease:
 
 def discard(storage: Storage, path: str, attempt_id: str) -> None:
     """Delete the objects of one attempt under ``path`` (and abort its open
-    multipart uploads); never another attempt's, never the manifest."""
+    multipart uploads); never another attempt's, never the manifest, and
+    nothing at all when the manifest at ``path`` names this attempt or
+    cannot be read: a publish whose answer was lost (the conditional put
+    landed, the client saw an error) must not lose its data objects.
+
+    Raises:
+        StorageError: the manifest could not be checked (nothing deleted).
+    """
+    published = _published_attempts(storage, path)
+    if published is None or attempt_id in published:
+        log.warning("not discarding attempt %s under %s: the manifest there %s", attempt_id, path,
+                    "is unreadable" if published is None else "names it (its publish landed)")
+        return
     pre = f"{PREFIX}{attempt_id}."
     try:
         names = storage.list_dir(path)

@@ -65,7 +65,7 @@ LEASE_TTL_S = 3.0
 DEADLINE_S = 2.0
 
 #: proxy cells: action -> (fault class, must the operation fail)
-_HTTP = {"http500": True, "slowdown": True, "reset": True, "list500": True,
+_HTTP = {"http500": True, "slowdown": True, "reset": True, "list500": True, "lost-answer": False,
          "slowdown-transient": False, "reset-transient": False}
 
 
@@ -78,7 +78,7 @@ def cells(*, quick: bool = False) -> list[Cell]:
             for phase, rank in (("data", 1), ("data-durable", 1), ("manifest", 0)):
                 out.append(Cell("storage-error", "save", mode, phase, action, rank, b))
         for action in _HTTP:
-            phase = {"slowdown": "manifest", "list500": "plan"}.get(action, "data")
+            phase = {"slowdown": "manifest", "list500": "plan", "lost-answer": "publish"}.get(action, "data")
             out.append(Cell("s3-http", "save", mode, phase, action, 0 if phase != "data" else 1, b))
         for phase, rank in (("data", 1), ("manifest", 0)):
             out.append(Cell("truncated-body", "save", mode, phase, "truncate_body", rank, b))
@@ -117,7 +117,7 @@ def _must_fail(cell: Cell) -> bool:
     if cell.fault_class == "sigkill-save":
         return cell.phase not in ("publish-after", "retention", "retention-mid")
     if cell.fault_class == "s3-http":
-        return not cell.action.endswith("-transient")
+        return _HTTP.get(cell.action, not cell.action.endswith("-transient"))
     return False
 
 
@@ -358,6 +358,9 @@ def _proxy_faults(cell: Cell, root: str) -> list[Any]:
         return [Fault(method="GET", path=re.escape(f"/{BUCKET}") + "/?$",
                       query="list-type=2.*" + re.escape(root.split("/", 1)[1].replace("/", "%2F")),
                       status=500, code="InternalError")]
+    if a == "lost-answer":  # the manifest lands, the answer is lost, and it cannot be read back
+        return [Fault(method="PUT", path=step2 + "manifest\\.json", action="reset_after"),
+                Fault(method="GET", path=step2 + "manifest\\.json", status=500, code="InternalError")]
     if a == "slowdown-transient":
         return [Fault(method="PUT", path=step2, status=503, code="SlowDown", times=3)]
     if a == "reset-transient":

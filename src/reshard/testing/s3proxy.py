@@ -51,7 +51,9 @@ class Fault:
             "reset_mid" (forward, send half the body, then reset), "delay"
             (forward after ``delay_s`` seconds), "truncate_body" (forward
             only the first half of the request body upstream, its
-            ``Content-Length`` rewritten: a body cut short in transit).
+            ``Content-Length`` rewritten: a body cut short in transit),
+            "reset_after" (forward, then reset instead of answering: the
+            store did it, the client never hears).
         times: how many requests it fires on (None: unlimited).
         probability: chance of firing on a matching request (own generator).
     """
@@ -191,6 +193,9 @@ class FaultProxy:
             return
         finally:
             conn.close()
+        if fault is not None and fault.action == "reset_after":
+            _reset(h)
+            return
         if method == "GET" and "list-type" not in u.query and "uploads" not in u.query:
             with self._lock:
                 self.stats.get_bytes += len(data)
