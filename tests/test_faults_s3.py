@@ -16,6 +16,7 @@ import torch
 from click.testing import CliRunner
 
 import reshard
+from reshard.manifest import MANIFEST_NAME
 from reshard.storage import resolve
 from reshard.testing.s3proxy import Fault as ProxyFault
 from reshard.testing.s3server import free_port
@@ -47,16 +48,17 @@ def test_fault_matrix_s3_quick(tmp_path) -> None:
     assert killed.after_gc == []
 
 
-def _run_killed_job(s3e, key: str) -> None:
+def _run_killed_job(s3e, key: str, when: str = "data") -> None:
     port = free_port()
     env = {**os.environ, **s3e.env, "RESHARD_LEASE_TTL_S": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([os.path.join(HERE, "..", "src"), HERE])}
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "_s3_kill_job.py"), str(r), str(port),
-                               key], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                               key, when], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in (0, 1)]
     outs = [p.communicate(timeout=120)[0].decode() for p in procs]
     assert procs[0].returncode == -9, outs  # the coordinator was SIGKILLed mid-save
-    assert procs[1].returncode != 0, outs  # and rank 1 failed on the lost rank
+    if when == "data":
+        assert procs[1].returncode != 0, outs  # and rank 1 failed on the lost rank
 
 
 def test_ls_lists_every_abandoned_attempt_after_kill_9(s3e) -> None:
@@ -86,6 +88,28 @@ def test_ls_lists_every_abandoned_attempt_after_kill_9(s3e) -> None:
     assert _keys(s3e, root) == []
     r = s3e.server.client().list_multipart_uploads(Bucket=s3e.bucket, Prefix=rkey.split("/", 1)[1])
     assert not r.get("Uploads")
+
+
+def test_gc_removes_the_lease_a_killed_publisher_left(s3e) -> None:
+    """The fault matrix (sigkill-save/publish-after) found the lease of a
+    coordinator killed between its publish and the lease's release kept
+    forever: gc skipped every object of a published attempt."""
+    url = s3e.url("pubkill") + "/step-00000002"
+    _run_killed_job(s3e, resolve(url)[1], "publish")
+    m = reshard.inspect(url)
+    lease = f"att-{m.attempt_id}.lease.json"
+    assert lease in _keys(s3e, url) and reshard.verify(url).ok
+    root = url.rsplit("/", 1)[0]
+    st, key = resolve(url)
+    rec = json.loads(st.read_bytes(st.join(key, lease)))
+    st.write_bytes(st.join(key, lease), json.dumps({**rec, "expires": time.time() + 60}).encode())
+    assert reshard.CheckpointManager(root, preempt_signals=()).gc_abandoned(grace_s=0.0) == []
+    assert lease in _keys(s3e, url)  # a live lease is never collected
+    st.write_bytes(st.join(key, lease), json.dumps(rec).encode())  # as the dead job left it (1 s)
+    time.sleep(max(0.0, rec["expires"] - time.time()) + 0.1)
+    reshard.CheckpointManager(root, preempt_signals=()).gc_abandoned(grace_s=0.0)
+    assert _keys(s3e, url) == sorted({MANIFEST_NAME, *m.files})
+    assert reshard.verify(url).ok
 
 
 def test_manifest_cut_short_in_transit_is_never_published(s3e) -> None:

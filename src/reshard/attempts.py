@@ -217,7 +217,9 @@ def gc_root(storage: Storage, root: str, *, grace_s: float = 3600.0,
     An attempt is abandoned when it is not the one its checkpoint's manifest
     names and its lease has expired (without a lease: its newest object is
     older than ``grace_s`` seconds). Committed checkpoints' objects and
-    objects that carry no attempt id are never touched.
+    objects that carry no attempt id are never touched, except the expired
+    lease of a published attempt (its coordinator died between the publish
+    and the lease's release).
 
     Raises:
         StorageError: a listing failed (nothing is guessed from a failed LIST).
@@ -245,7 +247,14 @@ def gc_root(storage: Storage, root: str, *, grace_s: float = 3600.0,
         if published is None:
             continue
         for a in sorted(ids):
-            if a in published or _lease_alive(storage, path, a, names, now, grace_s):
+            lease = f"{PREFIX}{a}{LEASE_SUFFIX}"
+            if a in published:  # committed; a coordinator killed right after its publish
+                if lease in names and not _lease_alive(storage, path, a, [lease], now, grace_s):
+                    objects.append(storage.join(path, lease))  # left its lease behind
+                    if not dry_run:
+                        storage.delete_tree(storage.join(path, lease))
+                continue
+            if _lease_alive(storage, path, a, names, now, grace_s):
                 continue
             pre = f"{PREFIX}{a}."
             attempts.append(f"{child}/{a}")
