@@ -32,7 +32,9 @@ form of "no stray attempt": once the job has ended, the killed job's lease
 has expired (``RESHARD_LEASE_TTL_S`` is a few seconds here) and ``gc`` ran,
 no key of an attempt that no manifest names, no lease and no open
 multipart upload is left; and before ``gc``, every such attempt is listed
-as abandoned by :func:`reshard.commit.scan` (what ``reshard ls`` shows).
+as abandoned by :func:`reshard.commit.scan` (what ``reshard ls`` shows). A
+committed checkpoint whose manifest was broken after its commit is no
+attempt: it is listed as invalid and kept for a person, as locally.
 """
 
 from __future__ import annotations
@@ -394,9 +396,10 @@ def run_cell(cell: Cell, workdir: str, ep: Endpoint, *, world: int = WORLD) -> C
     deadline = time.monotonic() + PG_TIMEOUT_S * 6 + 60
     res = CellResult(cell)
     armed = False
+    rules = _proxy_faults(cell, root)
     while time.monotonic() < deadline:
         if not armed and all(os.path.exists(os.path.join(cdir, f"ready{r}")) for r in range(world)):
-            for f in _proxy_faults(cell, root):
+            for f in rules:
                 ep.proxy.add(f)
             with open(os.path.join(cdir, "armed"), "w"):
                 pass
@@ -430,6 +433,8 @@ def run_cell(cell: Cell, workdir: str, ep: Endpoint, *, world: int = WORLD) -> C
             res.ranks[r] = f"killed (exit {p.exitcode})"
     if not armed:
         res.problems.append("the ranks never reached the fault (step 1 failed?)")
+    elif rules and not any(f.fired for f in rules):
+        res.problems.append("the proxy's fault never fired (the cell tested nothing)")
     old = {k: os.environ.get(k) for k in ep.env}
     os.environ.update(ep.env)
     try:
@@ -451,7 +456,7 @@ def _stray(st: Any, root: str) -> tuple[list[str], list[str], list[str]]:
     (``<checkpoint>/<attempt id>`` names; keys and uploads as ``<checkpoint>/<name>``)."""
     from ..attempts import LEASE_SUFFIX, attempt_of
     from ..commit import read_manifest
-    from ..errors import CheckpointError
+    from ..errors import CheckpointError, CheckpointNotFoundError
 
     ids: list[str] = []
     keys: list[str] = []
@@ -469,8 +474,10 @@ def _stray(st: Any, root: str) -> tuple[list[str], list[str], list[str]]:
         try:
             m = read_manifest(st, path)
             used = {m.attempt_id} | {a for a in map(attempt_of, m.files) if a}
-        except CheckpointError:
+        except CheckpointNotFoundError:
             used = set()
+        except CheckpointError:
+            continue  # a committed checkpoint whose manifest broke: invalid, kept for a person
         for n in names:
             a = attempt_of(n)
             if a is not None and (a not in used or n.endswith(LEASE_SUFFIX)):
