@@ -183,19 +183,18 @@ def _faults_for(cell: Cell, rank: int) -> list[Any]:
     if ph == "publish-after":
         return [Fault(op="put_if_absent", match="manifest.json", action="kill", after=True)]
     if ph == "retention":  # before the first delete of step 1 (its manifest goes first)
-        return [Fault(op="delete", match="step-*", action="kill")]
-    if ph == "retention-mid":  # the manifest and one data object of step 1 deleted
+        return [Fault(op="delete", match="manifest.json", action="kill")]
+    if ph == "retention-mid":  # step 1's manifest deleted, then one of its data objects
         def half_delete(op: str, path: str) -> None:
             from ..storage.s3 import S3Storage
 
             inner = S3Storage()
-            keys = [k for k in inner._keys(path.rstrip("/") + "/") if not k.endswith("lease.json")]
-            man = [k for k in keys if k.endswith("/manifest.json")]
-            data = sorted(k for k in keys if ".data-" in k)[:1]
-            inner.delete_keys(man + data)
+            data = sorted(k for k in inner._keys(path.rstrip("/") + "/") if ".data-" in k)[:1]
+            inner.delete_keys(data)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        return [Fault(op="delete", match="step-*", action="call", callback=half_delete)]
+        # "step-????????": the checkpoint's prefix, not its verification record (deleted first)
+        return [Fault(op="delete", match="step-????????", action="call", callback=half_delete)]
     if a == "delay":
         return [Fault(op="write", match=_DATA, action="delay", delay_s=PG_TIMEOUT_S * 20)]
     if ph == "data" and a == "kill":  # mid-data: after the first write of a shard object
