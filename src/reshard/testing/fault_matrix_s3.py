@@ -27,7 +27,8 @@ async) or loading:
   the manifest missing, truncated, corrupted or from another attempt, a data
   object from another attempt.
 
-Judged as locally (see :mod:`reshard.testing.fault_matrix`), with the S3
+Judged as locally (see :mod:`reshard.testing.fault_matrix`: every survivor
+of a killed or stalled rank names it as lost), with the S3
 form of "no stray attempt": once the job has ended, the killed job's lease
 has expired (``RESHARD_LEASE_TTL_S`` is a few seconds here) and ``gc`` ran,
 no key of an attempt that no manifest names, no lease and no open
@@ -57,6 +58,7 @@ from .fault_matrix import (
     _free_port,
     _KillOnStateDict,
     _outcome,
+    named_lost,
 )
 
 BUCKET = "reshard-faults"
@@ -534,6 +536,11 @@ def _judge(cell: Cell, res: CellResult, outs: dict[int, dict[str, Any]], procs: 
             if o["status"] == "ok":
                 res.problems.append(f"rank {r} reported success although the {cell.op} met "
                                     f"{cell.action} at {cell.phase}")
+    if cell.action in ("kill", "delay"):  # every survivor's error names the lost rank
+        for r, o in outs.items():
+            if r != cell.rank and o["status"] == "error" and cell.rank not in named_lost(o["message"]):
+                res.problems.append(f"rank {r}'s error does not name the lost rank {cell.rank}: "
+                                    f"{o['message'][:300]}")
     listed = [e.path for e in committed(st, root)]
     res.latest = reshard.latest(root, storage=st)
     good = []
