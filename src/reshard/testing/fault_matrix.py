@@ -112,7 +112,16 @@ INTEGRITY = ("truncated-shard", "flipped-shard", "missing-manifest", "truncated-
 
 def cells(*, quick: bool = False, backend: str = "local") -> list[Cell]:
     """Every cell of the matrix (``quick``: the first cell of each fault class,
-    and the few of ``_QUICK_EXTRA``)."""
+    and the few of ``_QUICK_EXTRA``); ``backend``: "local", "s3" (the rows of
+    :mod:`reshard.testing.fault_matrix_s3`) or both, comma-separated."""
+    if "," in backend:
+        return [c for b in backend.split(",") for c in cells(quick=quick, backend=b.strip())]
+    if backend == "s3":
+        from .fault_matrix_s3 import cells as s3_cells
+
+        return s3_cells(quick=quick)
+    if backend != "local":
+        raise ValueError(f"unknown fault-matrix backend {backend!r} (local, s3)")
     out: list[Cell] = []
     for mode in ("sync", "async"):
         for action in ("enospc", "eio", "edquot", "timeout"):
@@ -508,12 +517,20 @@ def _judge(cell: Cell, res: CellResult, outs: dict[int, dict[str, Any]], procs: 
 
 
 def run_matrix(chosen: list[Cell], *, workdir: str, progress: Any = None) -> list[CellResult]:
-    """Run ``chosen`` cells one after another (``progress(result)`` after each)."""
+    """Run ``chosen`` cells one after another (``progress(result)`` after
+    each); the S3 cells on one moto server started for them."""
     os.makedirs(workdir, exist_ok=True)
     out = []
     for c in chosen:
+        if c.backend != "local":
+            continue
         r = run_cell(c, workdir)
         out.append(r)
         if progress is not None:
             progress(r)
+    s3 = [c for c in chosen if c.backend == "s3"]
+    if s3:
+        from .fault_matrix_s3 import run_matrix as run_s3
+
+        out += run_s3(s3, workdir=os.path.join(workdir, "s3"), progress=progress)
     return out
