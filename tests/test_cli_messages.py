@@ -240,3 +240,22 @@ def test_demo_extra_declares_what_the_demo_checks() -> None:
     demo = sorted(r.split(">")[0].split("=")[0] for r in extras["demo"])
     assert demo == ["matplotlib", "tokenizers"]  # the weights package is not an extra (--no-deps)
     assert set(demo) <= {r.split(">")[0] for r in extras["dev"]}
+
+
+def test_output_paths_and_sizes_are_checked_before_a_long_run(tmp_path: Path, ck: Path) -> None:
+    """``--json`` / ``--plot`` into a directory that does not exist, and
+    ``bench scale`` sizes below 1, are usage errors (exit 2, one line) when
+    the options are parsed: before, ``fuzz --count 100000`` ran its 20
+    minutes and then failed to write its counts, and ``bench scale --tp 0``
+    (or ``--tp -1``) ended in a ZeroDivisionError (IndexError) traceback."""
+    bad = str(tmp_path / "no-such-dir" / "out.json")
+    for args in (["fuzz", "--count", "1", "--json", bad], ["faults", "--quick", "--json", bad],
+                 ["bench", "scale", "--json", bad], ["bench", "scale", "--plot", bad],
+                 ["verify", str(ck), "--json", bad]):
+        _one_line_error(_run(*args), 2, "no-such-dir", "does not exist")
+    for opt in ("--tp", "--pp", "--dp", "--ep", "--smallest"):
+        for v in ("0", "-1"):
+            _one_line_error(_run("bench", "scale", "--model", "llama-8b", opt, v), 2, opt)
+    good = tmp_path / "ok.json"
+    r = _run("verify", str(ck), "--json", str(good))
+    assert r.exit_code == 0 and json.loads(good.read_text())["ok"] is True

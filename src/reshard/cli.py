@@ -22,7 +22,16 @@ from typing import Any, NoReturn
 
 import click
 
-from .cli_support import CHECK_FAILED, USAGE, Main, fail, human_bytes, json_option, write_json
+from .cli_support import (
+    CHECK_FAILED,
+    USAGE,
+    Main,
+    OutputPath,
+    fail,
+    human_bytes,
+    json_option,
+    write_json,
+)
 from .commit import RETIRED, committed, read_manifest, scan
 from .errors import CheckpointError, CheckpointNotFoundError
 from .manifest import Manifest, encode_manifest
@@ -597,7 +606,7 @@ def diff_cmd(a: str, b: str, json_path: str | None) -> None:
               help="Scratch directory (default: a temporary one, removed after).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(0.1, None), default=10.0,
               show_default=True, help="Seconds one input may take before it counts as a hang.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--json", "json_path", type=OutputPath(), default=None,
               help="Write the counts as JSON here.")
 def fuzz_cmd(count: int, seed: int, workdir: str | None, timeout_s: float, json_path: str | None) -> None:
     """Load COUNT hostile checkpoints (mutated manifests, shard files, DCP
@@ -637,7 +646,7 @@ def fuzz_cmd(count: int, seed: int, workdir: str | None, timeout_s: float, json_
 @main.command("faults")
 @click.option("--quick", is_flag=True, help="One cell per fault class (a few minutes).")
 @click.option("--backend", type=click.Choice(["local", "s3"]), default="local", show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--json", "json_path", type=OutputPath(), default=None,
               help="Write every cell's outcome as JSON here.")
 @click.option("--only", default=None, help="Run only cells whose name contains this text.")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,
@@ -712,10 +721,10 @@ def bench_group() -> None:
 
 
 @bench_group.command("scale")
-@click.option("--tp", type=int, default=8, show_default=True, help="tensor-parallel size")
-@click.option("--pp", type=int, default=16, show_default=True, help="pipeline-parallel size")
-@click.option("--dp", type=int, default=128, show_default=True, help="data-parallel size")
-@click.option("--ep", type=int, default=1, show_default=True, help="expert-parallel size (MoE; divides DP)")
+@click.option("--tp", type=click.IntRange(min=1), default=8, show_default=True, help="tensor-parallel size")
+@click.option("--pp", type=click.IntRange(min=1), default=16, show_default=True, help="pipeline-parallel size")
+@click.option("--dp", type=click.IntRange(min=1), default=128, show_default=True, help="data-parallel size")
+@click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True, help="expert-parallel size (MoE; divides DP)")
 @click.option("--model", default="llama-405b", show_default=True,
               help="llama-8b, llama-70b, llama-405b, moe-8x7b or moe-8x22b")
 @click.option("--optimizer", type=click.Choice(["adam", "none"]), default="adam", show_default=True)
@@ -725,11 +734,11 @@ def bench_group() -> None:
               help="flat: Megatron's flat buffer split into DP ranges; per-param: every parameter split")
 @click.option("--reshard-to", "target", default=None,
               help="load layout, e.g. tp4,pp8,dp512 (default: TP/2, PP/2, DP*4)")
-@click.option("--smallest", type=int, default=8, show_default=True, help="smallest world size of the sweep")
+@click.option("--smallest", type=click.IntRange(min=1), default=8, show_default=True, help="smallest world size of the sweep")
 @click.option("--only-largest", is_flag=True, help="simulate only the given layout")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--json", "json_path", type=OutputPath(), default=None,
               help="write the rows (a JSON list, one per world size)")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--plot", "plot_path", type=OutputPath(), default=None,
               help="write a log-log PNG of time and bytes against world size")
 def bench_scale_cmd(tp: int, pp: int, dp: int, ep: int, model: str, optimizer: str, zero: str,
                     zero_split: str, target: str | None, smallest: int, only_largest: bool,
