@@ -259,3 +259,20 @@ def test_output_paths_and_sizes_are_checked_before_a_long_run(tmp_path: Path, ck
     good = tmp_path / "ok.json"
     r = _run("verify", str(ck), "--json", str(good))
     assert r.exit_code == 0 and json.loads(good.read_text())["ok"] is True
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--synthetic-mib", "nan"], "a finite number > 0"),   # was a ValueError traceback
+    (["--synthetic-mib", "0"], "a finite number > 0"),     # was a silent run of another size
+    (["--synthetic-mib", "-5"], "a finite number > 0"),
+    (["--settle", "-1"], "a finite number >= 0"),          # was a ValueError traceback mid-run
+    (["--timeout", "0"], "a finite number > 0"),           # was a WorkerError traceback
+    (["--skip", "dcp,dcp-asnyc"], "unknown method(s) dcp-asnyc"),  # a typo measured everything
+    (["--layout", "dp3", "--world", "2"], "names 3 ranks"),  # was labelled dp3 on 2 ranks
+    (["--json", "/no-such-dir/x.json"], "does not exist"),   # was an error after the whole run
+    (["--plot", "/no-such-dir/x.png"], "does not exist"),
+])
+def test_bench_io_settings_are_checked_before_any_rank_starts(args: list[str], message: str) -> None:
+    r = _run("bench", "io", "--model", "synthetic", "--synthetic-mib", "1", *args)
+    assert r.exit_code == 2, r.output
+    assert message in r.stderr and "Traceback" not in r.output, r.output

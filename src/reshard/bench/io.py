@@ -38,6 +38,7 @@ per phase measurement, every rank's timings, the load average), ``--plot``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -48,6 +49,7 @@ from typing import Any
 
 import click
 
+from ..cli_support import OutputPath
 from ..plan_store import PLAN_FILE
 from .models import MODELS, parse_layout
 
@@ -62,6 +64,22 @@ def _ints(text: str) -> list[int]:
     if not out or min(out) < 1 or max(out) > 8:
         raise click.BadParameter(f"{text!r}: world sizes from 1 to 8")
     return out
+
+
+def _finite(low: float, *, open_low: bool) -> Any:
+    """A click callback: a finite number ``> low`` (``open_low``) or ``>= low``."""
+    def check(ctx: click.Context, param: click.Parameter, value: float) -> float:
+        if not math.isfinite(value) or value < low or (open_low and value == low):
+            raise click.BadParameter(f"{value}: a finite number {'>' if open_low else '>='} {low:g}")
+        return value
+    return check
+
+
+#: every method name ``--skip`` may name (the peers, the limits and reshard's own)
+def _methods() -> set[str]:
+    from . import ranks
+
+    return {*ranks.SAVE_METHODS, *ranks.ASYNC_METHODS, *ranks.LOAD_METHODS}
 
 
 class Runner:
@@ -286,21 +304,23 @@ def _phase_count(cfg: dict[str, Any]) -> int:
 @click.option("--repeat", type=click.IntRange(1, 20), default=2, show_default=True,
               help="Timed runs per method (min and median reported).")
 @click.option("--synthetic-mib", type=float, default=256.0, show_default=True,
+              callback=_finite(0.0, open_low=True),
               help="MiB of parameters of the synthetic model (state: 3x with the moments).")
 @click.option("--seq-len", type=click.IntRange(2, 1024), default=16, show_default=True,
               help="Tokens per sample of the training step.")
 @click.option("--steps", type=click.IntRange(1, 100), default=3, show_default=True,
               help="Training steps with no save in flight before each background save.")
-@click.option("--settle", type=float, default=0.5, show_default=True,
+@click.option("--settle", type=float, default=0.5, show_default=True, callback=_finite(0.0, open_low=False),
               help="Seconds of rest after os.sync() before each timed save.")
 @click.option("--skip", default="", help="Comma-separated methods to leave out (e.g. dcp-async-process).")
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None,
               help="Scratch directory on the disk to measure (default: a temporary one).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--json", "json_path", type=OutputPath(), default=None,
               help="Write every record and the summary here.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--plot", "plot_path", type=OutputPath(), default=None,
               help="Write a PNG: per-rank timelines of save and load, and the scaling over world sizes.")
 @click.option("--timeout", type=float, default=1800.0, show_default=True,
+              callback=_finite(0.0, open_low=True),
               help="Seconds one phase may take on the ranks.")
 @click.option("--profile", "profile_dir", type=click.Path(file_okay=False), default=None,
               help="Profile every timed reshard save and load with pyinstrument (a dev dependency) "
@@ -321,6 +341,15 @@ def io_cmd(model: str, world: str, layout: str, reshard_to: tuple[str, ...], bac
             parse_layout(t)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+    fixed = parse_layout(layout).world
+    if fixed is not None and any(w != fixed for w in worlds):
+        raise click.BadParameter(f"layout {layout!r} names {fixed} ranks, but --world {world} runs "
+                                 f"{', '.join(map(str, worlds))}: give the layout without a degree "
+                                 "(its world is then each run's)", param_hint="--layout")
+    unknown = sorted({s.strip() for s in skip.split(",") if s.strip()} - _methods())
+    if unknown:
+        raise click.BadParameter(f"unknown method(s) {', '.join(unknown)}; one of "
+                                 f"{', '.join(sorted(_methods()))}", param_hint="--skip")
     backends = [b.strip() for b in backend.split(",") if b.strip()]
     for b in backends:
         if b not in ("local", "memory", "s3"):
