@@ -276,3 +276,25 @@ def test_bench_io_settings_are_checked_before_any_rank_starts(args: list[str], m
     r = _run("bench", "io", "--model", "synthetic", "--synthetic-mib", "1", *args)
     assert r.exit_code == 2, r.output
     assert message in r.stderr and "Traceback" not in r.output, r.output
+
+
+def test_ls_shows_a_checkpoint_that_failed_its_check_as_failed(tmp_path: Path) -> None:
+    """A committed checkpoint whose bytes were flipped after the commit:
+    ``gc`` smoke-tests it (FAILED) and keeps the older one; ``ls`` then
+    lists it as "failed" with the problem (before: "unverified", as if it
+    had never been checked)."""
+    root = tmp_path / "ck"
+    for s in (1, 2):
+        reshard.save({"w": torch.full((1000,), float(s))}, root / f"step-{s:08d}", step=s)
+    f = root / "step-00000002" / "data-r00000-0.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    f.write_bytes(bytes(raw))
+    r = _run("gc", str(root), "--keep-last", "1")
+    assert r.exit_code == 0 and "smoke test step-00000002: FAILED" in r.stdout, r.output
+    r = _run("ls", str(root))
+    assert r.exit_code == 0, r.output
+    rows = {ln.split()[-1]: ln for ln in r.stdout.splitlines() if ln.strip().startswith(("1 ", "2 "))}
+    assert " verified " in rows["step-00000001"] and " failed " in rows["step-00000002"], r.stdout
+    assert "failed: step-00000002 failed its last verification: IntegrityError" in r.stdout
+    assert "checksum mismatch" in r.stdout

@@ -30,6 +30,7 @@ from .cli_support import (
     fail,
     human_bytes,
     json_option,
+    one_line,
     write_json,
 )
 from .commit import RETIRED, committed, read_manifest, scan
@@ -126,6 +127,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
     and invalid ones."""
     from .commit import read_head, torn_files
     from .lineage import Head, lineage_of
+    from .records import record_failed
 
     try:
         st, key = resolve(root)
@@ -159,18 +161,25 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         lin = lineage_of(done, head)
         click.echo(f"committed ({len(done)}) under {key}:")
         rows = []
+        failed: list[tuple[str, str]] = []
         for e in done:
             em = e.manifest
             assert em is not None
             c = cands[e.name]
             fate = f"keep: {decision.keep[e.name]}" if e.name in decision.keep else "delete"
-            status = "torn" if torn[e.name] else "verified" if c.verified else "unverified"
+            bad = None if torn[e.name] or c.verified else record_failed(st, key, e.name, e)
+            if bad is not None:
+                failed.append((e.name, bad))
+            status = ("torn" if torn[e.name] else "verified" if c.verified
+                      else "failed" if bad is not None else "unverified")
             branch = lin.branch(e.name) + (" HEAD" if e.name == lin.source else "")
             rows.append(["-" if e.step is None else e.step, human_bytes(em.total_bytes), len(em.files),
                          _when(em.created_at), status, em.parent or "-", branch,
                          "-" if c.metric is None else f"{c.metric:.4g}", fate, e.name])
         _table(["step", "size", "files", "committed", "status", "parent", "branch", "metric",
                 "retention", "name"], rows, right=(0, 1, 2))
+        for name, why in failed:
+            click.echo(f"failed: {name} failed its last verification: {one_line(why)[:300]}")
         if head is not None and lin.source is None:
             click.echo(f"HEAD names {head.name or 'a fresh start'}, which is not committed here")
         for e in done:
