@@ -169,6 +169,25 @@ def test_fault_matrix_quick(tmp_path):
     assert len(results) == len(chosen)
 
 
+@pytest.mark.parametrize("lost", [2, 0])
+def test_survivors_name_the_lost_rank(tmp_path, lost):
+    """Every survivor's error names the rank killed mid-save, in a world of
+    3: the coordinator from the survivors' reports in the store, the other
+    survivor from the coordinator's verdict (rank 2 killed), or both from
+    the store being gone with its host (rank 0 killed). Before, they said
+    "a rank was lost" and no more."""
+    from reshard.testing.fault_matrix import Cell, named_lost, run_cell
+
+    cell = Cell("sigkill-save", "save", "sync", "data", "kill", lost)
+    res = run_cell(cell, str(tmp_path), world=3)
+    assert res.safe, res.problems
+    survivors = {r: m for r, m in res.ranks.items() if r != lost}
+    assert len(survivors) == 2 and all(m.startswith("CheckpointError") for m in survivors.values())
+    for r, m in survivors.items():
+        assert named_lost(m) == {lost}, (r, m)
+        assert f"rank {lost} " in m and "was lost" in m, m
+
+
 def test_interrupted_retention_never_lists_a_half_deleted_checkpoint(tmp_path):
     """Found by the fault matrix (sigkill-save/retention-mid): retention
     deleted a checkpoint file by file, so a kill in the middle left a

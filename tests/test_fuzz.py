@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from reshard.cli import main
 from reshard.errors import ManifestError
 from reshard.testing import fuzz as F
+from reshard.testing.fuzz_cases import _deep_metadata_pickle
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +121,35 @@ def test_regression_dcp_memo_index_does_not_allocate(corpus, tmp_path):
     assert type(read_dcp_metadata(str(d))).__name__ == "Metadata"
 
 
+def test_regression_dcp_marks_nested_past_the_limit(tmp_path):
+    """Found by profiling the fuzzer: a crafted ``.metadata`` of 100k MARKs,
+    or of 100k empty lists nested by APPENDs, was walked to its end (the
+    slowest DCP inputs); they are refused at MAX_MARK_DEPTH / MAX_FRAME_ITEMS
+    with a ManifestError naming the file."""
+    from reshard.formats.dcp import read_dcp_metadata
+    from reshard.formats.dcp_metadata import MAX_FRAME_ITEMS, MAX_MARK_DEPTH
+
+    d = tmp_path / "dcp"
+    d.mkdir()
+    (d / ".metadata").write_bytes(b"(" * 100_000 + b".")
+    with pytest.raises(ManifestError, match=f"more than {MAX_MARK_DEPTH} MARKs") as ei:
+        read_dcp_metadata(str(d))
+    assert ".metadata" in str(ei.value)
+    # below the limit, the nesting itself is not refused (the stray MARKs are)
+    (d / ".metadata").write_bytes(b"(" * (MAX_MARK_DEPTH - 1) + b".")
+    with pytest.raises(ManifestError) as ei:
+        read_dcp_metadata(str(d))
+    assert "MARKs" not in str(ei.value)
+    # 100k empty lists piled up to be nested: refused at MAX_FRAME_ITEMS
+    for field in ("state_dict_metadata", "planner_data"):
+        (d / ".metadata").write_bytes(_deep_metadata_pickle(100_000, field))
+        with pytest.raises(ManifestError, match=f"more than {MAX_FRAME_ITEMS} items"):
+            read_dcp_metadata(str(d))
+    # a Metadata whose field nests 5000 lists deep is read (refused later, by its use)
+    (d / ".metadata").write_bytes(_deep_metadata_pickle(5000))
+    assert type(read_dcp_metadata(str(d))).__name__ == "Metadata"
+
+
 def test_regression_no_hidden_memory_error(corpus):
     """The harness itself: a CheckpointError caused by a MemoryError is a crash."""
     err = ManifestError("x")
@@ -155,9 +185,29 @@ def test_cli_fuzz_exits_1_on_a_crash(tmp_path, monkeypatch):
         raise KeyError("not a CheckpointError")
 
     monkeypatch.setattr(F, "_load_reshard", flaky)
-    r = CliRunner().invoke(main, ["fuzz", "--count", "30", "--seed", "2", "--workdir", str(tmp_path)])
+    r = CliRunner().invoke(main, ["fuzz", "--count", "30", "--seed", "2", "--workdir", str(tmp_path),
+                                  "--jobs", "1"])  # in this process, where the patch is
     assert r.exit_code == 1, r.output
     assert "KeyError" in r.output and "crashes: 0" not in r.output
+
+
+def test_workers_run_the_same_inputs_and_report_their_crashes(tmp_path):
+    """Input i is derived from (seed, i) alone: two worker processes reach
+    the outcomes one process does, input for input; a worker's crash (here
+    every input past a 1 microsecond timer) comes back to the report, and
+    the report names the slowest input and the time of each family."""
+    one = F.fuzz(120, seed=21, workdir=str(tmp_path / "one"))
+    two = F.fuzz(120, seed=21, workdir=str(tmp_path / "two"), jobs=2)
+    assert two.jobs == 2 and two.inputs == one.inputs == 120
+    assert two.outcomes == one.outcomes and two.ok and one.ok
+    assert sum(f.inputs for f in two.families.values()) == 120
+    assert {k.split(":")[0] for k in two.families} == {"reshard", "dcp", "hf"}
+    assert two.slowest.startswith("#") and two.slowest_s == max(f.max_s for f in two.families.values())
+    assert F.case_rng(21, 7).random() == F.case_rng(21, 7).random() != F.case_rng(21, 8).random()
+    hung = F.fuzz(6, seed=3, workdir=str(tmp_path / "hung"), jobs=2, timeout_s=1e-6)
+    assert not hung.ok and len(hung.crashes) == 6, hung.crashes
+    assert {c[1] for c in hung.crashes} == {"_Hang"}
+    assert [int(c[0].split()[0][1:]) for c in hung.crashes] == list(range(6))
 
 
 def test_regression_deep_json_in_a_safetensors_header(corpus):

@@ -615,9 +615,12 @@ def diff_cmd(a: str, b: str, json_path: str | None) -> None:
               help="Scratch directory (default: a temporary one, removed after).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(0.1, None), default=10.0,
               show_default=True, help="Seconds one input may take before it counts as a hang.")
+@click.option("--jobs", type=click.IntRange(1, 64), default=None,
+              help="Worker processes (default: the CPUs this process may use, at most 8).")
 @click.option("--json", "json_path", type=OutputPath(), default=None,
               help="Write the counts as JSON here.")
-def fuzz_cmd(count: int, seed: int, workdir: str | None, timeout_s: float, json_path: str | None) -> None:
+def fuzz_cmd(count: int, seed: int, workdir: str | None, timeout_s: float, jobs: int | None,
+             json_path: str | None) -> None:
     """Load COUNT hostile checkpoints (mutated manifests, shard files, DCP
     .metadata, safetensors headers) derived from small valid ones.
 
@@ -635,15 +638,23 @@ def fuzz_cmd(count: int, seed: int, workdir: str | None, timeout_s: float, json_
         click.echo(f"  {rep.inputs} inputs, {len(rep.crashes)} crashes, {rep.rate:.0f}/s", err=True)
 
     try:
-        rep = fuzz(count, seed=seed, workdir=workdir, timeout_s=timeout_s,
+        if jobs is None:
+            jobs = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                       else (os.cpu_count() or 1))
+        rep = fuzz(count, seed=seed, workdir=workdir, timeout_s=timeout_s, jobs=jobs,
                    progress=progress if count >= 5000 else None)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     click.echo(f"fuzz: {rep.inputs} inputs (seed {seed}) in {rep.duration_s:.1f} s "
-               f"({rep.rate:.0f}/s), crashes: {len(rep.crashes)}, slowest input "
-               f"{rep.slowest_s * 1e3:.1f} ms ({rep.slowest[:80]})")
+               f"({rep.rate:.0f}/s, {rep.jobs} job(s)), crashes: {len(rep.crashes)}, slowest input "
+               f"{rep.slowest_s * 1e3:.1f} ms ({rep.slowest_cpu_s * 1e3:.1f} ms CPU; {rep.slowest[:80]}), "
+               f"most CPU {rep.most_cpu_s * 1e3:.1f} ms ({rep.most_cpu[:80]})")
     _table(["input: outcome", "count"], sorted(rep.outcomes.items()), right=[1])
+    _table(["slowest families", "inputs", "total s", "CPU s", "mean ms", "max ms", "slowest input"],
+           [[k, f.inputs, f"{f.total_s:.2f}", f"{f.cpu_s:.2f}", f"{f.total_s / max(f.inputs, 1) * 1e3:.2f}",
+             f"{f.max_s * 1e3:.1f}", f.slowest[:60]] for k, f in rep.slowest_families(8)],
+           right=[1, 2, 3, 4, 5])
     for desc, typ, msg in rep.crashes[:20]:
         click.echo(f"  CRASH {typ}: {msg[:200]}  <- {desc[:120]}")
     if json_path:

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import msgspec
 import torch
 
-from .errors import CheckpointError, RankFailure, agreed_error, summarize_failures
+from .errors import CheckpointError, RankFailure, agreed_error, rank_ranges, summarize_failures
 
 T = TypeVar("T")
 
@@ -209,7 +209,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 def _lost_rank_errors(fn: F) -> F:
     """A collective of the backend that fails (gloo's "Connection closed by
     peer", a timeout: RuntimeErrors) raises CheckpointError on this rank,
-    naming the cause, with the backend's error as its ``__cause__``."""
+    naming the cause and, where :func:`_lost_ranks` can tell, the lost
+    rank(s) (also in the error's ``lost_ranks``), with the backend's error as
+    its ``__cause__``."""
 
     @functools.wraps(fn)
     def wrapper(self: TorchCollectives, *args: Any, **kwargs: Any) -> Any:
@@ -217,12 +219,112 @@ def _lost_rank_errors(fn: F) -> F:
             return fn(self, *args, **kwargs)
         except RuntimeError as e:  # DistBackendError and gloo/NCCL failures are RuntimeErrors
             msg = (str(e).strip().splitlines() or [""])[0][:300]
-            raise CheckpointError(
+            lost, why = _lost_ranks(self)
+            err = CheckpointError(
                 f"{fn.__name__} over the {self.world_size} ranks of the checkpoint group failed on "
-                f"rank {self.rank}: a rank was lost or did not arrive within the group's timeout "
-                f"({type(e).__name__}: {msg})") from e
+                f"rank {self.rank}: {why} ({type(e).__name__}: {msg})")
+            err.lost_ranks = tuple(lost)  # type: ignore[attr-defined]
+            raise err from e
 
     return wrapper  # type: ignore[return-value]
+
+
+#: at most this long (seconds; the group's timeout when shorter) the survivors
+#: of a failed collective wait for one another's reports (see _lost_ranks)
+LOST_RANK_WAIT_S = 30.0
+
+
+def _rank_names(coll: TorchCollectives, ranks: Sequence[int]) -> str:
+    text = f"rank {rank_ranges(list(ranks))}" if len(ranks) == 1 else f"ranks {rank_ranges(list(ranks))}"
+    glob = [coll._global[r] for r in ranks]
+    return text if glob == list(ranks) else f"{text} (global {rank_ranges(glob)})"
+
+
+def _lost_ranks(coll: TorchCollectives) -> tuple[list[int], str]:
+    """Which ranks of ``coll``'s group are lost, found after one of its
+    collectives failed (never on the success path). Returns (group ranks,
+    the phrase naming them).
+
+    Through the job's key-value store (torch.distributed's default store,
+    not the broken collective): every survivor sets ``alive/<rank>`` (its
+    wall-clock time); the coordinator waits up to W seconds
+    (``LOST_RANK_WAIT_S`` or the group's timeout, whichever is shorter) for
+    the others' keys, names the ranks whose key did not come (killed, or
+    stalled past the timeout) and publishes that verdict; the others wait up
+    to 2W + 1 seconds for it (and count themselves as having read it, so a
+    coordinator hosting the store stays up to W seconds for them), and name
+    the coordinator when it never comes.
+    When the store itself cannot be reached, the process hosting it is
+    gone: global rank 0's (``tcp://`` and ``env://`` initialisation start
+    the store there) unless torchrun's agent hosts it. Keys older than 2W
+    are stale (an earlier failure) and do not count. One store write per
+    survivor, and O(world) store reads on the coordinator only.
+    """
+    import json as _json
+    import os
+    import time
+    import zlib
+
+    timeout = group_timeout_s(coll.group) or LOST_RANK_WAIT_S
+    wait = max(0.5, min(LOST_RANK_WAIT_S, timeout))
+    unknown = "a rank was lost or did not arrive within the group's timeout"
+    try:
+        store = coll._dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store to ask: say what is known
+        return [], unknown
+    prefix = f"reshard/lost/{zlib.crc32(repr(coll._global).encode()):08x}/"
+    now = time.time()
+
+    def fresh(key: str) -> bool:
+        return bool(store.check([key])) and abs(float(store.get(key)) - now) <= 2 * wait
+
+    try:
+        store.set(f"{prefix}alive/{coll.rank}", repr(now))
+        if coll.rank == 0:
+            pending = set(range(1, coll.world_size))
+            deadline, poll = time.monotonic() + wait, 0.02
+            while pending and time.monotonic() < deadline:
+                pending -= {r for r in pending if fresh(f"{prefix}alive/{r}")}
+                if pending:
+                    time.sleep(poll)
+                    poll = min(poll * 2, 0.25)
+            lost = sorted(pending)
+            vid = os.urandom(6).hex()
+            store.set(f"{prefix}verdict", _json.dumps({"t": now, "lost": lost, "id": vid}))
+            # the store may live in this process: stay until the survivors have read it
+            deadline, poll, alive = time.monotonic() + wait, 0.01, coll.world_size - 1 - len(lost)
+            while alive and store.add(f"{prefix}read/{vid}", 0) < alive and time.monotonic() < deadline:
+                time.sleep(poll)
+                poll = min(poll * 2, 0.1)
+        else:
+            deadline, poll, verdict = time.monotonic() + 2 * wait + 1, 0.01, None
+            while time.monotonic() < deadline:
+                if store.check([f"{prefix}verdict"]):
+                    v = _json.loads(store.get(f"{prefix}verdict"))
+                    if abs(float(v["t"]) - now) <= 2 * wait:
+                        verdict = v
+                        store.add(f"{prefix}read/{v['id']}", 1)
+                        break
+                time.sleep(poll)
+                poll = min(poll * 2, 0.1)
+            if verdict is None:
+                return [0], (f"{_rank_names(coll, [0])} (the coordinator) was lost: it did not "
+                             f"report within {2 * wait + 1:.0f} s of the failure (killed, or "
+                             "stalled past the group's timeout)")
+            lost = [int(r) for r in verdict["lost"] if int(r) != coll.rank]
+    except Exception:  # noqa: BLE001 - the store is gone with the process that hosted it
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or 0 not in coll._global:
+            return [], unknown + " (the job's store is unreachable too)"
+        host = coll._global.index(0)
+        if host == coll.rank:
+            return [], unknown + " (the job's store is unreachable)"
+        return [host], (f"{_rank_names(coll, [host])} was lost: the job's store, which its process "
+                        "hosts (tcp:// or env:// initialisation), is unreachable too")
+    if not lost:
+        return [], unknown + " (every rank reported alive after the failure: a timeout)"
+    return lost, (f"{_rank_names(coll, lost)} {'was' if len(lost) == 1 else 'were'} lost: "
+                  f"{'it' if len(lost) == 1 else 'they'} did not report within {wait:.0f} s of the "
+                  "failure (killed, or stalled past the group's timeout)")
 
 
 class TorchCollectives(Collectives):

@@ -148,16 +148,19 @@ def _census(coll: Any, status: str) -> dict[str, int]:
     return {**dict(zip(_STATUSES, red[:n], strict=True)), "bad": red[n], "torn_coordinator": red[n + 1]}
 
 
-def _unloadable(coll: Any, path: str, status: str, detail: str) -> str:
+def _unloadable(coll: Any, path: str, status: str, detail: str,
+                failed: list[int] | None = None) -> str:
     """The agreed message for a checkpoint some rank could not load: the
     failing ranks' status and detail gathered to the coordinator only (run
     only when some rank failed), summarized there (rank ranges, the first
-    detail, bounded) and broadcast."""
+    detail, bounded) and broadcast. ``failed`` (the coordinator's): the ranks
+    that actually failed, when every rank's status is the agreed outcome of
+    one collective load (every rank raised it, only these ranks caused it)."""
     got = coll.gather_bytes(json.dumps([status, detail[:2000]] if status != "ok" else None).encode())
     msg = None
     if got is not None:
         rows = [(r, json.loads(b)) for r, b in enumerate(got)]
-        bad = [r for r, x in rows if x is not None]
+        bad = failed or [r for r, x in rows if x is not None]
         why = next((x[1] for _, x in rows if x is not None and x[1]), "")
         msg = f"{path}: unloadable ({why}{' ' if why else ''}on rank(s) {rank_ranges(bad)})"
     return coll.broadcast_bytes(msg.encode() if msg is not None else None).decode()
@@ -187,14 +190,17 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
             coll.agree(f"restore {path} (the HMAC key given does not verify its manifest; "
                        "nothing was quarantined)", exc)
         torn_coord = counts["torn_coordinator"]  # from the probe: did rank 0 itself find it torn
+        failed: list[int] | None = None  # the load's failing ranks (the coordinator knows all)
         if not counts["torn"] and not counts["gone"]:
             try:
                 res = load(state, path, group=mgr.group, storage=st, **load_kwargs)
             except (IntegrityError, ManifestError) as le:
                 status, detail = "torn", f"load failed: {le}"
                 torn_coord = int(0 in (sorted(le.failures) or [0]))  # agreed: same on every rank
+                failed = sorted(le.failures) or None
             except CheckpointNotFoundError as le:
                 status, detail = "gone", str(le)
+                failed = sorted(le.failures) or None
             else:
                 status = "ok"
             counts = _census(coll, status)  # load agrees its errors; confirm anyway
@@ -209,7 +215,7 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
             if failures:
                 res.notes["fallback"] = failures
             return res
-        msg = _unloadable(coll, path, status, detail)
+        msg = _unloadable(coll, path, status, detail, failed)
         if counts["torn"] and not torn_coord \
                 and not _coordinated(mgr, f"restore {path} (re-checking)", _damaged, mgr, path):
             # only other ranks failed, and the coordinator finds every byte

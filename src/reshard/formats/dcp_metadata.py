@@ -8,6 +8,7 @@ singletons and a few harmless builtins can be named; anything else is a
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import os
 import pickle
@@ -22,6 +23,15 @@ from ..storage import Storage, resolve
 DCP_METADATA = ".metadata"
 #: largest ``.metadata`` read (a crafted file cannot make us read more)
 MAX_METADATA_BYTES = 1 << 30
+#: deepest nesting of ``MARK``s accepted (DCP's records nest a handful of
+#: levels; a crafted file of 100k MARKs is refused at this depth instead of
+#: being walked to its end)
+MAX_MARK_DEPTH = 1000
+#: most items on the unpickler's stack above its last MARK when a new
+#: container is pushed: the pickler batches a container's items by 1000 and a
+#: value nests at most ~1000 levels (its recursion limit), so a real file
+#: stays below ~5000; 100k empty lists pushed to be nested are refused here
+MAX_FRAME_ITEMS = 10_000
 
 _MD = "torch.distributed.checkpoint.metadata"
 _FS = "torch.distributed.checkpoint.filesystem"
@@ -39,6 +49,7 @@ _RECORD_CLASSES = (
 )
 
 
+@functools.cache
 def _torch_singletons() -> dict[tuple[str, str], Any]:
     """``("torch", name)`` for every dtype, layout and memory format torch
     exposes (immutable C objects: ``BUILD`` cannot set attributes on them)."""
@@ -57,7 +68,7 @@ def _make_tables() -> tuple[dict[tuple[str, str], Any], dict[str, type]]:
     from torch.distributed.checkpoint import metadata as md
 
     mods = {_MD: md, _FS: fs}
-    allowed = _torch_singletons()
+    allowed = dict(_torch_singletons())  # immutable C objects: shared between reads
     records: dict[str, type] = {}
     for mod, name in _RECORD_CLASSES:
         base = getattr(mods[mod], name)
@@ -80,7 +91,7 @@ def _make_tables() -> tuple[dict[tuple[str, str], Any], dict[str, type]]:
         base_props.__setstate__(self, (*state[:3], encodings[state[3].value], state[4]))
 
     records["TensorProperties"].__setstate__ = setstate  # type: ignore[attr-defined]
-    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+    layouts = {str(v): v for v in _torch_singletons().values() if isinstance(v, torch.layout)}
 
     def get_layout(name: Any) -> Any:
         if type(name) is not str or name not in layouts:
@@ -112,6 +123,19 @@ class _MemFormat:
     value: int
 
 
+def _bounded_push(load: Any) -> Any:
+    """``load`` (an opcode pushing a new container) refused once the stack
+    above the last MARK holds MAX_FRAME_ITEMS items."""
+
+    def bounded(self: _MetadataUnpickler) -> None:
+        if len(self.stack) >= MAX_FRAME_ITEMS:  # type: ignore[attr-defined]
+            raise ManifestError(f"{self.where}: DCP metadata piles more than {MAX_FRAME_ITEMS} "
+                                "items on the unpickler's stack (refused: a pickler never does)")
+        load(self)
+
+    return bounded
+
+
 class _MetadataUnpickler(pickle._Unpickler):
     """Unpickles DCP ``.metadata`` and nothing else (see the module docstring).
 
@@ -133,8 +157,18 @@ class _MetadataUnpickler(pickle._Unpickler):
         raise ManifestError(f"{self.where}: DCP metadata holds a BYTEARRAY8 (refused: no DCP "
                             "record is a bytearray)")
 
+    def _load_mark(self) -> None:
+        if len(self.metastack) >= MAX_MARK_DEPTH:  # type: ignore[attr-defined]
+            raise ManifestError(f"{self.where}: DCP metadata nests more than {MAX_MARK_DEPTH} "
+                                "MARKs (refused: DCP records nest a few levels)")
+        pickle._Unpickler.load_mark(self)  # type: ignore[attr-defined]
+
     dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
     dispatch[pickle.BYTEARRAY8[0]] = _refuse_bytearray
+    dispatch[pickle.MARK[0]] = _load_mark
+    for _op in (pickle.EMPTY_LIST, pickle.EMPTY_DICT, pickle.EMPTY_SET, pickle.EMPTY_TUPLE):
+        dispatch[_op[0]] = _bounded_push(dispatch[_op[0]])
+    del _op
 
     def find_class(self, module: str, name: str) -> Any:
         obj = self.allowed.get((module, name))

@@ -21,7 +21,8 @@ phase, see ``PHASES``) or, for the stage phase, from a Stateful whose
 
 A cell is **safe** when: every surviving rank raised a
 :class:`~reshard.errors.CheckpointError` (where the fault must fail the
-operation); every checkpoint listed as committed verifies with checksums (or,
+operation), and, where a rank was killed or stalled, each survivor's error
+names that rank as lost; every checkpoint listed as committed verifies with checksums (or,
 for a checkpoint corrupted after its commit, every rank's load of it was
 refused); ``latest`` is the newest checkpoint that verifies; the previous
 committed checkpoint (the newest, for retention cells) loads bit-exact; and
@@ -35,6 +36,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import socket
@@ -140,10 +142,11 @@ def cells(*, quick: bool = False, backend: str = "local") -> list[Cell]:
 
 
 #: besides the first cell of each fault class, the quick matrix runs these
-#: (an async kill, an interrupted retention, a rank lost by an async save, a
-#: broken manifest)
-_QUICK_EXTRA = ("save-async/data/kill/rank1", "save-sync/retention-mid/kill/rank0",
-                "save-async/data/delay/rank1", "integrity--/missing-manifest/-/rank0")
+#: (an async kill, the coordinator killed, an interrupted retention, a rank
+#: lost by an async save, a broken manifest)
+_QUICK_EXTRA = ("save-async/data/kill/rank1", "save-sync/plan/kill/rank0",
+                "save-sync/retention-mid/kill/rank0", "save-async/data/delay/rank1",
+                "integrity--/missing-manifest/-/rank0")
 
 
 # --------------------------------------------------------------------------- rank side
@@ -407,6 +410,23 @@ def run_cell(cell: Cell, workdir: str, *, world: int = WORLD) -> CellResult:
     return res
 
 
+_LOST = re.compile(r"\branks? ([\d,-]+)(?: \(global [\d,-]+\))?(?: \(the coordinator\))? (?:was|were) lost")
+
+
+def named_lost(message: str) -> set[int]:
+    """The group ranks an error message names as lost ("rank 1 was lost",
+    "ranks 0-2,5 were lost", as :mod:`reshard.collectives` words it)."""
+    out: set[int] = set()
+    for m in _LOST.finditer(message):
+        for part in m[1].split(","):
+            if not part:
+                continue
+            a, _, b = part.partition("-")
+            if a.isdigit() and (not b or b.isdigit()):
+                out.update(range(int(a), int(b or a) + 1))
+    return out
+
+
 def _judge(cell: Cell, res: CellResult, outs: dict[int, dict[str, Any]], procs: list[Any],
            root: str, world: int) -> None:
     import torch
@@ -439,6 +459,11 @@ def _judge(cell: Cell, res: CellResult, outs: dict[int, dict[str, Any]], procs: 
             if o["status"] == "ok":
                 res.problems.append(f"rank {r} reported success although the {cell.op} met "
                                     f"{cell.action} at {cell.phase}")
+    if cell.action in ("kill", "delay"):  # every survivor's error names the lost rank
+        for r, o in outs.items():
+            if r != cell.rank and o["status"] == "error" and cell.rank not in named_lost(o["message"]):
+                res.problems.append(f"rank {r}'s error does not name the lost rank {cell.rank}: "
+                                    f"{o['message'][:300]}")
     st = LocalStorage()
     listed = [e.path for e in committed(st, root)]
     res.latest = reshard.latest(root)

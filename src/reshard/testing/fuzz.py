@@ -21,6 +21,7 @@ Used by ``reshard fuzz`` and ``tests/test_fuzz.py`` (which drives
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import random
 import resource
@@ -59,18 +60,46 @@ class _Hang(BaseException):
 
 
 @dataclass
+class FamilyTime:
+    """Time spent on one family of inputs: wall ``total_s``, CPU ``cpu_s``
+    (this process's, all threads), the slowest input's wall ``max_s`` and
+    description (seconds)."""
+
+    inputs: int = 0
+    total_s: float = 0.0
+    cpu_s: float = 0.0
+    max_s: float = 0.0
+    slowest: str = ""
+
+    def add(self, dt: float, cpu: float, desc: str) -> None:
+        self.inputs += 1
+        self.total_s += dt
+        self.cpu_s += cpu
+        if dt > self.max_s:
+            self.max_s, self.slowest = dt, desc
+
+
+@dataclass
 class FuzzReport:
     """Counts of one fuzzing run.
 
     Attributes:
         inputs: cases run.
-        outcomes: outcome -> count ("ok" or a CheckpointError class name, or
-            "CRASH:<type>").
+        outcomes: "<kind>:<outcome>" -> count (outcome "ok" or a CheckpointError
+            class name, or "CRASH:<type>").
         crashes: (case description, exception type, message) of each crash.
-        slowest_s / slowest: the slowest input's time (seconds) and description.
-        duration_s: wall time of the run (seconds).
-        peak_rss_bytes: peak resident set size of the process at the end (bytes).
-        memory_limit_bytes: the address-space ceiling the cases ran under (0: none).
+        slowest_s / slowest: the slowest input's wall time (seconds) and
+            description ("#<index> <kind>: <desc>"; the index and the seed
+            regenerate it); slowest_cpu_s: that input's CPU time (on a loaded
+            machine its wall time is mostly waiting for a core).
+        most_cpu_s / most_cpu: the input that used the most CPU time.
+        families: "<kind>: <family>" -> FamilyTime (where the time went).
+        duration_s: wall time of the run (seconds), worker start-up included.
+        jobs: worker processes that ran the inputs (1: this process).
+        peak_rss_bytes: the largest resident set size of a process that ran
+            inputs, at its end (bytes).
+        memory_limit_bytes: the address-space ceiling the cases ran under (0:
+            none; with several workers, the largest).
     """
 
     inputs: int = 0
@@ -78,7 +107,12 @@ class FuzzReport:
     crashes: list[tuple[str, str, str]] = field(default_factory=list)
     slowest_s: float = 0.0
     slowest: str = ""
+    slowest_cpu_s: float = 0.0
+    most_cpu_s: float = 0.0
+    most_cpu: str = ""
+    families: dict[str, FamilyTime] = field(default_factory=dict)
     duration_s: float = 0.0
+    jobs: int = 1
     peak_rss_bytes: int = 0
     memory_limit_bytes: int = 0
 
@@ -90,11 +124,43 @@ class FuzzReport:
     def rate(self) -> float:
         return self.inputs / max(self.duration_s, 1e-9)
 
+    def merge(self, other: FuzzReport) -> None:
+        """Add ``other``'s counts (a worker's share) to this report."""
+        self.inputs += other.inputs
+        self.outcomes.update(other.outcomes)
+        self.crashes.extend(other.crashes)
+        if other.slowest_s > self.slowest_s:
+            self.slowest_s, self.slowest = other.slowest_s, other.slowest
+            self.slowest_cpu_s = other.slowest_cpu_s
+        if other.most_cpu_s > self.most_cpu_s:
+            self.most_cpu_s, self.most_cpu = other.most_cpu_s, other.most_cpu
+        for k, f in other.families.items():
+            mine = self.families.setdefault(k, FamilyTime())
+            mine.inputs += f.inputs
+            mine.total_s += f.total_s
+            mine.cpu_s += f.cpu_s
+            if f.max_s > mine.max_s:
+                mine.max_s, mine.slowest = f.max_s, f.slowest
+        self.peak_rss_bytes = max(self.peak_rss_bytes, other.peak_rss_bytes)
+        self.memory_limit_bytes = max(self.memory_limit_bytes, other.memory_limit_bytes)
+
+    def slowest_families(self, n: int = 10) -> list[tuple[str, FamilyTime]]:
+        """The ``n`` families that took the most time in all, slowest first."""
+        return sorted(self.families.items(), key=lambda kv: -kv[1].total_s)[:n]
+
     def to_json(self) -> dict[str, Any]:
         return {"inputs": self.inputs, "outcomes": dict(sorted(self.outcomes.items())),
                 "crashes": [list(c) for c in self.crashes], "slowest_s": round(self.slowest_s, 4),
-                "slowest": self.slowest, "duration_s": round(self.duration_s, 2),
-                "inputs_per_s": round(self.rate, 1), "peak_rss_bytes": self.peak_rss_bytes,
+                "slowest": self.slowest, "slowest_cpu_s": round(self.slowest_cpu_s, 4),
+                "most_cpu_s": round(self.most_cpu_s, 4), "most_cpu": self.most_cpu,
+                "duration_s": round(self.duration_s, 2),
+                "inputs_per_s": round(self.rate, 1), "jobs": self.jobs,
+                "families": {k: {"inputs": f.inputs, "total_s": round(f.total_s, 3),
+                                 "cpu_s": round(f.cpu_s, 3),
+                                 "mean_ms": round(f.total_s / max(f.inputs, 1) * 1e3, 3),
+                                 "max_ms": round(f.max_s * 1e3, 2), "slowest": f.slowest}
+                             for k, f in self.slowest_families(len(self.families))},
+                "peak_rss_bytes": self.peak_rss_bytes,
                 "memory_limit_bytes": self.memory_limit_bytes}
 
 
@@ -102,9 +168,17 @@ class FuzzReport:
 
 
 def _materialize(d: str, files: dict[str, FileSpec]) -> None:
-    if os.path.lexists(d):
-        shutil.rmtree(d)
-    os.makedirs(d)
+    """Make directory ``d`` hold exactly ``files``. The directory itself is
+    kept from one case to the next (on ext4 an ``rmdir`` costs milliseconds,
+    more than the rest of a case); what is in it is removed first."""
+    if os.path.islink(d) or (os.path.lexists(d) and not os.path.isdir(d)):
+        os.unlink(d)
+    os.makedirs(d, exist_ok=True)
+    for e in os.scandir(d):
+        if e.is_dir(follow_symlinks=False):
+            shutil.rmtree(e.path)
+        else:
+            os.unlink(e.path)
     for name, spec in files.items():
         p = os.path.join(d, name)
         if isinstance(spec, bytes):
@@ -231,61 +305,147 @@ def memory_ceiling(headroom_bytes: int = 1 << 30) -> Iterator[int]:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
-def fuzz(count: int, *, seed: int = 0, workdir: str, memory_headroom_bytes: int = 1 << 30,
-         timeout_s: float = 10.0, progress: Callable[[FuzzReport], None] | None = None) -> FuzzReport:
-    """Run ``count`` hostile inputs derived with ``random.Random(seed)``.
+def case_rng(seed: int, index: int) -> random.Random:
+    """The generator of input ``index`` of a run seeded ``seed``: each input
+    is reproducible from the two numbers alone, whichever worker ran it."""
+    return random.Random(f"reshard-fuzz/{seed}/{index}")
 
-    Every case runs under an address-space ceiling of the process's current
-    virtual size plus ``memory_headroom_bytes`` (``RLIMIT_AS``; restored at
-    the end), so an allocation the files cannot back fails instead of
-    succeeding, and under a ``timeout_s`` per input.
+
+def _run_one(i: int, seed: int, corpus: Corpus, rep: FuzzReport, timeout_s: float) -> None:
+    case = generate(case_rng(seed, i), corpus)
+    t1, c1 = time.perf_counter(), time.process_time()
+    try:
+        out = run_case(case, corpus, timeout_s=timeout_s)
+    except BaseException as e:  # noqa: BLE001 - a crash is recorded, not raised
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        out = f"CRASH:{type(e).__name__}"
+        where = traceback.extract_tb(e.__traceback__)[-1:]
+        msg = f"{str(e)[:400]} (at {where[0].filename}:{where[0].lineno})" if where else str(e)[:400]
+        if isinstance(e, _Hang):  # a stalled machine or a real hang: run it once more
+            t2 = time.perf_counter()
+            try:
+                run_case(case, corpus, timeout_s=timeout_s)
+                msg += f"; did not reproduce (rerun took {time.perf_counter() - t2:.2f} s)"
+            except BaseException as e2:  # noqa: BLE001
+                msg += f"; rerun: {type(e2).__name__}"
+        rep.crashes.append((f"#{i} {case.kind}: {case.desc}", type(e).__name__, msg))
+    dt, cpu = time.perf_counter() - t1, time.process_time() - c1
+    rep.inputs += 1
+    rep.outcomes[f"{case.kind}:{out}"] += 1
+    desc = f"#{i} {case.kind}: {case.desc}"
+    rep.families.setdefault(f"{case.kind}: {case.family or '-'}", FamilyTime()).add(dt, cpu, desc)
+    if dt > rep.slowest_s:
+        rep.slowest_s, rep.slowest, rep.slowest_cpu_s = dt, desc, cpu
+    if cpu > rep.most_cpu_s:
+        rep.most_cpu_s, rep.most_cpu = cpu, desc
+
+
+def _seeded_corpus(workdir: str) -> Corpus:
+    """The corpus under ``workdir``, each seed input loaded once (imports,
+    thread pools warm) before any ceiling is set."""
+    corpus = Corpus(workdir)
+    for kind in ("reshard", "dcp", "hf"):
+        files = {"reshard": corpus.reshard, "dcp": corpus.dcp, "hf": corpus.hf}[kind]
+        if run_case(Case(kind, "seed", dict(files)), corpus) != "ok":
+            raise RuntimeError(f"the {kind} seed input does not load")
+    return corpus
+
+
+#: a worker process's corpus, ceiling and per-input timeout (set by _worker_init)
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(workdir: str, memory_headroom_bytes: int, timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    wd = os.path.join(workdir, f"w{os.getpid()}")
+    os.makedirs(wd, exist_ok=True)
+    _WORKER["corpus"] = _seeded_corpus(wd)
+    _WORKER["timeout_s"] = timeout_s
+    gc.freeze()  # torch's objects out of the collector's sight: a full collection stays cheap
+    ceiling = memory_ceiling(memory_headroom_bytes)  # held until the worker exits
+    _WORKER["limit"] = ceiling.__enter__()
+    _WORKER["ceiling"] = ceiling
+
+
+def _worker_run(seed: int, start: int, stop: int) -> FuzzReport:
+    import psutil
+
+    rep = FuzzReport(memory_limit_bytes=_WORKER["limit"])
+    for i in range(start, stop):
+        _run_one(i, seed, _WORKER["corpus"], rep, _WORKER["timeout_s"])
+    rep.peak_rss_bytes = int(psutil.Process().memory_info().rss)
+    return rep
+
+
+#: inputs per task handed to a worker (progress is reported per task)
+CHUNK = 500
+
+
+def fuzz(count: int, *, seed: int = 0, workdir: str, memory_headroom_bytes: int = 1 << 30,
+         timeout_s: float = 10.0, jobs: int = 1,
+         progress: Callable[[FuzzReport], None] | None = None) -> FuzzReport:
+    """Run ``count`` hostile inputs; input ``i`` is derived with
+    :func:`case_rng` ``(seed, i)``.
+
+    Every case runs under an address-space ceiling of its process's virtual
+    size plus ``memory_headroom_bytes`` (``RLIMIT_AS``; restored at the end
+    in this process), so an allocation the files cannot back fails instead
+    of succeeding, and under a ``timeout_s`` per input (seconds).
+
+    Args:
+        jobs: worker processes (forkserver, torch preloaded; each with its own
+            corpus under ``workdir``, one torch thread, and its own ceiling);
+            1 runs every input in this process.
+        progress: called with the report so far about every 1000 inputs.
 
     Returns:
         FuzzReport (``ok`` is False when any case crashed).
     """
     import psutil
 
-    corpus = Corpus(workdir)
-    rng = random.Random(seed)
-    rep = FuzzReport()
-    # warm up every path once (imports, thread pools) before the ceiling is set
-    for kind in ("reshard", "dcp", "hf"):
-        files = {"reshard": corpus.reshard, "dcp": corpus.dcp, "hf": corpus.hf}[kind]
-        if run_case(Case(kind, "seed", dict(files)), corpus) != "ok":
-            raise RuntimeError(f"the {kind} seed input does not load")
-    ceiling = memory_ceiling(memory_headroom_bytes)
-    rep.memory_limit_bytes = ceiling.__enter__()
+    rep = FuzzReport(jobs=max(1, jobs))
     t0 = time.perf_counter()
-    try:
-        for i in range(count):
-            case = generate(rng, corpus)
-            t1 = time.perf_counter()
+    if jobs <= 1:
+        corpus = _seeded_corpus(workdir)
+        ceiling = memory_ceiling(memory_headroom_bytes)
+        rep.memory_limit_bytes = ceiling.__enter__()
+        gc.freeze()  # (as in a worker; undone below)
+        t0 = time.perf_counter()
+        try:
+            for i in range(count):
+                _run_one(i, seed, corpus, rep, timeout_s)
+                if progress is not None and (i + 1) % 1000 == 0:
+                    rep.duration_s = time.perf_counter() - t0
+                    progress(rep)
+        finally:
+            gc.unfreeze()
+            ceiling.__exit__(None, None, None)
+            rep.duration_s = time.perf_counter() - t0
+            rep.peak_rss_bytes = int(getattr(psutil.Process().memory_info(), "rss", 0))
+        return rep
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "reshard.testing.fuzz"])
+    spans = [(a, min(a + CHUNK, count)) for a in range(0, count, CHUNK)]
+    with ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_worker_init,
+                             initargs=(workdir, memory_headroom_bytes, timeout_s)) as ex:
+        futs = {ex.submit(_worker_run, seed, a, b): (a, b) for a, b in spans}
+        shown = 0
+        for fut in as_completed(futs):
             try:
-                out = run_case(case, corpus, timeout_s=timeout_s)
-            except BaseException as e:  # noqa: BLE001 - a crash is recorded, not raised
-                if isinstance(e, KeyboardInterrupt):
-                    raise
-                out = f"CRASH:{type(e).__name__}"
-                where = traceback.extract_tb(e.__traceback__)[-1:]
-                msg = f"{str(e)[:400]} (at {where[0].filename}:{where[0].lineno})" if where else str(e)[:400]
-                if isinstance(e, _Hang):  # a stalled machine or a real hang: run it once more
-                    t2 = time.perf_counter()
-                    try:
-                        run_case(case, corpus, timeout_s=timeout_s)
-                        msg += f"; did not reproduce (rerun took {time.perf_counter() - t2:.2f} s)"
-                    except BaseException as e2:  # noqa: BLE001
-                        msg += f"; rerun: {type(e2).__name__}"
-                rep.crashes.append((f"#{i} {case.kind}: {case.desc}", type(e).__name__, msg))
-            dt = time.perf_counter() - t1
-            rep.inputs += 1
-            rep.outcomes[f"{case.kind}:{out}"] += 1
-            if dt > rep.slowest_s:
-                rep.slowest_s, rep.slowest = dt, f"{case.kind}: {case.desc}"
-            if progress is not None and (i + 1) % 1000 == 0:
-                rep.duration_s = time.perf_counter() - t0
+                rep.merge(fut.result())
+            except BrokenProcessPool as e:  # a worker died (killed, out of memory): a crash
+                a, b = futs[fut]
+                rep.crashes.append((f"#{a} inputs [{a}, {b})", "WorkerDied", str(e)[:400]))
+                continue
+            rep.duration_s = time.perf_counter() - t0
+            if progress is not None and rep.inputs // 1000 > shown:
+                shown = rep.inputs // 1000
                 progress(rep)
-    finally:
-        ceiling.__exit__(None, None, None)
-        rep.duration_s = time.perf_counter() - t0
-        rep.peak_rss_bytes = int(getattr(psutil.Process().memory_info(), "rss", 0))
+    rep.crashes.sort(key=lambda c: int(c[0].split(" ", 1)[0][1:]))
+    rep.duration_s = time.perf_counter() - t0
     return rep

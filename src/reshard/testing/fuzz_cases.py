@@ -16,7 +16,6 @@ headers with hostile fields and length prefixes.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import pickle
@@ -47,12 +46,16 @@ class Case:
         files: file name -> contents of the checkpoint directory.
         data_only: only shard-file bytes changed (the manifest is the valid
             one), so a successful load must return the saved values exactly.
+        family: the mutation's family without its random details (e.g.
+            "manifest field set", "crafted pickle"): what ``reshard fuzz``
+            totals time by.
     """
 
     kind: str
     desc: str
     files: dict[str, FileSpec]
     data_only: bool = False
+    family: str = ""
 
 
 # --------------------------------------------------------------------------- corpus
@@ -144,10 +147,20 @@ class Corpus:
         self.hf = _read_dir(hd)
         raw = self.hf[HF_FILE]
         (hlen,) = struct.unpack("<Q", raw[:8])
-        self.hf_header: dict[str, Any] = json.loads(raw[8:8 + hlen])
+        self.hf_header_bytes = raw[8:8 + hlen]
+        self.hf_header: dict[str, Any] = json.loads(self.hf_header_bytes)
+        # every field's path, listed once (a fresh copy has the same ones)
+        self.manifest_paths = list(_paths(self.manifest))
+        self.hf_header_paths = list(_paths(self.hf_header))
         self.hf_data = raw[8 + hlen:]
         self.case_dir = os.path.join(workdir, "case")
         self.root_dir = os.path.join(workdir, "root")
+
+    def fresh_manifest(self) -> dict[str, Any]:
+        """A new copy of the seed manifest's dict (decoded again: faster than
+        ``copy.deepcopy``)."""
+        out: dict[str, Any] = json.loads(self.reshard[MANIFEST])
+        return out
 
 
 # --------------------------------------------------------------------------- hostile values
@@ -254,13 +267,27 @@ def _chunk_paths(m: dict[str, Any]) -> list[tuple[str, int]]:
     return [(fqn, i) for fqn, te in m["tensors"].items() for i in range(len(te["chunks"]))]
 
 
-def _semantic(rng: random.Random, m: dict[str, Any], c: Corpus) -> str:
-    """Apply one meaning-aware mutation of the manifest dict; returns its description."""
+#: the families of :func:`_semantic`'s mutations, by op
+SEMANTIC_FAMILIES = (
+    "2^60 elements", "negative offset", "overlapping chunks", "range past the file end",
+    "dtype outside the allow-list", "hostile file name", "length disagrees", "checksums replaced",
+    "global_shape replaced", "flattened_range replaced", "file size replaced",
+    "checksum_block_bytes replaced", "unknown required feature", "values replaced",
+    "object chunk field replaced", "aliases replaced")
+
+
+def _semantic(rng: random.Random, m: dict[str, Any], c: Corpus) -> tuple[str, str]:
+    """Apply one meaning-aware mutation of the manifest dict; returns its
+    family and description."""
+    op = rng.randrange(16)
+    return SEMANTIC_FAMILIES[op], _semantic_op(op, rng, m, c)
+
+
+def _semantic_op(op: int, rng: random.Random, m: dict[str, Any], c: Corpus) -> str:
     fqn, ci = rng.choice(_chunk_paths(m))
     te = m["tensors"][fqn]
     ch = te["chunks"][ci]
     f0 = c.data_files[0]
-    op = rng.randrange(16)
     if op == 0:  # 2^60 elements, declared consistently (shape, chunk box, byte length)
         te["global_shape"] = [2**30, 2**30]
         te["chunks"] = [{**ch, "global_offset": [0, 0], "local_shape": [2**30, 2**30],
@@ -338,20 +365,21 @@ def _reshard_case(rng: random.Random, c: Corpus) -> Case:
     files: dict[str, FileSpec] = dict(c.reshard)
     op = rng.randrange(10)
     if op <= 2:  # one field set to a hostile value
-        m = copy.deepcopy(c.manifest)
-        paths = list(_paths(m))
+        m = c.fresh_manifest()
+        paths = c.manifest_paths
         p = rng.choice(paths[1:])
         v = hostile_value(rng)
         _set(m, p, v)
         files[MANIFEST] = _dumps(m)
-        return Case("reshard", f"manifest field {list(p)} = {repr(v)[:60]}", files)
+        return Case("reshard", f"manifest field {list(p)} = {repr(v)[:60]}", files,
+                    family="manifest field set")
     if op == 3:  # a field removed, or an unknown one added
-        m = copy.deepcopy(c.manifest)
-        paths = list(_paths(m))
+        m = c.fresh_manifest()
+        paths = c.manifest_paths
         p = rng.choice(paths[1:])
         if rng.random() < 0.7:
             _delete(m, p)
-            desc = f"manifest field {list(p)} removed"
+            desc, fam = f"manifest field {list(p)} removed", "manifest field removed"
         else:
             parent = p[:-1]
             cur = m
@@ -359,42 +387,44 @@ def _reshard_case(rng: random.Random, c: Corpus) -> Case:
                 cur = cur[q]
             if isinstance(cur, dict):
                 cur["unknown_" + str(rng.randrange(9))] = hostile_value(rng)
-            desc = f"unknown field added under {list(parent)}"
+            desc, fam = f"unknown field added under {list(parent)}", "manifest field added"
         files[MANIFEST] = _dumps(m)
-        return Case("reshard", desc, files)
+        return Case("reshard", desc, files, family=fam)
     if op <= 5:  # meaning-aware
-        m = copy.deepcopy(c.manifest)
-        desc = _semantic(rng, m, c)
+        m = c.fresh_manifest()
+        fam, desc = _semantic(rng, m, c)
         files[MANIFEST] = _dumps(m, ensure_ascii=rng.random() < 0.5)
-        return Case("reshard", desc, files)
+        return Case("reshard", desc, files, family=f"manifest {fam}")
     if op == 6:  # raw manifest bytes
         desc, raw = _bytes_mutation(rng, c.reshard[MANIFEST])
         files[MANIFEST] = raw
-        return Case("reshard", f"manifest {desc}", files)
+        return Case("reshard", f"manifest {desc}", files, family="manifest bytes")
     if op == 7:  # raw shard-file bytes, manifest intact
         name = rng.choice(c.data_files)
         desc, raw = _bytes_mutation(rng, c.reshard[name])
         files[name] = raw
-        return Case("reshard", f"{name} {desc}", files, data_only=True)
+        return Case("reshard", f"{name} {desc}", files, data_only=True,
+                    family="shard-file bytes")
     if op == 8:  # file-system shapes: links, directories, missing files
         name = rng.choice([*c.data_files, MANIFEST])
         kind = rng.randrange(4)
         if kind == 0:
             files[name] = ("symlink", "/etc/hostname" if rng.random() < 0.5 else "../" + name)
-            return Case("reshard", f"{name} is a symbolic link", files)
+            return Case("reshard", f"{name} is a symbolic link", files, family="symbolic link")
         if kind == 1:
             files[name] = ("dir",)
-            return Case("reshard", f"{name} is a directory", files)
+            return Case("reshard", f"{name} is a directory", files, family="directory")
         if kind == 2:
             del files[name]
-            return Case("reshard", f"{name} missing", files)
+            return Case("reshard", f"{name} missing", files, family="missing file")
         files["extra.bin"] = rng.randbytes(32)
-        return Case("reshard", "an extra file in the checkpoint", files, data_only=True)
+        return Case("reshard", "an extra file in the checkpoint", files, data_only=True,
+                    family="extra file")
     # a JSON document of the wrong shape altogether
     doc = rng.choice([[], 0, "manifest", None, _deep(rng.choice([100, 20000])),
                       {"format": "reshard"}, {"a" * 100_000: 1}])
     files[MANIFEST] = _dumps(doc)
-    return Case("reshard", f"manifest is {repr(doc)[:40]}", files)
+    return Case("reshard", f"manifest is {repr(doc)[:40]}", files, family="manifest of another shape")
 
 
 # --------------------------------------------------------------------------- DCP cases
@@ -494,25 +524,27 @@ def _dcp_case(rng: random.Random, c: Corpus) -> Case:
     op = rng.randrange(5)
     if op <= 1:
         files[DCP_META] = _dcp_metadata(rng)
-        return Case("dcp", "hostile DCP records", files)
+        return Case("dcp", "hostile DCP records", files, family="hostile records")
     if op == 2:
         desc, raw = _bytes_mutation(rng, c.dcp[DCP_META])
         files[DCP_META] = raw
-        return Case("dcp", f".metadata {desc}", files)
+        return Case("dcp", f".metadata {desc}", files, family=".metadata bytes")
     if op == 3 and rng.random() < 0.3:
         depth = rng.choice([50, 900, 5000, 100_000])
         fld = rng.choice(["state_dict_metadata", "storage_data", "planner_data"])
         files[DCP_META] = _deep_metadata_pickle(depth, fld)
-        return Case("dcp", f".metadata {fld} nested {depth} deep", files)
+        return Case("dcp", f".metadata {fld} nested {depth} deep", files,
+                    family=".metadata nested deep")
     if op == 3:
         evil = rng.choice(_EVIL_PICKLES)
         files[DCP_META] = evil
-        return Case("dcp", f".metadata is a crafted pickle {evil[:30]!r}", files)
+        return Case("dcp", f".metadata is a crafted pickle {evil[:30]!r}", files,
+                    family="crafted pickle")
     data = [n for n in c.dcp if n != DCP_META]
     name = rng.choice(data)
     desc, raw = _bytes_mutation(rng, c.dcp[name])
     files[name] = raw
-    return Case("dcp", f"{name} {desc}", files)
+    return Case("dcp", f"{name} {desc}", files, family=".distcp bytes")
 
 
 # --------------------------------------------------------------------------- HF cases
@@ -524,42 +556,48 @@ def _hf_file(header: Any, data: bytes, *, hlen: int | None = None) -> bytes:
 
 
 def _hf_case(rng: random.Random, c: Corpus) -> Case:
-    h = copy.deepcopy(c.hf_header)
+    h = json.loads(c.hf_header_bytes)
     data = c.hf_data
     op = rng.randrange(8)
     names = [k for k in h if k != "__metadata__"]
     t = rng.choice(names)
     if op == 0:
-        p = rng.choice(list(_paths(h))[1:])
+        p = rng.choice(c.hf_header_paths[1:])
         v = hostile_value(rng)
         _set(h, p, v)
-        return Case("hf", f"header field {list(p)} = {repr(v)[:60]}", {HF_FILE: _hf_file(h, data)})
+        return Case("hf", f"header field {list(p)} = {repr(v)[:60]}", {HF_FILE: _hf_file(h, data)},
+                    family="header field set")
     if op == 1:
         h[t]["shape"] = [2**30, 2**30]
         h[t]["data_offsets"] = [0, 2**62]
-        return Case("hf", f"{t}: 2^60 elements declared", {HF_FILE: _hf_file(h, data)})
+        return Case("hf", f"{t}: 2^60 elements declared", {HF_FILE: _hf_file(h, data)},
+                    family="2^60 elements")
     if op == 2:
         h[t]["data_offsets"] = rng.choice([[-8, 8], [0, len(data) + 8], [8, 4], [0, 0], [0]])
-        return Case("hf", f"{t}: data_offsets replaced", {HF_FILE: _hf_file(h, data)})
+        return Case("hf", f"{t}: data_offsets replaced", {HF_FILE: _hf_file(h, data)},
+                    family="data_offsets replaced")
     if op == 3:
         other = rng.choice(names)
         h[t]["data_offsets"] = list(h[other]["data_offsets"])
-        return Case("hf", f"{t}: overlaps {other}", {HF_FILE: _hf_file(h, data)})
+        return Case("hf", f"{t}: overlaps {other}", {HF_FILE: _hf_file(h, data)},
+                    family="overlapping tensors")
     if op == 4:
         hlen = rng.choice([0, 2**64 - 1, 2**40, len(json.dumps(h)) + 5, 7])
-        return Case("hf", f"header length prefix {hlen}", {HF_FILE: _hf_file(h, data, hlen=hlen)})
+        return Case("hf", f"header length prefix {hlen}", {HF_FILE: _hf_file(h, data, hlen=hlen)},
+                    family="header length prefix")
     if op == 5:
         h[t]["dtype"] = rng.choice(["C64", "F8_E4M3", "Q4", "", "BOOL", "U16"])
-        return Case("hf", f"{t}: dtype replaced", {HF_FILE: _hf_file(h, data)})
+        return Case("hf", f"{t}: dtype replaced", {HF_FILE: _hf_file(h, data)},
+                    family="dtype replaced")
     if op == 6:  # an index naming hostile files
         bad = rng.choice(["../model.safetensors", "/etc/passwd", "a\x00b", "missing.safetensors",
                           "model.safetensors.index.json"])
         idx = {"weight_map": {t: bad}}
         return Case("hf", f"index maps {t} to {bad!r}",
                     {"model.safetensors.index.json": json.dumps(idx).encode(),
-                     HF_FILE: _hf_file(h, data)})
+                     HF_FILE: _hf_file(h, data)}, family="hostile index")
     desc, raw = _bytes_mutation(rng, c.hf[HF_FILE])
-    return Case("hf", f"safetensors file {desc}", {HF_FILE: raw})
+    return Case("hf", f"safetensors file {desc}", {HF_FILE: raw}, family="file bytes")
 
 
 def generate(rng: random.Random, corpus: Corpus) -> Case:
