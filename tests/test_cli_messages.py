@@ -298,3 +298,22 @@ def test_ls_shows_a_checkpoint_that_failed_its_check_as_failed(tmp_path: Path) -
     assert " verified " in rows["step-00000001"] and " failed " in rows["step-00000002"], r.stdout
     assert "failed: step-00000002 failed its last verification: IntegrityError" in r.stdout
     assert "checksum mismatch" in r.stdout
+
+
+def test_gc_names_the_abandoned_attempts_it_keeps(tmp_path: Path) -> None:
+    """After a crash, ``reshard gc`` keeps an abandoned attempt younger than
+    ``--grace`` (it may be a save still running) and says so, with the flag
+    that removes it (before: not a word, so the attempt ``ls`` lists as
+    abandoned seemed to be ignored by gc)."""
+    root = tmp_path / "ck"
+    reshard.save({"w": torch.ones(4)}, root / "step-00000001", step=1)
+    att = root / "step-00000002.incomplete-20261201T000000-abcdef12"
+    att.mkdir()
+    (att / "data-r00000-0.safetensors").write_bytes(b"x" * 10)
+    r = _run("gc", str(root), "--keep-last", "1")
+    assert r.exit_code == 0 and att.exists(), r.output
+    assert f"kept abandoned attempt {att.name} (younger than --grace 3600 s" in r.stdout, r.stdout
+    assert "--grace 0" in r.stdout
+    r = _run("gc", str(root), "--keep-last", "1", "--grace", "0")
+    assert r.exit_code == 0 and not att.exists(), r.output
+    assert f"deleted abandoned attempt {att.name}" in r.stdout and "kept abandoned" not in r.stdout

@@ -33,7 +33,7 @@ from .cli_support import (
     one_line,
     write_json,
 )
-from .commit import RETIRED, committed, read_manifest, scan
+from .commit import INCOMPLETE, RETIRED, committed, read_manifest, scan
 from .errors import CheckpointError, CheckpointNotFoundError
 from .manifest import Manifest, encode_manifest
 from .storage import resolve
@@ -247,7 +247,10 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         mgr = _manager_for(root, keep_last, keep_every, keep_best, metric_mode, grace)
         decision = mgr.apply_retention(dry_run=dry_run, checksums=not no_checksums, smoke_newer=True)
         gone = mgr.gc_abandoned(dry_run=dry_run)
-        quarantined = [e.name for e in scan(st, key) if e.quarantined]
+        entries = scan(st, key)
+        quarantined = [e.name for e in entries if e.quarantined]
+        young = [e.name for e in entries if e.abandoned and not e.quarantined
+                 and e.name not in gone and (INCOMPLETE in e.name or RETIRED in e.name)]
     except ValueError as err:
         _fail(2, str(err))
     except CheckpointError as err:
@@ -264,6 +267,9 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         click.echo(f"kept {name} ({why})")
     for name in quarantined:
         click.echo(f"kept {name} (quarantined: never deleted automatically)")
+    for name in young:
+        click.echo(f"kept abandoned attempt {name} (younger than --grace {grace:g} s: it may be "
+                   "a save still running; pass --grace 0 once no job writes here)")
     if not decision.delete and not gone:
         click.echo("nothing to delete")
 
