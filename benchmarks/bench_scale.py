@@ -48,6 +48,6 @@ if __name__ == "__main__":
         split = "per-param" if "per-param" in sys.argv else "flat"
         old_protocol(split)
     else:
-        from reshard.cli import bench_scale_cmd
+        from reshard.cli_bench import bench_scale_cmd
 
         bench_scale_cmd.main(args=sys.argv[1:], prog_name="bench_scale.py")

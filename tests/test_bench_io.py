@@ -1,5 +1,7 @@
-"""``reshard bench io``: a smoke run on real gloo ranks (tiny state; the
-measurements themselves stay out of CI), the layout syntax and the refusals."""
+"""``reshard bench io``: smoke runs on real gloo ranks (tiny states; the
+measurements themselves stay out of CI): FSDP2 on local disk with the peers,
+and the demo trainer's TP -> PP reshard on a loopback S3 endpoint (moto); the
+layout syntax, the state digest and the refusals."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+import reshard
+from reshard.bench.digest import chunk_sum, combine
 from reshard.bench.models import LayoutSpec, parse_layout
 from reshard.cli import main
 
@@ -25,17 +29,53 @@ def test_layout_syntax() -> None:
     assert parse_layout("dp") == LayoutSpec("dp", None)
     assert parse_layout("dp2,tp1") == LayoutSpec("dp", 2)
     assert str(parse_layout("fsdp").on(2)) == "fsdp2"
-    with pytest.raises(ValueError, match="tensor and pipeline"):
-        parse_layout("dp2,tp2")
+    # the demo's syntax with TP/PP: the demo trainer's (pp, dp, tp) grid
+    g = parse_layout("dp2,tp2")
+    assert g == LayoutSpec("grid", 4, tp=2, pp=1) and g.dp == 2 and str(g) == "pp1,dp2,tp2"
+    assert parse_layout("tp1,pp2,dp2") == LayoutSpec("grid", 4, tp=1, pp=2)
+    assert str(parse_layout("tp1,pp2,dp2")) == "pp2,dp2,tp1"
+    with pytest.raises(ValueError, match="needs 4 ranks"):
+        g.on(2)
     with pytest.raises(ValueError, match="bad layout"):
         parse_layout("zero3")
+    with pytest.raises(ValueError, match="bad layout"):
+        parse_layout("tp0,dp2")
+
+
+def test_digest_is_layout_independent_and_bit_exact() -> None:
+    """The same tensor cut into boxes, or into flat ranges of a box, gives
+    the same digest; one bit flipped or two elements swapped changes it."""
+    import torch
+
+    t = torch.randn(6, 10)
+
+    def dig(parts: list[tuple]) -> str:
+        return combine([{f"w|{i}": (chunk_sum(*p), 0) for i, p in enumerate(parts)}])["digest"]
+
+    whole = dig([(t, (6, 10), (0, 0), (6, 10))])
+    cols = dig([(t[:, :4], (6, 10), (0, 0), (6, 4)), (t[:, 4:], (6, 10), (0, 4), (6, 6))])
+    f = t.reshape(-1)
+    flat = dig([(f[:17], (6, 10), (0, 0), (6, 10), 0), (f[17:], (6, 10), (0, 0), (6, 10), 17)])
+    assert whole == cols == flat
+    bad = t.clone()
+    bad.view(torch.int32)[3, 3] ^= 1  # the lowest mantissa bit
+    assert dig([(bad, (6, 10), (0, 0), (6, 10))]) != whole
+    sw = t.clone()
+    sw[0, 0], sw[0, 1] = t[0, 1], t[0, 0]
+    assert dig([(sw, (6, 10), (0, 0), (6, 10))]) != whole
+    # replicas: one copy counted; replicas that differ are named
+    r = combine([{"w|a": (5, 4)}, {"w|a": (5, 4)}])
+    assert r["bytes"] == 4 and r["replicas_differ"] == []
+    assert combine([{"w|a": (5, 4)}, {"w|a": (6, 4)}])["replicas_differ"] == ["w|a"]
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--backend", "s3"], "not available yet"),
     (["--backend", "tape"], "one of local, memory, s3"),
     (["--world", "0"], "world sizes from 1 to 8"),
-    (["--layout", "dp2,tp2"], "tensor and pipeline"),
+    (["--layout", "dp2,tp2"], "tensor/pipeline layouts run the demo's trainer"),
+    (["--model", "llama-tiny", "--layout", "dp2,tp2", "--world", "2"], "runs on 4 ranks"),
+    (["--model", "llama-tiny", "--layout", "fsdp", "--reshard-to", "tp2"], "different keys"),
+    (["--backend", "memory", "--world", "1,2"], "memory:// lives in one process"),
 ])
 def test_bad_settings_are_usage_errors(args: list[str], message: str) -> None:
     r = CliRunner().invoke(main, ["bench", "io", *args])
@@ -81,6 +121,90 @@ def test_bench_io_smoke(tmp_path: Path) -> None:
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     # the scratch directory holds nothing after the run
     assert sorted(x.name for x in tmp_path.iterdir()) == ["io.json", "io.png"]
+    # `reshard advise --bench` takes the median reshard save time of this file as the cost
+    log = tmp_path / "failures.txt"
+    log.write_text("0\n7200\n")
+    r = CliRunner().invoke(main, ["advise", "--failures", str(log), "--bench", str(out),
+                                  "--step-time-s", "1", "--every-steps", "100"])
+    assert r.exit_code == 0, r.output
+    assert f"checkpoint cost: {rs['median_s']:.3f} s" in r.output, r.output
+
+
+@pytest.mark.timeout(300)
+def test_bench_io_smoke_s3_tp_to_pp(tmp_path: Path) -> None:
+    """The demo trainer's state (llama-tiny) in TP 2 on 2 gloo ranks, saved to
+    and loaded from moto's S3 server on 127.0.0.1 (started by the bench), and
+    resharded into PP 2: every load bit-exact to the saved state; the limits
+    are raw boto3 calls on the same endpoint."""
+    out = tmp_path / "io.json"
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        env.pop(k, None)  # the bench starts its own endpoint
+    p = subprocess.run(
+        [sys.executable, "-m", "reshard.cli", "bench", "io", "--model", "llama-tiny", "--layout", "tp2",
+         "--reshard-to", "pp2", "--backend", "s3", "--repeat", "1", "--settle", "0", "--steps", "1",
+         "--skip", "reshard-nocheck,rss,train,async", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env={**env, "RESHARD_PROGRESS": "1"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "boto3 PUT" in p.stdout and "no S3 writer" in p.stdout
+    assert "bench io" in p.stderr and "phase" in p.stderr  # the progress bar (asked for: not a terminal)
+    doc = json.loads(out.read_text())
+    s = doc["summary"]["s3/w2"]
+    assert s["layout"] == "pp1,dp1,tp2"
+    assert set(s["save"]) == {"reshard", "limit-write"}
+    assert s["async"] == {}  # skipped here (the FSDP smoke runs them)
+    assert {"limit-read", "reshard", "first-step"} == set(s["load"])
+    assert s["load"]["reshard"]["fingerprint_ok"]
+    (key,) = [k for k in s["reshard"] if k.startswith("reshard@")]
+    assert key == "reshard@pp2,dp1,tp1<-pp1,dp1,tp2" and s["reshard"][key]["fingerprint_ok"]
+    rs = s["save"]["reshard"]
+    assert rs["files"] >= 2 and rs["stored_bytes"] >= s["logical_bytes"]
+    assert sum(p["bytes"] for p in s["save"]["limit-write"]["per_rank"]) == sum(
+        p["bytes"] for p in rs["per_rank"])  # the limit uploads the bytes reshard wrote
+    assert set(rs["phases_s"]) == {"stage", "plan", "write", "commit"}
+
+
+def test_cold_save_and_manager_restore_on_ranks(pool, tmp_path: Path) -> None:
+    """--cold's rank side on 2 gloo ranks: the first save and a
+    CheckpointManager.save of the demo trainer's state in TP 2, then
+    CheckpointManager.restore into PP 2 checked against the saved digest
+    (and a wrong digest is reported as a differing state)."""
+    from reshard.bench import ranks
+
+    info = pool.run(2, ranks.setup, "llama-tiny", "tp2", 0.0, 8)
+    fp = info[0]["fingerprint"]
+    assert info[0]["layout"] == "pp1,dp1,tp2" and not info[0]["peers"] and fp == info[1]["fingerprint"]
+    out = pool.run(2, ranks.cold_save, str(tmp_path / "first"), str(tmp_path / "mgr"))
+    assert all(o["total_s"][0] > 0 and o["manager_total_s"][0] > 0 for o in out)
+    assert out[0]["manager_verify_s"] > 0 and out[1]["manager_verify_s"] is None
+    assert reshard.latest(tmp_path / "mgr") is not None
+    pool.run(2, ranks.setup, "llama-tiny", "pp2", 0.0, 8)
+    got = pool.run(2, ranks.cold_restore, str(tmp_path / "mgr"), fp)
+    assert all(g["found"] and g["fingerprint_ok"] for g in got), got
+    assert not pool.run(2, ranks.cold_restore, str(tmp_path / "mgr"), "0" * 16)[0]["fingerprint_ok"]
+    pool.run(2, ranks.release)
+
+
+def test_demo_report_beside_the_bench() -> None:
+    """The demo's figures are read from its report and set beside the bench's
+    for the same layouts, with the ratio and the reason beyond 2x."""
+    from reshard.bench import report
+
+    text = ("reshard demo: bert (full), layout A (pp1,dp2,tp2) -> layout B (pp2,dp2,tp1), 16 steps\n"
+            "  save: 261.0 MiB in 4 files, 4.00 s (65 MiB/s)\n  save: 261.0 MiB in 4 files, 5.00 s (52 MiB/s)\n"
+            "layout B (pp2,dp2,tp1): restored step 8 from /x/step-00000008 in 3.00 s, 484.9 MiB read by 4 ranks\n")
+    d = report.parse_demo_report(text)
+    assert d["layout_a"] == "pp1,dp2,tp2" and d["restore"] == {"s": 3.0, "mib": 484.9, "ranks": 4}
+    s = {"layout": "pp1,dp2,tp2", "save": {"reshard": {"median_s": 1.5, "stored_bytes": 261 << 20}},
+         "reshard": {"reshard@pp2,dp2,tp1<-pp1,dp2,tp2": {"median_s": 2.0}},
+         "cold": {"first-save": {"s": 4.0}, "manager-save": {"s": 1.0}}}
+    cmp = report.demo_compare({"summary": {"local/w4": s}}, d)
+    assert cmp["save_ratio"] == pytest.approx(3.0) and cmp["restore_ratio"] == pytest.approx(1.5)
+    assert cmp["save_ratio_cold"] == pytest.approx(1.125)
+    assert not cmp["within_2x"] and "CheckpointManager" in cmp["why"]
+    assert "demo/bench x3.00" in "\n".join(report.demo_lines(cmp))
+    with pytest.raises(ValueError, match="not a `reshard demo` report"):
+        report.parse_demo_report("hello")
 
 
 def _manifest_bytes(doc: dict) -> int:

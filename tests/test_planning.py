@@ -19,6 +19,7 @@ from reshard.planning import (
     LocalPlan,
     LocalTensorItem,
     Request,
+    check_entry_coverage,
     chunk_request,
     data_file_name,
     plan_reads,
@@ -482,3 +483,33 @@ def test_plan_reads_zero_dim() -> None:
         Chunk(global_offset=(), local_shape=(), file="f", offset=0, length=8),))
     items = plan_reads(entry, Request(fqn="step", global_offset=(), local_shape=()))
     assert [(i.kind, i.chunk_index, i.byte_start, i.byte_stop) for i in items] == [("box", 0, 0, 8)]
+
+
+@pytest.mark.parametrize(("rows", "error"), [
+    ([(0, 2), (2, 2)], None),  # FSDP's row slabs
+    ([(2, 2), (0, 2)], None),  # in any order
+    ([(0, 4)], None),  # one whole chunk
+    ([(0, 2), (2, 0), (2, 2)], None),  # an empty slab (uneven sharding) takes the general check
+    ([(0, 1), (2, 2)], "hole"),
+    ([(0, 3), (2, 2)], "overlapping"),
+    ([(0, 2), (0, 2), (2, 2)], "recorded twice"),
+    ([(0, 2), (2, 1)], "hole"),
+    ([(0, 2), (2, 3)], "cover 30 of the 24"),  # past the end
+])
+def test_row_slab_coverage(rows: list[tuple[int, int]], error: str | None) -> None:
+    """Row slabs of full trailing dims (the fast path) tile ``[4, 6]`` only
+    when they follow one another from row 0 to row 4; anything else is
+    decided by the general check, with its own message."""
+    chunks = tuple(Chunk(global_offset=(r, 0), local_shape=(n, 6), file="f", offset=0, length=24 * n)
+                   for r, n in rows)
+    entry = TensorEntry(dtype="float32", global_shape=(4, 6), chunks=chunks)
+    if error is None:
+        check_entry_coverage("w", entry)
+    else:
+        with pytest.raises(ShardingError, match=error):
+            check_entry_coverage("w", entry)
+    # a slab that does not span the trailing dims is never taken for a tiling
+    half = TensorEntry(dtype="float32", global_shape=(4, 6), chunks=(
+        Chunk(global_offset=(0, 0), local_shape=(4, 3), file="f", offset=0, length=48),))
+    with pytest.raises(ShardingError, match="hole"):
+        check_entry_coverage("w", half)

@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 import reshard
 from reshard import LoadOptions, SaveOptions, ShardedObject, ShardedTensor
-from reshard.errors import CheckpointError, ShardingError
+from reshard.errors import CheckpointError, IntegrityError, ShardingError
 from reshard.sharding import DTYPE_NAMES, torch_dtype
 from reshard.storage import MemoryStorage
 
@@ -678,3 +678,35 @@ def test_single_element_views_with_odd_strides(tmp_path: Path, direct: bool) -> 
                  options=LoadOptions(direct_read_min_bytes=0 if direct else 1 << 20))
     assert base.tolist() == [[5.0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]]
     assert reshard.codec.decode(reshard.codec.encode({"t": src}))["t"].tolist() == [5.0]
+
+
+@pytest.mark.parametrize("flip", [None, 800, 4000, 7500])
+def test_partial_chunk_read_straight_into_the_target(tmp_path: Path, flip: int | None) -> None:
+    """Rows inside one saved chunk whose bytes start and end inside checksum
+    blocks (what a 2 -> 4 reshard asks for) are read straight into the target:
+    the blocks they cover whole are verified in place, the partial first and
+    last blocks through a scratch block; a flipped byte in any of them is
+    found, and only the blocks needed are read."""
+    full = torch.arange(64 * 37, dtype=torch.float32).reshape(64, 37)  # rows of 148 bytes
+    ck = tmp_path / "ck"
+    reshard.save({"w": full}, ck, options=SaveOptions(durable=False, checksum_block_bytes=1024))
+    (c,) = reshard.inspect(ck).tensors["w"].chunks
+    if flip is not None:  # chunk bytes: 800 in block 0, 4000 in block 3, 7500 in block 7
+        f = ck / c.file
+        raw = bytearray(f.read_bytes())
+        raw[c.offset + flip] ^= 0x40
+        f.write_bytes(bytes(raw))
+    # rows 5..49: chunk bytes [740, 7400), blocks 0 (partial) .. 7 (partial)
+    dst = ShardedTensor("w", torch.zeros(45, 37), global_shape=(64, 37), global_offset=(5, 0))
+    opts = LoadOptions(direct_read_min_bytes=0, threads=1)
+    if flip is None:
+        res = reshard.load({"w": [dst]}, ck, options=opts)
+        assert torch.equal(dst.data, full[5:50])
+        table = 8 * 10  # the chunk's 10 block digests (8 bytes each)
+        assert res.bytes_read - (ck / "manifest.json").stat().st_size - table == 8 * 1024  # blocks 0..7
+        return
+    with pytest.raises(IntegrityError, match=rf"checksum mismatch in 'w' .*block {flip // 1024}\b") as ei:
+        reshard.load({"w": [dst]}, ck, options=opts)
+    assert "had already written 1 target(s)" in str(ei.value)
+    if flip == 7500:  # the last block is checked last: every whole block is already in place
+        assert torch.equal(dst.data[2:43], full[7:48])

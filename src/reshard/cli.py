@@ -278,7 +278,7 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
 @click.option("--failures", "failures_log", type=click.Path(dir_okay=False, exists=True), required=True,
               help="Failure log: one failure time per line (seconds since the epoch or ISO 8601).")
 @click.option("--bench", "bench_json", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="JSON from benchmarks/bench_core.py (its reshard save time is the cost C).")
+              help="JSON from benchmarks/bench_core.py or `reshard bench io` (its reshard save time is the cost C).")
 @click.option("--cost-s", type=float, default=None, help="Foreground cost of one checkpoint, seconds.")
 @click.option("--step-time-s", type=float, required=True, help="Seconds per training step.")
 @click.option("--every-steps", type=int, required=True, help="Current cadence: checkpoint every N steps.")
@@ -336,10 +336,15 @@ def _parse_time(text: str) -> float:
 
 
 def _bench_cost(path: str) -> float:
-    """The median reshard save time of a ``benchmarks/bench_core.py --json`` file."""
+    """The median reshard save time of a ``benchmarks/bench_core.py --json``
+    file, or of a ``reshard bench io --json`` file (its largest world size)."""
     try:
-        return float(json.load(open(path))["save"]["reshard"]["median_s"])
-    except (KeyError, TypeError, ValueError) as e:
+        doc = json.load(open(path))
+        if "save" not in doc and "summary" in doc:
+            runs = sorted(doc["summary"].values(), key=lambda s: len(s["local_bytes_per_rank"]))
+            doc = runs[-1]
+        return float(doc["save"]["reshard"]["median_s"])
+    except (KeyError, TypeError, ValueError, IndexError) as e:
         raise click.BadParameter(f"{path}: no save.reshard.median_s ({e})", param_hint="--bench") from None
 
 
@@ -730,100 +735,13 @@ def faults_cmd(quick: bool, backend: str, json_path: str | None, only: str | Non
     sys.exit(1 if unsafe else 0)
 
 
-from .cli_demo import demo_cmd, smoke_cmd  # noqa: E402 - commands defined beside
+from .cli_bench import bench_group  # noqa: E402 - commands defined beside
+from .cli_demo import demo_cmd, smoke_cmd  # noqa: E402
 
 main.add_command(demo_cmd)
 main.add_command(smoke_cmd)
+main.add_command(bench_group)
 __all__ = ["human_bytes", "main"]
-
-
-# ----------------------------------------------------------------------------- bench (scale)
-
-
-@main.group("bench")
-def bench_group() -> None:
-    """Benchmarks: `scale` simulates the coordination in this process (no data
-    written); `io` measures checkpoint I/O of a model state on real gloo ranks."""
-
-
-@bench_group.command("scale")
-@click.option("--tp", type=click.IntRange(min=1), default=8, show_default=True, help="tensor-parallel size")
-@click.option("--pp", type=click.IntRange(min=1), default=16, show_default=True, help="pipeline-parallel size")
-@click.option("--dp", type=click.IntRange(min=1), default=128, show_default=True, help="data-parallel size")
-@click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True, help="expert-parallel size (MoE; divides DP)")
-@click.option("--model", default="llama-405b", show_default=True,
-              help="llama-8b, llama-70b, llama-405b, moe-8x7b or moe-8x22b")
-@click.option("--optimizer", type=click.Choice(["adam", "none"]), default="adam", show_default=True)
-@click.option("--zero", type=click.Choice(["1"]), default="1", show_default=True,
-              help="ZeRO stage of the optimizer state (1: sharded over DP)")
-@click.option("--zero-split", type=click.Choice(["flat", "per-param"]), default="flat", show_default=True,
-              help="flat: Megatron's flat buffer split into DP ranges; per-param: every parameter split")
-@click.option("--reshard-to", "target", default=None,
-              help="load layout, e.g. tp4,pp8,dp512 (default: TP/2, PP/2, DP*4)")
-@click.option("--smallest", type=click.IntRange(min=1), default=8, show_default=True, help="smallest world size of the sweep")
-@click.option("--only-largest", is_flag=True, help="simulate only the given layout")
-@click.option("--json", "json_path", type=OutputPath(), default=None,
-              help="write the rows (a JSON list, one per world size)")
-@click.option("--plot", "plot_path", type=OutputPath(), default=None,
-              help="write a log-log PNG of time and bytes against world size")
-def bench_scale_cmd(tp: int, pp: int, dp: int, ep: int, model: str, optimizer: str, zero: str,
-                    zero_split: str, target: str | None, smallest: int, only_largest: bool,
-                    json_path: str | None, plot_path: str | None) -> None:
-    """Simulate save planning, cached re-save, manifest and load planning at scale.
-
-    The real coordinator and rank code runs over N simulated ranks in this
-    process (see reshard.testing.scale_sim), for world sizes from --smallest
-    up to TP*PP*DP (the layout scaled down along DP, then PP). Seconds are
-    CPU seconds of each rank's own steps; bytes are what each rank receives.
-    """
-    import json
-
-    from .testing.scale_layout import MODELS, Layout, parse_layout
-    from .testing.scale_sim import (
-        HEADER,
-        format_row,
-        plot,
-        scaling_exponent,
-        simulate,
-        simulate_one,
-    )
-
-    if model not in MODELS:
-        _fail(2, f"unknown model {model!r} (one of {sorted(MODELS)})")
-    if ep > 1 and (dp % ep or not MODELS[model]["experts"]):
-        _fail(2, "--ep needs a moe-* model and must divide --dp")
-    lay = Layout(tp=tp, pp=pp, dp=dp, ep=ep)
-    try:
-        tgt = parse_layout(target) if target else None
-    except ValueError as e:
-        _fail(2, str(e))
-    opt = "adam" if optimizer == "adam" else "none"
-    click.echo(f"{model}, {opt}, ZeRO-{zero} ({zero_split} split): {lay} = {lay.world} ranks")
-    click.echo(HEADER)
-    if only_largest:
-        from .testing.scale_sim import default_target
-
-        rows = [simulate_one(model, lay, tgt or default_target(lay), optimizer=opt, zero_split=zero_split)]
-        click.echo(format_row(rows[0]))
-    else:
-        rows = simulate(model, lay, tgt, optimizer=opt, zero_split=zero_split, smallest=smallest,
-                        log=click.echo)
-    k = scaling_exponent(rows, "coordinator_s")
-    if k is not None:
-        click.echo(f"coordinator time scaling exponent 1,024 -> 16,384 ranks: {k:.2f}")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(rows, f, indent=1)
-        click.echo(f"rows written to {json_path}")
-    if plot_path:
-        plot(rows, plot_path)
-        click.echo(f"plot written to {plot_path}")
-
-
-# `reshard bench io` lives in its own module (real gloo ranks, data written)
-from .bench.io import io_cmd  # noqa: E402
-
-bench_group.add_command(io_cmd)
 
 
 if __name__ == "__main__":  # pragma: no cover

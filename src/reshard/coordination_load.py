@@ -25,6 +25,7 @@ from typing import Any
 
 from .collectives import Collectives, Request, drive
 from .commit import check_signature
+from .errors import CheckpointError
 from .manifest import MANIFEST_NAME, Manifest, decode_manifest
 from .storage import Storage
 
@@ -54,17 +55,36 @@ def read_shared(coll: Collectives, st: Storage, key: str, *, hmac_key: bytes | N
     symbolic link, an I/O error): the caller then reads on every rank and
     reports what it finds.
 
+    The same broadcast carries the coordinator's canonical spelling of
+    ``key`` (``Storage.canonical``): every rank must name the coordinator's
+    checkpoint, as a save requires (every rank reads data through the
+    coordinator's manifest, so a rank naming another checkpoint (per-rank
+    paths, a relative path under another working directory, ``latest(root)``
+    evaluated per rank while a newer one was published) would read another
+    checkpoint's bytes).
+
     Raises:
         ManifestError, IntegrityError: the manifest is invalid (every rank).
+        CheckpointError: this rank names another location than the coordinator.
     """
     mpath = st.join(key, MANIFEST_NAME)
+    mine = st.canonical(key)
 
     def read() -> bytes:
         if st.is_link(mpath):
             return b""
-        return st.read_bytes(mpath)
+        raw = st.read_bytes(mpath)
+        where = mine.encode()
+        return len(where).to_bytes(4, "little") + where + raw if raw else b""
 
-    def decode(raw: bytes) -> Manifest:
+    def decode(got: bytes) -> Manifest:
+        n = int.from_bytes(got[:4], "little")
+        coord, raw = got[4:4 + n].decode(), got[4 + n:]
+        if mine != coord:
+            raise CheckpointError(
+                f"rank {coll.rank} loads checkpoint {mine!r}, the coordinator (rank 0) loads "
+                f"{coord!r}: every rank must name the same checkpoint (resolve the path once, e.g. "
+                "on rank 0, and pass it to every rank)")
         m = decode_manifest(raw, where=mpath)
         if hmac_key is not None:
             check_signature(m, hmac_key, where=mpath)

@@ -227,36 +227,14 @@ def load(
 
 
 def _read_shared(coll: Collectives, st: Storage, key: str, opts: LoadOptions) -> tuple[Storage, Manifest]:
-    """The manifest read once by the coordinator and broadcast (see
+    """The manifest read once by the coordinator and broadcast, with the
+    check that every rank names the coordinator's checkpoint (see
     :func:`reshard.coordination_load.read_shared`); a DCP checkpoint, or any
     failure, is opened by every rank itself (:func:`_read_or_dcp`)."""
     m = read_shared(coll, st, key, hmac_key=opts.hmac_key)
     if m is None:
         return _read_or_dcp(st, key, opts)
-    _same_location(coll, st, key)
     return st, m
-
-
-def _same_location(coll: Collectives, st: Storage, key: str) -> None:
-    """Every rank names the coordinator's checkpoint (the same canonical
-    spelling: relative paths and symbolic links resolved), as a save
-    requires: every rank reads data through the coordinator's manifest, so a
-    rank naming another checkpoint (per-rank paths, a relative path under
-    another working directory, ``latest(root)`` evaluated per rank while a
-    newer one was published) would read another checkpoint's bytes. One
-    broadcast of the coordinator's spelling; the check is agreed by the
-    caller's all-reduce.
-
-    Raises:
-        CheckpointError: this rank names another location.
-    """
-    mine = st.canonical(key)
-    coord = coll.broadcast_bytes(mine.encode() if coll.rank == 0 else None).decode()
-    if mine != coord:
-        raise CheckpointError(
-            f"rank {coll.rank} loads checkpoint {mine!r}, the coordinator (rank 0) loads "
-            f"{coord!r}: every rank must name the same checkpoint (resolve the path once, e.g. "
-            "on rank 0, and pass it to every rank)")
 
 
 def _read_or_dcp(st: Storage, key: str, opts: LoadOptions) -> tuple[Storage, Manifest]:

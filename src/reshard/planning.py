@@ -376,11 +376,37 @@ def _grid_disjoint(boxes: list[tuple[Shape, Shape]]) -> bool | None:
     return True
 
 
+def _slabs_tile(gshape: Shape, chunks: Sequence[Chunk]) -> bool:
+    """Fast path of :func:`check_entry_coverage` for the usual layouts (one
+    whole chunk; row slabs of FSDP / ``Shard(0)``): True when the chunks are
+    whole boxes of full trailing dimensions whose rows follow one another
+    from 0 to ``gshape[0]`` without a gap or an overlap, which tiles
+    ``gshape`` exactly. False: not proven here (the general check decides)."""
+    if not gshape or not chunks:
+        return False
+    rest = tuple(gshape[1:])
+    slabs = []
+    for c in chunks:
+        off = c.global_offset
+        if c.flattened_range is not None or tuple(c.local_shape[1:]) != rest or any(off[1:]):
+            return False
+        slabs.append((off[0], c.local_shape[0]))
+    slabs.sort()
+    pos = 0
+    for start, n in slabs:
+        if start != pos or n <= 0:
+            return False
+        pos += n
+    return pos == gshape[0]
+
+
 def check_entry_coverage(fqn: str, entry: TensorEntry) -> None:
     """The chunks recorded for ``fqn`` tile its global shape exactly (no
     overlap, no hole); ShardingError otherwise. Run at load on every tensor
     read, so a manifest whose offsets were edited can never produce a wrong
     tensor."""
+    if _slabs_tile(tuple(entry.global_shape), entry.chunks):
+        return
     chunks: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
     for i, c in enumerate(entry.chunks):
         key = (tuple(c.global_offset), tuple(c.local_shape), c.flattened_range)

@@ -15,6 +15,7 @@ import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -107,6 +108,10 @@ def _gather_copy(item: ReadItem, chunk: Chunk, t: Target, src1d: torch.Tensor) -
 #: direct reads go in segments of about this many bytes (whole checksum blocks);
 #: verify-first reads into one scratch buffer of this size per reader thread
 _SEGMENT_BYTES = 4 << 20
+#: verified direct reads go in segments of about this many bytes (whole
+#: checksum blocks): one block is hashed right after it is read, while it is
+#: still in the core's L2 cache
+_VERIFY_SEGMENT_BYTES = 1 << 20
 
 Groups = dict[tuple[str, int], list[tuple[ReadItem, Target]]]
 
@@ -276,10 +281,10 @@ class Reader:
         direct: list[tuple[str, Chunk, ReadItem, Target]] = []
         for (fqn, ci), items in groups.items():
             c = self.m.tensors[fqn].chunks[ci]
-            lo, hi = self.span(c, items)
-            if len(items) == 1 and self._direct_ok(c, *items[0], lo, hi):
+            if len(items) == 1 and self._direct_ok(*items[0]):
                 direct.append((fqn, c, *items[0]))
             else:
+                lo, hi = self.span(c, items)
                 per_file[c.file].append((c.offset + lo, c.offset + hi, fqn, c, items))
         jobs: list[Callable[[], None]] = [partial(self._read_direct, *a) for a in direct]
         for name, reads in per_file.items():
@@ -301,12 +306,16 @@ class Reader:
 
             self._execute([partial(counted, j) for j in jobs])
 
-    def _direct_ok(self, c: Chunk, item: ReadItem, t: Target, lo: int, hi: int) -> bool:
-        if (lo, hi) != (0, c.length) or item.byte_start != 0 or item.byte_stop != c.length:
+    def _direct_ok(self, item: ReadItem, t: Target) -> bool:
+        """The item's bytes go straight into its destination: they are the
+        elements of one contiguous region of it, in order (a whole chunk, or
+        a run of whole rows of one: a 2 -> 4 reshard reads half a chunk), of
+        at least ``direct_read_min_bytes``, on the CPU."""
+        n = item.byte_stop - item.byte_start
+        if n < self.opts.direct_read_min_bytes or t.dst.device.type != "cpu":
             return False
-        if c.length < self.opts.direct_read_min_bytes or t.dst.device.type != "cpu":
-            return False
-        return self._dst_region(item, t) is not None
+        region = self._dst_region(item, t)
+        return region is not None and region.numel() * region.element_size() == n
 
     def _dst_region(self, item: ReadItem, t: Target) -> torch.Tensor | None:
         req, dst = t.req, t.dst
@@ -321,6 +330,11 @@ class Reader:
         return region if region.is_contiguous() else None
 
     def _read_direct(self, fqn: str, c: Chunk, item: ReadItem, t: Target) -> None:
+        """Read the item's bytes of chunk ``c`` straight into the destination
+        region; verified blocks are hashed one segment at a time, right after
+        it is read. A block only partly inside the item (its first and last,
+        when the item starts or ends inside a block) is read whole into a
+        scratch block, verified, and its part copied."""
         path = self.st.join(self.ckpt, c.file)
         region = self._dst_region(item, t)
         assert region is not None
@@ -329,14 +343,44 @@ class Reader:
             flat = torch.as_strided(flat, (flat.numel(),), (1,))
         u8 = flat.view(torch.uint8)
         mv = memoryview(u8.numpy().data)
-        # read in block-aligned segments and verify each while it is still in cache
-        # (object stores ask for larger segments, fetched as parallel ranged GETs)
-        b = self.m.checksum_block_bytes
-        seg = b * max(1, (self.st.read_segment_bytes or _SEGMENT_BYTES) // b)
+        bs, be = item.byte_start, item.byte_stop
+        seg = self._segment(c)
         self.mark_written(t.req.fqn)  # its bytes arrive before they are verified
-        for a in range(0, max(len(mv), 1), seg):
-            self.st.read_into(path, c.offset + a, mv[a:a + seg])
-            self.verify(fqn, c, a, u8[a:a + seg])
+        edges: list[int] = []  # chunk offsets of blocks only partly inside [bs, be)
+        d0, d1 = bs, be  # chunk bytes read straight into the region
+        if self.opts.checksums and BlockTables.has(c):
+            b = self.m.checksum_block_bytes
+            if bs % b:
+                edges.append(bs // b * b)
+                d0 = min(edges[0] + b, be)
+            if be % b and be != c.length and (be - 1) // b * b >= d0:
+                edges.append((be - 1) // b * b)
+                d1 = edges[-1]
+        starts = range(d0, d1, seg)
+        reads = ((c.offset + a, mv[a - bs:min(a + seg, d1) - bs]) for a in starts)
+        with closing(self.st.read_parts(path, reads)) as parts:
+            for i in parts:
+                a = starts[i]
+                self.verify(fqn, c, a, u8[a - bs:min(a + seg, d1) - bs])
+        for e in edges:
+            n = min(self.m.checksum_block_bytes, c.length - e)
+            scratch = torch.empty(n, dtype=torch.uint8)
+            self.st.read_into(path, c.offset + e, memoryview(scratch.numpy().data))
+            self.verify(fqn, c, e, scratch)
+            a, z = max(e, bs), min(e + n, be)
+            u8[a - bs:z - bs].copy_(scratch[a - e:z - e])
+
+    def _segment(self, c: Chunk) -> int:
+        """Bytes of one direct read of chunk ``c``: an object store's request
+        size; whole checksum blocks of about ``_VERIFY_SEGMENT_BYTES`` when
+        they are verified (each is hashed while it is still in the CPU cache);
+        else ``_SEGMENT_BYTES``."""
+        b = self.m.checksum_block_bytes
+        if self.st.read_segment_bytes:
+            return b * max(1, self.st.read_segment_bytes // b)
+        if self.opts.checksums and BlockTables.has(c):
+            return b * max(1, _VERIFY_SEGMENT_BYTES // b)
+        return b * max(1, _SEGMENT_BYTES // b)
 
     def _read_span(self, name: str, reads: list[tuple[int, int, str, Chunk, list[Any]]]) -> None:
         path = self.st.join(self.ckpt, name)

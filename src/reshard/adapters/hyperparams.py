@@ -47,8 +47,16 @@ def group_hyperparams(g: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in g.items() if k != "params"}
 
 
+_SCALARS = (int, bool, str, type(None))
+
+
 def _canon(v: Any) -> Any:
     """A comparable form of a hyperparameter value (tensors by value)."""
+    t = type(v)
+    if t in _SCALARS:  # the common case, without the slower abstract-class checks below
+        return v
+    if t is float:
+        return ("nan",) if v != v else v
     if isinstance(v, torch.Tensor):
         return ("tensor", str(v.dtype), tuple(v.shape), tuple(v.detach().cpu().reshape(-1).tolist()))
     if isinstance(v, Mapping):
@@ -85,16 +93,24 @@ def restore_hyperparams(optimizer: torch.optim.Optimizer, names: Mapping[int, Se
     """
     if check_rule(rule) == "current" or not saved:
         return
+    keys: dict[str, Any] = {}  # saved name -> _key of its hyperparameters (once each)
+
+    def key_of(n: str) -> Any:
+        k = keys.get(n)
+        if k is None:
+            k = keys[n] = _key(saved[n])
+        return k
+
     new_groups: list[dict[str, Any]] = []
     for gi, g in enumerate(optimizer.param_groups):
         per_param: list[tuple[torch.Tensor, Any, dict[str, Any] | None]] = []
         conflicts: list[str] = []
         for p in g["params"]:
             own = [(n, saved[n]) for n in names.get(id(p), ()) if n in saved]
-            kinds = {_key(hp) for _, hp in own}
+            kinds = {key_of(n) for n, _ in own}
             if len(kinds) > 1:
                 conflicts.extend(f"{n}: {_diff(hp, own[0][1])}" for n, hp in own)
-            per_param.append((p, _key(own[0][1]) if own else None, dict(own[0][1]) if own else None))
+            per_param.append((p, key_of(own[0][0]) if own else None, dict(own[0][1]) if own else None))
         if conflicts:
             raise ShardingError(
                 f"{where}: one optimizer parameter holds saved parameters whose hyperparameters "

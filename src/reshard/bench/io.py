@@ -30,56 +30,63 @@ Per world size and backend, on real gloo ranks (:class:`reshard.testing.pool.Wor
    / world size (reshard and DCP), the state's fingerprint checked, and the
    first step there.
 
-The memory backend keeps objects in each process: the other ranks cannot
-see them (a save refuses such a location), so it runs at world 1 only. Outputs: a table (ratios beside figures), ``--json`` (one record
-per phase measurement, every rank's timings, the load average), ``--plot``.
+Every load is checked against the saved state with a bit-exact,
+layout-independent digest of its tensors (:mod:`reshard.bench.digest`).
+
+Backends: ``local`` (a scratch directory), ``s3`` (moto's server on
+127.0.0.1 started for the run, or ``--s3-endpoint``: reshard and the limits
+of the endpoint, raw boto3 PUT / ranged GET of the same bytes; see
+:mod:`reshard.bench.objstore`), ``memory`` (objects live in one process: the
+other ranks, separate processes, cannot see them, so it runs at world 1
+only). Layouts: ``fsdp``, ``dpN`` (nn.Module state dicts, with the peers)
+and the demo's TP/PP syntax (the demo trainer's state, reshard and the
+limits only). Outputs: a table (ratios beside figures), ``--json`` (one
+record per phase measurement, every rank's timings, the load average),
+``--plot``. The command itself is :mod:`reshard.cli_bench`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
-import statistics
-import sys
 import tempfile
 import time
 from typing import Any
 
-import click
-
-from ..cli_support import OutputPath
 from ..plan_store import PLAN_FILE
-from .models import MODELS, parse_layout
+from .models import parse_layout
 
 GB = 1e9
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise click.BadParameter(f"{text!r}: comma-separated integers (e.g. 1,2,4)") from None
-    if not out or min(out) < 1 or max(out) > 8:
-        raise click.BadParameter(f"{text!r}: world sizes from 1 to 8")
-    return out
+def check_layouts(model: str, layout: str, reshard_to: list[str], worlds: list[int] | None) -> list[int]:
+    """Validate the layouts against each other and the model; the world sizes
+    to run (a grid layout's own when ``worlds`` is None; else 1 and 2).
 
+    Raises:
+        ValueError: a bad layout, a grid layout of a model without one, a
+            world size a grid layout cannot take, a reshard between the
+            trainer's grid state and an nn.Module state dict (their keys differ).
+    """
+    from .models import GRID_MODELS
 
-def _finite(low: float, *, open_low: bool) -> Any:
-    """A click callback: a finite number ``> low`` (``open_low``) or ``>= low``."""
-    def check(ctx: click.Context, param: click.Parameter, value: float) -> float:
-        if not math.isfinite(value) or value < low or (open_low and value == low):
-            raise click.BadParameter(f"{value}: a finite number {'>' if open_low else '>='} {low:g}")
-        return value
-    return check
-
-
-#: every method name ``--skip`` may name (the peers, the limits and reshard's own)
-def _methods() -> set[str]:
-    from . import ranks
-
-    return {*ranks.SAVE_METHODS, *ranks.ASYNC_METHODS, *ranks.LOAD_METHODS}
+    spec = parse_layout(layout)
+    targets = [parse_layout(t) for t in reshard_to]
+    for sp, what in [(spec, "--layout"), *((t, "--reshard-to") for t in targets)]:
+        if sp.kind == "grid" and model not in GRID_MODELS:
+            raise ValueError(f"{what} {sp}: tensor/pipeline layouts run the demo's trainer, which has "
+                             f"the models {', '.join(GRID_MODELS)} (not {model!r})")
+        if (sp.kind == "grid") != (spec.kind == "grid"):
+            raise ValueError(f"--reshard-to {sp} from --layout {spec}: the demo trainer's state (TP/PP "
+                             "layouts) and an nn.Module state dict (fsdp, dpN) have different keys; "
+                             "reshard between two layouts of the same kind")
+    if spec.kind == "grid":
+        if worlds is not None and worlds != [spec.world]:
+            raise ValueError(f"--world {','.join(map(str, worlds))}: layout {spec} runs on "
+                             f"{spec.world} ranks")
+        return [int(spec.world or 1)]
+    return worlds or [1, 2]
 
 
 class Runner:
@@ -95,20 +102,28 @@ class Runner:
         self.progress = progress
         self.bar: Any = None
         self.info: dict[int, list[dict[str, Any]]] = {}
+        self.s3: Any = None  # objstore.Endpoint of an s3 run
+        #: world -> (CheckpointManager root of the --cold save, the state's digest then)
+        self.cold_root: dict[int, tuple[str, str]] = {}
 
     # -- helpers
     def run(self, world: int, fn: Any, *args: Any) -> list[Any]:
+        if self.bar is not None:  # the phase under way, shown while it runs
+            self.bar.set_postfix_str(f"{self.ctx} ({fn.__name__})", refresh=True)
         return self.pool.run(world, fn, *args, timeout=self.cfg["timeout"])
+
+    ctx = ""
 
     def setup(self, world: int, layout: str) -> list[dict[str, Any]]:
         from . import ranks
 
         c = self.cfg
-        return self.run(world, ranks.setup, c["model"], layout, c["synthetic_mib"], c["seq_len"], c["profile"])
+        return self.run(world, ranks.setup, c["model"], layout, c["synthetic_mib"], c["seq_len"], c["profile"],
+                        c.get("synthetic_width"))
 
     def tick(self, what: str) -> None:
+        self.ctx = what
         if self.bar is not None:
-            self.bar.set_postfix_str(what, refresh=False)
             self.bar.update(1)
 
     def record(self, phase: str, method: str, world: int, backend: str, per_rank: list[dict[str, Any]],
@@ -136,7 +151,26 @@ class Runner:
     def url(self, backend: str, scratch: str, name: str) -> str:
         if backend == "memory":
             return f"memory://bench-{os.getpid()}/{name}"
+        if backend == "s3":
+            return str(self.s3.prefix(f"bench-{os.getpid()}/{name}"))
         return os.path.join(scratch, name)
+
+    def stored(self, p: str) -> dict[str, Any]:
+        """Stored bytes, file count, manifest and cached-plan bytes of a saved checkpoint."""
+        if p.startswith("s3://"):
+            from .objstore import objects
+
+            objs = {k.rsplit("/", 1)[-1]: n for k, n in objects(p)}
+        elif os.path.isdir(p):
+            objs = {f: os.path.getsize(os.path.join(a, f)) for a, _, fs in os.walk(p) for f in fs}
+        else:
+            return {}
+        out: dict[str, Any] = {"stored_bytes": sum(objs.values()),
+                               "files": len([f for f in objs if not f.startswith(".")])}
+        if "manifest.json" in objs:
+            out["manifest_bytes"] = objs["manifest.json"]
+            out["plan_bytes"] = objs.get(PLAN_FILE, 0)  # the cached save plan (reshard.plan_store)
+        return out
 
     # -- one world size on one backend
     def world_run(self, world: int, backend: str, scratch: str) -> None:
@@ -144,62 +178,81 @@ class Runner:
 
         cfg = self.cfg
         rep, settle = cfg["repeat"], cfg["settle"]
-        local = backend == "local"
+        self.ctx = f"w{world} {backend}: setup"
+        cold = cfg.get("cold") and backend != "memory"  # memory://: a restart would lose the objects
+        self.cold_root.pop(world, None)
+        if cold and world in self.pool._groups:
+            self.pool.restart(world)  # freshly started processes for the first save
         info = self.setup(world, cfg["layout"])
         self.info[world] = info
         cfg["layout_of"][world] = info[0]["layout"]
         self.record("setup", "build", world, backend, info, logical_bytes=info[0]["logical_bytes"])
-        self.tick(f"w{world} {backend}: setup")
-        fp = info[0]["fingerprint"]
+        self.tick(f"w{world} {backend}: warm-up")
+        if info[0]["replicas_differ"]:
+            self.notes.append(f"w{world}: replicas differ before any save: {info[0]['replicas_differ']}")
+        if cold:  # fresh processes (this setup's): the first save, as the demo saves
+            pc, root = self.url(backend, scratch, f"w{world}-cold"), self.url(backend, scratch, f"w{world}-mgr")
+            out = self.run(world, ranks.cold_save, pc, root)
+            self.record("cold", "first-save", world, backend, out)
+            self.record("cold", "manager-save", world, backend,
+                        [{"rank": o["rank"], "own_s": o["manager_own_s"], "total_s": o["manager_total_s"]}
+                         for o in out])
+            v = out[0]["manager_verify_s"]
+            self.record("cold", "manager-verify", world, backend, [{"rank": 0, "own_s": [v], "total_s": [v]}])
+            self.run(world, ranks.drop, pc)
+            self.cold_root[world] = (root, info[0]["fingerprint"])  # restored by --reshard-to (cold)
+        peers = backend == "local" and info[0]["peers"]  # DCP, torch.save, safetensors
+        limits = backend in ("local", "s3")  # limit-write / limit-read on this storage
         base = self.url(backend, scratch, f"w{world}")
-        warm = ["reshard", "reshard-async"] + (["dcp", "dcp-async", "dcp-async-process"] if local else [])
+        warm = ["reshard", "reshard-async"] + (["dcp", "dcp-async", "dcp-async-process"] if peers else [])
         warm = [m for m in warm if m not in cfg["skip"]]
         self.run(world, ranks.warm, base + "-warm", warm)
         # peak RSS of the first save and of the first two async saves (the staging pool's growth)
-        for m in ("save", "async-save"):
+        for m in [m for m in ("save", "async-save") if m not in cfg["skip"] and "rss" not in cfg["skip"]]:
+            self.ctx = f"w{world} {backend}: rss {m}"
             p = self.url(backend, scratch, f"w{world}-rss-{m}")
-            self.record("rss", m, world, backend, self.run(world, ranks.rss, m, p))
+            self.record("rss", m, world, backend, self.run(world, ranks.rss, m, p, cfg.get("rss_saves", 2)))
             if m == "save":
                 self.run(world, ranks.drop, p)
         # training-step slowdown while a background save is in flight
-        tm = ["reshard-async"] + (["dcp-async"] if local and "dcp-async" not in cfg["skip"] else [])
-        out = self.run(world, ranks.train, tm, base + "-train", cfg["steps"], settle)
-        self.record("train", "step", world, backend, out)
-        self.tick(f"w{world} {backend}: training")
+        self.tick(f"w{world} {backend}: training during a background save")
+        tm = ["reshard-async"] + (["dcp-async"] if peers and "dcp-async" not in cfg["skip"] else [])
+        if "train" not in cfg["skip"]:
+            out = self.run(world, ranks.train, tm, base + "-train", cfg["steps"], settle,
+                           cfg.get("bg_saves", 1))
+            self.record("train", "step", world, backend, out)
         fp = self.run(world, ranks.fingerprint)[0]
         # saves
-        methods = [m for m in ranks.SAVE_METHODS if (local or m.startswith("reshard")) and m not in cfg["skip"]]
+        methods = [m for m in ranks.SAVE_METHODS if (peers or m.startswith("reshard")
+                                                      or (limits and m == "limit-write"))
+                   and m not in cfg["skip"]]
         keep: dict[str, str] = {}
+        if world in self.cold_root:
+            keep["cold-manager"] = self.cold_root[world][0]  # removed with the others at the end
         limit_bytes: list[int] = [0] * world
         methods = ["reshard"] + [m for m in methods if m != "reshard"]  # bytes per rank first
-        for r in range(rep):
+        if "save" in cfg["skip"] and "load" in cfg["skip"]:
+            methods = []  # nothing to load: no save either
+        for r in range(rep if methods else 0):
             order = methods if r == 0 else methods[r % len(methods):] + methods[:r % len(methods)]
             for m in order:
+                self.tick(f"w{world} {backend}: save {m}")
                 p = self.url(backend, scratch, f"w{world}-save-{m}-{r}")
                 self.run(world, ranks.quiet, settle)
                 out = self.run(world, ranks.save, m, p, limit_bytes)
                 if m == "reshard":  # the limit writes the bytes reshard wrote, per rank
                     limit_bytes = [o["bytes"] for o in out]
-                extra: dict[str, Any] = {"repeat_index": r}
-                if local and os.path.isdir(p):
-                    extra["stored_bytes"] = _dir_bytes(p)
-                    extra["files"] = len([f for f in os.listdir(p) if not f.startswith(".")])
-                    mf = os.path.join(p, "manifest.json")
-                    if os.path.exists(mf):
-                        extra["manifest_bytes"] = os.path.getsize(mf)
-                    pf = os.path.join(p, PLAN_FILE)  # the cached save plan (reshard.plan_store)
-                    extra["plan_bytes"] = os.path.getsize(pf) if os.path.exists(pf) else 0
-                self.record("save", m, world, backend, out, **extra)
+                self.record("save", m, world, backend, out, repeat_index=r, **self.stored(p))
                 if m in keep:
                     self.run(world, ranks.drop, keep[m])
                 keep[m] = p
-                self.tick(f"w{world} {backend}: save {m}")
         # async saves
-        amethods = [m for m in ranks.ASYNC_METHODS if (local or m in ("memcpy", "reshard-async"))
-                    and m not in cfg["skip"]]
-        for r in range(rep):
+        amethods = [m for m in ranks.ASYNC_METHODS if (peers or m in ("memcpy", "reshard-async"))
+                    and m not in cfg["skip"] and "async" not in cfg["skip"]]
+        for r in range(rep if amethods else 0):
             order = amethods[r % len(amethods):] + amethods[:r % len(amethods)]
             for m in order:
+                self.tick(f"w{world} {backend}: async {m}")
                 p = self.url(backend, scratch, f"w{world}-async-{m}-{r}")
                 self.run(world, ranks.quiet, settle)
                 try:
@@ -216,11 +269,16 @@ class Runner:
                 self.record("async", m, world, backend, out, repeat_index=r)
                 if m != "memcpy":
                     self.run(world, ranks.drop, p)
-                self.tick(f"w{world} {backend}: async {m}")
         self.run(world, ranks.trim)  # the async phases' buffers, before the loads allocate theirs
+        if "load" in cfg["skip"]:
+            self.run(world, ranks.release)
+            self._remove(keep, world)
+            return
         # peak RSS
+        self.tick(f"w{world} {backend}: rss of a load")
         ckpt = keep["reshard"]
-        rm = ["load"] + (["dcp-save", "dcp-load"] if local and "dcp" in keep else [])
+        rm = ["load"] + (["dcp-save", "dcp-load"] if peers and "dcp" in keep else [])
+        rm = [] if "rss" in cfg["skip"] else rm
         for m in rm:
             p = ckpt if m == "load" else keep.get("dcp", "") if m == "dcp-load" else \
                 self.url(backend, scratch, f"w{world}-rss-{m}")
@@ -228,50 +286,72 @@ class Runner:
             self.record("rss", m, world, backend, out)
             if m == "dcp-save":
                 self.run(world, ranks.drop, p)
-        self.tick(f"w{world} {backend}: rss")
         # warm loads
         src = {"limit-read": keep.get("reshard"), "reshard": keep["reshard"],
                "reshard-nocheck": keep["reshard"], "dcp": keep.get("dcp"),
                "dcp-threads": keep.get("dcp"), "torch-load": keep.get("torch-save"),
                "safetensors": keep.get("safetensors")}
+        src["reshard-verify-first"] = keep["reshard"] if cfg.get("verify_first") else None
         lm = [m for m in ranks.LOAD_METHODS if src.get(m) is not None and m not in cfg["skip"]
-              and (local or m in ("reshard", "reshard-nocheck"))]
+              and (peers or m.startswith("reshard") or (limits and m == "limit-read"))]
         for m in lm:
+            self.tick(f"w{world} {backend}: load {m}")
             out = self.run(world, ranks.load, m, src[m], rep,
                            fp if m.startswith("reshard") or m.startswith("dcp") else None)
             self.record("load", m, world, backend, out)
-            self.tick(f"w{world} {backend}: load {m}")
         self.run(world, ranks.load, "reshard", keep["reshard"], 1, None)
         out = self.run(world, ranks.step_time)
         self.record("load", "first-step", world, backend, [{"rank": i, "own_s": [s], "total_s": [s]}
                                                           for i, s in enumerate(out)])
-        for p in [p for p in keep.values() if p.startswith("memory://")]:
-            self.run(world, ranks.drop, p)  # objects held in the workers' memory
         self.run(world, ranks.release)
         # reshard to other layouts / world sizes (the source world's state released first)
-        if local:
-            for target in cfg["reshard_to"]:
-                self.reshard_to(world, backend, target, keep, fp)
+        for target in cfg["reshard_to"]:
+            tw = parse_layout(target).world or world
+            if backend == "memory" and tw != world:
+                self.notes.append(f"memory://: --reshard-to {target} not measured ({tw} ranks are other "
+                                  "processes, which do not see this one's memory)")
+                continue
+            self.reshard_to(world, backend, target, keep, fp)
+        self._remove(keep, world)
+
+    def _remove(self, keep: dict[str, str], world: int = 1) -> None:
+        """Delete the kept checkpoints (memory://: in the workers of ``world``,
+        the same group: a memory run never reshards to another world)."""
+        from . import ranks
+
         for p in keep.values():
             if p.startswith("memory://"):
-                continue
-            shutil.rmtree(p, ignore_errors=True)
+                self.run(world, ranks.drop, p)
+            elif p.startswith("s3://"):
+                from ..storage import resolve
 
-    def reshard_to(self, world: int, backend: str, target: str, keep: dict[str, str], fp: float) -> None:
+                st, key = resolve(p)
+                st.delete_tree(key)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
+
+    def reshard_to(self, world: int, backend: str, target: str, keep: dict[str, str], fp: str) -> None:
         from . import ranks
 
         cfg = self.cfg
         spec = parse_layout(target)
         tw = spec.world or world
+        self.ctx = f"w{world}->{target}: setup"
+        if world in self.cold_root and tw in self.pool._groups:
+            self.pool.restart(tw)  # the first load of freshly started processes, as the demo restores
         info = self.setup(tw, target)
         tag = f"{info[0]['layout']}<-{cfg['layout_of'][world]}"
+        if world in self.cold_root:  # the demo's restore: CheckpointManager.restore, first call
+            root, cfp = self.cold_root[world]
+            out = self.run(tw, ranks.cold_restore, root, cfp)
+            self.record("cold", "manager-restore", world, backend, out, target=tag, target_world=tw)
         for m, p in (("reshard", keep["reshard"]), ("reshard-nocheck", keep["reshard"]),
                      ("dcp", keep.get("dcp"))):
             if p is None or m in cfg["skip"]:
                 continue
+            self.tick(f"w{world}->{tag}: {m}")
             out = self.run(tw, ranks.load, m, p, cfg["repeat"], fp)
             self.record("reshard", m, world, backend, out, target=tag, target_world=tw)
-            self.tick(f"w{world}->{tag}: {m}")
         out = self.run(tw, ranks.step_time)
         self.record("reshard", "first-step", world, backend,
                     [{"rank": i, "own_s": [s], "total_s": [s]} for i, s in enumerate(out)],
@@ -282,116 +362,60 @@ class Runner:
         self.pool.close()
 
 
-def _dir_bytes(p: str) -> int:
-    return sum(os.path.getsize(os.path.join(a, f)) for a, _, fs in os.walk(p) for f in fs)
-
-
 def _phase_count(cfg: dict[str, Any]) -> int:
     per = 4 + 6 * cfg["repeat"] + 4 * cfg["repeat"] + 8 + 4 * len(cfg["reshard_to"])
     return per * len(cfg["worlds"]) * len(cfg["backends"])
 
 
-@click.command("io")
-@click.option("--model", type=click.Choice(list(MODELS)), default="synthetic", show_default=True,
-              help="Workload (real nn.Module state with AdamW moments).")
-@click.option("--world", "world", default="1,2", show_default=True, help="World sizes, e.g. 1,2,4.")
-@click.option("--layout", default="fsdp", show_default=True,
-              help="'fsdp' (FSDP2 fully_shard over the world) or the demo's syntax 'dpN' (replicated).")
-@click.option("--reshard-to", "reshard_to", multiple=True,
-              help="Also load each world's checkpoint into this layout (e.g. fsdp1, fsdp4, dp2); repeatable.")
-@click.option("--backend", default="local", show_default=True,
-              help="Comma-separated: local, memory, s3.")
-@click.option("--repeat", type=click.IntRange(1, 20), default=2, show_default=True,
-              help="Timed runs per method (min and median reported).")
-@click.option("--synthetic-mib", type=float, default=256.0, show_default=True,
-              callback=_finite(0.0, open_low=True),
-              help="MiB of parameters of the synthetic model (state: 3x with the moments).")
-@click.option("--seq-len", type=click.IntRange(2, 1024), default=16, show_default=True,
-              help="Tokens per sample of the training step.")
-@click.option("--steps", type=click.IntRange(1, 100), default=3, show_default=True,
-              help="Training steps with no save in flight before each background save.")
-@click.option("--settle", type=float, default=0.5, show_default=True, callback=_finite(0.0, open_low=False),
-              help="Seconds of rest after os.sync() before each timed save.")
-@click.option("--skip", default="", help="Comma-separated methods to leave out (e.g. dcp-async-process).")
-@click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None,
-              help="Scratch directory on the disk to measure (default: a temporary one).")
-@click.option("--json", "json_path", type=OutputPath(), default=None,
-              help="Write every record and the summary here.")
-@click.option("--plot", "plot_path", type=OutputPath(), default=None,
-              help="Write a PNG: per-rank timelines of save and load, and the scaling over world sizes.")
-@click.option("--timeout", type=float, default=1800.0, show_default=True,
-              callback=_finite(0.0, open_low=True),
-              help="Seconds one phase may take on the ranks.")
-@click.option("--profile", "profile_dir", type=click.Path(file_okay=False), default=None,
-              help="Profile every timed reshard save and load with pyinstrument (a dev dependency) "
-                   "on every rank; text reports written to this directory.")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
-def io_cmd(model: str, world: str, layout: str, reshard_to: tuple[str, ...], backend: str, repeat: int,
-           synthetic_mib: float, seq_len: int, steps: int, settle: float, skip: str,
-           scratch_dir: str | None, json_path: str | None, plot_path: str | None, timeout: float,
-           profile_dir: str | None, no_progress: bool) -> None:
-    """Measure save, async save, load and reshard of a model state, with DCP,
-    torch.save, safetensors and the machine's limits in the same run."""
-    from . import report
+def _notes(cfg: dict[str, Any]) -> list[str]:
+    out = []
+    if parse_layout(cfg["layout"]).kind == "grid":
+        out.append(f"layout {cfg['layout']}: the demo trainer's state (manual TP views, GPipe stages, ZeRO-1 "
+                   "moments, RNG, data cursor); DCP, torch.save and safetensors have no equivalent of it, "
+                   "so only reshard and the limits are measured")
+    if "s3" in cfg["backends"]:
+        out.append(f"s3 ({cfg['s3_endpoint'] or 'moto server on 127.0.0.1, started for this run'}): DCP, "
+                   "torch.save and safetensors have no S3 writer; the limits are raw boto3 uploads and ranged "
+                   "GETs of the same bytes on the same endpoint, with the backend's client, part and range "
+                   "sizes. moto is a Python server on the ranks' cores: it, not the network, sets the pace")
+    return out
 
-    worlds = _ints(world)
-    try:
-        parse_layout(layout)
-        for t in reshard_to:
-            parse_layout(t)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-    fixed = parse_layout(layout).world
-    if fixed is not None and any(w != fixed for w in worlds):
-        raise click.BadParameter(f"layout {layout!r} names {fixed} ranks, but --world {world} runs "
-                                 f"{', '.join(map(str, worlds))}: give the layout without a degree "
-                                 "(its world is then each run's)", param_hint="--layout")
-    unknown = sorted({s.strip() for s in skip.split(",") if s.strip()} - _methods())
-    if unknown:
-        raise click.BadParameter(f"unknown method(s) {', '.join(unknown)}; one of "
-                                 f"{', '.join(sorted(_methods()))}", param_hint="--skip")
-    backends = [b.strip() for b in backend.split(",") if b.strip()]
-    for b in backends:
-        if b not in ("local", "memory", "s3"):
-            raise click.BadParameter(f"backend {b!r}: one of local, memory, s3", param_hint="--backend")
-        if b == "s3":
-            raise click.UsageError("--backend s3: not available yet (needs the S3 backend and its "
-                                   "loopback endpoint); use local or memory")
-    cfg: dict[str, Any] = {
-        "model": model, "worlds": worlds, "layout": layout, "reshard_to": list(reshard_to),
-        "backends": backends, "repeat": repeat, "synthetic_mib": synthetic_mib, "seq_len": seq_len,
-        "steps": steps, "settle": settle, "skip": {s.strip() for s in skip.split(",") if s.strip()},
-        "timeout": timeout, "layout_of": {}, "argv": sys.argv[1:], "cpus": os.cpu_count(),
-        "profile": os.path.abspath(profile_dir) if profile_dir else None,
-    }
-    if profile_dir:
-        try:
-            import pyinstrument  # noqa: F401
-        except ImportError:
-            raise click.UsageError("--profile needs pyinstrument (pip install -r requirements-dev.txt)") from None
-        os.makedirs(profile_dir, exist_ok=True)
+
+def run(cfg: dict[str, Any], *, progress: bool, json_path: str | None = None,
+        scratch_dir: str | None = None) -> dict[str, Any]:
+    """Run every (backend, world) of ``cfg`` and return the document
+    (``config``, ``meta``, ``notes``, ``summary``, ``records``); with
+    ``json_path``, what is measured so far is written there after each world."""
     import psutil
     import torch
 
     import reshard
 
+    from ..progress import bar
+    from . import report
+
     meta = {"torch": torch.__version__, "reshard": reshard.__version__, "cpus": os.cpu_count(),
             "ram_gib": round(psutil.virtual_memory().total / (1 << 30), 1),
             "cuda": torch.cuda.is_available(), "loadavg_start": list(os.getloadavg())}
     scratch = tempfile.mkdtemp(prefix="reshard-bench-io-", dir=scratch_dir)
-    progress = not no_progress and sys.stderr.isatty()
+    if "save" in cfg["skip"]:
+        cfg["skip"].add("load")  # the loads read the reshard save's checkpoint
     runner = Runner(cfg, progress)
+    runner.notes.extend(_notes(cfg))
     t0 = time.perf_counter()
     try:
-        if progress:
-            from tqdm import tqdm
+        if "s3" in cfg["backends"]:  # before any rank starts: they inherit the AWS variables
+            from .objstore import Endpoint
 
-            runner.bar = tqdm(total=_phase_count(cfg), desc="bench io", unit="phase", leave=False)
-        for b in backends:
-            for w in worlds:
+            runner.s3 = Endpoint(cfg["s3_endpoint"])
+        if progress:
+            runner.bar = bar(_phase_count(cfg), "bench io", enabled=True, unit="phase")
+        for b in cfg["backends"]:
+            for w in cfg["worlds"]:
                 if b == "memory" and w > 1:  # reshard refuses storage the ranks do not share
-                    runner.notes.append(f"memory://, world {w}: not measured (memory:// is per "
-                                        "process; every rank must see the same checkpoint)")
+                    runner.notes.append(f"memory://, world {w}: not measured (memory:// lives in one "
+                                        "process; the ranks are separate processes, and every rank must "
+                                        "see the same checkpoint; use local or s3)")
                     continue
                 runner.world_run(w, b, scratch)
                 if json_path:  # what is measured so far survives a later failure
@@ -403,22 +427,13 @@ def io_cmd(model: str, world: str, layout: str, reshard_to: tuple[str, ...], bac
         if runner.bar is not None:
             runner.bar.close()
         runner.close()
+        if runner.s3 is not None:
+            runner.s3.close()
         shutil.rmtree(scratch, ignore_errors=True)
     meta["loadavg_end"] = list(os.getloadavg())
     meta["wall_s"] = time.perf_counter() - t0
     cfg["skip"] = sorted(cfg["skip"])
     summary = report.summarise(runner.records, cfg)
-    doc = {"config": cfg, "meta": meta, "notes": runner.notes, "summary": summary,
-           "records": runner.records}
-    click.echo(report.table(doc))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        click.echo(f"records written to {json_path}")
-    if plot_path:
-        report.plot(doc, plot_path)
-        click.echo(f"plot written to {plot_path}")
+    return {"config": cfg, "meta": meta, "notes": runner.notes, "summary": summary,
+            "records": runner.records}
 
-
-def median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")

@@ -18,6 +18,9 @@ every block and the root over a 1-D CPU gloo mesh: parameters and moments are
 holds it: every rank holds the whole state, the writers are balanced by the
 planner). The state handed to ``reshard.save`` and to DCP is the same:
 ``{"model": msd, "optim": osd}`` from ``torch.distributed.checkpoint.state_dict.get_state_dict``.
+Layouts with TP or PP in the demo's syntax (``dp2,tp2``, ``tp1,pp2,dp2``)
+run the demo's own trainer (:class:`GridWorkload`, ``llama-tiny`` and
+``bert-minilm`` only): the state ``reshard demo`` saves, with no peer.
 """
 
 from __future__ import annotations
@@ -36,40 +39,65 @@ MODELS = ("synthetic", "gpt2-small", "llama-tiny", "bert-minilm")
 
 @dataclass(frozen=True)
 class LayoutSpec:
-    """``kind`` "fsdp" or "dp" over ``world`` ranks (None: the run's world size)."""
+    """``kind`` "fsdp", "dp" or "grid" over ``world`` ranks (None: the run's
+    world size). A "grid" is the demo's ``(pp, dp, tp)`` layout
+    (:class:`reshard.testing.trainer.Layout`): its world is ``tp * pp * dp``."""
 
     kind: str
     world: int | None = None
+    tp: int = 1
+    pp: int = 1
 
     def on(self, world: int) -> LayoutSpec:
-        return LayoutSpec(self.kind, self.world or world)
+        if self.kind == "grid" and self.world != world:
+            raise ValueError(f"layout {self} needs {self.world} ranks, not {world}")
+        return LayoutSpec(self.kind, self.world or world, self.tp, self.pp)
+
+    @property
+    def dp(self) -> int | None:
+        return None if self.world is None else self.world // (self.tp * self.pp)
+
+    def grid(self) -> Any:
+        """The demo's :class:`~reshard.testing.trainer.Layout` of a "grid" spec."""
+        from ..testing.trainer import Layout
+
+        return Layout(tp=self.tp, pp=self.pp, dp=self.dp or 1)
 
     def __str__(self) -> str:
+        if self.kind == "grid":
+            return str(self.grid())
         return f"{self.kind}{self.world or ''}"
 
 
+#: models whose module is the demo's :class:`reshard.testing.model.Stage` (TP/PP-capable)
+GRID_MODELS = ("llama-tiny", "bert-minilm")
+
+
 def parse_layout(spec: str) -> LayoutSpec:
-    """``fsdp``, ``fsdp4``, ``dp``, ``dp2`` (``dp2,tp1,pp1`` too: degrees of 1 are
-    ignored); without a degree, the run's world size.
+    """``fsdp``, ``fsdp4``, ``dp``, ``dp2`` (FSDP2 / replicated over the run's
+    world size when no degree is given), or the demo's syntax parsed by
+    :meth:`reshard.testing.trainer.Layout.parse` (``dp2,tp2``,
+    ``tp1,pp2,dp2``): with degrees of 1 for tp and pp it is ``dpN``, else a
+    "grid" layout of the demo's trainer (manual Megatron-style TP, GPipe PP,
+    ZeRO-1 over DP) on ``tp * pp * dp`` ranks.
 
     Raises:
-        ValueError: an unknown spec, or tensor/pipeline degrees above 1 (not
-            available in this benchmark yet).
+        ValueError: an unknown spec.
     """
+    from ..testing.trainer import Layout
+
     s = spec.strip().lower()
     m = re.fullmatch(r"(fsdp|dp)(\d*)", s)
     if m:
         return LayoutSpec(m[1], int(m[2]) if m[2] else None)
-    kw: dict[str, int] = {}
-    for part in re.split(r"[,\s×x*]+", s):
-        mt = re.fullmatch(r"(tp|pp|dp)(\d+)", part)
-        if not mt or mt[1] in kw or int(mt[2]) < 1:
-            raise ValueError(f"bad layout {spec!r}: 'fsdp', 'fsdpN' or the demo's syntax ('dp2')")
-        kw[mt[1]] = int(mt[2])
-    if kw.get("tp", 1) > 1 or kw.get("pp", 1) > 1:
-        raise ValueError(f"layout {spec!r}: tensor and pipeline parallel layouts are not available in "
-                         "`reshard bench io` yet (use 'fsdp' or 'dpN')")
-    return LayoutSpec("dp", kw.get("dp"))
+    try:
+        lay = Layout.parse(s)
+    except ValueError:
+        raise ValueError(f"bad layout {spec!r}: 'fsdp', 'fsdpN', 'dpN' or the demo's syntax "
+                         "('dp2,tp2', 'tp1,pp2,dp2')") from None
+    if lay.tp == 1 and lay.pp == 1:
+        return LayoutSpec("dp", lay.dp)
+    return LayoutSpec("grid", lay.world_size, lay.tp, lay.pp)
 
 
 # ----------------------------------------------------------------------------------- GPT-2
@@ -187,6 +215,11 @@ class Workload:
     opt: torch.optim.Optimizer
     batch: torch.Tensor
     replicated: bool = False  # dp: gradients averaged over the ranks (as DDP does)
+    #: DCP, torch.save and safetensors can save this state (an nn.Module state dict)
+    peers: bool = True
+
+    def after_load(self) -> None:
+        """What a training loop does after ``reshard.load`` (nothing here)."""
 
     def step(self) -> float:
         import torch.distributed as dist
@@ -235,21 +268,87 @@ class Workload:
         return [t.detach() for t in out]
 
 
+@dataclass
+class GridWorkload(Workload):
+    """One rank of the demo's trainer (:class:`reshard.testing.trainer.Trainer`)
+    in a ``(pp, dp, tp)`` layout: its state is the demo's (``ModelState`` with
+    the TP views, ZeRO-1 ``OptimizerState``, RNG, data cursor, step), so the
+    figures compare with ``reshard demo``'s. DCP, ``torch.save`` and
+    safetensors have no equivalent of this manually sharded state."""
+
+    trainer: Any = None
+
+    def step(self) -> float:
+        loss = self.trainer.train_step().loss
+        return 0.0 if loss is None else float(loss)
+
+    def reshard_state(self) -> dict[str, Any]:
+        return dict(self.trainer.state())
+
+    def dcp_state(self) -> dict[str, Any]:
+        raise ValueError(f"{self.name} in layout {self.trainer.layout}: no DCP state (manual TP/PP)")
+
+    def after_load(self) -> None:
+        self.trainer.zero.finish_load()  # the ZeRO-1 master copy from the loaded weights
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The module's parameters and buffers (tied ones once) and the two
+        AdamW moment buffers of this rank's ZeRO-1 range."""
+        out: list[torch.Tensor] = []
+        seen: set[tuple[int, int]] = set()
+        for t in self.trainer.module.state_dict().values():
+            k = (t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size(), t.numel())
+            if k not in seen:
+                seen.add(k)
+                out.append(t.detach())
+        z = self.trainer.zero
+        st = z.opt.state.get(z.flat, {})
+        out.extend(st[k].detach() for k in ("exp_avg", "exp_avg_sq") if k in st)
+        return out
+
+
+def _build_grid(name: str, layout: LayoutSpec, seq_len: int, seed: int) -> GridWorkload:
+    from ..testing.model import model_config
+    from ..testing.trainer import TrainConfig, Trainer
+
+    if name not in GRID_MODELS:
+        raise ValueError(f"layout {layout}: tensor/pipeline layouts need a model of the demo's trainer "
+                         f"({', '.join(GRID_MODELS)}), not {name!r}")
+    lay = layout.grid()
+    preset, size = ("llama", "small") if name == "llama-tiny" else ("bert", "full")
+    mc = model_config(preset, size)
+    if seq_len > mc.max_positions:
+        raise ValueError(f"--seq-len {seq_len}: {name} has {mc.max_positions} positions")
+    gb = 8 if 8 % lay.dp == 0 else 2 * lay.dp
+    tc = TrainConfig(seq_len=seq_len, global_batch=gb, micro_batch=2, seed=seed, data="random")
+    tr = Trainer(mc, tc, lay)
+    w = GridWorkload(name, tr.module, tr.zero.opt, torch.empty(0), peers=False, trainer=tr)
+    w.step()
+    return w
+
+
 def build(name: str, layout: LayoutSpec, *, synthetic_mib: float = 256.0, seq_len: int = 16,
-          seed: int = 0) -> Workload:
+          seed: int = 0, synthetic_width: int | None = None) -> Workload:
     """Build ``name`` in ``layout`` on the current default process group, and
     run one training step (which creates the AdamW moments).
 
+    A "grid" layout builds the demo's trainer (:class:`GridWorkload`).
+    ``synthetic_width``: columns (and rows) of each synthetic layer (default
+    2048: 16 MiB tensors; 256 below 64 MiB of parameters).
+
     Raises:
-        ValueError: an unknown model.
+        ValueError: an unknown model; a grid layout of a model the demo's
+            trainer does not have.
     """
     import torch.distributed as dist
 
+    if layout.kind == "grid":
+        return _build_grid(name, layout, seq_len, seed)
     torch.manual_seed(seed)
     g = torch.Generator().manual_seed(seed + 1 + (dist.get_rank() if dist.is_initialized() else 0))
     model: Any
     if name == "synthetic":
-        width = 2048 if synthetic_mib >= 64 else 256
+        width = synthetic_width or (2048 if synthetic_mib >= 64 else 256)
         n = max(1, round(synthetic_mib * (1 << 20) / (width * width * 4)))
         model = Synthetic(n, width)
         batch = torch.randn(8, width, generator=g)

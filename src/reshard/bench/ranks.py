@@ -23,14 +23,16 @@ import reshard
 
 from ..formats.hf_write import _fsync_file
 from ..testing.memory import PeakRSS
-from .models import LayoutSpec, Workload, build, parse_layout
+from . import digest
+from .limits import _read_limit, _write_fsync
+from .models import GridWorkload, LayoutSpec, Workload, build, parse_layout
 
 _W: dict[str, Any] = {}
 
 SAVE_METHODS = ("limit-write", "reshard", "reshard-nocheck", "dcp", "torch-save", "safetensors")
 ASYNC_METHODS = ("memcpy", "reshard-async", "dcp-async", "dcp-async-process")
-LOAD_METHODS = ("limit-read", "reshard", "reshard-nocheck", "dcp", "dcp-threads", "torch-load",
-                "safetensors")
+LOAD_METHODS = ("limit-read", "reshard", "reshard-nocheck", "reshard-verify-first", "dcp", "dcp-threads",
+                "torch-load", "safetensors")
 
 
 def _w() -> Workload:
@@ -72,7 +74,7 @@ def _nbytes(ts: list[torch.Tensor]) -> int:
 
 # ------------------------------------------------------------------------------- setup
 def setup(model: str, layout: str, synthetic_mib: float, seq_len: int,
-          profile_dir: str | None = None) -> dict[str, Any]:
+          profile_dir: str | None = None, synthetic_width: int | None = None) -> dict[str, Any]:
     """Build this rank's workload (one training step creates the moments);
     with ``profile_dir``, the timed reshard calls are profiled there."""
     _W.clear()
@@ -80,17 +82,22 @@ def setup(model: str, layout: str, synthetic_mib: float, seq_len: int,
     _W["profile_dir"] = profile_dir
     spec: LayoutSpec = parse_layout(layout).on(dist.get_world_size())
     t0 = time.perf_counter()
-    w = _W["w"] = build(model, spec, synthetic_mib=synthetic_mib, seq_len=seq_len)
+    w = _W["w"] = build(model, spec, synthetic_mib=synthetic_mib, seq_len=seq_len,
+                        synthetic_width=synthetic_width)
     build_s = time.perf_counter() - t0
     ts = w.tensors()
     local = _nbytes(ts)
-    logical = 0
-    for t in _flat_tensors(w.dcp_state()):
-        logical += t.numel() * t.element_size()  # DTensor: global numel
     _W["bg_pg"] = dist.new_group(backend="gloo")  # DCP's background collectives
-    return {"rank": _rank(), "local_bytes": local, "logical_bytes": logical, "tensors": len(ts),
-            "params": sum(p.numel() for p in w.model.parameters()), "build_s": build_s,
-            "layout": str(spec), "fingerprint": fingerprint()}
+    d = digest.state_digest(w.reshard_state())
+    params = sum(p.numel() for p in w.model.parameters())
+    if isinstance(w, GridWorkload):  # each rank holds its stage's TP shards: the logical count
+        n = torch.tensor([params if w.trainer.g.dp_rank == 0 else 0], dtype=torch.int64)
+        dist.all_reduce(n)
+        params = int(n)
+    return {"rank": _rank(), "local_bytes": local, "logical_bytes": d["bytes"], "tensors": len(ts),
+            "params": params, "build_s": build_s, "layout": str(spec), "peers": w.peers,
+            "fingerprint": d["digest"], "digest_tensors": d["tensors"],
+            "replicas_differ": d["replicas_differ"]}
 
 
 def _flat_tensors(x: Any) -> list[torch.Tensor]:
@@ -146,16 +153,17 @@ def release() -> None:
     gc.collect()
 
 
-def fingerprint() -> float:
-    """Sum of every element of the logical state (float64; each element once)."""
-    s = torch.zeros((), dtype=torch.float64)
-    for t in _flat_tensors(_w().dcp_state()):
-        if hasattr(t, "to_local"):
-            s += t.to_local().detach().double().sum()
-        elif _rank() == 0:
-            s += t.detach().double().sum()
-    dist.all_reduce(s)
-    return float(s)
+def fingerprint() -> str:
+    """The bit-exact, layout-independent digest of the state's tensors
+    (:func:`reshard.bench.digest.state_digest`; a collective)."""
+    return str(digest.state_digest(_w().reshard_state())["digest"])
+
+
+def _reshard_load(path: str, opts: reshard.LoadOptions | None = None) -> reshard.LoadResult:
+    w = _w()
+    res = reshard.load(w.reshard_state(), path, options=opts)
+    w.after_load()
+    return res
 
 
 def _owned() -> dict[str, torch.Tensor]:
@@ -194,24 +202,6 @@ def _owned() -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------- writes / reads
-def _write_fsync(path: str, views: list[memoryview], nbytes: int) -> int:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    done = 0
-    try:
-        for mv in views:
-            mv = mv[:max(0, nbytes - done)]
-            while mv:
-                n = os.write(fd, mv)
-                mv = mv[n:]
-                done += n
-            if done >= nbytes:
-                break
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return done
-
-
 def _views() -> list[memoryview]:
     from ..shardfile import tensor_bytes
 
@@ -230,7 +220,14 @@ def save(method: str, path: str, limit_bytes: list[int]) -> dict[str, Any]:
     w = _w()
     rank = _rank()
     res: dict[str, Any] = {"rank": rank}
-    if method == "limit-write":
+    if method == "limit-write" and path.startswith("s3://"):
+        from .objstore import put_limit
+
+        views = _views()
+        dist.barrier()
+        n, own, total = _timed(lambda: put_limit(f"{path}/r{rank:05d}.bin", views, limit_bytes[rank]))
+        res.update(bytes=n, files=1)
+    elif method == "limit-write":
         d = _local_dir(path)
         views = _views()
         dist.barrier()
@@ -280,7 +277,7 @@ def drop(path: str) -> None:
     """Delete ``path`` (rank 0, after every rank is done with it)."""
     dist.barrier()
     if _rank() == 0:
-        if path.startswith("memory://"):
+        if "://" in path:
             from ..storage import resolve
 
             st, key = resolve(path)
@@ -387,14 +384,18 @@ def async_save(method: str, path: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- train
-def train(methods: list[str], base: str, steps: int, settle: float) -> dict[str, Any]:
+def train(methods: list[str], base: str, steps: int, settle: float, saves: int = 1) -> dict[str, Any]:
     """Step times with no save in flight, and while each method's background
-    save is in flight (a real forward/backward/AdamW step of the workload)."""
+    save is in flight (a real forward/backward/AdamW step of the workload);
+    ``saves`` background saves per method (order rotated), ``save_s`` their
+    median time from start to commit."""
     w = _w()
-    out: dict[str, Any] = {"rank": _rank(), "no_save": [], "during": {}, "save_s": {}}
+    out: dict[str, Any] = {"rank": _rank(), "no_save": [], "during": {m: [] for m in methods}, "save_s": {}}
+    took: dict[str, list[float]] = {m: [] for m in methods}
     w.step()
-    for m in methods:
-        p = f"{base}-{m}"
+    order = [m for i in range(saves) for m in methods[i % len(methods):] + methods[:i % len(methods)]]
+    for i, m in enumerate(order):
+        p = f"{base}-{m}-{i}"
         quiet(settle)
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -409,9 +410,10 @@ def train(methods: list[str], base: str, steps: int, settle: float) -> dict[str,
             w.step()
             xs.append(time.perf_counter() - t0)
         _wait(h)
-        out["save_s"][m] = time.perf_counter() - t_start
-        out["during"][m] = xs
+        took[m].append(time.perf_counter() - t_start)
+        out["during"][m].extend(xs)
         drop(p)
+    out["save_s"] = {m: sorted(v)[len(v) // 2] for m, v in took.items()}
     return out
 
 
@@ -422,41 +424,58 @@ def step_time() -> float:
 
 
 # ---------------------------------------------------------------------------------- loads
-def _read_limit(files: list[str], buf: memoryview) -> None:
-    """Read the files one after another (sequential ``os.preadv``, one thread)
-    into ``buf`` until it is full, wrapping around the files."""
-    off_buf, i = 0, 0
-    while off_buf < len(buf):
-        fd = os.open(files[i % len(files)], os.O_RDONLY)
-        try:
-            off = 0
-            while off_buf < len(buf):
-                n = os.preadv(fd, [buf[off_buf:]], off)
-                if n == 0:
-                    break
-                off += n
-                off_buf += n
-        finally:
-            os.close(fd)
-        i += 1
+def cold_save(path: str, root: str) -> dict[str, Any]:
+    """The first ``reshard.save`` of this (freshly started) process's state,
+    with no warm-up call, then a ``CheckpointManager.save`` of it under
+    ``root`` as ``reshard demo`` saves (``every_steps=1``, no retention)."""
+    w = _w()
+    _, own, total = _timed(lambda: reshard.save(w.reshard_state(), path, step=1))
+    mgr = reshard.CheckpointManager(root, every_steps=1, keep_last=None, preempt_signals=())
+    _, own2, total2 = _timed(lambda: mgr.save(1, w.reshard_state()))
+    verify = None
+    if _rank() == 0:  # the manager's check after each commit, on the coordinator: again, as a dry run
+        t0 = time.perf_counter()
+        mgr.verify_checkpoint(1, record=False)
+        verify = time.perf_counter() - t0
+    dist.barrier()
+    return {"rank": _rank(), "own_s": [own], "total_s": [total], "manager_own_s": [own2],
+            "manager_total_s": [total2], "manager_verify_s": verify}
 
 
-def load(method: str, path: str, repeat: int, verify_fp: float | None = None) -> dict[str, Any]:
-    """Warm load (one untimed call first), then ``repeat`` timed ones."""
+def cold_restore(root: str, verify_fp: str) -> dict[str, Any]:
+    """``CheckpointManager.restore`` of ``root`` into this (freshly started)
+    process's state, the first load call here, as ``reshard demo`` restores;
+    the state checked against ``verify_fp``."""
+    w = _w()
+    mgr = reshard.CheckpointManager(root, every_steps=1, keep_last=None, preempt_signals=())
+    res, own, total = _timed(lambda: mgr.restore(w.reshard_state()))
+    w.after_load()
+    return {"rank": _rank(), "own_s": [own], "total_s": [total], "found": res is not None,
+            "fingerprint_ok": fingerprint() == verify_fp}
+
+
+def load(method: str, path: str, repeat: int, verify_fp: str | None = None, warm: bool = True) -> dict[str, Any]:
+    """Warm load (one untimed call first; none with ``warm=False``), then
+    ``repeat`` timed ones."""
     w = _w()
     rank = _rank()
     res: dict[str, Any] = {"rank": rank, "own_s": [], "total_s": [], "timings": []}
     local = _nbytes(w.tensors())
     fn: Callable[[], Any]
     if method == "limit-read":
-        d = path
-        files = sorted(os.path.join(d, f) for f in os.listdir(d) if not f.endswith(".json"))
         read_buf = torch.empty(local, dtype=torch.uint8).fill_(0)  # preallocated, touched
         mv = memoryview(read_buf.numpy().data)
-        fn = lambda: _read_limit(files, mv)  # noqa: E731
-    elif method in ("reshard", "reshard-nocheck"):
-        opts = reshard.LoadOptions(checksums=method == "reshard")
-        fn = lambda: reshard.load(w.reshard_state(), path, options=opts)  # noqa: E731
+        if path.startswith("s3://"):
+            from .objstore import get_limit
+
+            fn = lambda: get_limit(path, mv)  # noqa: E731
+        else:
+            files = sorted(os.path.join(path, f) for f in os.listdir(path) if not f.endswith(".json"))
+            fn = lambda: _read_limit(files, mv)  # noqa: E731
+    elif method in ("reshard", "reshard-nocheck", "reshard-verify-first"):
+        opts = reshard.LoadOptions(checksums=method != "reshard-nocheck",
+                                   verify_first=method == "reshard-verify-first")
+        fn = lambda: _reshard_load(path, opts)  # noqa: E731
     elif method in ("dcp", "dcp-threads"):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -485,7 +504,8 @@ def load(method: str, path: str, repeat: int, verify_fp: float | None = None) ->
     if method == "dcp-threads":
         torch.set_num_threads(os.cpu_count() or 1)
     try:
-        fn()  # warm: page cache, first-call imports
+        if warm:
+            fn()  # warm: page cache, first-call imports
         for _ in range(repeat):
             out, own, total = _timed(fn, f"load-{method}" if method.startswith("reshard") else None)
             res["own_s"].append(own)
@@ -500,19 +520,19 @@ def load(method: str, path: str, repeat: int, verify_fp: float | None = None) ->
     _malloc_trim()  # torch.load / load_file / DCP buffers: freed, and given back
     if verify_fp is not None:
         got_fp = fingerprint()
-        res["fingerprint_ok"] = abs(got_fp - verify_fp) <= 1e-9 * max(1.0, abs(verify_fp))
+        res["fingerprint_ok"] = got_fp == verify_fp
     return res
 
 
 # ------------------------------------------------------------------------------------ RSS
-def rss(method: str, path: str) -> dict[str, Any]:
-    """Peak extra RSS of one call of ``method`` ("save", "async-save" (two
-    consecutive ones, each committed), "load", "dcp-save", "dcp-load")."""
+def rss(method: str, path: str, saves: int = 2) -> dict[str, Any]:
+    """Peak extra RSS of one call of ``method`` ("save", "async-save"
+    (``saves`` consecutive ones, each committed), "load", "dcp-save", "dcp-load")."""
     w = _w()
     out: dict[str, Any] = {"rank": _rank(), "state_bytes": _nbytes(w.tensors())}
     if method == "async-save":
         extras = []
-        for i in range(2):
+        for i in range(saves):
             p = f"{path}-{i}"
             dist.barrier()
             with PeakRSS() as m:
@@ -526,7 +546,7 @@ def rss(method: str, path: str) -> dict[str, Any]:
 
     fns: dict[str, Callable[[], Any]] = {
         "save": lambda: reshard.save(w.reshard_state(), path, step=1),
-        "load": lambda: reshard.load(w.reshard_state(), path),
+        "load": lambda: _reshard_load(path),
         "dcp-save": lambda: dcp.save(w.dcp_state(), checkpoint_id=path),
         "dcp-load": lambda: dcp.load(w.dcp_state(), checkpoint_id=path),
     }

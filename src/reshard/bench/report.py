@@ -9,6 +9,7 @@ ratios (``t / t_reference``: below 1 is shorter).
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import defaultdict
 from typing import Any
@@ -26,10 +27,17 @@ NAMES = {
 LOAD_NAMES = {
     "limit-read": "limit: preadv page cache, 1 thread", "memcpy": "limit: memcpy, preallocated",
     "reshard": "reshard.load (checksums)", "reshard-nocheck": "reshard.load, no checksums",
+    "reshard-verify-first": "reshard.load, verify_first",
     "dcp": "DCP load, 1 thread", "dcp-threads": "DCP load, all cores",
     "torch-load": "torch.load(weights_only)+copy", "safetensors": "safetensors load_file+copy",
     "first-step": "first training step after load",
 }
+_COLD = {"first-save": "reshard.save", "manager-save": "then CheckpointManager.save",
+         "manager-verify": "of which its post-commit smoke check (rank 0, again)",
+         "manager-restore": "CheckpointManager.restore"}
+#: the limits on S3 (raw boto3 calls on the same endpoint; see reshard.bench.objstore)
+S3_NAMES = {"limit-write": "limit: boto3 PUT/multipart, 1 object/rank",
+            "limit-read": "limit: boto3 ranged GETs into preallocated memory"}
 TARGETS = {
     "save_vs_limit": 0.95, "save_vs_dcp": 1.2, "stall_vs_memcpy": 1.3, "stall_vs_dcp": 0.5,
     "step_slowdown": 1.05, "load_vs_limit": 0.75, "load_vs_dcp": 3.0, "load_nocheck_vs_limit": 0.9,
@@ -52,7 +60,7 @@ def summarise(records: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, A
     for r in records:
         groups[(r["backend"], r["world"])].append(r)
     for (backend, world), recs in groups.items():
-        s: dict[str, Any] = {"save": {}, "async": {}, "load": {}, "reshard": {}, "rss": {}}
+        s: dict[str, Any] = {"save": {}, "async": {}, "load": {}, "reshard": {}, "rss": {}, "cold": {}}
         setup = next(r for r in recs if r["phase"] == "setup")
         logical = setup["logical_bytes"]
         s["logical_bytes"] = logical
@@ -105,6 +113,9 @@ def summarise(records: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, A
                 if "target" in r:
                     e["target"], e["target_world"] = r["target"], r["target_world"]
                 s[phase][m] = e
+            elif phase == "cold":  # one call each: the slowest rank's time
+                s["cold"][m] = {"s": max(p["total_s"][0] for p in rs[-1]["per_rank"]),
+                                "fingerprint_ok": all(p.get("fingerprint_ok", True) for p in rs[-1]["per_rank"])}
             elif phase == "rss":
                 r = rs[-1]
                 s["rss"][m] = {"extra_per_rank": [p["extra"] for p in r["per_rank"]],
@@ -186,6 +197,9 @@ def table(doc: dict[str, Any]) -> str:
              f"{meta['wall_s']:.0f} s; GB = 1e9 B"]
     for key, s in doc["summary"].items():
         lb = s["logical_bytes"]
+        s3 = key.startswith("s3/")
+        names = {**NAMES, **S3_NAMES} if s3 else NAMES
+        lnames = {**LOAD_NAMES, **S3_NAMES} if s3 else LOAD_NAMES
         lines.append("")
         lines.append(f"== {key} ({s['layout']}): {s['params'] / 1e6:.1f}M params, logical state "
                      f"{lb / GB:.3f} GB, {s['tensors_per_rank'][0]} tensors on rank 0, per rank "
@@ -194,7 +208,9 @@ def table(doc: dict[str, Any]) -> str:
         rows: list[tuple[str, ...]] = []
         sv = s["save"]
         lim, dcp = _t(s, "save", "limit-write"), _t(s, "save", "dcp")
-        rows.append(("save (fsync)", "min s", "med s", "GB/s", "x limit", "x DCP", ""))
+        if sv:
+            rows.append(("save (durable)" if s3 else "save (fsync)", "min s", "med s", "GB/s", "x limit",
+                         "x DCP", ""))
         for m, e in sv.items():
             extra = []
             if e.get("stored_bytes"):
@@ -202,7 +218,7 @@ def table(doc: dict[str, Any]) -> str:
             if e.get("phases_s"):
                 extra.append("stage/plan/write/commit " + "/".join(f"{v:.2f}" for v in e["phases_s"].values()))
             extra.append(f"slowest writer r{e['slowest_writer']}")
-            rows.append((f"  {NAMES.get(m, m)}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
+            rows.append((f"  {names.get(m, m)}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
                          f"{e['gb_per_s']:.2f}", _ratio(lim, e["median_s"]), _ratio(dcp, e["median_s"]),
                          "; ".join(extra)))
         a = s["async"]
@@ -222,10 +238,10 @@ def table(doc: dict[str, Any]) -> str:
         if ld:
             lr = _t(s, "load", "limit-read")
             dl = min([x for x in (_t(s, "load", "dcp"), _t(s, "load", "dcp-threads")) if x] or [float("nan")])
-            rows.append(("warm load", "min s", "med s", "GB/s", "x limit", "x DCP", ""))
+            rows.append(("load" if s3 else "warm load", "min s", "med s", "GB/s", "x limit", "x DCP", ""))
             if "memcpy" in a:  # the limit of a load from memory: the memcpy of the async phase
                 e = a["memcpy"]["stall"]
-                rows.append((f"  {LOAD_NAMES['memcpy']}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
+                rows.append((f"  {lnames['memcpy']}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
                              f"{s['logical_bytes'] / GB / e['median_s']:.2f}", _ratio(lr, e["median_s"]), "",
                              "(the async phase's copy)"))
             for m, e in ld.items():
@@ -233,16 +249,20 @@ def table(doc: dict[str, Any]) -> str:
                 note = "" if not ph else "manifest/plan/read/place " + "/".join(f"{v:.3f}" for v in ph.values())
                 if not e["fingerprint_ok"]:
                     note += " STATE DIFFERS"
-                rows.append((f"  {LOAD_NAMES.get(m, m)}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
+                rows.append((f"  {lnames.get(m, m)}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
                              f"{e['gb_per_s']:.2f}" if "gb_per_s" in e else "",
                              "" if m == "first-step" else _ratio(lr, e["median_s"]),
                              "" if m == "first-step" else _ratio(dl, e["median_s"]), note))
         for m, e in s["reshard"].items():
             name, _, tgt = m.partition("@")
-            rows.append((f"  reshard {tgt}: {LOAD_NAMES.get(name, name)}", _fmt_s(e["min_s"]),
+            rows.append((f"  reshard {tgt}: {lnames.get(name, name)}", _fmt_s(e["min_s"]),
                          _fmt_s(e["median_s"]), f"{e['gb_per_s']:.2f}" if "gb_per_s" in e else "", "", "",
                          ("state equal" if e["fingerprint_ok"] else "STATE DIFFERS") if name != "first-step" else ""))
         lines.extend(_grid(rows))
+        if s.get("cold"):
+            lines.append("first calls in freshly started processes (no warm-up): " + "; ".join(
+                f"{_COLD.get(m.split('@')[0], m)}{' into ' + m.split('@')[1].split('<-')[0] if '@' in m else ''} "
+                f"{e['s']:.2f} s" for m, e in s["cold"].items()))
         if "train" in s:
             tr = s["train"]
             r0 = tr["per_rank"][0]
@@ -262,6 +282,8 @@ def table(doc: dict[str, Any]) -> str:
             lines.append("resident memory per rank, highest after any phase (MiB): "
                          + ", ".join(f"{x / MiB:.0f}" for x in hi))
         lines.append("targets: " + ", ".join(_target(k, v) for k, v in s["ratios"].items()))
+    if doc.get("demo"):
+        lines.extend(demo_lines(doc["demo"]))
     for n in doc["notes"]:
         lines.append(f"note: {n}")
     return "\n".join(lines)
@@ -284,6 +306,8 @@ def _ratio(ref: float | None, t: float | None, inv: bool = False) -> str:
 
 
 def _grid(rows: list[tuple[str, ...]]) -> list[str]:
+    if not rows:
+        return []
     w = [max(len(r[i]) for r in rows) for i in range(6)]
     out = []
     for r in rows:
@@ -294,8 +318,9 @@ def _grid(rows: list[tuple[str, ...]]) -> list[str]:
 
 def plot(doc: dict[str, Any], path: str) -> None:
     """PNG: per-rank timelines of the last reshard save (stage, plan, write,
-    commit) and load (manifest, plan, read, place) of each world size, and
-    GB/s over world sizes per backend."""
+    commit) and load (manifest, plan, read, place) of each world size, and of
+    the load into the first ``--reshard-to`` layout where there is one; GB/s
+    over world sizes per backend and the async stalls."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -303,26 +328,35 @@ def plot(doc: dict[str, Any], path: str) -> None:
 
     summ = doc["summary"]
     keys = list(summ)
-    fig, axes = plt.subplots(len(keys) + 1, 2, figsize=(13, 2.6 * (len(keys) + 1)), squeeze=False)
+    cols = 3 if any(s["reshard"] for s in summ.values()) else 2
+    fig, axes = plt.subplots(len(keys) + 1, cols, figsize=(6.5 * cols, 2.6 * (len(keys) + 1)), squeeze=False)
+    if cols == 3:
+        axes[-1][2].axis("off")
     colors = {"stage": "#8c564b", "plan": "#1f77b4", "write": "#d62728", "commit": "#2ca02c",
               "manifest": "#9467bd", "read": "#ff7f0e", "place": "#17becf", "checksum": "#7f7f7f"}
     for row, key in enumerate(keys):
         s = summ[key]
-        for col, (phase, m, parts) in enumerate((("save", "reshard", ("stage", "plan", "write", "commit")),
-                                                 ("load", "reshard", ("manifest", "plan", "read", "place")))):
+        tgt = next((m for m in s["reshard"] if m.startswith("reshard@")), None)
+        cells = [("save", "reshard", ("stage", "plan", "write", "commit")),
+                 ("load", "reshard", ("manifest", "plan", "read", "place"))]
+        if cols == 3:
+            cells.append(("reshard", tgt or "", ("manifest", "plan", "read", "place")))
+        for col, (phase, m, parts) in enumerate(cells):
             ax = axes[row][col]
             e = s[phase].get(m)
-            ax.set_title(f"{key}: reshard {phase} per rank", fontsize=9)
+            ax.set_title(f"{key}: reshard {phase} per rank" if phase != "reshard" else
+                         f"{key}: load into {m.split('@')[-1].split('<-')[0]} per rank", fontsize=9)
             if e is None:
                 ax.text(0.5, 0.5, "not measured", ha="center")
                 continue
             timings = ([p["timings"] for p in e["per_rank"]] if phase == "save" else
-                       _load_timings(doc, key))
+                       _load_timings(doc, key, phase))
             for r, t in enumerate(timings):
                 x = 0.0
                 for k in parts:
                     v = (t or {}).get(k, 0.0)
-                    ax.barh(r, v, left=x, color=colors[k], label=k if r == 0 else None)
+                    ax.barh(r, v, left=x, color=colors[k],
+                            label=(k if k != "commit" else "commit (finalize)") if r == 0 else None)
                     x += v
             ax.set_yticks(range(len(timings)), [f"rank {i}" for i in range(len(timings))])
             ax.set_xlabel("seconds")
@@ -330,8 +364,8 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax = axes[-1][0]
     for backend in sorted({k.split("/")[0] for k in keys}):
         ws = sorted(int(k.split("/w")[1]) for k in keys if k.startswith(backend + "/"))
-        for phase, m, style in (("save", "reshard", "-o"), ("save", "limit-write", "--"), ("save", "dcp", ":x"),
-                                ("load", "reshard", "-s"), ("load", "limit-read", "--"), ("load", "dcp", ":+")):
+        for phase, m, style in (("save", "reshard", "-o"), ("save", "limit-write", "--^"), ("save", "dcp", ":x"),
+                                ("load", "reshard", "-s"), ("load", "limit-read", "--v"), ("load", "dcp", ":+")):
             ys = [summ[f"{backend}/w{w}"][phase].get(m, {}).get("gb_per_s", float("nan")) for w in ws]
             if any(y == y for y in ys):
                 ax.plot(ws, ys, style, label=f"{backend} {phase} {m}")
@@ -353,9 +387,114 @@ def plot(doc: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def _load_timings(doc: dict[str, Any], key: str) -> list[dict[str, float]]:
+def _load_timings(doc: dict[str, Any], key: str, phase: str = "load") -> list[dict[str, float]]:
     backend, w = key.split("/w")
     for r in reversed(doc["records"]):
-        if (r["phase"], r["method"], r["backend"], str(r["world"])) == ("load", "reshard", backend, w):
+        if (r["phase"], r["method"], r["backend"], str(r["world"])) == (phase, "reshard", backend, w):
             return [p["timings"][-1] if p.get("timings") else {} for p in r["per_rank"]]
     return []
+
+
+# ------------------------------------------------------------------ the demo's figures beside the bench's
+_DEMO_HEAD = re.compile(r"layout A \((?P<a>[^)]*)\) -> layout B \((?P<b>[^)]*)\)")
+_DEMO_SAVE = re.compile(r"^\s*save: (?P<mib>[\d.]+) MiB in (?P<files>\d+) files, (?P<s>[\d.]+) s")
+_DEMO_RESTORE = re.compile(r"restored step \d+ from .* in (?P<s>[\d.]+) s, (?P<mib>[\d.]+) MiB read by "
+                           r"(?P<n>\d+) ranks")
+
+#: what differs between the demo's timings and the bench's (the report names them beside a ratio)
+DEMO_DIFFERENCES = (
+    "the demo times one save per checkpoint through CheckpointManager, whose rank 0 runs a post-commit "
+    "smoke check (a trial load with checksums), retention and gc inside save (--cold measures "
+    "CheckpointManager.save beside reshard.save in the same fresh processes); each demo save is the first "
+    "of its step, with no warm-up call; its restore is the first load of freshly started processes, timed "
+    "once; the bench's figures are medians of repeated calls after an untimed one, on a quiet disk "
+    "(os.sync before each save)")
+
+
+def parse_demo_report(text: str) -> dict[str, Any]:
+    """The figures of a ``reshard demo`` report.txt: ``layout_a``, ``layout_b``
+    (the trainer's ``pp,dp,tp`` spelling), ``saves`` (``[{"mib", "files",
+    "s"}]``, layout A) and ``restore`` (``{"s", "mib", "ranks"}``).
+
+    Raises:
+        ValueError: the text is not a demo report (no layout line, or no save).
+    """
+    head = _DEMO_HEAD.search(text)
+    saves = [{"mib": float(m["mib"]), "files": int(m["files"]), "s": float(m["s"])}
+             for m in (_DEMO_SAVE.match(ln) for ln in text.splitlines()) if m]
+    if head is None or not saves:
+        raise ValueError("not a `reshard demo` report (no 'layout A (...) -> layout B (...)' line or "
+                         "no 'save: ... MiB in ... files, ... s' line)")
+    r = _DEMO_RESTORE.search(text)
+    return {"layout_a": head["a"], "layout_b": head["b"], "saves": saves,
+            "restore": None if r is None else {"s": float(r["s"]), "mib": float(r["mib"]),
+                                               "ranks": int(r["n"])}}
+
+
+def demo_compare(doc: dict[str, Any], demo: dict[str, Any]) -> dict[str, Any]:
+    """Ratios of the demo's save and restore times to the bench's for the
+    same state and layouts: ``save_ratio`` (median demo save / median
+    ``reshard.save``), ``restore_ratio`` (demo restore / the bench's
+    ``--reshard-to`` load into layout B, checksums on), ``within_2x`` and the
+    differences that explain a ratio above 2."""
+    key = next((k for k, s in doc["summary"].items()
+                if k.startswith("local/") and s["layout"] == demo["layout_a"]), None)
+    out: dict[str, Any] = {"demo": demo, "bench": key}
+    if key is None:
+        out["why"] = (f"no local run of layout {demo['layout_a']} in this bench (run it with "
+                      f"--layout {demo['layout_a']} --reshard-to {demo['layout_b']})")
+        return out
+    s = doc["summary"][key]
+    ds = _med([x["s"] for x in demo["saves"]])
+    bs = s["save"].get("reshard", {}).get("median_s")
+    if bs:
+        out["save_ratio"] = ds / bs
+        out["save_demo_s"], out["save_bench_s"] = ds, bs
+        out["stored_mib_demo"] = _med([x["mib"] for x in demo["saves"]])
+        out["stored_mib_bench"] = (s["save"]["reshard"].get("stored_bytes") or 0) / MiB
+    rb = s["reshard"].get(f"reshard@{demo['layout_b']}<-{demo['layout_a']}", {}).get("median_s")
+    if demo["restore"] and rb:
+        out["restore_ratio"] = demo["restore"]["s"] / rb
+        out["restore_demo_s"], out["restore_bench_s"] = demo["restore"]["s"], rb
+    cold = s.get("cold", {})
+    if "first-save" in cold:
+        out["cold_save_s"] = cold["first-save"]["s"]
+        out["cold_manager_save_s"] = cold["manager-save"]["s"]
+        out["cold_manager_verify_s"] = cold.get("manager-verify", {}).get("s")
+        out["save_ratio_cold"] = ds / max(cold["first-save"]["s"], 1e-9)
+    cl = cold.get(f"manager-restore@{demo['layout_b']}<-{demo['layout_a']}")
+    if cl and demo["restore"]:
+        out["cold_restore_s"] = cl["s"]
+        out["restore_ratio_cold"] = demo["restore"]["s"] / max(cl["s"], 1e-9)
+    ratios = [out[k] for k in ("save_ratio", "restore_ratio") if k in out]
+    out["within_2x"] = bool(ratios) and all(0.5 <= x <= 2.0 for x in ratios)
+    if not out["within_2x"]:
+        out["why"] = DEMO_DIFFERENCES
+    return out
+
+
+def demo_lines(cmp: dict[str, Any]) -> list[str]:
+    """The terminal lines of :func:`demo_compare`."""
+    d = cmp["demo"]
+    lines = [f"demo report ({d['layout_a']} -> {d['layout_b']}) beside this bench ({cmp['bench']}):"]
+    if "save_ratio" in cmp:
+        lines.append(f"  save: demo {cmp['save_demo_s']:.2f} s ({cmp['stored_mib_demo']:.1f} MiB), bench "
+                     f"reshard.save {cmp['save_bench_s']:.2f} s ({cmp['stored_mib_bench']:.1f} MiB): "
+                     f"demo/bench x{cmp['save_ratio']:.2f}")
+    if "restore_ratio" in cmp:
+        lines.append(f"  restore into {d['layout_b']}: demo {cmp['restore_demo_s']:.2f} s, bench "
+                     f"{cmp['restore_bench_s']:.2f} s: demo/bench x{cmp['restore_ratio']:.2f}")
+    if "save_ratio_cold" in cmp:
+        lines.append(f"  first calls in fresh processes (--cold): save {cmp['cold_save_s']:.2f} s (demo/cold "
+                     f"x{cmp['save_ratio_cold']:.2f}), then CheckpointManager.save {cmp['cold_manager_save_s']:.2f} s"
+                     + ("" if cmp.get("cold_manager_verify_s") is None else
+                        f" (its post-commit smoke check on rank 0 alone: {cmp['cold_manager_verify_s']:.2f} s)"))
+    if "restore_ratio_cold" in cmp:
+        lines.append(f"  CheckpointManager.restore into {d['layout_b']}, the first call of fresh processes: "
+                     f"{cmp['cold_restore_s']:.2f} s "
+                     f"(demo/cold x{cmp['restore_ratio_cold']:.2f})")
+    if "within_2x" in cmp:
+        lines.append(f"  within 2x: {'yes' if cmp['within_2x'] else 'NO'}")
+    if cmp.get("why"):
+        lines.append(f"  why: {cmp['why']}")
+    return lines

@@ -18,7 +18,8 @@ attempt's lease right after the nonce, and the manifest is published with
 ``put_if_absent``; failed attempts are removed with ``delete_tree`` of each
 of their keys and ``abort_upload`` of their open uploads.
 During a load: ``read_bytes(manifest)`` -> ``size``/``is_link`` of every
-needed file -> ``read_into`` of byte ranges, from several threads at once.
+needed file -> ``read_into`` (or ``read_parts``) of byte ranges, from several
+threads at once.
 
 Errors: a missing key raises ``FileNotFoundError`` (callers turn it into
 ``CheckpointNotFoundError``); any other failure of the store raises
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 
 
@@ -196,6 +198,17 @@ class Storage(ABC):
     @abstractmethod
     def read_into(self, path: str, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` with ``len(buf)`` bytes of ``path`` from byte ``offset``."""
+
+    def read_parts(self, path: str, parts: Iterable[tuple[int, memoryview]]) -> Generator[int, None, None]:
+        """Fill each ``(offset, buf)`` of ``parts`` from ``path`` in order,
+        yielding its index once it is filled (so the caller can verify a part
+        while it is still in the CPU cache, before the next is read). The
+        default calls :meth:`read_into` per part; a backend may keep the file
+        open across parts (:class:`~reshard.storage.local.LocalStorage`).
+        Raises what :meth:`read_into` raises."""
+        for i, (offset, buf) in enumerate(parts):
+            self.read_into(path, offset, buf)
+            yield i
 
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         if length is None:

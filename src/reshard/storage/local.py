@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Generator, Iterable
 
 from ..errors import IntegrityError, StorageError
 from .base import Capabilities, Storage, WriteStream
@@ -113,8 +114,11 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def read_into(self, path: str, offset: int, buf: memoryview) -> None:
-        buf = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
-        want = len(buf)
+        for _ in self.read_parts(path, ((offset, buf),)):
+            pass
+
+    def read_parts(self, path: str, parts: Iterable[tuple[int, memoryview]]) -> Generator[int, None, None]:
+        """The file is opened once for all ``parts`` (``os.preadv`` into each buffer)."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except (FileNotFoundError, NotADirectoryError):  # a missing key, as the protocol says
@@ -122,7 +126,17 @@ class LocalStorage(Storage):
         except OSError as e:
             raise _storage_error("open", path, e) from e
         try:
-            got = 0
+            for i, (offset, buf) in enumerate(parts):
+                self._pread(fd, path, offset, buf)
+                yield i
+        finally:
+            os.close(fd)
+
+    def _pread(self, fd: int, path: str, offset: int, buf: memoryview) -> None:
+        buf = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+        want = len(buf)
+        got = 0
+        try:
             while got < want:
                 n = os.preadv(fd, [buf[got:]], offset + got)
                 if n == 0:
@@ -133,8 +147,6 @@ class LocalStorage(Storage):
                 got += n
         except OSError as e:
             raise _storage_error("read", path, e) from e
-        finally:
-            os.close(fd)
         self._count_read(want)
 
     def size(self, path: str) -> int:

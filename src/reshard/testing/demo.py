@@ -394,6 +394,10 @@ def run_demo(cfg: DemoConfig) -> int:
     rep.add(f"loss (resumed B):       {', '.join(f'{k}:{loss_b[k]:.4f}' for k in sorted(loss_b))}")
     rep.add(f"plot: {png}")
     rep.add("time: " + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items()))
+    if cfg.size == ("full" if cfg.preset == "bert" else "small"):  # a state `reshard bench io` builds
+        bm = "bert-minilm" if cfg.preset == "bert" else "llama-tiny"
+        rep.add(f"the same state's save and restore, measured warm and repeated: reshard bench io --model {bm} "
+                f"--layout {cfg.layout_a} --reshard-to {cfg.layout_b} --demo-report {out / 'report.txt'}")
     rep.add(f"total {time.perf_counter() - t_all:.0f} s -- {'DEMO OK' if rep.ok else 'DEMO FAILED'}")
     (out / "report.txt").write_text("\n".join(rep.lines) + "\n")
     return 0 if rep.ok else 1

@@ -74,6 +74,27 @@ class StorageConformance:
             assert bytes(buf) == data[off:off + n], (off, n)
         assert st.read_bytes(p, 100, 50) == data[100:150]
 
+    def test_read_parts_in_order(self) -> None:
+        """``read_parts`` fills each part before it yields its index, in order;
+        a part past the end raises as ``read_into`` does; a missing file raises
+        ``FileNotFoundError``."""
+        st, root = self._setup()
+        p = st.join(self._dir(st, root, "ck"), "a.bin")
+        data = os.urandom(10_000)
+        st.write_bytes(p, data)
+        parts = [(0, 10), (5000, 3000), (9990, 10), (123, 0)]
+        bufs = [bytearray(n) for _, n in parts]
+        seen = []
+        for i in st.read_parts(p, ((off, memoryview(b)) for (off, _), b in zip(parts, bufs, strict=True))):
+            off, n = parts[i]
+            assert bytes(bufs[i]) == data[off:off + n], i  # filled when yielded
+            seen.append(i)
+        assert seen == [0, 1, 2, 3]
+        with pytest.raises(IntegrityError):
+            list(st.read_parts(p, [(9995, memoryview(bytearray(10)))]))
+        with pytest.raises(FileNotFoundError):
+            list(st.read_parts(st.join(root, "nothing-here"), [(0, memoryview(bytearray(1)))]))
+
     def test_read_past_end_is_integrity_error(self) -> None:
         st, root = self._setup()
         p = st.join(self._dir(st, root, "ck"), "a.bin")
