@@ -106,10 +106,12 @@ def _finite(low: float, *, open_low: bool) -> Any:
 
 
 def _methods() -> set[str]:
-    """Every method name ``--skip`` may name (the peers, the limits and reshard's own)."""
+    """Every name ``--skip`` may give: the methods (the peers, the limits and
+    reshard's own) and the phases :mod:`reshard.bench.io` checks for."""
     from .bench import ranks
 
-    return {*ranks.SAVE_METHODS, *ranks.ASYNC_METHODS, *ranks.LOAD_METHODS}
+    return {*ranks.SAVE_METHODS, *ranks.ASYNC_METHODS, *ranks.LOAD_METHODS,
+            "save", "load", "async", "async-save", "rss", "train"}
 
 
 def _ints(text: str | None) -> list[int] | None:
