@@ -212,3 +212,56 @@ def r_restore_node_local(shared: str, local: str) -> dict[str, Any]:
     except reshard.CheckpointError as e:
         out["raised"] = _error(e)
     return out
+
+
+def r_housekeeping_fails_after_commit(root: str) -> dict[str, Any]:
+    """A manager (keep_last=1) whose post-commit housekeeping fails on the
+    coordinator: the verification record's write meets ENOSPC at step 1 (the
+    save filled the disk), then retention's deletes meet EIO at step 2; step
+    3 runs without faults. Returns, per save, what was raised and what is
+    under the root, and the warnings logged."""
+    import logging
+
+    from reshard.testing.faults import Fault, FaultStorage
+
+    st = FaultStorage(LocalStorage(), [Fault(op="write_bytes", action="enospc",
+                                             match="*.verified.json*", times=0)])
+    mgr = reshard.CheckpointManager(root, keep_last=1, storage=st, preempt_signals=())
+    warned: list[str] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                warned.append(record.getMessage())
+
+    handler = _Keep()
+    logging.getLogger("reshard").addHandler(handler)
+    out: dict[str, Any] = {}
+    try:
+        for step in (1, 2, 3):
+            if step == 2:
+                st.faults[:] = [Fault(op="delete", action="eio", match="step-*", times=0)]
+            elif step == 3:
+                st.faults.clear()
+            raised = None
+            try:
+                mgr.save(step, _rows(float(step)))
+            except reshard.CheckpointError as e:
+                raised = _error(e)
+            # the ranks are still in step: each learns what the others raised
+            flags = torch.tensor([int(raised is not None)])
+            dist.all_reduce(flags)
+            out[f"raised {step}"] = raised
+            out[f"ranks raised {step}"] = int(flags)
+            dist.barrier()
+            out[f"after {step}"] = sorted(os.listdir(root))
+            if raised is not None:
+                break
+    finally:
+        logging.getLogger("reshard").removeHandler(handler)
+    got = _rows(-1.0)
+    reshard.load(got, reshard.latest(root))
+    out["latest"] = os.path.basename(str(reshard.latest(root)))
+    out["value"] = got["w"].data.flatten().tolist()
+    out["warned"] = warned
+    return out

@@ -240,3 +240,80 @@ def test_demo_extra_declares_what_the_demo_checks() -> None:
     demo = sorted(r.split(">")[0].split("=")[0] for r in extras["demo"])
     assert demo == ["matplotlib", "tokenizers"]  # the weights package is not an extra (--no-deps)
     assert set(demo) <= {r.split(">")[0] for r in extras["dev"]}
+
+
+def test_output_paths_and_sizes_are_checked_before_a_long_run(tmp_path: Path, ck: Path) -> None:
+    """``--json`` / ``--plot`` into a directory that does not exist, and
+    ``bench scale`` sizes below 1, are usage errors (exit 2, one line) when
+    the options are parsed: before, ``fuzz --count 100000`` ran its 20
+    minutes and then failed to write its counts, and ``bench scale --tp 0``
+    (or ``--tp -1``) ended in a ZeroDivisionError (IndexError) traceback."""
+    bad = str(tmp_path / "no-such-dir" / "out.json")
+    for args in (["fuzz", "--count", "1", "--json", bad], ["faults", "--quick", "--json", bad],
+                 ["bench", "scale", "--json", bad], ["bench", "scale", "--plot", bad],
+                 ["verify", str(ck), "--json", bad]):
+        _one_line_error(_run(*args), 2, "no-such-dir", "does not exist")
+    for opt in ("--tp", "--pp", "--dp", "--ep", "--smallest"):
+        for v in ("0", "-1"):
+            _one_line_error(_run("bench", "scale", "--model", "llama-8b", opt, v), 2, opt)
+    good = tmp_path / "ok.json"
+    r = _run("verify", str(ck), "--json", str(good))
+    assert r.exit_code == 0 and json.loads(good.read_text())["ok"] is True
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--synthetic-mib", "nan"], "a finite number > 0"),   # was a ValueError traceback
+    (["--synthetic-mib", "0"], "a finite number > 0"),     # was a silent run of another size
+    (["--synthetic-mib", "-5"], "a finite number > 0"),
+    (["--settle", "-1"], "a finite number >= 0"),          # was a ValueError traceback mid-run
+    (["--timeout", "0"], "a finite number > 0"),           # was a WorkerError traceback
+    (["--skip", "dcp,dcp-asnyc"], "unknown method(s) dcp-asnyc"),  # a typo measured everything
+    (["--layout", "dp3", "--world", "2"], "names 3 ranks"),  # was labelled dp3 on 2 ranks
+    (["--json", "/no-such-dir/x.json"], "does not exist"),   # was an error after the whole run
+    (["--plot", "/no-such-dir/x.png"], "does not exist"),
+])
+def test_bench_io_settings_are_checked_before_any_rank_starts(args: list[str], message: str) -> None:
+    r = _run("bench", "io", "--model", "synthetic", "--synthetic-mib", "1", *args)
+    assert r.exit_code == 2, r.output
+    assert message in r.stderr and "Traceback" not in r.output, r.output
+
+
+def test_ls_shows_a_checkpoint_that_failed_its_check_as_failed(tmp_path: Path) -> None:
+    """A committed checkpoint whose bytes were flipped after the commit:
+    ``gc`` smoke-tests it (FAILED) and keeps the older one; ``ls`` then
+    lists it as "failed" with the problem (before: "unverified", as if it
+    had never been checked)."""
+    root = tmp_path / "ck"
+    for s in (1, 2):
+        reshard.save({"w": torch.full((1000,), float(s))}, root / f"step-{s:08d}", step=s)
+    f = root / "step-00000002" / "data-r00000-0.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    f.write_bytes(bytes(raw))
+    r = _run("gc", str(root), "--keep-last", "1")
+    assert r.exit_code == 0 and "smoke test step-00000002: FAILED" in r.stdout, r.output
+    r = _run("ls", str(root))
+    assert r.exit_code == 0, r.output
+    rows = {ln.split()[-1]: ln for ln in r.stdout.splitlines() if ln.strip().startswith(("1 ", "2 "))}
+    assert " verified " in rows["step-00000001"] and " failed " in rows["step-00000002"], r.stdout
+    assert "failed: step-00000002 failed its last verification: IntegrityError" in r.stdout
+    assert "checksum mismatch" in r.stdout
+
+
+def test_gc_names_the_abandoned_attempts_it_keeps(tmp_path: Path) -> None:
+    """After a crash, ``reshard gc`` keeps an abandoned attempt younger than
+    ``--grace`` (it may be a save still running) and says so, with the flag
+    that removes it (before: not a word, so the attempt ``ls`` lists as
+    abandoned seemed to be ignored by gc)."""
+    root = tmp_path / "ck"
+    reshard.save({"w": torch.ones(4)}, root / "step-00000001", step=1)
+    att = root / "step-00000002.incomplete-20261201T000000-abcdef12"
+    att.mkdir()
+    (att / "data-r00000-0.safetensors").write_bytes(b"x" * 10)
+    r = _run("gc", str(root), "--keep-last", "1")
+    assert r.exit_code == 0 and att.exists(), r.output
+    assert f"kept abandoned attempt {att.name} (younger than --grace 3600 s" in r.stdout, r.stdout
+    assert "--grace 0" in r.stdout
+    r = _run("gc", str(root), "--keep-last", "1", "--grace", "0")
+    assert r.exit_code == 0 and not att.exists(), r.output
+    assert f"deleted abandoned attempt {att.name}" in r.stdout and "kept abandoned" not in r.stdout

@@ -13,6 +13,7 @@ import reshard
 from _user_fns import (
     r_commit_during_an_evaluation_restore,
     r_evaluation_restore_does_not_stop_retention,
+    r_housekeeping_fails_after_commit,
     r_load_relative_per_cwd,
     r_restore_from_cwd,
     r_restore_node_local,
@@ -231,3 +232,25 @@ reshard.CheckpointManager(root, preempt_signals=()).restore({"w": torch.zeros(2)
     assert mgr.gc_abandoned() == []  # younger than the grace period: kept
     assert mgr.gc_abandoned(grace_s=0) == tmp
     assert sorted(os.listdir(root)) == ["step-00000001", "step-00000001.verified.json"]
+
+
+def test_housekeeping_failing_after_a_commit_raises_on_no_rank(pool: Any, tmp_path: Path) -> None:
+    """The coordinator's housekeeping after a commit (verification record,
+    retention deletes, gc) meets a full disk or an I/O error: the save did
+    commit, so no rank raises (before: the coordinator alone raised the
+    StorageError while the other ranks returned, and they met again in
+    mismatched collectives, reported as "a rank was lost"); the failure is
+    logged, nothing is deleted that retention would keep, and the next
+    save's housekeeping catches up."""
+    root = tmp_path / "ck"
+    out = pool.run(2, r_housekeeping_fails_after_commit, str(root))
+    for r in out:
+        for step in (1, 2, 3):
+            assert r[f"raised {step}"] is None and r[f"ranks raised {step}"] == 0, r
+        assert r["after 1"] == ["step-00000001"], r          # committed, no record written
+        assert "step-00000001" in r["after 2"], r            # its deletion failed: kept
+        assert r["after 3"] == ["step-00000003", "step-00000003.verified.json"], r
+        assert r["latest"] == "step-00000003" and r["value"] == [3.0] * 3, r
+    warned = " | ".join(out[0]["warned"])
+    assert "step-00000001" in warned and "no space left on device" in warned, warned
+    assert "step-00000002" in warned or "retention" in warned, warned

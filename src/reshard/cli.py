@@ -22,8 +22,18 @@ from typing import Any, NoReturn
 
 import click
 
-from .cli_support import CHECK_FAILED, USAGE, Main, fail, human_bytes, json_option, write_json
-from .commit import RETIRED, committed, read_manifest, scan
+from .cli_support import (
+    CHECK_FAILED,
+    USAGE,
+    Main,
+    OutputPath,
+    fail,
+    human_bytes,
+    json_option,
+    one_line,
+    write_json,
+)
+from .commit import INCOMPLETE, RETIRED, committed, read_manifest, scan
 from .errors import CheckpointError, CheckpointNotFoundError
 from .manifest import Manifest, encode_manifest
 from .storage import resolve
@@ -117,6 +127,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
     and invalid ones."""
     from .commit import read_head, torn_files
     from .lineage import Head, lineage_of
+    from .records import record_failed
 
     try:
         st, key = resolve(root)
@@ -150,18 +161,25 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         lin = lineage_of(done, head)
         click.echo(f"committed ({len(done)}) under {key}:")
         rows = []
+        failed: list[tuple[str, str]] = []
         for e in done:
             em = e.manifest
             assert em is not None
             c = cands[e.name]
             fate = f"keep: {decision.keep[e.name]}" if e.name in decision.keep else "delete"
-            status = "torn" if torn[e.name] else "verified" if c.verified else "unverified"
+            bad = None if torn[e.name] or c.verified else record_failed(st, key, e.name, e)
+            if bad is not None:
+                failed.append((e.name, bad))
+            status = ("torn" if torn[e.name] else "verified" if c.verified
+                      else "failed" if bad is not None else "unverified")
             branch = lin.branch(e.name) + (" HEAD" if e.name == lin.source else "")
             rows.append(["-" if e.step is None else e.step, human_bytes(em.total_bytes), len(em.files),
                          _when(em.created_at), status, em.parent or "-", branch,
                          "-" if c.metric is None else f"{c.metric:.4g}", fate, e.name])
         _table(["step", "size", "files", "committed", "status", "parent", "branch", "metric",
                 "retention", "name"], rows, right=(0, 1, 2))
+        for name, why in failed:
+            click.echo(f"failed: {name} failed its last verification: {one_line(why)[:300]}")
         if head is not None and lin.source is None:
             click.echo(f"HEAD names {head.name or 'a fresh start'}, which is not committed here")
         for e in done:
@@ -229,7 +247,10 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         mgr = _manager_for(root, keep_last, keep_every, keep_best, metric_mode, grace)
         decision = mgr.apply_retention(dry_run=dry_run, checksums=not no_checksums, smoke_newer=True)
         gone = mgr.gc_abandoned(dry_run=dry_run)
-        quarantined = [e.name for e in scan(st, key) if e.quarantined]
+        entries = scan(st, key)
+        quarantined = [e.name for e in entries if e.quarantined]
+        young = [e.name for e in entries if e.abandoned and not e.quarantined
+                 and e.name not in gone and (INCOMPLETE in e.name or RETIRED in e.name)]
     except ValueError as err:
         _fail(2, str(err))
     except CheckpointError as err:
@@ -246,6 +267,9 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         click.echo(f"kept {name} ({why})")
     for name in quarantined:
         click.echo(f"kept {name} (quarantined: never deleted automatically)")
+    for name in young:
+        click.echo(f"kept abandoned attempt {name} (younger than --grace {grace:g} s: it may be "
+                   "a save still running; pass --grace 0 once no job writes here)")
     if not decision.delete and not gone:
         click.echo("nothing to delete")
 
@@ -604,7 +628,7 @@ def diff_cmd(a: str, b: str, json_path: str | None) -> None:
               show_default=True, help="Seconds one input may take before it counts as a hang.")
 @click.option("--jobs", type=click.IntRange(1, 64), default=None,
               help="Worker processes (default: the CPUs this process may use, at most 8).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--json", "json_path", type=OutputPath(), default=None,
               help="Write the counts as JSON here.")
 def fuzz_cmd(count: int, seed: int, workdir: str | None, timeout_s: float, jobs: int | None,
              json_path: str | None) -> None:
@@ -654,7 +678,7 @@ def fuzz_cmd(count: int, seed: int, workdir: str | None, timeout_s: float, jobs:
 @click.option("--quick", is_flag=True, help="One cell per fault class (a few minutes).")
 @click.option("--backend", default="local", show_default=True,
               help="local, s3 (a moto server started on 127.0.0.1), or both: local,s3.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--json", "json_path", type=OutputPath(), default=None,
               help="Write every cell's outcome as JSON here.")
 @click.option("--only", default=None, help="Run only cells whose name contains this text.")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None,

@@ -7,13 +7,14 @@ model state on real gloo ranks (the engine is :mod:`reshard.bench`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Any
 
 import click
 
-from .cli_support import USAGE, fail
+from .cli_support import USAGE, OutputPath, fail
 
 
 @click.group("bench")
@@ -23,10 +24,10 @@ def bench_group() -> None:
 
 
 @bench_group.command("scale")
-@click.option("--tp", type=int, default=8, show_default=True, help="tensor-parallel size")
-@click.option("--pp", type=int, default=16, show_default=True, help="pipeline-parallel size")
-@click.option("--dp", type=int, default=128, show_default=True, help="data-parallel size")
-@click.option("--ep", type=int, default=1, show_default=True, help="expert-parallel size (MoE; divides DP)")
+@click.option("--tp", type=click.IntRange(min=1), default=8, show_default=True, help="tensor-parallel size")
+@click.option("--pp", type=click.IntRange(min=1), default=16, show_default=True, help="pipeline-parallel size")
+@click.option("--dp", type=click.IntRange(min=1), default=128, show_default=True, help="data-parallel size")
+@click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True, help="expert-parallel size (MoE; divides DP)")
 @click.option("--model", default="llama-405b", show_default=True,
               help="llama-8b, llama-70b, llama-405b, moe-8x7b or moe-8x22b")
 @click.option("--optimizer", type=click.Choice(["adam", "none"]), default="adam", show_default=True)
@@ -36,11 +37,11 @@ def bench_group() -> None:
               help="flat: Megatron's flat buffer split into DP ranges; per-param: every parameter split")
 @click.option("--reshard-to", "target", default=None,
               help="load layout, e.g. tp4,pp8,dp512 (default: TP/2, PP/2, DP*4)")
-@click.option("--smallest", type=int, default=8, show_default=True, help="smallest world size of the sweep")
+@click.option("--smallest", type=click.IntRange(min=1), default=8, show_default=True, help="smallest world size of the sweep")
 @click.option("--only-largest", is_flag=True, help="simulate only the given layout")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--json", "json_path", type=OutputPath(), default=None,
               help="write the rows (a JSON list, one per world size)")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--plot", "plot_path", type=OutputPath(), default=None,
               help="write a log-log PNG of time and bytes against world size")
 def bench_scale_cmd(tp: int, pp: int, dp: int, ep: int, model: str, optimizer: str, zero: str,
                     zero_split: str, target: str | None, smallest: int, only_largest: bool,
@@ -95,6 +96,24 @@ def bench_scale_cmd(tp: int, pp: int, dp: int, ep: int, model: str, optimizer: s
 
 
 
+def _finite(low: float, *, open_low: bool) -> Any:
+    """A click callback: a finite number ``> low`` (``open_low``) or ``>= low``."""
+    def check(ctx: click.Context, param: click.Parameter, value: float) -> float:
+        if not math.isfinite(value) or value < low or (open_low and value == low):
+            raise click.BadParameter(f"{value}: a finite number {'>' if open_low else '>='} {low:g}")
+        return value
+    return check
+
+
+def _methods() -> set[str]:
+    """Every name ``--skip`` may give: the methods (the peers, the limits and
+    reshard's own) and the phases :mod:`reshard.bench.io` checks for."""
+    from .bench import ranks
+
+    return {*ranks.SAVE_METHODS, *ranks.ASYNC_METHODS, *ranks.LOAD_METHODS,
+            "save", "load", "async", "async-save", "rss", "train"}
+
+
 def _ints(text: str | None) -> list[int] | None:
     if text is None:
         return None
@@ -128,22 +147,25 @@ def _ints(text: str | None) -> list[int] | None:
 @click.option("--repeat", type=click.IntRange(1, 20), default=2, show_default=True,
               help="Timed runs per method (min and median reported).")
 @click.option("--synthetic-mib", type=float, default=256.0, show_default=True,
+              callback=_finite(0.0, open_low=True),
               help="MiB of parameters of the synthetic model (state: 3x with the moments).")
 @click.option("--seq-len", type=click.IntRange(2, 1024), default=16, show_default=True,
               help="Tokens per sample of the training step.")
 @click.option("--steps", type=click.IntRange(1, 100), default=3, show_default=True,
               help="Training steps with no save in flight before each background save.")
 @click.option("--settle", type=float, default=0.5, show_default=True,
+              callback=_finite(0.0, open_low=False),
               help="Seconds of rest after os.sync() before each timed save.")
 @click.option("--skip", default="", help="Comma-separated methods (e.g. dcp-async-process, reshard-nocheck) "
               "or phases (rss, train, async) to leave out.")
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None,
               help="Scratch directory on the disk to measure (default: a temporary one).")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--json", "json_path", type=OutputPath(), default=None,
               help="Write every record (one per phase measurement) and the summary here.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+@click.option("--plot", "plot_path", type=OutputPath(), default=None,
               help="Write a PNG: per-rank timelines of save and load, and the scaling over world sizes.")
 @click.option("--timeout", type=float, default=1800.0, show_default=True,
+              callback=_finite(0.0, open_low=True),
               help="Seconds one phase may take on the ranks.")
 @click.option("--profile", "profile_dir", type=click.Path(file_okay=False), default=None,
               help="Profile every timed reshard save and load with pyinstrument (a dev dependency) "
@@ -172,6 +194,17 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
         worlds = check_layouts(model, layout, list(reshard_to), _ints(world))
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+    from .bench.models import parse_layout
+
+    fixed = parse_layout(layout)
+    if fixed.kind != "grid" and fixed.world is not None and any(w != fixed.world for w in worlds):
+        raise click.BadParameter(f"layout {layout!r} names {fixed.world} ranks, but the runs are at "
+                                 f"world {', '.join(map(str, worlds))}: give the layout without a "
+                                 "degree (its world is then each run's)", param_hint="--layout")
+    unknown = sorted({m.strip() for m in skip.split(",") if m.strip()} - _methods())
+    if unknown:
+        raise click.BadParameter(f"unknown method(s) {', '.join(unknown)}; one of "
+                                 f"{', '.join(sorted(_methods()))}", param_hint="--skip")
     backends = [b.strip() for b in backend.split(",") if b.strip()]
     for b in backends:
         if b not in ("local", "memory", "s3"):

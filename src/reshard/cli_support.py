@@ -48,8 +48,26 @@ def fail(code: int, msg: str) -> NoReturn:
     sys.exit(code)
 
 
+class OutputPath(click.Path):
+    """A file the command writes at its end (``--json``, ``--plot``): checked
+    when the options are parsed (its directory exists and is writable, it is
+    not a directory), so a long run never ends in a usage error."""
+
+    def __init__(self) -> None:
+        super().__init__(dir_okay=False)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        parent = os.path.dirname(os.path.abspath(os.fsdecode(rv)))
+        if not os.path.isdir(parent):
+            self.fail(f"{os.fsdecode(rv)!r}: directory {parent!r} does not exist", param, ctx)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            self.fail(f"{os.fsdecode(rv)!r}: directory {parent!r} is not writable", param, ctx)
+        return rv
+
+
 def json_option(f: Any) -> Any:
-    return click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+    return click.option("--json", "json_path", type=OutputPath(), default=None,
                         metavar="PATH", help="Also write the figures reported as JSON to PATH.")(f)
 
 

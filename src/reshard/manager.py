@@ -330,16 +330,35 @@ class CheckpointManager:
             # a failed background save is raised by the next save (reshard.staging)
 
     def _after_commit(self, name: str) -> None:
-        if self.coll.rank == 0:
-            self.verify_checkpoint(name)
-            moved = self._head_moved()
-            if moved is None:
-                self.apply_retention()
-            else:
-                log.warning("%s: HEAD changed since this run resumed (another run resumed from "
-                            "%s); this run (lineage %s) deletes nothing: its retention would "
-                            "follow the other run's lineage", self.root, moved.name, self._lineage)
-            self.gc_abandoned()
+        """The coordinator's housekeeping after ``name`` committed: its
+        verification record, retention, gc of abandoned attempts. It runs on
+        rank 0 alone, so a failure of the store here (a full disk, an I/O
+        error) must not raise: the save did commit, the other ranks have
+        returned, and an exception on one rank would leave the ranks in
+        mismatched collectives. It is logged as a warning (with what was
+        left undone: an unverified checkpoint keeps older ones; an undeleted
+        one is kept) and the next commit's housekeeping tries again."""
+        if self.coll.rank != 0:
+            return
+        for what, step in (("its verification record", lambda: self.verify_checkpoint(name)),
+                           ("retention", self._retention_after_commit),
+                           ("gc of abandoned attempts", self.gc_abandoned)):
+            try:
+                step()
+            except CheckpointError as e:
+                log.warning("%s committed, but %s failed on the coordinator (%s: %s); left as "
+                            "it is (nothing is deleted that retention keeps), retried after the "
+                            "next save", self.storage.join(self.root, name), what,
+                            type(e).__name__, e)
+
+    def _retention_after_commit(self) -> None:
+        moved = self._head_moved()
+        if moved is None:
+            self.apply_retention()
+        else:
+            log.warning("%s: HEAD changed since this run resumed (another run resumed from "
+                        "%s); this run (lineage %s) deletes nothing: its retention would "
+                        "follow the other run's lineage", self.root, moved.name, self._lineage)
 
     def _head_moved(self) -> Head | None:
         """The root's HEAD when another run sharing the root resumed since

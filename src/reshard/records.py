@@ -119,3 +119,18 @@ def record_holds(storage: Storage, root: str, name: str, entry: Entry | None = N
     if rec["files"] != {f: fe.size for f, fe in m.files.items()}:
         return False
     return not torn_files(storage, path, m)
+
+
+def record_failed(storage: Storage, root: str, name: str, entry: Entry) -> str | None:
+    """The first problem of a *failing* verification record of ``root/name``
+    that describes the checkpoint now there (the same manifest digest as
+    ``entry``'s), else None: such a checkpoint is known bad (a smoke test or
+    ``gc``'s check found it so), which "unverified" would not say."""
+    rec = read_record(storage, record_path(storage, root, name))
+    if rec is None or rec.get("ok") is not False or entry.digest is None:
+        return None
+    if rec.get("manifest_xxh3") != entry.digest:
+        return None
+    problems = rec.get("problems")
+    first = problems[0] if isinstance(problems, list) and problems else "failed its check"
+    return str(first)
