@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,8 +23,79 @@ from ..sharding import (
     safetensors_view,
 )
 from ..storage import Storage, resolve
+from ..storage.local import LocalStorage
 from .hf_export import INDEX_NAME, MAX_HEADER_BYTES, MAX_INDEX_BYTES, SINGLE_NAME
 from .hf_write import TIED_KEY
+
+# ----------------------------------------------------------------------------- hub snapshots
+
+
+class _SnapshotStorage(LocalStorage):
+    """The local file system, with the files of one Hugging Face directory
+    ``key`` replaced by their resolved paths: ``join(key, name)`` is the real
+    file behind the hub cache's ``snapshots/<rev>/name -> ../../blobs/<sha>``
+    link, so the reader (which refuses symbolic links) opens the blob itself.
+    Built only by :func:`_snapshot_files`, after every target was checked."""
+
+    def __init__(self, key: str, real: Mapping[str, str]):
+        super().__init__()
+        self._key, self._real = key, dict(real)
+
+    def join(self, *parts: str) -> str:  # type: ignore[override]
+        if len(parts) == 2 and parts[0] == self._key and parts[1] in self._real:
+            return self._real[parts[1]]
+        return LocalStorage.join(*parts)
+
+
+def _allowed_roots(key: str) -> list[str]:
+    """Where a file of the directory ``key`` may resolve to: the directory
+    itself and, for a hub cache snapshot (``<repo>/snapshots/<rev>``), the
+    cache repo folder ``<repo>`` (``models--org--name``, holding ``blobs/``)."""
+    real = os.path.realpath(key)
+    roots = [real]
+    snaps = os.path.dirname(real)
+    if os.path.basename(snaps) == "snapshots":
+        roots.append(os.path.dirname(snaps))
+    return roots
+
+
+def _real_file(path: str, roots: Sequence[str]) -> str:
+    """The resolved path of ``path``, checked: a regular file (never a FIFO,
+    device or directory) inside one of ``roots``.
+
+    Raises:
+        ManifestError: it resolves outside ``roots``, or to no regular file.
+    """
+    real = os.path.realpath(path)
+    if not any(os.path.commonpath([real, r]) == r for r in roots):
+        raise ManifestError(f"{path}: resolves to {real}, outside {' and '.join(roots)} (refused)")
+    try:
+        mode = os.stat(real).st_mode
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: missing (or a dangling link to {real})") from None
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot stat {real}: {e}") from None
+    if not stat.S_ISREG(mode):
+        raise ManifestError(f"{path}: resolves to {real}, which is not a regular file (refused)")
+    return real
+
+
+def _snapshot_files(st: Storage, key: str, names: Sequence[str]) -> Storage:
+    """``st`` with the (existing) files ``names`` of the local directory
+    ``key`` resolved and checked by :func:`_real_file` (a hub cache snapshot
+    holds symbolic links into ``../../blobs``); any other store unchanged."""
+    if type(st) is not LocalStorage and not isinstance(st, _SnapshotStorage):
+        return st
+    roots = _allowed_roots(key)
+    real = {}
+    for n in names:
+        p = LocalStorage.join(key, n)
+        if os.path.lexists(p):
+            real[n] = _real_file(p, roots)
+    if isinstance(st, _SnapshotStorage):
+        real = {**st._real, **real}
+    return _SnapshotStorage(key, real)
+
 
 # ----------------------------------------------------------------------------- import
 
@@ -44,30 +116,33 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _file_tensors(st: Storage, path: str, name: str) -> tuple[int, dict[str, TensorEntry], Any]:
-    """``(file size, tensors, __metadata__)`` from one safetensors header."""
+def _file_tensors(st: Storage, path: str, name: str, shown: str | None = None
+                  ) -> tuple[int, dict[str, TensorEntry], Any]:
+    """``(file size, tensors, __metadata__)`` from one safetensors header at
+    ``path`` (``shown``, the path as the directory spells it, in errors)."""
+    where_file = shown or path
     if st.is_link(path):
-        raise ManifestError(f"{path}: is a symbolic link (refused)")
+        raise ManifestError(f"{where_file}: is a symbolic link (refused)")
     try:
         size = st.size(path)
     except FileNotFoundError:
-        raise ManifestError(f"{path}: named by the index but missing") from None
+        raise ManifestError(f"{where_file}: named by the index but missing") from None
     if size < 8:
-        raise ManifestError(f"{path}: {size} bytes, too short for a safetensors file")
+        raise ManifestError(f"{where_file}: {size} bytes, too short for a safetensors file")
     (hlen,) = struct.unpack("<Q", st.read_bytes(path, 0, 8))
     if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
-        raise ManifestError(f"{path}: header length {hlen} is impossible for a file of {size} bytes")
+        raise ManifestError(f"{where_file}: header length {hlen} is impossible for a file of {size} bytes")
     try:
         header = json.loads(st.read_bytes(path, 8, hlen))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ManifestError(f"{path}: safetensors header is not valid JSON: {e}") from None
+        raise ManifestError(f"{where_file}: safetensors header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
-        raise ManifestError(f"{path}: safetensors header is not a JSON object")
+        raise ManifestError(f"{where_file}: safetensors header is not a JSON object")
     base = 8 + hlen
     out: dict[str, TensorEntry] = {}
     meta = header.pop("__metadata__", None)
     for tname, info in header.items():
-        where = f"{path}: tensor {tname!r}"
+        where = f"{where_file}: tensor {tname!r}"
         if not isinstance(info, dict):
             raise ManifestError(f"{where}: entry is not an object")
         code, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
@@ -95,7 +170,7 @@ def _file_tensors(st: Storage, path: str, name: str) -> tuple[int, dict[str, Ten
         c = te.chunks[0]
         if c.offset - base != pos:
             what = "overlaps the previous tensor" if c.offset - base < pos else "leaves a gap before it"
-            raise ManifestError(f"{path}: tensor {tname!r}: data_offsets start at {c.offset - base}, "
+            raise ManifestError(f"{where_file}: tensor {tname!r}: data_offsets start at {c.offset - base}, "
                                 f"expected {pos} ({what})")
         pos += c.length
     return size, out, meta
@@ -136,6 +211,7 @@ def hf_manifest(hf_dir: str | os.PathLike[str], *, storage: Storage | None = Non
             disagrees with shape and dtype.
     """
     st, key = resolve(hf_dir, storage)
+    st = _snapshot_files(st, key, [INDEX_NAME, SINGLE_NAME])
     ipath = st.join(key, INDEX_NAME)
     wmap: dict[str, str] | None = None
     tied: Any = None
@@ -157,7 +233,9 @@ def hf_manifest(hf_dir: str | os.PathLike[str], *, storage: Storage | None = Non
     metadata: dict[str, Any] = {}
     for name in names:
         check_file_name(name, where=ipath if wmap is not None else key)
-        size, ents, meta = _file_tensors(st, st.join(key, name), name)
+    st = _snapshot_files(st, key, names)
+    for name in names:
+        size, ents, meta = _file_tensors(st, st.join(key, name), name, Storage.join(key, name))
         files[name] = FileEntry(size=size)
         if isinstance(meta, dict):
             metadata[name] = meta
