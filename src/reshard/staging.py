@@ -243,7 +243,10 @@ def async_save(
     handle.stall_s = time.perf_counter() - t0
 
     def work() -> None:
+        nonlocal snap
         _lower_priority(opts.background_nice)
+        res: SaveResult | None = None
+        failure: BaseException | None = None
         try:
             t_sum = time.perf_counter()
             if snap is not None:
@@ -255,9 +258,18 @@ def async_save(
                            abort=handle._abort)
             # "stage": the caller's stall (copies into staging buffers); "checksum": background
             res.timings.update(stage=handle.stall_s, checksum=t_sum)
-            handle.committed.set_result(res)
         except BaseException as e:  # noqa: BLE001
-            handle.committed.set_exception(e)
+            failure = e
+        # Drop the snapshot (the staged tensor views) here, before the outcome
+        # wakes the caller: freeing a tensor releases the GIL, and a thread that
+        # takes it back after interpreter finalisation began is ended by
+        # pthread_exit inside libtorch's noexcept deallocator -> std::terminate
+        # (SIGABRT). Once the outcome is set, this thread runs no torch code.
+        snap = None
+        if failure is not None:
+            handle.committed.set_exception(failure)
+        else:
+            handle.committed.set_result(res)
 
     # background saves of one group run one after another, in request order on
     # every rank: they share the background group, whose collectives must not
@@ -293,18 +305,22 @@ def wait_all(group: Any = None, timeout: float | None = None) -> None:
 
 
 def _at_exit() -> None:
-    """Process exit waits for pending commits; a Ctrl-C during that wait
-    abandons them without publishing."""
-    pending = [slot for s in SAVERS.values() for slot in s.pending if not slot.handle.done()]
-    if not pending:
-        return
+    """Process exit waits for pending commits (an ``async_save`` the program
+    never waited for is committed complete before the process ends) and joins
+    every background save thread, committed ones included, so none is alive
+    (running torch code) once interpreter finalisation begins. A Ctrl-C
+    during that wait abandons the pending saves without publishing (the
+    commit protocol leaves nothing half-way: no manifest, no older checkpoint
+    deleted) and waits up to 30 s per save for its thread to stop."""
+    slots = [slot for s in SAVERS.values() for slot in s.pending]
     try:
-        for slot in pending:
+        for slot in slots:
             slot.handle.committed.exception()
+            slot.thread.join()
     except KeyboardInterrupt:
-        for slot in pending:
+        for slot in slots:
             slot.handle.abandon()
-        for slot in pending:
+        for slot in slots:
             slot.thread.join(timeout=30)
 
 
