@@ -49,8 +49,8 @@ def _tp_zero_chunks(full: torch.Tensor, dim: int, tp: int, cuts: list[int]) -> l
         shp[dim] = size
         box = full.narrow(dim, t * size, size).contiguous()
         n = box.numel()
-        edges = [0, *sorted(min(n, max(0, c * n // 100)) for c in cuts), n]
-        for a, b in zip(edges[:-1], edges[1:], strict=True):
+        edges = sorted({0, n, *(c * n // 100 for c in cuts)})
+        for a, b in zip(edges[:-1], edges[1:], strict=True):  # non-empty ranges
             out.append(ShardedTensor("w", box.reshape(-1)[a:b].clone(), global_shape=tuple(full.shape),
                                      global_offset=tuple(off), local_shape=tuple(shp),
                                      flattened_range=slice(a, b)))
@@ -108,3 +108,24 @@ def test_column_shards_read_into_a_full_tensor_with_reads_bounded_by_chunks(tmp_
     assert torch.equal(w, full) and torch.equal(c, full)
     reads = [p for op, p in fs.log if op == "read" and "data-" in p]
     assert 1 <= len(reads) <= n_chunks
+
+
+def test_restore_smoke_test_of_tp_zero_chunks_checks_their_bytes(tmp_path: Path) -> None:
+    """The manager's restore smoke test trial-loads the largest tensor whole
+    from TP x ZeRO chunks (the strided gather path): it passes on the saved
+    checkpoint and fails, recording nothing wrong as good, once one byte of
+    such a chunk is flipped on disk."""
+    from reshard.records import check_and_record
+
+    full = torch.randn(256, 48)
+    state = {"w": _tp_zero_chunks(full, 1, 2, [40]), "b": torch.ones(3)}
+    reshard.save(state, tmp_path / "step-00000001", options=SaveOptions(checksum_block_bytes=4096))
+    st = LocalStorage()
+    assert check_and_record(st, str(tmp_path), "step-00000001", smoke_tensors=2, record=False)
+    m = reshard.inspect(tmp_path / "step-00000001")
+    c = m.tensors["w"].chunks[2]  # the second TP box's first flat range
+    f = tmp_path / "step-00000001" / c.file
+    raw = bytearray(f.read_bytes())
+    raw[c.offset + c.length // 2] ^= 0x40
+    f.write_bytes(bytes(raw))
+    assert not check_and_record(st, str(tmp_path), "step-00000001", smoke_tensors=2, record=False)
