@@ -2,10 +2,11 @@
 
 Not a test. Usage::
 
-    python benchmarks/fault_matrix.py [--quick] [--backend local] [--only TEXT] [--json PATH]
+    python benchmarks/fault_matrix.py [--quick] [--backend local|s3|local,s3] [--only TEXT] [--json PATH]
 
 Runs :func:`reshard.testing.fault_matrix.cells` on 2 real gloo ranks per cell
-(the same runner as ``reshard faults``), prints one line per cell (verdict,
+(the same runner as ``reshard faults``; the S3 rows on a moto server started
+on 127.0.0.1 behind the fault proxy), prints one line per cell (verdict,
 seconds, every rank's outcome, ``latest``, whether the previous checkpoint
 loads bit-exact, what was left behind before ``gc``) and the counts, and
 writes them as JSON. Exits 1 if any cell is unsafe.
@@ -24,7 +25,7 @@ import time
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one cell per fault class (and a few more)")
-    ap.add_argument("--backend", choices=["local"], default="local")
+    ap.add_argument("--backend", choices=["local", "s3", "local,s3"], default="local")
     ap.add_argument("--only", default=None, help="only cells whose name contains this text")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
@@ -32,7 +33,7 @@ def main() -> int:
     from reshard.testing.fault_matrix import cells, run_matrix
 
     chosen = [c for c in cells(quick=args.quick, backend=args.backend)
-              if args.only is None or args.only in c.name]
+              if args.only is None or args.only in f"{c.backend}:{c.name}"]
     if not chosen:
         print(f"no cell matches {args.only!r}", file=sys.stderr)
         return 2
@@ -40,7 +41,7 @@ def main() -> int:
 
     def show(r):  # type: ignore[no-untyped-def]
         ranks = "; ".join(f"r{k}={v.split(':', 1)[0]}" for k, v in sorted(r.ranks.items()))
-        print(f"{'safe  ' if r.safe else 'UNSAFE'} {r.seconds:5.1f}s {r.cell.name:58s} {ranks:42s} "
+        print(f"{'safe  ' if r.safe else 'UNSAFE'} {r.seconds:5.1f}s {r.cell.backend + ':' + r.cell.name:61s} {ranks:42s} "
               f"latest={os.path.basename(r.latest) if r.latest else '-'} "
               f"prev_bit_exact={r.previous_loads} left={','.join(r.left_behind) or '-'}", flush=True)
         for p in r.problems:
@@ -54,7 +55,7 @@ def main() -> int:
           f"({secs:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cells": len(results), "safe": len(results) - len(unsafe),
+            json.dump({"backend": args.backend, "cells": len(results), "safe": len(results) - len(unsafe),
                        "unsafe": len(unsafe), "seconds": round(secs, 1),
                        "results": [r.to_json() for r in results]}, f, indent=1)
     return 1 if unsafe else 0

@@ -3,6 +3,7 @@ tests/test_manager.py (rank functions run inside WorkerPool workers, imported by
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -142,3 +143,17 @@ def r_zero_dim_load(path: str) -> dict[str, tuple[str, tuple[int, ...], Any]]:
     state = zero_dim_state(False)
     reshard.load(state, path)
     return {k: (str(t.dtype), tuple(t.shape), t.item()) for k, t in state["optim"].items()}
+
+
+class NiceRecordingStorage(LocalStorage):
+    """Records the nice value of the thread that opens each data file (Linux:
+    per thread), so a test sees the priority the background writer ran at."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.nice: list[int] = []
+
+    def open_write(self, path: str, *, durable: bool = True) -> WriteStream:
+        if path.endswith(".safetensors"):
+            self.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return super().open_write(path, durable=durable)

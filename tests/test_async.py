@@ -19,6 +19,7 @@ import reshard
 from _async_fns import (
     FailingStorage,
     GatedStorage,
+    NiceRecordingStorage,
     r_async_mutation,
     r_zero_dim_async_save,
     r_zero_dim_load,
@@ -265,3 +266,29 @@ def test_buffer_pool_frees_sizes_no_longer_staged(tmp_path) -> None:
     wait_all()
     # only buffers of the sizes the last save staged remain (plus none of the old ones)
     assert pool.allocated_bytes <= 2 * 1500 * 4
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority") or not os.path.isdir("/proc/self/task"),
+                    reason="per-thread nice values are Linux's")
+@pytest.mark.parametrize("files", [1, 2])
+def test_background_writer_runs_at_lower_priority(tmp_path: Path, files: int) -> None:
+    """The background save (and the writer threads it starts) runs
+    ``background_nice`` above the caller's nice value; the caller's own
+    priority is left as it was; ``background_nice=0`` keeps the caller's."""
+    me = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, me)
+    state = _state()
+    rec = NiceRecordingStorage()
+    opts = reshard.SaveOptions(durable=False, files_per_rank=files, background_nice=5)
+    reshard.async_save(state, tmp_path / "a", step=1, storage=rec, options=opts).wait(timeout=60)
+    assert rec.nice == [min(19, before + 5)] * files
+    assert os.getpriority(os.PRIO_PROCESS, me) == before
+    rec.nice.clear()
+    reshard.async_save(state, tmp_path / "b", step=2, storage=rec,
+                       options=reshard.SaveOptions(durable=False, background_nice=0)).wait(timeout=60)
+    assert rec.nice == [before]
+    t = _targets(state)
+    reshard.load(t, tmp_path / "a")
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(t).values(), _tensors(state).values(), strict=True))
+    with pytest.raises(ValueError, match="background_nice"):
+        reshard.SaveOptions(background_nice=-1)

@@ -94,3 +94,34 @@ def test_import_restores_the_tie(ckpt: Path, tmp_path: Path, sharded: bool) -> N
     import_hf({"model": reshard.ModelState(u)}, out, subtree="model")
     assert torch.equal(u.head.weight, ref.emb.weight) and u.head.weight is not u.emb.weight
 
+
+
+def _s3_bytes(s3e: Any, url: str, name: str) -> bytes:
+    prefix = url.split("/", 3)[3]
+    return bytes(s3e.server.client().get_object(Bucket=s3e.bucket, Key=f"{prefix}/{name}")["Body"].read())
+
+
+def _header_of(raw: bytes) -> dict[str, Any]:
+    (n,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + n])
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_export_to_s3_records_the_tie_as_the_local_export_does(ckpt: Path, tmp_path: Path,
+                                                                s3e: Any, sharded: bool) -> None:
+    """The object-store export path wrote its shard headers (and its index)
+    without ``tied_weights``, so an import from S3 could not restore the tie."""
+    shard = V * D * 4 if sharded else 1 << 30
+    local = export_hf(ckpt, tmp_path / "hf", max_shard_bytes=shard)
+    url = s3e.url("hf-tied")
+    remote = export_hf(ckpt, url, max_shard_bytes=shard)
+    assert remote.files == local.files and remote.aliases == local.aliases == {"head.weight": "emb.weight"}
+    for name in local.files:  # byte for byte: header (tied_weights included) and data
+        raw = _s3_bytes(s3e, url, name)
+        assert _header_of(raw) == _header_of((tmp_path / "hf" / name).read_bytes())
+        assert json.loads(_header_of(raw)["__metadata__"]["tied_weights"]) == {"head.weight": "emb.weight"}
+        assert raw == (tmp_path / "hf" / name).read_bytes()
+    if sharded:
+        idx = json.loads(_s3_bytes(s3e, url, INDEX_NAME))
+        assert idx == json.loads((tmp_path / "hf" / INDEX_NAME).read_text())
+        assert idx["metadata"]["tied_weights"] == {"head.weight": "emb.weight"}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +35,14 @@ log = logging.getLogger("reshard.attempts")
 PREFIX = "att-"
 LEASE_SUFFIX = ".lease.json"
 DEFAULT_LEASE_TTL_S = 60.0
+
+
+def lease_ttl_s() -> float:
+    """Seconds a lease lasts unless renewed: ``RESHARD_LEASE_TTL_S`` if set
+    (a test or a fault matrix that must see a killed job's lease expire),
+    else :data:`DEFAULT_LEASE_TTL_S`."""
+    v = os.environ.get("RESHARD_LEASE_TTL_S")
+    return float(v) if v else DEFAULT_LEASE_TTL_S
 
 
 def data_name(attempt_id: str, name: str) -> str:
@@ -81,7 +90,8 @@ def lease_key(storage: Storage, path: str, attempt_id: str) -> str:
 
 
 class AttemptLease:
-    """The coordinator's lease on a running attempt, renewed in the background.
+    """The coordinator's lease on a running attempt, renewed in the background
+    (``ttl_s`` seconds; default :func:`lease_ttl_s`).
 
     ``start`` writes the lease before any rank writes data; ``stop`` ends the
     renewal and deletes the lease object (after publish or discard). Renewal
@@ -90,8 +100,9 @@ class AttemptLease:
     """
 
     def __init__(self, storage: Storage, path: str, attempt_id: str,
-                 ttl_s: float = DEFAULT_LEASE_TTL_S):
-        self.storage, self.path, self.attempt_id, self.ttl_s = storage, path, attempt_id, ttl_s
+                 ttl_s: float | None = None):
+        self.storage, self.path, self.attempt_id = storage, path, attempt_id
+        self.ttl_s = lease_ttl_s() if ttl_s is None else ttl_s
         self.key = lease_key(storage, path, attempt_id)
         self.renewals = 0
         self._stop = threading.Event()
@@ -129,7 +140,19 @@ class AttemptLease:
 
 def discard(storage: Storage, path: str, attempt_id: str) -> None:
     """Delete the objects of one attempt under ``path`` (and abort its open
-    multipart uploads); never another attempt's, never the manifest."""
+    multipart uploads); never another attempt's, never the manifest, and
+    nothing at all when the manifest at ``path`` names this attempt or
+    cannot be read: a publish whose answer was lost (the conditional put
+    landed, the client saw an error) must not lose its data objects.
+
+    Raises:
+        StorageError: the manifest could not be checked (nothing deleted).
+    """
+    published = _published_attempts(storage, path)
+    if published is None or attempt_id in published:
+        log.warning("not discarding attempt %s under %s: the manifest there %s", attempt_id, path,
+                    "is unreadable" if published is None else "names it (its publish landed)")
+        return
     pre = f"{PREFIX}{attempt_id}."
     try:
         names = storage.list_dir(path)
@@ -194,7 +217,9 @@ def gc_root(storage: Storage, root: str, *, grace_s: float = 3600.0,
     An attempt is abandoned when it is not the one its checkpoint's manifest
     names and its lease has expired (without a lease: its newest object is
     older than ``grace_s`` seconds). Committed checkpoints' objects and
-    objects that carry no attempt id are never touched.
+    objects that carry no attempt id are never touched, except the expired
+    lease of a published attempt (its coordinator died between the publish
+    and the lease's release).
 
     Raises:
         StorageError: a listing failed (nothing is guessed from a failed LIST).
@@ -222,7 +247,14 @@ def gc_root(storage: Storage, root: str, *, grace_s: float = 3600.0,
         if published is None:
             continue
         for a in sorted(ids):
-            if a in published or _lease_alive(storage, path, a, names, now, grace_s):
+            lease = f"{PREFIX}{a}{LEASE_SUFFIX}"
+            if a in published:  # committed; a coordinator killed right after its publish
+                if lease in names and not _lease_alive(storage, path, a, [lease], now, grace_s):
+                    objects.append(storage.join(path, lease))  # left its lease behind
+                    if not dry_run:
+                        storage.delete_tree(storage.join(path, lease))
+                continue
+            if _lease_alive(storage, path, a, names, now, grace_s):
                 continue
             pre = f"{PREFIX}{a}."
             attempts.append(f"{child}/{a}")

@@ -446,6 +446,12 @@ def scan(storage: Storage, root: str) -> list[Entry]:
                                  quarantined=True, mtime=storage.modified_time(p),
                                  problem=str(rec.get("reason") or problem or "quarantined")))
                 continue
+        if not storage.capabilities.atomic_rename and (m is not None or problem == "no manifest"):
+            extra = _prefix_attempts(storage, p, name, m)  # attempts share the prefix: one entry each
+            if extra is not None:
+                out.extend(extra)
+                if m is None:
+                    continue
         if m is None:
             out.append(Entry(path=p, name=name, manifest=None, abandoned=problem == "no manifest",
                              problem=problem, mtime=storage.modified_time(p)))
@@ -454,14 +460,56 @@ def scan(storage: Storage, root: str) -> list[Entry]:
     return out
 
 
+def _prefix_attempts(storage: Storage, p: str, name: str, m: Manifest | None) -> list[Entry] | None:
+    """On a store without rename, where every attempt at a step writes under
+    the checkpoint's own prefix (keys ``att-<id>.*``): one abandoned
+    :class:`Entry` per attempt found there that the manifest ``m`` does not
+    rely on (``<name>/<attempt id>``, as :func:`reshard.attempts.gc_root`
+    names them; a killed job's attempt, a losing concurrent writer, one still
+    running). None when the prefix holds no attempt keys at all (then the
+    caller's own rules apply)."""
+    from .attempts import PREFIX, attempt_of
+
+    try:
+        names = storage.list_dir(p)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    ids: dict[str, list[str]] = {}
+    for n in names:
+        a = attempt_of(n)
+        if a is not None:
+            ids.setdefault(a, []).append(n)
+    if not ids:
+        return None
+    used = set() if m is None else {m.attempt_id} | {a for a in map(attempt_of, m.files) if a}
+    out = []
+    for a, keys in sorted(ids.items()):
+        if a in used:
+            continue
+        data = [k for k in keys if _SHARD_FILE.match(k[len(PREFIX) + len(a) + 1:])]
+        times = [t for t in (storage.modified_time(storage.join(p, k)) for k in keys[:8]) if t is not None]
+        why = (f"incomplete attempt {a}: {len(data)} data object(s), no manifest naming them"
+               + ("" if m is None else f" (the checkpoint is attempt {m.attempt_id}'s)"))
+        out.append(Entry(path=p, name=f"{name}/{a}", manifest=None, abandoned=True, problem=why,
+                         mtime=max(times) if times else None))
+    return out
+
+
 _SHARD_FILE = re.compile(r"^data-r\d{5}-\d+\.safetensors$")  # planning.data_file_name
 
 
 def _holds_shard_files(storage: Storage, p: str) -> bool:
+    """``p`` holds our shard files, or (where attempts share the final prefix)
+    any key of an attempt (``att-<id>.*``: data, nonce or lease)."""
+    from .attempts import attempt_of
+
     try:
-        return any(_SHARD_FILE.match(n) for n in storage.list_dir(p))
+        names = storage.list_dir(p)
     except (FileNotFoundError, NotADirectoryError):
         return False
+    if any(_SHARD_FILE.match(n) for n in names):
+        return True
+    return not storage.capabilities.atomic_rename and any(attempt_of(n) for n in names)
 
 
 def committed(storage: Storage, root: str) -> list[Entry]:

@@ -33,6 +33,11 @@ class SaveOptions:
         max_pending: asynchronous saves in flight at most (async_save).
         if_busy: what a further async_save does at ``max_pending``: "block"
             until the oldest commits, or "skip" it with a warning.
+        background_nice: how much lower the priority of an async save's
+            background thread (and of the writer threads it starts) is than
+            the caller's: added to its nice value (Linux, per thread; capped
+            at 19; 0 keeps the caller's). The training step then keeps the
+            CPU it competes for with the writer and hasher.
         progress: a progress bar on stderr for rank 0's writes (bytes); None:
             only when the environment variable ``RESHARD_PROGRESS=1``.
         parent: recorded as the manifest's ``parent``: the name of the
@@ -57,6 +62,7 @@ class SaveOptions:
     verify_replicas: bool = True
     max_pending: int = 1
     if_busy: str = "block"
+    background_nice: int = 10
     progress: bool | None = None
     parent: str | None = None
     lineage: str | None = None
@@ -64,6 +70,8 @@ class SaveOptions:
     def __post_init__(self) -> None:
         if self.max_pending < 1:
             raise ValueError("max_pending must be >= 1")
+        if not 0 <= self.background_nice <= 19:
+            raise ValueError(f"background_nice must be from 0 to 19, got {self.background_nice}")
         if self.if_busy not in ("block", "skip"):
             raise ValueError("if_busy must be 'block' or 'skip'")
         if self.checksum_block_bytes <= 0:

@@ -156,11 +156,16 @@ def collect(
         )
         tensors.append((item, mv, None))
     objects: list[tuple[LocalObjectItem, bytes]] = []
-    for ob in leaves.objects:
-        raw = codec.encode(ob.value, path=ob.key)
+    encoded: dict[int, tuple[bytes, str]] = {}  # one value under many keys (an optimizer group's
+    for ob in leaves.objects:                   # hyperparameters, per parameter): encoded once
+        got = encoded.get(id(ob.value))
+        if got is None:
+            raw = codec.encode(ob.value, path=ob.key)
+            got = encoded[id(ob.value)] = (raw, xxhash.xxh3_64_hexdigest(raw))
+        raw, digest = got
         objects.append((LocalObjectItem(key=ob.key, global_shape=ob.global_shape,
                                         global_offset=ob.global_offset, replica_id=ob.replica_id,
-                                        nbytes=len(raw), digest=xxhash.xxh3_64_hexdigest(raw)), raw))
+                                        nbytes=len(raw), digest=digest), raw))
     values_json = {}
     value_digests: dict[str, str] = dict(presence)
     for path, v in leaves.values.items():

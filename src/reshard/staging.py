@@ -11,12 +11,17 @@ Staging buffers come from a :class:`BufferPool` reused across saves, so
 resident memory stays flat over repeated saves of the same state. Buffers are
 allocated and returned to the pool on the caller's thread (the background
 thread only marks them done).
+
+The background thread runs at a lower priority than the caller
+(``SaveOptions.background_nice``, Linux): its hashing and writing compete
+with the training step for the same cores, and the step should win.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import time
 import warnings
@@ -238,6 +243,7 @@ def async_save(
     handle.stall_s = time.perf_counter() - t0
 
     def work() -> None:
+        _lower_priority(opts.background_nice)
         try:
             t_sum = time.perf_counter()
             if snap is not None:
@@ -261,6 +267,20 @@ def async_save(
     saver.pending.append(_Slot(handle=handle, buffers=buffers, thread=th))
     th.start()
     return handle
+
+
+def _lower_priority(nice: int | None) -> None:
+    """Raise the calling thread's nice value by ``nice``. Linux only: there
+    the nice value is per thread (``PRIO_PROCESS`` with a thread id) and the
+    threads it starts inherit it; elsewhere a thread id is no process id, and
+    the priority is left as it is. Best effort (an error keeps the default)."""
+    if not nice or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        pass
 
 
 def wait_all(group: Any = None, timeout: float | None = None) -> None:

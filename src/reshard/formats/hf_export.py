@@ -343,11 +343,16 @@ def export_hf(
         if not os.path.isfile(c):
             raise FileNotFoundError(f"export_hf: copy_files: {c} is not a file")
     total = sum(it.nbytes for it in items)
+    written_names = {it.out for it in items}
+    tied = {a: t for a, t in out_aliases.items() if a not in written_names and t in written_names}
 
     def index_body(wm: dict[str, str]) -> bytes | None:
         if n == 1:
             return None
-        body = {"metadata": {"total_size": total}, "weight_map": dict(sorted(wm.items()))}
+        meta: dict[str, Any] = {"total_size": total}
+        if tied:
+            meta[TIED_KEY] = dict(sorted(tied.items()))
+        body = {"metadata": meta, "weight_map": dict(sorted(wm.items()))}
         return (json.dumps(body, indent=2) + "\n").encode()
 
     if "://" in os.fspath(out_dir) and not os.fspath(out_dir).startswith("file://"):
@@ -359,7 +364,7 @@ def export_hf(
                              "checkpoint is never modified)")
         written, wmap, copied = write_shards(
             st, key, m, out_st, out_key, files, shards, opts=opts, validate=validate,
-            overwrite=overwrite, copies=copies, index=index_body)
+            overwrite=overwrite, copies=copies, index=index_body, tied=tied)
         return ExportResult(out_dir=os.fspath(out_dir), files=tuple(files),
                             index_file=INDEX_NAME if n > 1 else None, weight_map=wmap,
                             total_size=total, skipped=tuple(sorted(skipped)), aliases=out_aliases,
@@ -380,8 +385,6 @@ def export_hf(
     tmps: list[str] = []
     one = SingleProcess()
     pb = bar(sum(it.nbytes for it in items), "export", enabled=wanted(progress))
-    written_names = {it.out for it in items}
-    tied = {a: t for a, t in out_aliases.items() if a not in written_names and t in written_names}
     try:
         for fname, shard in zip(files, shards, strict=True):
             tmp = os.path.join(out, f".{fname}.partial")

@@ -32,9 +32,12 @@ _VALIDATE_BLOCK = 4 << 20
 def write_shards(st: Storage, key: str, m: Manifest, out_st: Storage, out: str,
                  files: Sequence[str], shards: Sequence[list[Any]], *, opts: LoadOptions,
                  validate: bool, overwrite: bool, copies: Sequence[str],
-                 index: Any) -> tuple[int, dict[str, str], list[str]]:
+                 index: Any, tied: Mapping[str, str] | None = None,
+                 ) -> tuple[int, dict[str, str], list[str]]:
     """Write ``shards`` as ``files`` under ``out`` of ``out_st``; then the
     copied files and (``index(weight_map)`` -> bytes or None) the index.
+    ``tied`` (alias -> target, the tied weights left out) is recorded in every
+    shard's ``__metadata__``, as the local export does.
 
     Returns ``(bytes written, weight map, names copied)``.
 
@@ -57,7 +60,7 @@ def write_shards(st: Storage, key: str, m: Manifest, out_st: Storage, out: str,
     weight_map: dict[str, str] = {}
     for fname, shard in zip(files, shards, strict=True):
         written += _write_shard(st, key, m, out_st, out_st.join(out, fname), shard, opts, one,
-                                validate)
+                                validate, tied)
         for it in shard:
             weight_map[it.out] = fname
     for name in stale:
@@ -84,10 +87,11 @@ def write_shards(st: Storage, key: str, m: Manifest, out_st: Storage, out: str,
 
 
 def _write_shard(st: Storage, key: str, m: Manifest, out_st: Storage, path: str,
-                 shard: list[Any], opts: LoadOptions, one: SingleProcess, validate: bool) -> int:
+                 shard: list[Any], opts: LoadOptions, one: SingleProcess, validate: bool,
+                 tied: Mapping[str, str] | None = None) -> int:
     from .hf_write import _header, _stream_items
 
-    prefix, order = _header(shard)
+    prefix, order = _header(shard, tied)
     s = out_st.open_write(path)
     try:
         s.write(prefix)

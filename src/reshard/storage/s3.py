@@ -24,8 +24,11 @@ Threads: every method may be called from several threads at once.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -39,7 +42,7 @@ from .base import Capabilities, Storage, WriteStream
 
 T = TypeVar("T")
 
-_RETRY_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
+_RETRY_CODES = {"BadDigest", "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
                 "ServiceUnavailable", "RequestTimeTooSkewed", "ConditionalRequestConflict"}
 _CLIENTS: dict[tuple[Any, ...], Any] = {}
 _CLIENTS_LOCK = threading.Lock()
@@ -132,6 +135,14 @@ def _status(e: BaseException) -> tuple[int, str]:
             str(resp.get("Error", {}).get("Code", "")))
 
 
+class _BodyMismatch(Exception):
+    """A PUT answered 200 with the ETag of other bytes than those sent."""
+
+    def __init__(self, msg: str, etag: str):
+        super().__init__(msg)
+        self.etag = etag
+
+
 def _retryable(e: BaseException) -> bool:
     from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
 
@@ -139,7 +150,8 @@ def _retryable(e: BaseException) -> bool:
         status, code = _status(e)
         return status >= 500 or status == 429 or code in _RETRY_CODES
     # connection refused/reset/closed, timeouts, a body cut short; never a bad parameter
-    if isinstance(e, HTTPClientError | IncompleteReadError | ConnectionError | TimeoutError):
+    if isinstance(e, HTTPClientError | IncompleteReadError | ConnectionError | TimeoutError
+                  | _BodyMismatch):
         return True
     name = type(e).__name__  # urllib3's ProtocolError / IncompleteRead from a reset stream
     return name in ("ProtocolError", "IncompleteRead", "ReadTimeoutError", "SSLError")
@@ -202,8 +214,7 @@ class _S3Write(WriteStream):
             return
         if self._upload_id is None:
             body = bytes(self._buf)
-            s._call("put", self._path, lambda: s.client.put_object(
-                Bucket=self._bucket, Key=self._key, Body=body))
+            s._call("put", self._path, lambda: s._put(self._bucket, self._key, body))
             self._closed = True
             return
         try:
@@ -310,27 +321,65 @@ class S3Storage(Storage):
     def write_bytes(self, path: str, data: bytes, *, durable: bool = True) -> None:
         if len(data) < self.config.part_bytes:
             b, k = _split(path)
-            self._call("put", path, lambda: self.client.put_object(Bucket=b, Key=k, Body=data))
+            self._call("put", path, lambda: self._put(b, k, data))
             self._count_write(len(data))
             return
         super().write_bytes(path, data, durable=durable)
 
-    def put_if_absent(self, path: str, data: bytes) -> None:
+    def _put(self, b: str, k: str, data: bytes, **cond: str) -> Any:
+        """One ``PutObject`` sent with ``Content-MD5`` (S3 refuses a body
+        altered in transit: BadDigest); where the answer's ETag is an MD5 (a
+        plain single PUT) and not the one of ``data``, the store kept other
+        bytes (a body cut short by a middlebox, a store that does not check):
+        :class:`_BodyMismatch`, retried."""
+        md5 = hashlib.md5(data, usedforsecurity=False)
+        r = self.client.put_object(Bucket=b, Key=k, Body=data, **cond,
+                                   ContentMD5=base64.b64encode(md5.digest()).decode())
+        etag = str(r.get("ETag", "")).strip('"')
+        if re.fullmatch("[0-9a-f]{32}", etag) and etag != md5.hexdigest():
+            raise _BodyMismatch(f"the store kept {etag}, not the MD5 {md5.hexdigest()} of the "
+                                f"{len(data)} bytes sent (body altered in transit)", etag)
+        return r
+
+    def _put_cond(self, op: str, path: str, data: bytes, cond: dict[str, str]) -> None:
+        """A conditional put with the retries of :meth:`_call`. A refusal (412,
+        or 404: deleted meanwhile) is FileExistsError, unless a retry after a
+        lost response finds our own bytes there. After a body mismatch the
+        object holds our own bad bytes: the retry replaces exactly those
+        (``If-Match`` their ETag), and if every try fails they are deleted,
+        so no torn object stays published."""
         b, k = _split(path)
-        tried = [0]
+        cur, bad, tried = dict(cond), [""], [0]
 
         def put() -> Any:
             tried[0] += 1
-            return self.client.put_object(Bucket=b, Key=k, Body=data, IfNoneMatch="*")
+            try:
+                return self._put(b, k, data, **cur)
+            except _BodyMismatch as e:
+                cur.clear()
+                cur["IfMatch"], bad[0] = f'"{e.etag}"', e.etag
+                raise
 
         try:
-            self._call("conditional put", path, put)
-        except FileExistsError:
-            # a retry after a lost response may find our own first attempt there
-            if tried[0] > 1 and self._get_all(path) == data:
-                return
+            self._call(op, path, put)
+        except (FileExistsError, FileNotFoundError) as e:
+            try:
+                if tried[0] > 1 and self._get_all(path) == data:
+                    return
+            except FileNotFoundError:
+                pass
+            raise FileExistsError(str(e)) from e
+        except StorageError:
+            try:
+                if bad[0] and self.read_tagged(path)[1].strip('"') == bad[0]:
+                    self.delete_keys([path])
+            except Exception:  # noqa: BLE001, S110 - best effort; the put's error is what counts
+                pass
             raise
         self._count_write(len(data))
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        self._put_cond("conditional put", path, data, {"IfNoneMatch": "*"})
 
     def read_tagged(self, path: str) -> tuple[bytes, str]:
         b, k = _split(path)
@@ -351,25 +400,11 @@ class S3Storage(Storage):
         if tag is None:
             self.put_if_absent(path, data)
             return
-        b, k = _split(path)
-        tried = [0]
-
-        def put() -> Any:
-            tried[0] += 1
-            return self.client.put_object(Bucket=b, Key=k, Body=data, IfMatch=tag)
-
         try:
-            self._call("conditional replace", path, put)
-        except (FileExistsError, FileNotFoundError) as e:
-            if tried[0] > 1:
-                try:
-                    if self._get_all(path) == data:
-                        return
-                except FileNotFoundError:
-                    pass
+            self._put_cond("conditional replace", path, data, {"IfMatch": tag})
+        except FileExistsError as e:
             raise FileExistsError(f"s3://{path}: changed by another writer since it was read "
                                   f"(If-Match {tag} refused)") from e
-        self._count_write(len(data))
 
     def rename_dir(self, src: str, dst: str) -> None:
         raise NotImplementedError("S3 has no atomic rename")

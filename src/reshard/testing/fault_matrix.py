@@ -112,7 +112,16 @@ INTEGRITY = ("truncated-shard", "flipped-shard", "missing-manifest", "truncated-
 
 def cells(*, quick: bool = False, backend: str = "local") -> list[Cell]:
     """Every cell of the matrix (``quick``: the first cell of each fault class,
-    and the few of ``_QUICK_EXTRA``)."""
+    and the few of ``_QUICK_EXTRA``); ``backend``: "local", "s3" (the rows of
+    :mod:`reshard.testing.fault_matrix_s3`) or both, comma-separated."""
+    if "," in backend:
+        return [c for b in backend.split(",") for c in cells(quick=quick, backend=b.strip())]
+    if backend == "s3":
+        from .fault_matrix_s3 import cells as s3_cells
+
+        return s3_cells(quick=quick)
+    if backend != "local":
+        raise ValueError(f"unknown fault-matrix backend {backend!r} (local, s3)")
     out: list[Cell] = []
     for mode in ("sync", "async"):
         for action in ("enospc", "eio", "edquot", "timeout"):
@@ -206,6 +215,12 @@ def _faults_for(cell: Cell, rank: int) -> list[Any]:
         return [Fault(op="exists", match="manifest.json", action="kill")]
     if ph == "publish-after":
         return [Fault(op="publish", action="kill", after=True)]
+    # Retention deletes step 1's verification record first, renames the
+    # checkpoint out of the committed namespace (``.incomplete-deleting-<id>``),
+    # then deletes that tree: "retention" kills at the rename (the record is
+    # gone, the checkpoint still listed), "retention-mid" inside the tree's
+    # delete (one data file gone). A pattern as loose as "step-*" would fire at
+    # the record's delete and test neither.
     if ph == "retention-mid":
         def half_delete(op: str, path: str) -> None:  # a kill in the middle of a recursive delete
             names = sorted(os.listdir(path)) if os.path.isdir(path) else []
@@ -213,9 +228,10 @@ def _faults_for(cell: Cell, rank: int) -> list[Any]:
                 os.unlink(os.path.join(path, n))
             os.kill(os.getpid(), signal.SIGKILL)
 
-        return [Fault(op="delete", match="step-*", action="call", callback=half_delete)]
+        return [Fault(op="delete", match="step-00000001.incomplete-deleting-*", action="call",
+                      callback=half_delete)]
     if ph == "retention":
-        return [Fault(op="delete", match="step-*", action="kill")]
+        return [Fault(op="rename", match="step-00000001", action="kill")]
     if cell.action == "delay":
         return [Fault(op=ph, action="delay", delay_s=PG_TIMEOUT_S * 20)]  # never arrives
     if ph == "data" and cell.action == "kill":  # mid-data: after the first write of a shard file
@@ -451,6 +467,9 @@ def _judge(cell: Cell, res: CellResult, outs: dict[int, dict[str, Any]], procs: 
         if o["status"] == "error" and not o["checkpoint_error"]:
             res.problems.append(f"rank {r} raised {o['type']}, not a CheckpointError: "
                                 f"{o['message'][:200]}")
+    if cell.action in ("kill", "delay") and cell.rank in outs:
+        res.problems.append(f"rank {cell.rank} was to be {'killed' if killed else 'stalled'} at "
+                            f"{cell.phase} but finished: the fault never fired")
     must_fail = cell.fault_class in ("storage-error", "sigkill-save", "sigkill-load", "lost-rank")
     if cell.phase in ("publish-after", "retention", "retention-mid"):
         must_fail = False  # step 2 is committed: a survivor may see success or the lost rank
@@ -508,12 +527,20 @@ def _judge(cell: Cell, res: CellResult, outs: dict[int, dict[str, Any]], procs: 
 
 
 def run_matrix(chosen: list[Cell], *, workdir: str, progress: Any = None) -> list[CellResult]:
-    """Run ``chosen`` cells one after another (``progress(result)`` after each)."""
+    """Run ``chosen`` cells one after another (``progress(result)`` after
+    each); the S3 cells on one moto server started for them."""
     os.makedirs(workdir, exist_ok=True)
     out = []
     for c in chosen:
+        if c.backend != "local":
+            continue
         r = run_cell(c, workdir)
         out.append(r)
         if progress is not None:
             progress(r)
+    s3 = [c for c in chosen if c.backend == "s3"]
+    if s3:
+        from .fault_matrix_s3 import run_matrix as run_s3
+
+        out += run_s3(s3, workdir=os.path.join(workdir, "s3"), progress=progress)
     return out

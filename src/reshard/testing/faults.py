@@ -17,7 +17,11 @@ on the key's last component):
 ``fsync`` (closing a durable stream) ``close`` ``write_bytes`` ``rename``
 (``rename_dir``; matched on the source) ``delete`` (``delete_tree``)
 ``fsync_dir`` ``read`` (``read_into`` / ``read_bytes``) ``size`` ``exists``
-``list``.
+``list`` ``put_if_absent`` (the conditional put that publishes a manifest on
+a store without rename) ``put_if_match``. Conditional puts, tagged reads and
+multipart bookkeeping are forwarded to the wrapped store as they are (never
+replaced by the base class's compare-then-write), so a wrapped S3 store keeps
+its atomic publish.
 
 Phases of a save, as the calls they start with (``PHASES``): ``attempt``
 (``makedirs`` of the attempt directory: planning is done), ``data`` (a write
@@ -46,7 +50,7 @@ from ..storage.base import Storage, WriteStream
 ERRNOS = {"enospc": errno.ENOSPC, "eio": errno.EIO, "edquot": errno.EDQUOT}
 ACTIONS = (*ERRNOS, "timeout", "truncate", "flip", "delay", "kill", "call")
 OPS = ("makedirs", "open_write", "write", "fsync", "close", "write_bytes", "rename", "delete",
-       "fsync_dir", "read", "size", "exists", "list")
+       "fsync_dir", "read", "size", "exists", "list", "put_if_absent", "put_if_match")
 
 #: save / load phase -> (op, match) of the call that marks it
 PHASES: dict[str, tuple[str, str]] = {
@@ -210,6 +214,24 @@ class FaultStorage(Storage):
         self._fire("write_bytes", path)
         super().write_bytes(path, data, durable=durable)  # through open_write: counted there too
         self._fire("write_bytes", path, after=True)
+
+    def put_if_absent(self, path: str, data: bytes) -> None:
+        self._call("put_if_absent", path, lambda: self.inner.put_if_absent(path, data))
+
+    def put_if_match(self, path: str, data: bytes, tag: str | None) -> None:
+        self._call("put_if_match", path, lambda: self.inner.put_if_match(path, data, tag))
+
+    def read_tagged(self, path: str) -> tuple[bytes, str]:
+        out: tuple[bytes, str] = self._call("read", path, lambda: self.inner.read_tagged(path))
+        return out
+
+    def list_uploads(self, prefix: str) -> list[tuple[str, str, float]]:
+        out: list[tuple[str, str, float]] = self._call("list", prefix,
+                                                       lambda: self.inner.list_uploads(prefix))
+        return out
+
+    def abort_upload(self, path: str, upload_id: str) -> None:
+        self._call("delete", path, lambda: self.inner.abort_upload(path, upload_id))
 
     def rename_dir(self, src: str, dst: str) -> None:
         self._call("rename", src, lambda: self.inner.rename_dir(src, dst))

@@ -49,7 +49,11 @@ class Fault:
             instead of forwarding (when ``action == "status"``).
         action: "status", "reset" (close the connection without an answer),
             "reset_mid" (forward, send half the body, then reset), "delay"
-            (forward after ``delay_s`` seconds).
+            (forward after ``delay_s`` seconds), "truncate_body" (forward
+            only the first half of the request body upstream, its
+            ``Content-Length`` rewritten: a body cut short in transit),
+            "reset_after" (forward, then reset instead of answering: the
+            store did it, the client never hears).
         times: how many requests it fires on (None: unlimited).
         probability: chance of firing on a matching request (own generator).
     """
@@ -175,6 +179,10 @@ class FaultProxy:
         if fault is not None and fault.action == "delay":
             time.sleep(fault.delay_s)
         headers = {k: v for k, v in h.headers.items() if k.lower() not in _HOP}
+        if fault is not None and fault.action == "truncate_body":
+            body = body[: len(body) // 2]
+            headers = {k: v for k, v in headers.items() if k.lower() != "content-length"}
+            headers["Content-Length"] = str(len(body))
         conn = http.client.HTTPConnection(self._host, self._port, timeout=120)
         try:
             conn.request(method, h.path, body=body, headers=headers)
@@ -185,6 +193,9 @@ class FaultProxy:
             return
         finally:
             conn.close()
+        if fault is not None and fault.action == "reset_after":
+            _reset(h)
+            return
         if method == "GET" and "list-type" not in u.query and "uploads" not in u.query:
             with self._lock:
                 self.stats.get_bytes += len(data)
