@@ -98,3 +98,18 @@ def r_step_scalar_ties(path: str, clone: bool) -> tuple[str, str]:
     except reshard.ShardingError as e:
         return "ShardingError", str(e)
     return "ok", ""
+
+
+def resume_with_fault(mc: Any, tc: TrainConfig, layout: str, path: str, fault: str | None) -> Any:
+    """Load ``path`` in ``layout`` (a trainer from another seed), inject a real
+    restore error, take the next step and return its pieces. ``fault``:
+    ``None``; ``"exp_avg"`` (the first moment of this rank's ZeRO range
+    restored as 0.5 of itself); ``"rng_step"`` (the step the dropout masks and
+    MLM masking are drawn for is one ahead)."""
+    tr = Trainer(mc, tc, layout, seed=tc.seed + 1000)
+    tr.load(path)
+    if fault == "exp_avg":
+        tr.zero.opt.state[tr.zero.flat]["exp_avg"].mul_(0.5)
+    elif fault == "rng_step":
+        tr.step += 1
+    return tr.train_step(record=True).pieces

@@ -28,7 +28,7 @@ from .manifest import Chunk, Manifest
 from .options import LoadOptions
 from .planning import ReadItem, Request, _strides
 from .shardfile import BlockTables
-from .sharding import torch_dtype
+from .sharding import box_intersection, flat_range_boxes, torch_dtype
 from .storage import Storage
 
 
@@ -74,35 +74,46 @@ def _copy(item: ReadItem, chunk: Chunk, t: Target, src1d: torch.Tensor) -> None:
     _gather_copy(item, chunk, t, src1d)
 
 
+def _flat_boxes(off: Sequence[int], shape: Sequence[int],
+                fr: tuple[int, int] | None) -> list[tuple[Sequence[int], Sequence[int]]]:
+    """The global boxes holding elements ``fr`` of the row-major flattening of
+    the box at ``off`` of ``shape`` (the whole box when ``fr`` is None)."""
+    if fr is None:
+        return [(off, shape)]
+    return [(tuple(o + d for o, d in zip(off, bo, strict=True)), bs)
+            for bo, bs in flat_range_boxes(shape, *fr)]
+
+
 def _gather_copy(item: ReadItem, chunk: Chunk, t: Target, src1d: torch.Tensor) -> None:
+    """Copy the overlap of a chunk and a request whose boxes differ, either
+    side flattened: each flat range is cut into at most ``2 * ndim - 1``
+    boxes (:func:`flat_range_boxes`) and every overlap of a chunk box and a
+    request box is one strided copy (no per-element index tensors)."""
     req, dst = t.req, t.dst
-    grids = torch.meshgrid(*[torch.arange(o, o + n) for o, n in zip(item.box_offset, item.box_shape,
-                                                                     strict=True)], indexing="ij")
     cst, rst = _strides(chunk.local_shape), _strides(req.local_shape)
-    fc = sum(((g - o) * s for g, o, s in zip(grids, chunk.global_offset, cst, strict=True)),
-             torch.zeros((), dtype=torch.int64)).reshape(-1)
-    fr = sum(((g - o) * s for g, o, s in zip(grids, req.global_offset, rst, strict=True)),
-             torch.zeros((), dtype=torch.int64)).reshape(-1)
-    mask = torch.ones_like(fc, dtype=torch.bool)
-    cbase = 0
-    if chunk.flattened_range is not None:
-        mask &= (fc >= chunk.flattened_range[0]) & (fc < chunk.flattened_range[1])
-        cbase = chunk.flattened_range[0]
-    rbase = 0
-    if req.flattened_range is not None:
-        mask &= (fr >= req.flattened_range[0]) & (fr < req.flattened_range[1])
-        rbase = req.flattened_range[0]
-    isz = src1d.element_size()
-    first = cbase + item.byte_start // isz
-    vals = src1d[fc[mask] - first]
-    if req.flattened_range is not None:
-        dst[fr[mask] - rbase] = vals
-    elif dst.is_contiguous():
-        dst.view(-1)[fr[mask]] = vals
-    else:
-        flat = dst.contiguous()
-        flat.view(-1)[fr[mask]] = vals
-        dst.copy_(flat)
+    first = (chunk.flattened_range[0] if chunk.flattened_range is not None else 0) + (
+        item.byte_start // src1d.element_size())
+    rbase = req.flattened_range[0] if req.flattened_range is not None else 0
+    s0, ss = src1d.storage_offset(), src1d.stride(0) if src1d.dim() else 1
+    for co, cs in _flat_boxes(chunk.global_offset, chunk.local_shape, chunk.flattened_range):
+        cb = box_intersection(co, cs, item.box_offset, item.box_shape)
+        if cb is None:
+            continue
+        for ro, rs in _flat_boxes(req.global_offset, req.local_shape, req.flattened_range):
+            x = box_intersection(cb[0], cb[1], ro, rs)
+            if x is None:
+                continue
+            xo, xs = x
+            fc = sum((g - o) * s for g, o, s in zip(xo, chunk.global_offset, cst, strict=True)) - first
+            src = torch.as_strided(src1d, xs, [s * ss for s in cst], s0 + fc * ss)
+            if req.flattened_range is not None:
+                fr = sum((g - o) * s for g, o, s in zip(xo, req.global_offset, rst, strict=True)) - rbase
+                d0 = dst.stride(0) if dst.dim() else 1
+                region = torch.as_strided(dst, xs, [s * d0 for s in rst], dst.storage_offset() + fr * d0)
+            else:
+                region = dst[tuple(slice(g - o, g - o + n)
+                                   for g, o, n in zip(xo, req.global_offset, xs, strict=True))]
+            region.copy_(src)
 
 
 #: direct reads go in segments of about this many bytes (whole checksum blocks);

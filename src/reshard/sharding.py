@@ -142,6 +142,38 @@ def box_intersection(
     return tuple(off), tuple(shp)
 
 
+def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[Shape, Shape]]:
+    """Elements ``[start, stop)`` of the row-major flattening of a box of
+    ``shape``, as disjoint boxes ``(offset, shape)`` relative to the box's
+    origin, in flat order: at most ``2 * len(shape) - 1`` of them (a partial
+    leading row, a run of whole rows, a partial trailing row, recursively).
+    An empty range gives ``[]``; a 0-dim box gives ``[((), ())]``.
+    """
+    if stop <= start:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    r0, ra = divmod(start, inner)
+    r1, rb = divmod(stop, inner)
+    zeros = (0,) * (len(shape) - 1)
+
+    def row(r: int, a: int, b: int) -> list[tuple[Shape, Shape]]:
+        return [((r, *o), (1, *s)) for o, s in flat_range_boxes(shape[1:], a, b)]
+
+    if r0 == r1:
+        return row(r0, ra, rb)
+    out: list[tuple[Shape, Shape]] = []
+    if ra:
+        out += row(r0, ra, inner)
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, *zeros), (r1 - r0, *shape[1:])))
+    if rb:
+        out += row(r1, 0, rb)
+    return out
+
+
 def _as_shape(value: Any, what: str, fqn: str) -> Shape:
     try:
         out = tuple(int(v) for v in value)

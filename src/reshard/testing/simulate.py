@@ -5,15 +5,21 @@ are generators of collective requests; :class:`SimWorld` advances N of them in
 lockstep, performs each collective in memory, and counts the bytes each rank
 sends and receives (payloads plus the 8-byte length headers, as
 :class:`reshard.collectives.Counting` does for real collectives) and the CPU
-seconds each rank spends in its own steps (``time.process_time``: the
+seconds each rank spends in its own steps (``time.process_time_ns``: the
 process is single-threaded, so this is the rank's own work even on a shared
 machine).
+
+Work a rank does that stands in for something else (the simulated data
+write) is left out with :meth:`SimWorld.uncounted`, measured by the same
+clock inside the step that runs it, so the difference is never negative: a
+duration is never a wall-clock figure subtracted from a CPU-clock one.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,13 +28,22 @@ from ..collectives import Request, _reduce
 
 @dataclass
 class SimStats:
-    """Per-rank counters of one :meth:`SimWorld.run`: bytes sent / received and
-    seconds spent in the rank's own steps."""
+    """Per-rank counters of one :meth:`SimWorld.run`: bytes sent / received,
+    CPU nanoseconds spent in the rank's own steps (``cpu_ns``) and the part of
+    them spent in :meth:`SimWorld.uncounted` blocks (``excluded_ns``, nested
+    in ``cpu_ns`` and measured by the same clock, so ``excluded_ns[r] <=
+    cpu_ns[r]``)."""
 
     sent: list[int]
     recv: list[int]
-    seconds: list[float]
+    cpu_ns: list[int]
+    excluded_ns: list[int]
     calls: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> list[float]:
+        """Each rank's counted CPU seconds (its steps less its uncounted blocks; >= 0)."""
+        return [(c - x) / 1e9 for c, x in zip(self.cpu_ns, self.excluded_ns, strict=True)]
 
     def max_other(self, what: str) -> float:
         vals = getattr(self, what)[1:]
@@ -40,6 +55,27 @@ class SimWorld:
 
     def __init__(self, world_size: int):
         self.world_size = world_size
+        self._current: int | None = None  # the rank whose step runs now
+        self._excluded: list[int] = [0] * world_size
+
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Leave the CPU time of the block out of the running rank's seconds.
+
+        Only inside a rank's step (a callback its protocol calls); the block's
+        interval nests in the step's, on the same clock.
+
+        Raises:
+            RuntimeError: outside a step of :meth:`run`.
+        """
+        r = self._current
+        if r is None:
+            raise RuntimeError("SimWorld.uncounted() outside a rank's step")
+        t0 = time.process_time_ns()
+        try:
+            yield
+        finally:
+            self._excluded[r] += time.process_time_ns() - t0
 
     def run(self, gens: Sequence[Generator[Request, Any, Any]]) -> tuple[list[Any], SimStats]:
         """Advance every rank's protocol to completion in lockstep.
@@ -49,21 +85,25 @@ class SimWorld:
         (a protocol bug)."""
         n = self.world_size
         assert len(gens) == n
-        stats = SimStats(sent=[0] * n, recv=[0] * n, seconds=[0.0] * n)
+        self._excluded = [0] * n
+        stats = SimStats(sent=[0] * n, recv=[0] * n, cpu_ns=[0] * n, excluded_ns=self._excluded)
         results: list[Any] = [None] * n
         done = [False] * n
         reqs: list[Request | None] = [None] * n
         sends: list[Any] = [None] * n
 
         def step(r: int, value: Any, first: bool) -> None:
-            t0 = time.process_time()
+            self._current = r
+            t0 = time.process_time_ns()
             try:
                 reqs[r] = next(gens[r]) if first else gens[r].send(value)
             except StopIteration as stop:
                 results[r], done[r] = stop.value, True
             except Exception as e:  # noqa: BLE001 - agreed errors end a rank's protocol
                 results[r], done[r] = e, True
-            stats.seconds[r] += time.process_time() - t0
+            finally:
+                stats.cpu_ns[r] += time.process_time_ns() - t0
+                self._current = None
 
         for r in range(n):
             step(r, None, True)

@@ -524,13 +524,22 @@ class Trainer:
             if record:
                 pieces.append(("loss", "loss", (), (), (), None, loss.clone()))
         if record:
-            for name, t in self.module.state_dict().items():
-                pieces += _pieces("param", self.module.views(name, t))
-            st = self.zero.opt.state[self.zero.flat]
-            for key in ("exp_avg", "exp_avg_sq"):
-                pieces += _pieces(key, self.zero.flat_views(st[key], lambda f: f))
+            pieces += self.state_pieces()
         self.step += 1
         return StepResult(out, pieces)
+
+    def state_pieces(self) -> list[Piece]:
+        """This rank's pieces of the weights (``"param"``) and the AdamW
+        moments (``"exp_avg"``, ``"exp_avg_sq"``) as they are now; empty
+        moments before the first step."""
+        pieces: list[Piece] = []
+        for name, t in self.module.state_dict().items():
+            pieces += _pieces("param", self.module.views(name, t))
+        st = self.zero.opt.state.get(self.zero.flat, {})
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in st:
+                pieces += _pieces(key, self.zero.flat_views(st[key], lambda f: f))
+        return pieces
 
 
 def _pieces(kind: str, views: list[ShardedTensor]) -> list[Piece]:
