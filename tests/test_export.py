@@ -337,11 +337,14 @@ def test_import_refuses_bad_directories(tmp_path: Path) -> None:
     (tmp_path / INDEX_NAME).write_text(json.dumps({"weight_map": {"w": "../real.safetensors"}}))
     with pytest.raises(ManifestError, match="plain file"):
         hf_manifest(tmp_path)
-    # a shard that is a symbolic link
-    os.symlink(tmp_path / "real.safetensors", tmp_path / "model-00001-of-00001.safetensors")
+    # a shard that is a symbolic link out of the directory (one to a file
+    # inside it is followed, as a hub cache snapshot's are: test_hf_snapshot.py)
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.safetensors"
+    save_file({"w": torch.ones(2)}, str(outside))
+    os.symlink(outside, tmp_path / "model-00001-of-00001.safetensors")
     (tmp_path / INDEX_NAME).write_text(
         json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}}))
-    with pytest.raises(ManifestError, match="symbolic link"):
+    with pytest.raises(ManifestError, match="model-00001-of-00001.safetensors: resolves to .*outside"):
         hf_manifest(tmp_path)
     # a header whose data_offsets reach past the end of the file
     bad = tmp_path / "bad"

@@ -35,11 +35,20 @@ class _SnapshotStorage(LocalStorage):
     ``key`` replaced by their resolved paths: ``join(key, name)`` is the real
     file behind the hub cache's ``snapshots/<rev>/name -> ../../blobs/<sha>``
     link, so the reader (which refuses symbolic links) opens the blob itself.
-    Built only by :func:`_snapshot_files`, after every target was checked."""
+    Built only by :func:`_snapshot_files`, after every target was checked;
+    bytes read and written are counted here and on the ``base`` store too."""
 
-    def __init__(self, key: str, real: Mapping[str, str]):
+    def __init__(self, base: LocalStorage, key: str, real: Mapping[str, str]):
         super().__init__()
-        self._key, self._real = key, dict(real)
+        self._base, self._key, self._real = base, key, dict(real)
+
+    def _count_read(self, n: int) -> None:
+        super()._count_read(n)
+        self._base._count_read(n)
+
+    def _count_write(self, n: int) -> None:
+        super()._count_write(n)
+        self._base._count_write(n)
 
     def join(self, *parts: str) -> str:  # type: ignore[override]
         if len(parts) == 2 and parts[0] == self._key and parts[1] in self._real:
@@ -84,17 +93,18 @@ def _snapshot_files(st: Storage, key: str, names: Sequence[str]) -> Storage:
     """``st`` with the (existing) files ``names`` of the local directory
     ``key`` resolved and checked by :func:`_real_file` (a hub cache snapshot
     holds symbolic links into ``../../blobs``); any other store unchanged."""
-    if type(st) is not LocalStorage and not isinstance(st, _SnapshotStorage):
+    if isinstance(st, _SnapshotStorage):
+        base, real = st._base, dict(st._real)
+    elif type(st) is LocalStorage:
+        base, real = st, {}
+    else:
         return st
     roots = _allowed_roots(key)
-    real = {}
     for n in names:
         p = LocalStorage.join(key, n)
         if os.path.lexists(p):
             real[n] = _real_file(p, roots)
-    if isinstance(st, _SnapshotStorage):
-        real = {**st._real, **real}
-    return _SnapshotStorage(key, real)
+    return _SnapshotStorage(base, key, real)
 
 
 # ----------------------------------------------------------------------------- import
