@@ -210,11 +210,15 @@ def hf_manifest(hf_dir: str | os.PathLike[str], *, storage: Storage | None = Non
     no checksums, file sizes from the store; tied weights an export recorded
     (``"tied_weights"`` in the index metadata or the file's ``__metadata__``)
     become ``manifest.aliases``, so a load fills the tied copy from its
-    target. Returns ``(storage, key, manifest)``.
+    target. Returns ``(storage, key, manifest)``; for a local directory the
+    storage maps ``join(key, name)`` to each file's checked, resolved path
+    (a hub cache snapshot's files are links to ``../../blobs/<sha>``).
 
     Raises:
         CheckpointNotFoundError: neither file is there.
-        ManifestError: a file name outside the directory, a symbolic link, a
+        ManifestError: a file name outside the directory; a file (or
+            symbolic link, as in a hub cache snapshot) that resolves outside
+            the directory and its cache repo folder, or to no regular file; a
             malformed header or index, an unsupported dtype, a tensor in two
             files, an index naming a tensor its file lacks.
         IntegrityError: a byte range past the end of its file, a length that
