@@ -313,6 +313,16 @@ def _rank_main(cell: Cell, rank: int, world: int, port: int, cdir: str) -> None:
                 result["wrong_data"] = True
     except BaseException as e:  # noqa: BLE001 - recorded for the parent
         err = e
+    _finish_rank(result, err, out)
+
+
+
+def _finish_rank(result: dict[str, Any], err: BaseException | None, out: str) -> None:
+    """Write a rank's outcome to ``out`` (atomically: the parent reads only
+    whole files), leave the group (broken after a lost rank) and end the
+    process without running exit handlers."""
+    import torch.distributed as dist
+
     result.update(_outcome(err))
     with open(out + ".tmp", "w") as f:
         json.dump(result, f)
@@ -322,7 +332,6 @@ def _rank_main(cell: Cell, rank: int, world: int, port: int, cdir: str) -> None:
     except Exception:  # noqa: BLE001 - a broken group after a lost rank
         pass
     os._exit(0)
-
 
 def _corrupt(kind: str, ckpt: str, other: str) -> None:
     data = sorted(n for n in os.listdir(ckpt) if n.startswith("data-"))

@@ -55,9 +55,9 @@ from .fault_matrix import (
     Cell,
     CellResult,
     _context,
+    _finish_rank,
     _free_port,
     _KillOnStateDict,
-    _outcome,
     named_lost,
 )
 
@@ -267,15 +267,7 @@ def _rank_main(cell: Cell, rank: int, world: int, port: int, cdir: str, env: dic
                 result["wrong_data"] = True
     except BaseException as e:  # noqa: BLE001 - recorded for the parent
         err = e
-    result.update(_outcome(err))
-    with open(out + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(out + ".tmp", out)
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - a broken group after a lost rank
-        pass
-    os._exit(0)
+    _finish_rank(result, err, out)
 
 
 def _corrupt(st: Any, kind: str, ckpt: str, other: str) -> None:
