@@ -59,3 +59,30 @@ def test_exit_waits_for_the_commit_and_a_second_ctrl_c_abandons_it(tmp_path: Pat
     else:
         assert not (ck / "manifest.json").exists()
         assert not ck.exists()  # nothing published; the attempt is ignored by every reader
+
+
+ENDS_SCRIPT = SCRIPT.replace("files_per_rank=1", "files_per_rank=4").replace(
+    "time.sleep(60)  # the training loop; Ctrl-C ends it\n", "")
+
+
+def test_a_program_ending_without_wait_commits_its_async_save(tmp_path: Path) -> None:
+    """The program returns right after ``async_save`` (no wait, no Ctrl-C):
+    exit waits for the commit. Regression: the interpreter's thread shutdown
+    stopped concurrent.futures' pools before the atexit hook waited, so the
+    save's writer/commit pools refused work and nothing was published."""
+    script = tmp_path / "job.py"
+    script.write_text(ENDS_SCRIPT)
+    assert "time.sleep(60)" not in ENDS_SCRIPT and "files_per_rank=4" in ENDS_SCRIPT
+    ck = tmp_path / "ck"
+    p = subprocess.run([sys.executable, str(script), str(ck)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert (ck / "manifest.json").is_file(), p.stderr
+
+    import torch
+
+    import reshard
+
+    tgt = {f"t{i}": torch.zeros(1024) for i in range(8)}
+    reshard.load(tgt, str(ck))
+    assert all(torch.equal(tgt[f"t{i}"], torch.full((1024,), float(i))) for i in range(8))

@@ -324,4 +324,18 @@ def _at_exit() -> None:
             slot.thread.join(timeout=30)
 
 
+# Run before concurrent.futures' own exit hook: the interpreter's thread
+# shutdown (threading._shutdown) calls the hooks registered with
+# threading._register_atexit, last registered first, before the atexit
+# module's. concurrent.futures.thread registers one that stops every pool's
+# workers and refuses new work ("cannot schedule new futures after interpreter
+# shutdown"); a background save still writing or committing then would hang on
+# a work item no worker runs, or fail its commit. Importing the module first
+# makes this hook the later one, so pending saves finish (or are abandoned on
+# a second Ctrl-C) while the pools still work. atexit stays as the fallback.
+import concurrent.futures.thread  # noqa: E402,F401  (registers its hook now)
+
+_register_thread_atexit = getattr(threading, "_register_atexit", None)
+if _register_thread_atexit is not None:
+    _register_thread_atexit(_at_exit)
 atexit.register(_at_exit)
