@@ -38,8 +38,12 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
     ck = tmp_path / "ck"
+    # SIGINT as a terminal delivers it: a suite started in the background of a
+    # non-interactive shell (`cmd &`) passes SIGINT ignored to its children,
+    # and Python then installs no KeyboardInterrupt handler at all
     p = subprocess.Popen([sys.executable, str(script), str(ck)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert p.stdout is not None
     assert p.stdout.readline().strip() == "staged True"
     return p, ck
