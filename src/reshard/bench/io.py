@@ -204,9 +204,9 @@ class Runner:
         peers = backend == "local" and info[0]["peers"]  # DCP, torch.save, safetensors
         limits = backend in ("local", "s3")  # limit-write / limit-read on this storage
         base = self.url(backend, scratch, f"w{world}")
-        warm = ["reshard", "reshard-async"] + (["dcp", "dcp-async", "dcp-async-process"] if peers else [])
+        warm = ["reshard", "reshard-async"] + (["dcp", "dcp-async"] if peers else [])
         warm = [m for m in warm if m not in cfg["skip"]]
-        self.run(world, ranks.warm, base + "-warm", warm)
+        self.run(world, ranks.warm, base + "-warm", warm)  # DCP's process: only around the async phase
         # peak RSS of the first save and of the first two async saves (the staging pool's growth)
         for m in [m for m in ("save", "async-save") if m not in cfg["skip"] and "rss" not in cfg["skip"]]:
             self.ctx = f"w{world} {backend}: rss {m}"
@@ -249,6 +249,8 @@ class Runner:
         # async saves
         amethods = [m for m in ranks.ASYNC_METHODS if (peers or m in ("memcpy", "reshard-async"))
                     and m not in cfg["skip"] and "async" not in cfg["skip"]]
+        if "dcp-async-process" in amethods:  # its process (started untimed) lives for this phase only
+            self.run(world, ranks.warm, base + "-warm-process", ["dcp-async-process"])
         for r in range(rep if amethods else 0):
             order = amethods[r % len(amethods):] + amethods[:r % len(amethods)]
             for m in order:
@@ -269,6 +271,7 @@ class Runner:
                 self.record("async", m, world, backend, out, repeat_index=r)
                 if m != "memcpy":
                     self.run(world, ranks.drop, p)
+        self.run(world, ranks.end_dcp_process)
         self.run(world, ranks.trim)  # the async phases' buffers, before the loads allocate theirs
         if "load" in cfg["skip"]:
             self.run(world, ranks.release)
