@@ -167,7 +167,7 @@ def end_dcp_process() -> None:
     except ImportError:  # a torch without process mode
         return
     proc = getattr(ape, "_CHECKPOINT_PROCESS", None)
-    ape._CHECKPOINT_PROCESS = None  # type: ignore[attr-defined]
+    ape._CHECKPOINT_PROCESS = None
     if proc is not None:
         proc.__del__()  # sends TERMINATE and joins (SIGTERM after 5 s); safe to run twice
     gc.collect()
