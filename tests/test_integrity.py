@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import reshard
+from _manifest_doc import write_manifest_doc
 from reshard import LoadOptions, SaveOptions, ShardedObject, ShardedTensor
 from reshard.errors import (
     CheckpointError,
@@ -41,7 +42,7 @@ def edit_manifest(path: Path, fn) -> None:
     p = path / "manifest.json"
     d = json.loads(p.read_text())
     fn(d)
-    p.write_text(json.dumps(d))
+    write_manifest_doc(p, d)
 
 
 def data_file(path: Path, m: reshard.Manifest) -> Path:
