@@ -239,7 +239,8 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
     replace is deleted); then delete what the policy does not keep and
     abandoned attempts older than --grace. Leases, HEAD's checkpoint and
     quarantined checkpoints are never deleted. --dry-run runs the same checks
-    and predicts exactly what would be deleted."""
+    and predicts exactly what would be deleted. Exits 1 when a check failed
+    (what failed is kept; the rest of retention still applies)."""
     try:
         st, key = resolve(root)
         if not st.exists(key):
@@ -272,6 +273,9 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
                    "a save still running; pass --grace 0 once no job writes here)")
     if not decision.delete and not gone:
         click.echo("nothing to delete")
+    failed = [f"{name} ({what})" for name, what, ok in mgr.last_plan.checks if not ok]
+    if failed:  # retention kept what it had to; the run still has a checkpoint that does not load
+        _fail(1, f"{len(failed)} check(s) failed under {root}: {', '.join(failed)} (kept, not deleted)")
 
 
 @main.command("advise")
