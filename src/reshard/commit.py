@@ -299,13 +299,15 @@ def read_manifest_bytes(storage: Storage, path: str) -> bytes:
 
     Raises:
         CheckpointNotFoundError: no manifest there.
-        ManifestError: the manifest is a symbolic link.
+        ManifestError: the manifest is a symbolic link or a directory.
     """
     mpath = storage.join(path, MANIFEST_NAME)
     if storage.is_link(mpath):
         raise ManifestError(f"{mpath}: manifest is a symbolic link")
     try:
         return storage.read_bytes(mpath)
+    except IsADirectoryError:
+        raise ManifestError(f"{mpath}: is a directory, not a manifest file") from None
     except (FileNotFoundError, NotADirectoryError):
         raise CheckpointNotFoundError(
             f"{path}: no committed checkpoint here (no {MANIFEST_NAME})"
