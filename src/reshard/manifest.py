@@ -33,6 +33,9 @@ FORMAT = "reshard"
 #: :func:`reshard.load` migrates those names (``LoadResult.notes``).
 FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
+#: largest ``world_size`` a manifest may declare (2**24 ranks, far above any
+#: job; a larger one is a corrupt or hostile manifest, not a cluster)
+MAX_WORLD_SIZE = 1 << 24
 #: ``required_features`` entry of a manifest that carries its own checksum
 #: (:func:`encode_sealed`): a reader must check it, and one that cannot refuses it
 SEAL_FEATURE = "manifest-seal"
@@ -294,6 +297,8 @@ def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
         raise ManifestError(f"{where}: unknown checksum_algorithm {m.checksum_algorithm!r}")
     if m.checksum_block_bytes <= 0:
         raise ManifestError(f"{where}: checksum_block_bytes must be positive")
+    if not 1 <= m.world_size <= MAX_WORLD_SIZE:
+        raise ManifestError(f"{where}: world_size {m.world_size} is outside [1, {MAX_WORLD_SIZE}]")
     block = m.checksum_block_bytes
     sizes: dict[str, int] = {}
     tables: dict[str, int] = {}
@@ -381,3 +386,6 @@ def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
     for alias, target in m.aliases.items():
         if target not in m.tensors:
             raise ManifestError(f"{where}: alias {alias!r} points to unknown tensor {target!r}")
+        if alias in m.tensors or alias in m.objects:  # one name, two meanings: which would load?
+            raise ManifestError(f"{where}: alias {alias!r} is also the name of a saved "
+                                f"{'tensor' if alias in m.tensors else 'object'}")
