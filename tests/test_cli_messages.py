@@ -291,7 +291,7 @@ def test_ls_shows_a_checkpoint_that_failed_its_check_as_failed(tmp_path: Path) -
     raw[len(raw) // 2] ^= 1
     f.write_bytes(bytes(raw))
     r = _run("gc", str(root), "--keep-last", "1")
-    assert r.exit_code == 0 and "smoke test step-00000002: FAILED" in r.stdout, r.output
+    assert r.exit_code == 1 and "smoke test step-00000002: FAILED" in r.stdout, r.output  # gc says so
     r = _run("ls", str(root))
     assert r.exit_code == 0, r.output
     rows = {ln.split()[-1]: ln for ln in r.stdout.splitlines() if ln.strip().startswith(("1 ", "2 "))}

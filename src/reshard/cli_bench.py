@@ -1,7 +1,9 @@
 """The ``reshard bench`` commands (registered on the group in :mod:`reshard.cli`):
 ``scale`` simulates the coordination of a save and a load at scale in this
 process (:mod:`reshard.testing.scale_sim`); ``io`` measures checkpoint I/O of a
-model state on real gloo ranks (the engine is :mod:`reshard.bench`).
+model state on real gloo ranks (the engine is :mod:`reshard.bench`); and
+``reshard advise``, the checkpoint cadence from a failure log and a bench's
+save time.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import click
 
-from .cli_support import USAGE, OutputPath, fail
+from .cli_support import USAGE, OutputPath, fail, json_option, write_json
 
 
 @click.group("bench")
@@ -252,3 +254,77 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
     if plot_path:
         report.plot(doc, plot_path)
         click.echo(f"plot written to {plot_path}")
+
+
+@click.command("advise")
+@click.option("--failures", "failures_log", type=click.Path(dir_okay=False, exists=True), required=True,
+              help="Failure log: one failure time per line (seconds since the epoch or ISO 8601).")
+@click.option("--bench", "bench_json", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="JSON from benchmarks/bench_core.py or `reshard bench io` (its reshard save time is the cost C).")
+@click.option("--cost-s", type=float, default=None, help="Foreground cost of one checkpoint, seconds.")
+@click.option("--step-time-s", type=float, required=True, help="Seconds per training step.")
+@click.option("--every-steps", type=int, required=True, help="Current cadence: checkpoint every N steps.")
+@click.option("--tokens-per-step", type=int, default=0, help="Tokens per step (for tokens lost).")
+@click.option("--restart-s", type=float, default=0.0, help="Fixed restart cost per failure, seconds.")
+@json_option
+def advise_cmd(failures_log: str, bench_json: str | None, cost_s: float | None, step_time_s: float,
+               every_steps: int, tokens_per_step: int, restart_s: float, json_path: str | None) -> None:
+    """Checkpoint cadence from a failure log and a save benchmark: the MTBF,
+    the Young/Daly interval sqrt(2*C*MTBF), and the work lost per failure at
+    the current cadence and at the optimum."""
+    from .manager import young_daly_interval
+
+    times = sorted(_parse_time(line) for line in open(failures_log) if line.strip()
+                   and not line.lstrip().startswith("#"))
+    if len(times) < 2:
+        fail(2, f"{failures_log}: need at least two failure times")
+    mtbf = (times[-1] - times[0]) / (len(times) - 1)
+    if cost_s is None:
+        if bench_json is None:
+            fail(2, "give --cost-s or --bench")
+        cost_s = _bench_cost(bench_json)
+    t_opt = young_daly_interval(cost_s, mtbf)
+    cur = every_steps * step_time_s
+    click.echo(f"failures       : {len(times)} over {(times[-1] - times[0]) / 3600:.1f} h")
+    click.echo(f"MTBF           : {mtbf:.0f} s ({mtbf / 3600:.2f} h)")
+    click.echo(f"checkpoint cost: {cost_s:.3f} s (foreground)")
+    click.echo(f"optimal interval (Young/Daly sqrt(2*C*MTBF)): {t_opt:.0f} s = "
+               f"{max(1, round(t_opt / step_time_s))} steps")
+    figures: dict[str, Any] = {"failures": len(times), "mtbf_s": mtbf, "cost_s": cost_s,
+                               "optimal_interval_s": t_opt,
+                               "optimal_every_steps": max(1, round(t_opt / step_time_s))}
+    for label, interval in (("current", cur), ("optimal", t_opt)):
+        lost_s = interval / 2 + restart_s  # expected: half an interval of work, plus the restart
+        steps = lost_s / step_time_s
+        overhead = cost_s / interval if interval > 0 else float("inf")
+        figures[label] = {"interval_s": interval, "loss_per_failure_s": lost_s,
+                          "loss_per_failure_steps": steps, "overhead": overhead}
+        line = (f"{label:<8}: every {interval:.0f} s -> expected loss per failure {lost_s:.0f} s = "
+                f"{steps:.1f} steps")
+        if tokens_per_step:
+            line += f" = {steps * tokens_per_step:,.0f} tokens"
+        click.echo(line + f"; checkpoint overhead {100 * overhead:.2f}% of run time")
+    write_json(json_path, figures)
+
+
+def _parse_time(text: str) -> float:
+    from datetime import datetime
+
+    t = text.strip().split()[0]
+    try:
+        return float(t)
+    except ValueError:
+        return datetime.fromisoformat(t).timestamp()
+
+
+def _bench_cost(path: str) -> float:
+    """The median reshard save time of a ``benchmarks/bench_core.py --json``
+    file, or of a ``reshard bench io --json`` file (its largest world size)."""
+    try:
+        doc = json.load(open(path))
+        if "save" not in doc and "summary" in doc:
+            runs = sorted(doc["summary"].values(), key=lambda s: len(s["local_bytes_per_rank"]))
+            doc = runs[-1]
+        return float(doc["save"]["reshard"]["median_s"])
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise click.BadParameter(f"{path}: no save.reshard.median_s ({e})", param_hint="--bench") from None
