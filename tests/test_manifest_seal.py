@@ -121,3 +121,32 @@ def test_any_single_byte_change_is_refused_or_fails_to_decode(data: st.DataObjec
     bad = raw[:i] + bytes([b]) + raw[i + 1:]
     with pytest.raises(reshard.CheckpointError):
         decode_manifest(bad)
+
+
+@pytest.mark.parametrize("dumps", [{}, {"indent": 2}, {"ensure_ascii": False, "indent": "\t"}],
+                         ids=["spaces", "indent", "tab-indent-utf8"])
+def test_a_manifest_sealed_by_another_json_writer_loads(tmp_path: Path, dumps: dict) -> None:
+    """A writer that follows the rule of the README (xxh3_64 of the bytes as
+    written, the value read as 16 zeros) with other JSON whitespace than
+    ours (json.dumps' ", " and ": ", an indent): it loads, and a changed
+    value in it is still refused. The reader looked for the compact
+    ``"key":"value"`` only and refused every such manifest as bit rot."""
+    import re
+
+    import xxhash
+
+    p = tmp_path / "ck"
+    reshard.save({**_state(), "name": "h\u00e9llo \u65e5\u672c"}, p, step=1)
+    doc = json.loads((p / "manifest.json").read_bytes())
+    doc["extra"][SEAL_KEY] = "0" * 16
+    zeroed = json.dumps(doc, **dumps).encode()
+    assert re.search(rb'"manifest_xxh3_64": "0{16}"', zeroed)  # not our compact token
+    raw = zeroed.replace(b'"0000000000000000"', f'"{xxhash.xxh3_64_hexdigest(zeroed)}"'.encode())
+    (p / "manifest.json").write_bytes(raw)
+    tgt = {**_target(), "name": None}
+    res = reshard.load(tgt, p)
+    assert res.values["sched"]["lr"] == 0.001 and res.values["name"] == "h\u00e9llo \u65e5\u672c"
+    assert torch.equal(tgt["w"], _state()["w"])
+    (p / "manifest.json").write_bytes(raw.replace(b"0.001", b"0.002"))
+    with pytest.raises(IntegrityError, match=r"ck/manifest.json: manifest checksum mismatch"):
+        reshard.load({**_target(), "name": None}, p)

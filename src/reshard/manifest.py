@@ -221,11 +221,27 @@ def reseal(raw: bytes) -> bytes:
     return raw.replace(_seal_token(_SEAL_ZERO), _seal_token(xxhash.xxh3_64_hexdigest(raw)))
 
 
+def _zeroed(raw: bytes, got: str) -> bytes:
+    """``raw`` with the seal's value (``got``, the one occurrence of the key
+    and that value, whatever JSON whitespace a writer put around the colon)
+    read as 16 zeros; ``b""`` when it is not there exactly once."""
+    value = _ENCODER.encode(got)
+    spans = list(re.finditer(rb'"' + re.escape(SEAL_KEY.encode()) + rb'"[ \t\n\r]*:[ \t\n\r]*('
+                             + re.escape(value) + rb")", raw))
+    if len(spans) != 1:
+        return b""
+    at = spans[0]
+    return raw[:at.start(1)] + _ENCODER.encode(_SEAL_ZERO) + raw[at.end(1):]
+
+
 def check_seal(raw: bytes, m: Manifest, *, where: str) -> Manifest:
     """Check the manifest's own checksum (:func:`encode_sealed`) and return
     ``m`` without it (``extra`` and ``required_features`` as the writer was
-    given them). A manifest written before seals existed (neither the
-    feature nor the key) passes unchanged.
+    given them). The checksum is over ``raw`` with the one occurrence of
+    the key and its value read as 16 zeros, whatever JSON whitespace the
+    writer put around the colon (another JSON writer, ``json.dumps`` with
+    its default separators or an indent). A manifest written before seals
+    existed (neither the feature nor the key) passes unchanged.
 
     Raises:
         IntegrityError: the bytes changed after they were written (the
@@ -236,9 +252,8 @@ def check_seal(raw: bytes, m: Manifest, *, where: str) -> Manifest:
     sealed = SEAL_FEATURE in m.required_features
     if got is None and not sealed:
         return m
-    token = _seal_token(got) if isinstance(got, str) else b""
-    if not sealed or not token or raw.count(token) != 1 or xxhash.xxh3_64_hexdigest(
-            raw.replace(token, _seal_token(_SEAL_ZERO))) != got:
+    zeroed = _zeroed(raw, got) if isinstance(got, str) else b""
+    if not sealed or not zeroed or xxhash.xxh3_64_hexdigest(zeroed) != got:
         raise IntegrityError(
             f"{where}: manifest checksum mismatch: its bytes changed after it was written "
             f"(bit rot, a torn copy or an edit; extra[{SEAL_KEY!r}] = {got!r}); nothing was loaded")
