@@ -150,3 +150,14 @@ def test_a_manifest_sealed_by_another_json_writer_loads(tmp_path: Path, dumps: d
     (p / "manifest.json").write_bytes(raw.replace(b"0.001", b"0.002"))
     with pytest.raises(IntegrityError, match=r"ck/manifest.json: manifest checksum mismatch"):
         reshard.load({**_target(), "name": None}, p)
+
+
+def test_the_seal_key_in_user_extra_is_refused_not_dropped(tmp_path: Path) -> None:
+    """``SaveOptions(extra={"manifest_xxh3_64": ...})``: a ValueError naming
+    the key; it was silently replaced by the seal and dropped at load. The
+    key nested deeper is the user's own and round-trips."""
+    with pytest.raises(ValueError, match=r"extra\['manifest_xxh3_64'\] is reserved"):
+        reshard.SaveOptions(extra={SEAL_KEY: "mine"})
+    nested = {"k": {SEAL_KEY: "abc"}}
+    reshard.save(_state(), tmp_path / "ck", step=1, options=reshard.SaveOptions(extra=nested))
+    assert reshard.inspect(tmp_path / "ck").extra == nested
