@@ -161,3 +161,31 @@ def test_the_seal_key_in_user_extra_is_refused_not_dropped(tmp_path: Path) -> No
     nested = {"k": {SEAL_KEY: "abc"}}
     reshard.save(_state(), tmp_path / "ck", step=1, options=reshard.SaveOptions(extra=nested))
     assert reshard.inspect(tmp_path / "ck").extra == nested
+
+
+def test_restore_of_a_step_whose_manifest_is_damaged_is_not_not_found(tmp_path: Path) -> None:
+    """``restore(step=2)`` (or ``name=``) when step 2's manifest fails its
+    seal: set aside, and a CheckpointError naming the file, not
+    CheckpointNotFoundError ("no committed checkpoint of step 2"), which a
+    caller may take for a fresh start; a step never saved stays not-found."""
+    import warnings
+
+    root = tmp_path / "run"
+    mgr = reshard.CheckpointManager(root, preempt_signals=())
+    for s in (1, 2, 3):
+        mgr.save(s, _state())
+    mgr.wait()
+    for which, kw in (("step-00000002", {"step": 2}), ("step-00000003", {"name": "step-00000003"})):
+        mf = root / which / "manifest.json"
+        mf.write_bytes(mf.read_bytes().replace(b"0.001", b"0.002"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            with pytest.raises(reshard.CheckpointError) as ei:
+                reshard.CheckpointManager(root, preempt_signals=()).restore(_target(), **kw)
+        assert not isinstance(ei.value, reshard.CheckpointNotFoundError)
+        assert f"{which}/manifest.json: manifest checksum mismatch" in str(ei.value)
+        assert not (root / which).exists()  # set aside, never deleted
+    with pytest.raises(reshard.CheckpointNotFoundError, match="no committed checkpoint of step 9"):
+        reshard.CheckpointManager(root, preempt_signals=()).restore(_target(), step=9)
+    tgt = _target()
+    assert reshard.CheckpointManager(root, preempt_signals=()).restore(tgt).step == 1
