@@ -189,3 +189,22 @@ def test_restore_of_a_step_whose_manifest_is_damaged_is_not_not_found(tmp_path: 
         reshard.CheckpointManager(root, preempt_signals=()).restore(_target(), step=9)
     tgt = _target()
     assert reshard.CheckpointManager(root, preempt_signals=()).restore(tgt).step == 1
+
+
+def test_a_user_value_holding_the_placeholder_text_is_still_sealed(tmp_path: Path) -> None:
+    """User metadata holding the exact text of the seal's key and 16 zeros
+    (e.g. a copy of a manifest document's extra): the manifest is still
+    sealed (it was written unsealed, so any change to it loaded silently),
+    loads with the user's value intact, and a changed value is refused."""
+    nested = {"copied": {SEAL_KEY: "0" * 16}}
+    p = tmp_path / "ck"
+    reshard.save(_state(), p, step=1, options=reshard.SaveOptions(extra=nested))
+    raw = (p / "manifest.json").read_bytes()
+    doc = json.loads(raw)
+    assert "manifest-seal" in doc["required_features"] and doc["extra"][SEAL_KEY] != "0" * 16
+    assert raw.count(b'"manifest_xxh3_64":"0000000000000000"') == 1  # the user's
+    res = reshard.load(_target(), p)
+    assert res.values["sched"]["lr"] == 0.001 and reshard.inspect(p).extra == nested
+    (p / "manifest.json").write_bytes(raw.replace(b"0.001", b"0.002"))
+    with pytest.raises(IntegrityError, match="manifest checksum mismatch"):
+        reshard.load(_target(), p)

@@ -190,17 +190,26 @@ def encode_sealed(m: Manifest) -> bytes:
     every byte is covered (a changed number in ``values``, a file size, a
     chunk offset), which the block and file checksums cannot do for the
     manifest itself. The checksum is over the bytes, not over a re-encoding,
-    so it is checked whatever fields the reader knows. Written without a
-    seal only when the placeholder is not unique in the bytes (a user value
-    holding the exact text of the key and 16 zeros)."""
+    so it is checked whatever fields the reader knows. A user value holding
+    the exact text of the key and 16 zeros leaves the seal's own occurrence
+    the last one (the key is the last of the top-level ``extra``); written
+    without a seal only if that ever failed to hold (checked by decoding)."""
     extra = {k: v for k, v in m.extra.items() if k != SEAL_KEY}
     feats = tuple(f for f in m.required_features if f != SEAL_FEATURE)
     raw = encode_manifest(msgspec.structs.replace(
         m, extra={**extra, SEAL_KEY: _SEAL_ZERO}, required_features=(*feats, SEAL_FEATURE)))
     zero = _seal_token(_SEAL_ZERO)
-    if raw.count(zero) != 1:
-        return encode_manifest(msgspec.structs.replace(m, extra=extra, required_features=feats))
-    return raw.replace(zero, _seal_token(xxhash.xxh3_64_hexdigest(raw)))
+    digest = xxhash.xxh3_64_hexdigest(raw)
+    seal = _seal_token(digest)
+    if raw.count(zero) == 1:
+        return raw.replace(zero, seal)
+    # a user value holds the placeholder's text too: the seal is the last key of the top-level
+    # extra (what follows extra holds no user keys), so its occurrence is the last one; checked
+    at = raw.rfind(zero)
+    out = raw[:at] + seal + raw[at + len(zero):]
+    if _DECODER.decode(out).extra.get(SEAL_KEY) == digest:
+        return out
+    return encode_manifest(msgspec.structs.replace(m, extra=extra, required_features=feats))
 
 
 _SEAL_RE = re.compile(rb'"' + SEAL_KEY.encode() + rb'"\s*:\s*"[^"\\]*"')
