@@ -337,3 +337,18 @@ def test_gc_exits_1_when_a_checkpoint_fails_its_smoke_test(tmp_path: Path) -> No
     assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step-00000002", "step-00000003"]
     r = _run("gc", str(root), "--keep-last", "1")  # nothing newer passed: the same answer again
     assert r.exit_code == 1 and (root / "step-00000002").is_dir()
+
+
+def test_gc_names_a_checkpoint_with_a_damaged_manifest_and_exits_1(tmp_path: Path) -> None:
+    """A manifest that fails its seal is kept (never deleted automatically),
+    named by gc, and gc exits 1 (before: not a word, exit 0)."""
+    root = tmp_path / "ck"
+    for s in (1, 2):
+        reshard.save({"w": torch.full((4,), float(s))}, root / f"step-{s:08d}", step=s)
+    mf = root / "step-00000001" / "manifest.json"
+    mf.write_bytes(mf.read_bytes().replace(b'"step":1', b'"step":7'))
+    r = _run("gc", str(root), "--keep-last", "1")
+    assert r.exit_code == 1, r.output
+    assert "kept step-00000001 (invalid manifest, never deleted automatically:" in r.stdout
+    assert "manifest checksum mismatch" in r.stdout and "step-00000001 (invalid manifest)" in r.stderr
+    assert (root / "step-00000001").is_dir() and (root / "step-00000002").is_dir()

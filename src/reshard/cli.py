@@ -228,7 +228,8 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
     abandoned attempts older than --grace. Leases, HEAD's checkpoint and
     quarantined checkpoints are never deleted. --dry-run runs the same checks
     and predicts exactly what would be deleted. Exits 1 when a check failed
-    (what failed is kept; the rest of retention still applies)."""
+    or a checkpoint's manifest is invalid (damaged, or of a newer format):
+    those are kept and named; the rest of retention still applies."""
     try:
         st, key = resolve(root)
         if not st.exists(key):
@@ -238,6 +239,7 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         gone = mgr.gc_abandoned(dry_run=dry_run)
         entries = scan(st, key)
         quarantined = [e.name for e in entries if e.quarantined]
+        invalid = [e for e in entries if e.manifest is None and not e.abandoned and not e.quarantined]
         young = [e.name for e in entries if e.abandoned and not e.quarantined
                  and e.name not in gone and (INCOMPLETE in e.name or RETIRED in e.name)]
     except ValueError as err:
@@ -256,12 +258,16 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         click.echo(f"kept {name} ({why})")
     for name in quarantined:
         click.echo(f"kept {name} (quarantined: never deleted automatically)")
+    for e in invalid:
+        click.echo(f"kept {e.name} (invalid manifest, never deleted automatically: "
+                   f"{one_line(e.problem or '')[:200]})")
     for name in young:
         click.echo(f"kept abandoned attempt {name} (younger than --grace {grace:g} s: it may be "
                    "a save still running; pass --grace 0 once no job writes here)")
     if not decision.delete and not gone:
         click.echo("nothing to delete")
     failed = [f"{name} ({what})" for name, what, ok in mgr.last_plan.checks if not ok]
+    failed += [f"{e.name} (invalid manifest)" for e in invalid]
     if failed:  # retention kept what it had to; the run still has a checkpoint that does not load
         _fail(1, f"{len(failed)} check(s) failed under {root}: {', '.join(failed)} (kept, not deleted)")
 
