@@ -40,6 +40,9 @@ def test_layout_syntax() -> None:
         parse_layout("zero3")
     with pytest.raises(ValueError, match="bad layout"):
         parse_layout("tp0,dp2")
+    for zero in ("fsdp0", "dp0"):  # was the run's own world size, silently
+        with pytest.raises(ValueError, match="a degree is at least 1"):
+            parse_layout(zero)
 
 
 def test_digest_is_layout_independent_and_bit_exact() -> None:
@@ -76,6 +79,10 @@ def test_digest_is_layout_independent_and_bit_exact() -> None:
     (["--model", "llama-tiny", "--layout", "dp2,tp2", "--world", "2"], "runs on 4 ranks"),
     (["--model", "llama-tiny", "--layout", "fsdp", "--reshard-to", "tp2"], "different keys"),
     (["--backend", "memory", "--world", "1,2"], "memory:// lives in one process"),
+    # every rank is a process of this machine: a layout's world is capped like --world's
+    (["--model", "llama-tiny", "--world", "1", "--reshard-to", "fsdp0"], "a degree is at least 1"),
+    (["--model", "llama-tiny", "--world", "1", "--reshard-to", "fsdp64"], "64 ranks; the runs take 1 to 8"),
+    (["--model", "llama-tiny", "--layout", "tp8,pp8,dp8"], "512 ranks; the runs take 1 to 8"),
 ])
 def test_bad_settings_are_usage_errors(args: list[str], message: str) -> None:
     r = CliRunner().invoke(main, ["bench", "io", *args])

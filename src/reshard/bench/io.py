@@ -58,6 +58,8 @@ from ..plan_store import PLAN_FILE
 from .models import parse_layout
 
 GB = 1e9
+#: the most ranks (processes on this machine) a run, a --layout or a --reshard-to takes
+MAX_WORLD = 8
 
 
 def check_layouts(model: str, layout: str, reshard_to: list[str], worlds: list[int] | None) -> list[int]:
@@ -66,7 +68,8 @@ def check_layouts(model: str, layout: str, reshard_to: list[str], worlds: list[i
 
     Raises:
         ValueError: a bad layout, a grid layout of a model without one, a
-            world size a grid layout cannot take, a reshard between the
+            world size a grid layout cannot take, a layout of more than
+            :data:`MAX_WORLD` ranks, a reshard between the
             trainer's grid state and an nn.Module state dict (their keys differ).
     """
     from .models import GRID_MODELS
@@ -74,6 +77,9 @@ def check_layouts(model: str, layout: str, reshard_to: list[str], worlds: list[i
     spec = parse_layout(layout)
     targets = [parse_layout(t) for t in reshard_to]
     for sp, what in [(spec, "--layout"), *((t, "--reshard-to") for t in targets)]:
+        if sp.world is not None and sp.world > MAX_WORLD:  # each rank is a process on this machine
+            raise ValueError(f"{what} {sp}: {sp.world} ranks; the runs take 1 to {MAX_WORLD} ranks "
+                             "(each a process on this machine)")
         if sp.kind == "grid" and model not in GRID_MODELS:
             raise ValueError(f"{what} {sp}: tensor/pipeline layouts run the demo's trainer, which has "
                              f"the models {', '.join(GRID_MODELS)} (not {model!r})")
