@@ -157,7 +157,7 @@ def _ints(text: str | None) -> list[int] | None:
               callback=_finite(0.0, open_low=False),
               help="Seconds of rest after os.sync() before each timed save.")
 @click.option("--skip", default="", help="Comma-separated methods (e.g. dcp-async-process, reshard-nocheck) "
-              "or phases (rss, train, async) to leave out.")
+              "or phases (rss, train, async, save, load; no save: no load either) to leave out.")
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None,
               help="Scratch directory on the disk to measure (default: a temporary one).")
 @click.option("--json", "json_path", type=OutputPath(), default=None,
@@ -205,6 +205,11 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
     if unknown:
         raise click.BadParameter(f"unknown method(s) {', '.join(unknown)}; one of "
                                  f"{', '.join(sorted(_methods()))}", param_hint="--skip")
+    skipped = {m.strip() for m in skip.split(",") if m.strip()} & {"save", "load"}
+    if skipped and (reshard_to or demo_report):
+        what = "--reshard-to" if reshard_to else "--demo-report"
+        raise click.BadParameter(f"{', '.join(sorted(skipped))} skipped: {what} loads the reshard save's "
+                                 "checkpoint, which is then not written or not loaded", param_hint="--skip")
     backends = [b.strip() for b in backend.split(",") if b.strip()]
     for b in backends:
         if b not in ("local", "memory", "s3"):
