@@ -230,3 +230,63 @@ def test_bench_scale_smoke_beside_io() -> None:
                                   "llama-8b", "--only-largest"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     assert "8 ranks" in r.output
+
+
+@pytest.mark.timeout(120)
+def test_a_phase_past_timeout_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    """A phase that runs past --timeout (here the ranks' setup, which imports
+    torch) ends the run with exit 1 and one line naming the phase and the
+    timeout, not a Python traceback; the scratch directory is removed and no
+    rank process is left."""
+    import psutil
+
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "reshard.cli", "bench", "io", "--model", "llama-tiny", "--world", "1",
+         "--repeat", "1", "--timeout", "0.2", "--dir", str(tmp_path), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    children: set[int] = set()
+    while p.poll() is None:  # the ranks this run starts, to check none outlives it
+        try:
+            children |= {c.pid for c in psutil.Process(p.pid).children(recursive=True)}
+        except psutil.Error:
+            pass
+    out, err = p.communicate(timeout=100)
+    assert p.returncode == 1, out + err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("reshard: bench io: w1 local: setup (setup, 1 ranks) failed: "), err
+    assert "did not answer within --timeout 0.2 s" in last
+    assert "Traceback (most recent call last)" not in err
+    assert list(tmp_path.iterdir()) == []
+    assert children and not [c for c in children if psutil.pid_exists(c)
+                             and psutil.Process(c).status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.timeout(120)
+def test_s3_endpoint_bucket_is_removed_and_an_unreachable_one_is_named(monkeypatch) -> None:
+    """`--s3-endpoint URL`: the bucket the run creates there is deleted at the
+    end (its objects were, the bucket was left behind on every run); an
+    endpoint that does not answer is one line naming it, exit 2."""
+    import boto3
+
+    from reshard.bench.objstore import Endpoint
+    from reshard.testing.s3server import S3Server
+
+    with S3Server() as srv:
+        for k, v in srv.env().items():
+            monkeypatch.setenv(k, v)
+        ep = Endpoint(srv.url)
+        c = boto3.client("s3", endpoint_url=srv.url)
+        assert ep.bucket in {b["Name"] for b in c.list_buckets()["Buckets"]}
+        c.put_object(Bucket=ep.bucket, Key="x/manifest.json", Body=b"{}")
+        c.create_multipart_upload(Bucket=ep.bucket, Key="x/att-1.data")  # as a Ctrl-C'd save leaves it
+        ep.close()
+        assert ep.bucket not in {b["Name"] for b in c.list_buckets()["Buckets"]}
+    monkeypatch.setenv("RESHARD_S3_DEADLINE_S", "1")
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run([sys.executable, "-m", "reshard.cli", "bench", "io", "--model", "llama-tiny",
+                        "--world", "1", "--backend", "s3", "--s3-endpoint", "http://127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=100, env=env)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.startswith("reshard: bench io: S3 endpoint http://127.0.0.1:1: cannot create the bucket")
+    assert "Traceback" not in p.stderr

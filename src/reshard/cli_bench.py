@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from .cli_support import USAGE, OutputPath, fail
+from .cli_support import CHECK_FAILED, USAGE, OutputPath, fail
 
 
 @click.group("bench")
@@ -187,7 +187,7 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
     """Measure save, async save, load and reshard of a model state, with DCP,
     torch.save, safetensors and the machine's limits in the same run."""
     from .bench import report
-    from .bench.io import check_layouts, run
+    from .bench.io import BenchError, check_layouts, run
     from .progress import interactive, wanted
 
     try:
@@ -245,8 +245,15 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
         "argv": sys.argv[1:], "cpus": os.cpu_count(),
         "profile": os.path.abspath(profile_dir) if profile_dir else None, "cold": cold,
     }
-    doc = run(cfg, progress=not no_progress and (interactive() or wanted(None)), json_path=json_path,
-              scratch_dir=scratch_dir)
+    try:
+        doc = run(cfg, progress=not no_progress and (interactive() or wanted(None)), json_path=json_path,
+                  scratch_dir=scratch_dir)
+    except BenchError as e:
+        if os.environ.get("RESHARD_TRACEBACK"):
+            raise
+        fail(USAGE if e.phase == "s3 endpoint" else CHECK_FAILED,
+             f"bench io: {e}" + (f"; the worlds measured before it are in {e.partial_json}"
+                                 if e.partial_json else ""))
     if demo is not None:
         doc["demo"] = report.demo_compare(doc, demo)
     click.echo(report.table(doc))

@@ -95,6 +95,18 @@ def check_layouts(model: str, layout: str, reshard_to: list[str], worlds: list[i
     return worlds or [1, 2]
 
 
+class BenchError(RuntimeError):
+    """A phase failed on the ranks (a rank raised, died, or did not answer
+    within ``--timeout``). ``phase`` names it; ``partial_json`` is the
+    ``--json`` path holding the records of the worlds completed before it
+    (None when none was written)."""
+
+    def __init__(self, message: str, phase: str) -> None:
+        super().__init__(message)
+        self.phase = phase
+        self.partial_json: str | None = None
+
+
 class Runner:
     """Runs the phases on the pool and collects one record per measurement."""
 
@@ -114,9 +126,22 @@ class Runner:
 
     # -- helpers
     def run(self, world: int, fn: Any, *args: Any) -> list[Any]:
+        from ..testing.pool import WorkerError
+
         if self.bar is not None:  # the phase under way, shown while it runs
             self.bar.set_postfix_str(f"{self.ctx} ({fn.__name__})", refresh=True)
-        return self.pool.run(world, fn, *args, timeout=self.cfg["timeout"])
+        try:
+            return self.pool.run(world, fn, *args, timeout=self.cfg["timeout"])
+        except WorkerError as e:
+            phase = f"{self.ctx} ({fn.__name__}, {world} ranks)"
+            why = [f"rank {r} raised {name}: {' '.join(str(msg).split())[:300]}"
+                   for r, (name, msg, _tb) in sorted(e.failures.items())]
+            if e.hung:
+                why.append(f"ranks {e.hung} did not answer "
+                           + ("after the first failure" if e.failures else
+                              f"within --timeout {self.cfg['timeout']:g} s")
+                           + " (killed; their stacks are on stderr)")
+            raise BenchError(f"{phase} failed: {'; '.join(why)}", phase) from e
 
     ctx = ""
 
@@ -412,11 +437,15 @@ def run(cfg: dict[str, Any], *, progress: bool, json_path: str | None = None,
     runner = Runner(cfg, progress)
     runner.notes.extend(_notes(cfg))
     t0 = time.perf_counter()
+    wrote = False
     try:
         if "s3" in cfg["backends"]:  # before any rank starts: they inherit the AWS variables
             from .objstore import Endpoint
 
-            runner.s3 = Endpoint(cfg["s3_endpoint"])
+            try:
+                runner.s3 = Endpoint(cfg["s3_endpoint"])
+            except RuntimeError as e:
+                raise BenchError(str(e), "s3 endpoint") from e
         if progress:
             runner.bar = bar(_phase_count(cfg), "bench io", enabled=True, unit="phase")
         for b in cfg["backends"]:
@@ -432,6 +461,10 @@ def run(cfg: dict[str, Any], *, progress: bool, json_path: str | None = None,
                         json.dump({"config": {**cfg, "skip": sorted(cfg["skip"])}, "meta": meta,
                                    "notes": runner.notes, "partial": True, "records": runner.records},
                                   f, indent=1, default=str)
+                    wrote = True
+    except BenchError as e:
+        e.partial_json = json_path if wrote else None
+        raise
     finally:
         if runner.bar is not None:
             runner.bar.close()
