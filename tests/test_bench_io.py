@@ -290,3 +290,38 @@ def test_s3_endpoint_bucket_is_removed_and_an_unreachable_one_is_named(monkeypat
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stderr.startswith("reshard: bench io: S3 endpoint http://127.0.0.1:1: cannot create the bucket")
     assert "Traceback" not in p.stderr
+
+
+def _load_record(method: str, ranks: int, *, ok: bool = True, target: str | None = None) -> dict:
+    """A load record as Runner.record writes it (one call per rank, timed once)."""
+    rec = {"phase": "reshard" if target else "load", "method": method, "world": 2, "backend": "local",
+           "loadavg": [1.0], "per_rank": [
+               {"rank": r, "own_s": [0.1], "total_s": [0.1 * ranks], "fingerprint_ok": ok,
+                "timings": [{"manifest": 0.01, "plan": 0.01, "read": 0.05 * ranks, "place": 0.01}]}
+               for r in range(ranks)]}
+    if target:
+        rec.update(target=target, target_world=ranks)
+    return rec
+
+
+def test_a_differing_state_is_named_and_each_reshard_panel_plots_its_own_target(tmp_path: Path) -> None:
+    """A load whose state differs from the saved one is named by
+    state_mismatches (the command exits 1 on it; the table only said STATE
+    DIFFERS and the exit was 0); the plot's "load into T" panel takes T's own
+    per-rank timings (with two --reshard-to it titled the first target and
+    drew the last one's ranks)."""
+    from reshard.bench import report
+
+    setup = {"phase": "setup", "method": "build", "world": 2, "backend": "local", "loadavg": [1.0],
+             "logical_bytes": 1e6, "layout": "fsdp2",
+             "per_rank": [{"local_bytes": 5e5, "tensors": 3, "params": 10} for _ in range(2)]}
+    records = [setup, _load_record("reshard", 2), _load_record("reshard", 1, target="fsdp1<-fsdp2"),
+               _load_record("reshard", 4, target="fsdp4<-fsdp2", ok=False)]
+    doc = {"summary": report.summarise(records, {}), "records": records}
+    assert report.state_mismatches(doc) == ["local/w2 reshard reshard@fsdp4<-fsdp2"]
+    records[-1] = _load_record("reshard", 4, target="fsdp4<-fsdp2")
+    doc = {"summary": report.summarise(records, {}), "records": records}
+    assert report.state_mismatches(doc) == []
+    assert len(report._load_timings(doc, "local/w2", "reshard", "fsdp1<-fsdp2")) == 1
+    assert len(report._load_timings(doc, "local/w2", "reshard", "fsdp4<-fsdp2")) == 4
+    assert len(report._load_timings(doc, "local/w2")) == 2

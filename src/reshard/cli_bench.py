@@ -185,7 +185,10 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
            plot_path: str | None, timeout: float, profile_dir: str | None, demo_report: str | None,
            cold: bool, no_progress: bool) -> None:
     """Measure save, async save, load and reshard of a model state, with DCP,
-    torch.save, safetensors and the machine's limits in the same run."""
+    torch.save, safetensors and the machine's limits in the same run.
+
+    Every load is checked bit for bit against the saved state: exit 1 when
+    one differs (or a phase failed on the ranks), after the report."""
     from .bench import report
     from .bench.io import BenchError, check_layouts, run
     from .progress import interactive, wanted
@@ -264,3 +267,6 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
     if plot_path:
         report.plot(doc, plot_path)
         click.echo(f"plot written to {plot_path}")
+    bad = report.state_mismatches(doc)
+    if bad:  # a load that did not give back the saved state is a failed check, never a figure
+        fail(CHECK_FAILED, f"bench io: the loaded state differs from the saved one after: {', '.join(bad)}")

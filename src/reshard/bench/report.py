@@ -262,7 +262,7 @@ def table(doc: dict[str, Any]) -> str:
         if s.get("cold"):
             lines.append("first calls in freshly started processes (no warm-up): " + "; ".join(
                 f"{_COLD.get(m.split('@')[0], m)}{' into ' + m.split('@')[1].split('<-')[0] if '@' in m else ''} "
-                f"{e['s']:.2f} s" for m, e in s["cold"].items()))
+                f"{e['s']:.2f} s{'' if e['fingerprint_ok'] else ' STATE DIFFERS'}" for m, e in s["cold"].items()))
         if "train" in s:
             tr = s["train"]
             r0 = tr["per_rank"][0]
@@ -287,6 +287,15 @@ def table(doc: dict[str, Any]) -> str:
     for n in doc["notes"]:
         lines.append(f"note: {n}")
     return "\n".join(lines)
+
+
+def state_mismatches(doc: dict[str, Any]) -> list[str]:
+    """Every load of the run whose state differed from the saved one
+    (``"<backend>/w<N> <phase> <method>[@<target>]"``): the bench checks each
+    load bit for bit, and ``reshard bench io`` exits 1 when this is not empty."""
+    return [f"{key} {phase} {m}" for key, s in doc["summary"].items()
+            for phase in ("load", "reshard", "cold") for m, e in s.get(phase, {}).items()
+            if not e.get("fingerprint_ok", True)]
 
 
 def _target(k: str, v: Any) -> str:
@@ -350,7 +359,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
                 ax.text(0.5, 0.5, "not measured", ha="center")
                 continue
             timings = ([p["timings"] for p in e["per_rank"]] if phase == "save" else
-                       _load_timings(doc, key, phase))
+                       _load_timings(doc, key, phase, e.get("target")))
             for r, t in enumerate(timings):
                 x = 0.0
                 for k in parts:
@@ -373,7 +382,8 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax.set_xlabel("world size")
     ax.set_ylabel("GB/s of logical state")
     ax.set_title("scaling over world sizes and backends", fontsize=9)
-    ax.legend(fontsize=6)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6)
     ax = axes[-1][1]
     for key in keys:
         a = summ[key]["async"]
@@ -387,10 +397,15 @@ def plot(doc: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def _load_timings(doc: dict[str, Any], key: str, phase: str = "load") -> list[dict[str, float]]:
+def _load_timings(doc: dict[str, Any], key: str, phase: str = "load",
+                  target: str | None = None) -> list[dict[str, float]]:
+    """Each rank's phase timings of the last reshard load of run ``key``
+    (``"local/w2"``); for ``phase="reshard"``, of the load into ``target``
+    (``"fsdp1<-fsdp2"``; the record's own target, not the last one's)."""
     backend, w = key.split("/w")
     for r in reversed(doc["records"]):
-        if (r["phase"], r["method"], r["backend"], str(r["world"])) == (phase, "reshard", backend, w):
+        if (r["phase"], r["method"], r["backend"], str(r["world"]), r.get("target")) == (
+                phase, "reshard", backend, w, target):
             return [p["timings"][-1] if p.get("timings") else {} for p in r["per_rank"]]
     return []
 
