@@ -28,6 +28,7 @@ from .cli_support import (
     Main,
     OutputPath,
     fail,
+    finite,
     human_bytes,
     json_option,
     one_line,
@@ -279,11 +280,15 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
               help="Failure log: one failure time per line (seconds since the epoch or ISO 8601).")
 @click.option("--bench", "bench_json", type=click.Path(dir_okay=False, exists=True), default=None,
               help="JSON from benchmarks/bench_core.py or `reshard bench io` (its reshard save time is the cost C).")
-@click.option("--cost-s", type=float, default=None, help="Foreground cost of one checkpoint, seconds.")
-@click.option("--step-time-s", type=float, required=True, help="Seconds per training step.")
-@click.option("--every-steps", type=int, required=True, help="Current cadence: checkpoint every N steps.")
-@click.option("--tokens-per-step", type=int, default=0, help="Tokens per step (for tokens lost).")
-@click.option("--restart-s", type=float, default=0.0, help="Fixed restart cost per failure, seconds.")
+@click.option("--cost-s", type=float, default=None, callback=finite(0.0, open_low=False),
+              help="Foreground cost of one checkpoint, seconds.")
+@click.option("--step-time-s", type=float, required=True, callback=finite(0.0, open_low=True),
+              help="Seconds per training step.")
+@click.option("--every-steps", type=click.IntRange(min=1), required=True,
+              help="Current cadence: checkpoint every N steps.")
+@click.option("--tokens-per-step", type=click.IntRange(min=0), default=0, help="Tokens per step (for tokens lost).")
+@click.option("--restart-s", type=float, default=0.0, callback=finite(0.0, open_low=False),
+              help="Fixed restart cost per failure, seconds.")
 @json_option
 def advise_cmd(failures_log: str, bench_json: str | None, cost_s: float | None, step_time_s: float,
                every_steps: int, tokens_per_step: int, restart_s: float, json_path: str | None) -> None:
@@ -292,20 +297,32 @@ def advise_cmd(failures_log: str, bench_json: str | None, cost_s: float | None, 
     the current cadence and at the optimum."""
     from .manager import young_daly_interval
 
-    times = sorted(_parse_time(line) for line in open(failures_log) if line.strip()
-                   and not line.lstrip().startswith("#"))
+    times = []
+    with open(failures_log, encoding="utf-8", errors="replace") as f:
+        for no, line in enumerate(f, 1):
+            if line.strip() and not line.lstrip().startswith("#"):
+                try:
+                    times.append(_parse_time(line))
+                except ValueError:
+                    raise click.BadParameter(f"{failures_log}:{no}: {line.strip()[:80]!r} is neither seconds "
+                                             "since the epoch nor an ISO 8601 time",
+                                             param_hint="--failures") from None
+    times.sort()
     if len(times) < 2:
         _fail(2, f"{failures_log}: need at least two failure times")
     mtbf = (times[-1] - times[0]) / (len(times) - 1)
+    if not mtbf > 0:
+        _fail(2, f"{failures_log}: the {len(times)} failure times are all the same instant (no MTBF)")
+    source = "--cost-s"
     if cost_s is None:
         if bench_json is None:
             _fail(2, "give --cost-s or --bench")
-        cost_s = _bench_cost(bench_json)
+        cost_s, source = _bench_cost(bench_json)
     t_opt = young_daly_interval(cost_s, mtbf)
     cur = every_steps * step_time_s
     click.echo(f"failures       : {len(times)} over {(times[-1] - times[0]) / 3600:.1f} h")
     click.echo(f"MTBF           : {mtbf:.0f} s ({mtbf / 3600:.2f} h)")
-    click.echo(f"checkpoint cost: {cost_s:.3f} s (foreground)")
+    click.echo(f"checkpoint cost: {cost_s:.3f} s (foreground; {source})")
     click.echo(f"optimal interval (Young/Daly sqrt(2*C*MTBF)): {t_opt:.0f} s = "
                f"{max(1, round(t_opt / step_time_s))} steps")
     figures: dict[str, Any] = {"failures": len(times), "mtbf_s": mtbf, "cost_s": cost_s,
@@ -335,17 +352,28 @@ def _parse_time(text: str) -> float:
         return datetime.fromisoformat(t).timestamp()
 
 
-def _bench_cost(path: str) -> float:
+def _bench_cost(path: str) -> tuple[float, str]:
     """The median reshard save time of a ``benchmarks/bench_core.py --json``
-    file, or of a ``reshard bench io --json`` file (its largest world size)."""
+    file, or of a ``reshard bench io --json`` file (its largest world size,
+    on a real store: local or s3 before ``memory://``, which lives in the
+    process), and where it was taken from."""
     try:
-        doc = json.load(open(path))
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        where = f"reshard.save median of {path}"
         if "save" not in doc and "summary" in doc:
-            runs = sorted(doc["summary"].values(), key=lambda s: len(s["local_bytes_per_rank"]))
-            doc = runs[-1]
-        return float(doc["save"]["reshard"]["median_s"])
-    except (KeyError, TypeError, ValueError, IndexError) as e:
+            summ = doc["summary"]
+            runs = sorted((k for k, s in summ.items() if "reshard" in s["save"]),
+                          key=lambda k: (not k.startswith("memory/"), len(summ[k]["local_bytes_per_rank"]),
+                                         k.startswith("local/")))
+            where = f"reshard.save median of {runs[-1]} in {path}"
+            doc = summ[runs[-1]]
+        cost = float(doc["save"]["reshard"]["median_s"])
+    except (KeyError, TypeError, ValueError, IndexError, UnicodeDecodeError) as e:
         raise click.BadParameter(f"{path}: no save.reshard.median_s ({e})", param_hint="--bench") from None
+    if not (cost >= 0 and cost != float("inf")):
+        raise click.BadParameter(f"{path}: save.reshard.median_s is {cost}", param_hint="--bench")
+    return cost, where
 
 
 @main.command("inspect")

@@ -7,14 +7,13 @@ model state on real gloo ranks (the engine is :mod:`reshard.bench`).
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from typing import Any
 
 import click
 
-from .cli_support import CHECK_FAILED, USAGE, OutputPath, fail
+from .cli_support import CHECK_FAILED, USAGE, OutputPath, fail, finite
 
 
 @click.group("bench")
@@ -96,15 +95,6 @@ def bench_scale_cmd(tp: int, pp: int, dp: int, ep: int, model: str, optimizer: s
 
 
 
-def _finite(low: float, *, open_low: bool) -> Any:
-    """A click callback: a finite number ``> low`` (``open_low``) or ``>= low``."""
-    def check(ctx: click.Context, param: click.Parameter, value: float) -> float:
-        if not math.isfinite(value) or value < low or (open_low and value == low):
-            raise click.BadParameter(f"{value}: a finite number {'>' if open_low else '>='} {low:g}")
-        return value
-    return check
-
-
 def _methods() -> set[str]:
     """Every name ``--skip`` may give: the methods (the peers, the limits and
     reshard's own) and the phases :mod:`reshard.bench.io` checks for."""
@@ -147,14 +137,14 @@ def _ints(text: str | None) -> list[int] | None:
 @click.option("--repeat", type=click.IntRange(1, 20), default=2, show_default=True,
               help="Timed runs per method (min and median reported).")
 @click.option("--synthetic-mib", type=float, default=256.0, show_default=True,
-              callback=_finite(0.0, open_low=True),
+              callback=finite(0.0, open_low=True),
               help="MiB of parameters of the synthetic model (state: 3x with the moments).")
 @click.option("--seq-len", type=click.IntRange(2, 1024), default=16, show_default=True,
               help="Tokens per sample of the training step.")
 @click.option("--steps", type=click.IntRange(1, 100), default=3, show_default=True,
               help="Training steps with no save in flight before each background save.")
 @click.option("--settle", type=float, default=0.5, show_default=True,
-              callback=_finite(0.0, open_low=False),
+              callback=finite(0.0, open_low=False),
               help="Seconds of rest after os.sync() before each timed save.")
 @click.option("--skip", default="", help="Comma-separated methods (e.g. dcp-async-process, reshard-nocheck) "
               "or phases (rss, train, async, save, load; no save: no load either) to leave out.")
@@ -165,7 +155,7 @@ def _ints(text: str | None) -> list[int] | None:
 @click.option("--plot", "plot_path", type=OutputPath(), default=None,
               help="Write a PNG: per-rank timelines of save and load, and the scaling over world sizes.")
 @click.option("--timeout", type=float, default=1800.0, show_default=True,
-              callback=_finite(0.0, open_low=True),
+              callback=finite(0.0, open_low=True),
               help="Seconds one phase may take on the ranks.")
 @click.option("--profile", "profile_dir", type=click.Path(file_okay=False), default=None,
               help="Profile every timed reshard save and load with pyinstrument (a dev dependency) "
