@@ -107,6 +107,15 @@ def test_missing_optional_packages_say_how_to_install(monkeypatch: pytest.Monkey
     assert not (tmp_path / "d").exists()
 
 
+@pytest.mark.parametrize("lr", ["nan", "-1", "inf"])
+def test_demo_bad_learning_rate_is_a_usage_error_before_any_rank(tmp_path: Path, lr: str) -> None:
+    """Was a Python traceback from AdamW on the ranks ("Invalid learning
+    rate"), after the demo had started its processes and its output folder."""
+    _one_line_error(_run("demo", "--out", str(tmp_path / "d"), "--size", "tiny", "--data", "random",
+                         "--lr", lr), 2, "--lr", "a finite number >= 0")
+    assert not (tmp_path / "d").exists()
+
+
 def test_verify_failure_exits_1_and_json(tmp_path: Path, ck: Path) -> None:
     j = tmp_path / "v.json"
     assert _run("verify", str(ck), "--json", str(j)).exit_code == 0
