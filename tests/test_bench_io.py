@@ -229,7 +229,12 @@ def test_bench_scale_smoke_beside_io() -> None:
     r = CliRunner().invoke(main, ["bench", "scale", "--tp", "2", "--pp", "2", "--dp", "2", "--model",
                                   "llama-8b", "--only-largest"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
-    assert "8 ranks" in r.output
+    assert "8 ranks; loaded into tp1,pp1,dp8" in r.output  # the default load layout, said
+    # more pipeline stages than the model has layers: refused (stages without a layer were simulated)
+    for args in (["--pp", "200"], ["--pp", "2", "--reshard-to", "tp1,pp64,dp1"]):
+        r = CliRunner().invoke(main, ["bench", "scale", "--tp", "2", "--dp", "1", "--model", "llama-8b",
+                                      "--only-largest", *args])
+        assert r.exit_code == 2 and "more stages than layers" in r.output, r.output
 
 
 @pytest.mark.timeout(120)

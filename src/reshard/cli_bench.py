@@ -71,12 +71,17 @@ def bench_scale_cmd(tp: int, pp: int, dp: int, ep: int, model: str, optimizer: s
         tgt = parse_layout(target) if target else None
     except ValueError as e:
         fail(USAGE, str(e))
+    from .testing.scale_sim import default_target
+
+    layers = MODELS[model]["layers"]
+    for what, x in (("--pp", lay), ("--reshard-to", tgt)):
+        if x is not None and x.pp > layers:  # stages without a layer: a layout nobody can run
+            fail(USAGE, f"{what}: pp{x.pp} splits {model}'s {layers} layers into more stages than layers")
     opt = "adam" if optimizer == "adam" else "none"
-    click.echo(f"{model}, {opt}, ZeRO-{zero} ({zero_split} split): {lay} = {lay.world} ranks")
+    click.echo(f"{model}, {opt}, ZeRO-{zero} ({zero_split} split): {lay} = {lay.world} ranks; "
+               f"loaded into {tgt or default_target(lay)}")
     click.echo(HEADER)
     if only_largest:
-        from .testing.scale_sim import default_target
-
         rows = [simulate_one(model, lay, tgt or default_target(lay), optimizer=opt, zero_split=zero_split)]
         click.echo(format_row(rows[0]))
     else:
