@@ -153,7 +153,7 @@ def _ints(text: str | None) -> list[int] | None:
               help="Seconds of rest after os.sync() before each timed save.")
 @click.option("--skip", default="", help="Comma-separated methods (e.g. dcp-async-process, reshard-nocheck) "
               "or phases (rss, train, async, save, load; no save: no load either) to leave out.")
-@click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None,
+@click.option("--dir", "scratch_dir", type=click.Path(file_okay=False, exists=True), default=None,
               help="Scratch directory on the disk to measure (default: a temporary one).")
 @click.option("--json", "json_path", type=OutputPath(), default=None,
               help="Write every record (one per phase measurement) and the summary here.")
