@@ -119,7 +119,7 @@ def _ints(text: str | None) -> list[int] | None:
                                  param_hint="--world") from None
     if not out or min(out) < 1 or max(out) > 8:
         raise click.BadParameter(f"{text!r}: world sizes from 1 to 8", param_hint="--world")
-    return out
+    return list(dict.fromkeys(out))  # a size given twice ran twice, its records merged into one summary
 
 
 @bench_group.command("io")
@@ -208,7 +208,11 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
         what = "--reshard-to" if reshard_to else "--demo-report"
         raise click.BadParameter(f"{', '.join(sorted(skipped))} skipped: {what} loads the reshard save's "
                                  "checkpoint, which is then not written or not loaded", param_hint="--skip")
-    backends = [b.strip() for b in backend.split(",") if b.strip()]
+    backends = list(dict.fromkeys(b.strip() for b in backend.split(",") if b.strip()))
+    seen: dict[str, str] = {}  # one load per target layout (a target given twice was measured twice)
+    for t in reshard_to:
+        seen.setdefault(str(parse_layout(t)), t)
+    reshard_to = tuple(seen.values())
     for b in backends:
         if b not in ("local", "memory", "s3"):
             raise click.BadParameter(f"backend {b!r}: one of local, memory, s3", param_hint="--backend")
