@@ -377,3 +377,16 @@ def test_world_sizes_given_twice_run_once() -> None:
 
     assert _ints("1,2,1,2") == [1, 2]
 
+
+
+def test_memory_backend_figures_say_what_they_measure() -> None:
+    """memory:// keeps the checkpoints in the rank's memory: the report says
+    its RSS targets measure the store, and its save is not fsync'd (the
+    table's header said "save (fsync)" and the async RSS target read "NO")."""
+    from reshard.bench.io import _notes
+
+    notes = _notes({"layout": "fsdp", "backends": ["local", "memory"], "s3_endpoint": None})
+    assert any(n.startswith("memory://: the store keeps every checkpoint in the rank's own memory")
+               and "nothing is fsync'd" in n for n in notes)
+    assert not any(n.startswith("memory://") for n in _notes({"layout": "fsdp", "backends": ["local"],
+                                                               "s3_endpoint": None}))

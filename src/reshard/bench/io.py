@@ -409,6 +409,10 @@ def _notes(cfg: dict[str, Any]) -> list[str]:
         out.append(f"layout {cfg['layout']}: the demo trainer's state (manual TP views, GPipe stages, ZeRO-1 "
                    "moments, RNG, data cursor); DCP, torch.save and safetensors have no equivalent of it, "
                    "so only reshard and the limits are measured")
+    if "memory" in cfg["backends"]:
+        out.append("memory://: the store keeps every checkpoint in the rank's own memory, so its peak extra "
+                   "RSS counts the stored bytes (async_rss_over_state, async_rss_flat measure the store there, "
+                   "not the staging buffers), and nothing is fsync'd")
     if "s3" in cfg["backends"]:
         out.append(f"s3 ({cfg['s3_endpoint'] or 'moto server on 127.0.0.1, started for this run'}): DCP, "
                    "torch.save and safetensors have no S3 writer; the limits are raw boto3 uploads and ranged "

@@ -209,7 +209,8 @@ def table(doc: dict[str, Any]) -> str:
         sv = s["save"]
         lim, dcp = _t(s, "save", "limit-write"), _t(s, "save", "dcp")
         if sv:
-            rows.append(("save (durable)" if s3 else "save (fsync)", "min s", "med s", "GB/s", "x limit",
+            rows.append(("save (durable)" if s3 else "save (in memory)" if key.startswith("memory/") else
+                         "save (fsync)", "min s", "med s", "GB/s", "x limit",
                          "x DCP", ""))
         for m, e in sv.items():
             extra = []
