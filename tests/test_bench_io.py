@@ -390,3 +390,33 @@ def test_memory_backend_figures_say_what_they_measure() -> None:
                and "nothing is fsync'd" in n for n in notes)
     assert not any(n.startswith("memory://") for n in _notes({"layout": "fsdp", "backends": ["local"],
                                                                "s3_endpoint": None}))
+
+
+@pytest.mark.timeout(180)
+def test_a_second_ctrl_c_does_not_cut_the_cleanup_short(tmp_path: Path) -> None:
+    """Ctrl-C, then again and again while the run cleans up (the ranks, the
+    S3 endpoint it started): nothing left in --dir (a second Ctrl-C cut the
+    cleanup short, leaving the scratch folder)."""
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "reshard.cli", "bench", "io", "--model", "llama-tiny", "--world", "2",
+         "--repeat", "1", "--dir", str(tmp_path), "--backend", "s3", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal starts it
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(2.0)  # moto's server is up, the ranks are starting: the cleanup stops both
+    p.send_signal(signal.SIGINT)
+    for _ in range(20):  # again and again while it cleans up
+        time.sleep(0.05)
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    # 130, or killed by one of the later SIGINTs after "reshard: interrupted"
+    assert p.returncode in (130, -signal.SIGINT), (p.returncode, err[-2000:])
+    assert "reshard: interrupted" in err
+    assert list(tmp_path.iterdir()) == []

@@ -426,8 +426,9 @@ def _exit_on_termination() -> dict[int, Any]:
     run the way Ctrl-C does: ``SystemExit(128 + signal)`` in the main thread,
     so the ranks, the S3 endpoint and the scratch checkpoints are removed
     (the default action ended this process at once and left them: 1.4 GB of
-    scratch checkpoints for a 64 MiB synthetic model). A second signal
-    during that cleanup is ignored. Returns the handlers to restore."""
+    scratch checkpoints for a 64 MiB synthetic model). During that cleanup
+    (see :func:`run`) these and SIGINT are ignored. Returns the handlers to
+    restore."""
     if threading.current_thread() is not threading.main_thread():
         return {}
     ending = threading.Event()
@@ -492,14 +493,20 @@ def run(cfg: dict[str, Any], *, progress: bool, json_path: str | None = None,
         e.partial_json = json_path if wrote else None
         raise
     finally:
-        if runner.bar is not None:
-            runner.bar.close()
-        runner.close()
-        if runner.s3 is not None:
-            runner.s3.close()
-        shutil.rmtree(scratch, ignore_errors=True)
-        for sig, h in handlers.items():
-            signal.signal(sig, h)
+        if handlers:  # the cleanup is not cut short by a second Ctrl-C (it left the scratch folder)
+            handlers.setdefault(signal.SIGINT, signal.signal(signal.SIGINT, signal.SIG_IGN))
+            for sig in handlers:
+                signal.signal(sig, signal.SIG_IGN)
+        try:
+            if runner.bar is not None:
+                runner.bar.close()
+            runner.close()
+            if runner.s3 is not None:
+                runner.s3.close()
+            shutil.rmtree(scratch, ignore_errors=True)
+        finally:
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
     meta["loadavg_end"] = list(os.getloadavg())
     meta["wall_s"] = time.perf_counter() - t0
     cfg["skip"] = sorted(cfg["skip"])
