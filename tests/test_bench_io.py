@@ -420,3 +420,15 @@ def test_a_second_ctrl_c_does_not_cut_the_cleanup_short(tmp_path: Path) -> None:
     assert p.returncode in (130, -signal.SIGINT), (p.returncode, err[-2000:])
     assert "reshard: interrupted" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, tmp_path: Path) -> None:
+    """Was found only after the whole run, when the plot was drawn."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # find_spec: not installed
+    r = CliRunner().invoke(main, ["bench", "io", "--model", "llama-tiny", "--world", "1",
+                                  "--plot", str(tmp_path / "p.png")])
+    assert r.exit_code == 2 and "--plot needs matplotlib" in r.output, r.output
+    assert "reshard bench io:" not in r.output  # no run
+    r = CliRunner().invoke(main, ["bench", "scale", "--model", "llama-8b", "--plot", str(tmp_path / "s.png")])
+    assert r.exit_code == 2 and "--plot needs matplotlib" in r.output, r.output
+

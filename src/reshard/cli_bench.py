@@ -64,6 +64,11 @@ def bench_scale_cmd(tp: int, pp: int, dp: int, ep: int, model: str, optimizer: s
 
     if model not in MODELS:
         fail(USAGE, f"unknown model {model!r} (one of {sorted(MODELS)})")
+    if plot_path:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            fail(USAGE, "--plot needs matplotlib (pip install 'reshard[demo]')")
     if ep > 1 and (dp % ep or not MODELS[model]["experts"]):
         fail(USAGE, "--ep needs a moe-* model and must divide --dp")
     lay = Layout(tp=tp, pp=pp, dp=dp, ep=ep)
@@ -233,6 +238,11 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
                 demo = report.parse_demo_report(f.read())
         except ValueError as e:
             raise click.BadParameter(f"{demo_report}: {e}", param_hint="--demo-report") from None
+    if plot_path:  # checked now, not after a run of minutes
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise click.UsageError("--plot needs matplotlib (pip install 'reshard[demo]')")
     if profile_dir:
         try:
             import pyinstrument  # noqa: F401
