@@ -214,6 +214,13 @@ def test_demo_report_beside_the_bench() -> None:
     assert cmp["save_ratio_cold"] == pytest.approx(1.125)
     assert not cmp["within_2x"] and "CheckpointManager" in cmp["why"]
     assert "demo/bench x3.00" in "\n".join(report.demo_lines(cmp))
+    assert cmp["same_state"]
+    # the bench of another model (llama-tiny, 10 MiB) beside the bert demo: said, not judged as "within 2x"
+    s["save"]["reshard"]["stored_bytes"] = 10 << 20
+    s["save"]["reshard"]["median_s"] = 3.0  # demo/bench 1.5: "within 2x", of two different states
+    cmp = report.demo_compare({"summary": {"local/w4": s}}, d)
+    assert cmp["same_state"] is False and cmp["why"].startswith("not the same state: the demo saved 261.0 MiB")
+    assert "within 2x: yes (of different states)" in "\n".join(report.demo_lines(cmp))
     with pytest.raises(ValueError, match="not a `reshard demo` report"):
         report.parse_demo_report("hello")
 
