@@ -83,6 +83,8 @@ def test_digest_is_layout_independent_and_bit_exact() -> None:
     (["--model", "llama-tiny", "--world", "1", "--reshard-to", "fsdp0"], "a degree is at least 1"),
     (["--model", "llama-tiny", "--world", "1", "--reshard-to", "fsdp64"], "64 ranks; the runs take 1 to 8"),
     (["--model", "llama-tiny", "--layout", "tp8,pp8,dp8"], "512 ranks; the runs take 1 to 8"),
+    # a state that cannot fit (a rank of --synthetic-mib 100000 was OOM-killed on the shared machine)
+    (["--synthetic-mib", "1e7", "--world", "1"], "the run needs about 173015.4 GB of memory"),
     (["--dir", "/nonexistent-reshard-dir/sub"], "'/nonexistent-reshard-dir/sub' does not exist"),
     # nothing to load into the other layout: was measured as nothing at all, exit 0
     (["--model", "llama-tiny", "--world", "1", "--reshard-to", "fsdp2", "--skip", "save"], "save skipped"),

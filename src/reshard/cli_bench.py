@@ -197,8 +197,19 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
         worlds = check_layouts(model, layout, list(reshard_to), _ints(world))
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+    import psutil
+
+    from .bench.io import memory_needed
     from .bench.models import parse_layout
 
+    need, avail = memory_needed(model, layout, worlds, list(reshard_to), synthetic_mib), \
+        psutil.virtual_memory().available
+    if need > avail:
+        raise click.UsageError(f"--model {model}" + (f" --synthetic-mib {synthetic_mib:g}" if model == "synthetic"
+                                                     else "") +
+                               f": the run needs about {need / 1e9:.1f} GB of memory (the state and its copies "
+                               f"on every rank), {avail / 1e9:.1f} GB is available; use a smaller state or "
+                               "fewer ranks")
     fixed = parse_layout(layout)
     if fixed.kind != "grid" and fixed.world is not None and any(w != fixed.world for w in worlds):
         raise click.BadParameter(f"layout {layout!r} names {fixed.world} ranks, but the runs are at "

@@ -97,6 +97,29 @@ def check_layouts(model: str, layout: str, reshard_to: list[str], worlds: list[i
     return worlds or [1, 2]
 
 
+#: logical state bytes (parameters + AdamW moments) of the fixed workloads (measured: the setup's figure)
+STATE_BYTES = {"gpt2-small": 1.49e9, "bert-minilm": 0.32e9, "llama-tiny": 0.01e9}
+#: resident bytes of a rank with torch imported and nothing built (about 350 MiB measured), rounded up
+RANK_BASE_BYTES = 0.4e9
+
+
+def memory_needed(model: str, layout: str, worlds: list[int], reshard_to: list[str],
+                  synthetic_mib: float) -> float:
+    """Bytes of memory the largest world of the run needs, about: each rank
+    holds its share of the state (all of it when replicated) and, with the
+    peers' copies, up to about 5.5x that (the README's measurement), plus
+    :data:`RANK_BASE_BYTES`. An estimate to refuse a run that cannot fit
+    (a rank of `--synthetic-mib 100000` was killed by the kernel's OOM killer,
+    which may pick any process of the machine)."""
+    state = 3 * synthetic_mib * (1 << 20) if model == "synthetic" else STATE_BYTES[model]
+    spec = parse_layout(layout)
+    need = 0.0
+    for w in [*worlds, *(parse_layout(t).world or max(worlds) for t in reshard_to)]:
+        copies = w if spec.kind == "dp" else 1  # replicated: every rank holds the whole state
+        need = max(need, 5.5 * state * copies + RANK_BASE_BYTES * w)
+    return need
+
+
 class BenchError(RuntimeError):
     """A phase failed on the ranks (a rank raised, died, or did not answer
     within ``--timeout``). ``phase`` names it; ``partial_json`` is the
