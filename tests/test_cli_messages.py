@@ -300,7 +300,7 @@ def test_ls_shows_a_checkpoint_that_failed_its_check_as_failed(tmp_path: Path) -
     raw[len(raw) // 2] ^= 1
     f.write_bytes(bytes(raw))
     r = _run("gc", str(root), "--keep-last", "1")
-    assert r.exit_code == 0 and "smoke test step-00000002: FAILED" in r.stdout, r.output
+    assert r.exit_code == 1 and "smoke test step-00000002: FAILED" in r.stdout, r.output  # gc says so
     r = _run("ls", str(root))
     assert r.exit_code == 0, r.output
     rows = {ln.split()[-1]: ln for ln in r.stdout.splitlines() if ln.strip().startswith(("1 ", "2 "))}
@@ -349,3 +349,23 @@ def test_a_progress_bar_leaves_no_semaphore_under_spawn() -> None:
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]", p.stdout
     assert "leaked" not in p.stderr, p.stderr
+
+
+def test_gc_exits_1_when_a_checkpoint_fails_its_smoke_test(tmp_path: Path) -> None:
+    """``reshard gc`` in a cron job: a newest checkpoint that does not load is
+    kept (with the verified one before it) and gc exits 1 naming it (before:
+    exit 0, so the job's owner learned nothing until a restore needed it)."""
+    root = tmp_path / "ck"
+    for s in (1, 2, 3):
+        reshard.save({"w": torch.full((1000,), float(s))}, root / f"step-{s:08d}", step=s)
+    f = next((root / "step-00000003").glob("*.safetensors"))
+    raw = bytearray(f.read_bytes())
+    raw[-100] ^= 0xFF  # bit rot in the newest checkpoint's data
+    f.write_bytes(bytes(raw))
+    r = _run("gc", str(root), "--keep-last", "1")
+    assert r.exit_code == 1, r.output
+    assert "smoke test step-00000003: FAILED" in r.stdout
+    assert "1 check(s) failed" in r.stderr and "step-00000003 (smoke test)" in r.stderr
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step-00000002", "step-00000003"]
+    r = _run("gc", str(root), "--keep-last", "1")  # nothing newer passed: the same answer again
+    assert r.exit_code == 1 and (root / "step-00000002").is_dir()

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import reshard
+from _manifest_doc import write_manifest_doc
 from reshard.errors import CoverageError, IntegrityError, ShardingError
 
 
@@ -65,7 +66,7 @@ def test_declared_shape_larger_than_the_data_is_a_coverage_error(tmp_path: Path)
     mpath = tmp_path / "c" / "manifest.json"
     m = json.loads(mpath.read_text())
     m["tensors"]["w"]["global_shape"] = [6, 4]
-    mpath.write_text(json.dumps(m))
+    write_manifest_doc(mpath, m)
     with pytest.raises(CoverageError, match="chunks hold 12 elements") as ei:
         reshard.load({"w": torch.zeros(6, 4)}, tmp_path / "c")
     assert isinstance(ei.value, IntegrityError) and isinstance(ei.value, ShardingError)
@@ -76,7 +77,7 @@ def test_verify_decodes_common_values(tmp_path: Path) -> None:
     mpath = tmp_path / "c" / "manifest.json"
     m = json.loads(mpath.read_text())
     m["values"]["cfg"] = {"$pickle": "Y29zCnN5c3RlbQo="}
-    mpath.write_text(json.dumps(m))
+    write_manifest_doc(mpath, m)
     rep = reshard.verify(tmp_path / "c")
     assert not rep.ok and any("value 'cfg'" in p and "unknown tag" in p for p in rep.problems)
 
@@ -111,7 +112,7 @@ def test_hmac_signed_manifest(tmp_path: Path) -> None:
     mpath = tmp_path / "c" / "manifest.json"
     m = json.loads(mpath.read_text())
     m["step"] = 99
-    mpath.write_text(json.dumps(m))
+    write_manifest_doc(mpath, m)
     with pytest.raises(IntegrityError, match="HMAC does not match"):
         reshard.load({"w": t}, tmp_path / "c", options=reshard.LoadOptions(hmac_key=key))
     # an unsigned checkpoint is refused when a key is given

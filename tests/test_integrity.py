@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import reshard
+from _manifest_doc import write_manifest_doc
 from reshard import LoadOptions, SaveOptions, ShardedObject, ShardedTensor
 from reshard.errors import (
     CheckpointError,
@@ -41,7 +42,7 @@ def edit_manifest(path: Path, fn) -> None:
     p = path / "manifest.json"
     d = json.loads(p.read_text())
     fn(d)
-    p.write_text(json.dumps(d))
+    write_manifest_doc(p, d)
 
 
 def data_file(path: Path, m: reshard.Manifest) -> Path:
@@ -339,3 +340,17 @@ def test_partial_read_reads_about_its_share(tmp_path: Path) -> None:
     reshard.load({"w": q2}, str(ck), storage=storage2)
     assert q2.data.tolist() == big[:, : cols // 4].tolist()
     assert storage2.bytes_read <= nbytes + 64 * 1024
+
+
+def test_a_directory_named_manifest_json_is_an_invalid_checkpoint(tmp_path: Path) -> None:
+    """A directory where the manifest should be (a bad copy, a tool's mkdir)
+    is one invalid checkpoint, skipped by ``latest`` (before: a StorageError
+    from ``latest(root)`` made the whole root unusable: every restart crashed)."""
+    root = tmp_path / "run"
+    save_w(root / "step-00000001")
+    (root / "step-00000002" / "manifest.json").mkdir(parents=True)
+    assert Path(str(reshard.latest(root))).name == "step-00000001"
+    with pytest.raises(ManifestError, match=r"step-00000002/manifest.json: is a directory"):
+        load_w(root / "step-00000002")
+    rep = reshard.verify(root / "step-00000002")
+    assert not rep.ok and "is a directory" in rep.problems[0]

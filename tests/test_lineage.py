@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reshard
+from _manifest_doc import sealed_json, write_manifest_doc
 from reshard.cli import main
 from reshard.commit import QUARANTINE_MARK, Entry, committed, read_head, scan
 from reshard.errors import StorageError
@@ -148,7 +149,7 @@ def test_old_manifest_decodes_without_lineage(tmp_path: Path) -> None:
     raw = json.loads((tmp_path / "c" / "manifest.json").read_bytes())
     assert raw["parent"] is None and raw["lineage"] is None  # plain save: None unless told
     del raw["parent"], raw["lineage"]
-    m = decode_manifest(json.dumps(raw).encode())
+    m = decode_manifest(sealed_json(raw))
     assert m.parent is None and m.lineage is None
     reshard.save(_state(2), tmp_path / "d", step=2, options=reshard.SaveOptions(parent="c"))
     assert reshard.inspect(tmp_path / "d").parent == "c"
@@ -356,7 +357,7 @@ def test_restore_quarantines_a_checkpoint_with_a_damaged_manifest(tmp_path: Path
     mf = root / "step-00000150" / "manifest.json"
     mf.write_bytes(mf.read_bytes()[:-20])  # torn manifest: ManifestError
     newer = root / "step-00000200" / "manifest.json"  # written by a newer reader: left alone
-    newer.write_text(json.dumps({**json.loads(newer.read_text()), "format_version": 99}))
+    write_manifest_doc(newer, {**json.loads(newer.read_text()), "format_version": 99})
     state = _blank()
     with pytest.warns(RuntimeWarning, match="invalid manifest.*quarantined as step-00000150"):
         res = _mgr(root).restore(state)

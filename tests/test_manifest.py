@@ -285,3 +285,21 @@ def test_100k_chunks_decode_and_validate() -> None:
                   files=files)
     with pytest.raises(IntegrityError, match=r"chunk at \[999, 99\]"):
         decode_manifest(encode_manifest(m2))
+
+
+@pytest.mark.parametrize("ws", [0, -1, 2**40])
+def test_world_size_outside_any_job_is_refused(ws: int) -> None:
+    m = base()
+    m["world_size"] = ws
+    with pytest.raises(ManifestError, match=rf"world_size {ws} is outside \[1, 16777216\]"):
+        dec(m)
+
+
+@pytest.mark.parametrize("alias", ["w", "rng"])
+def test_alias_that_is_also_a_saved_name_is_refused(alias: str) -> None:
+    """An alias may not shadow a saved tensor or object: which of the two a
+    load would fill is not defined."""
+    m = base()
+    m["aliases"] = {alias: "w"}
+    with pytest.raises(ManifestError, match=f"alias '{alias}' is also the name of a saved"):
+        dec(m)

@@ -568,7 +568,9 @@ def test_manifest_is_plain_json(tmp_path: Path) -> None:
     d = json.loads((tmp_path / "ck" / "manifest.json").read_text())
     assert d["format"] == "reshard" and d["format_version"] == 2
     assert d["step"] == 5 and d["schema_version"] == "v3" and d["mesh"] == {"dp": 1}
-    assert d["extra"] == {"note": "x"}
+    seal = d["extra"].pop("manifest_xxh3_64")  # the manifest's own checksum (test_manifest_seal)
+    assert d["extra"] == {"note": "x"} and len(seal) == 16 and d["required_features"] == ["manifest-seal"]
+    assert reshard.inspect(tmp_path / "ck").extra == {"note": "x"}  # as the user gave it
     assert d["tensors"]["w"]["dtype"] == "float32" and d["tensors"]["w"]["global_shape"] == [2]
     # a load expecting another schema version is refused
     with pytest.raises(ShardingError, match="schema_version 'v3' differs from the expected 'v4'"):

@@ -12,10 +12,7 @@ take ``--json PATH``. Progress bars (stderr) appear only on a terminal.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -26,12 +23,11 @@ from .cli_support import (
     CHECK_FAILED,
     USAGE,
     Main,
-    OutputPath,
     fail,
-    finite,
     human_bytes,
     json_option,
     one_line,
+    table,
     write_json,
 )
 from .commit import INCOMPLETE, RETIRED, committed, read_manifest, scan
@@ -48,15 +44,6 @@ def _when(t: float | None) -> str:
 
 def _shape(s: Sequence[int]) -> str:
     return "[" + ",".join(map(str, s)) + "]"
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[int] = (),
-           indent: str = "  ") -> None:
-    cells = [list(map(str, headers))] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    for r in cells:
-        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
-        click.echo((indent + "  ".join(parts)).rstrip())
 
 
 def _fail(code: int, msg: str) -> NoReturn:
@@ -149,7 +136,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
             pass
         else:
             click.echo(f"{key} is itself a committed checkpoint:")
-            _table(["step", "size", "files", "committed"],
+            table(["step", "size", "files", "committed"],
                    [["-" if m.step is None else m.step, human_bytes(m.total_bytes), len(m.files),
                      _when(m.created_at)]], right=(0, 1, 2))
             return
@@ -177,7 +164,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
             rows.append(["-" if e.step is None else e.step, human_bytes(em.total_bytes), len(em.files),
                          _when(em.created_at), status, em.parent or "-", branch,
                          "-" if c.metric is None else f"{c.metric:.4g}", fate, e.name])
-        _table(["step", "size", "files", "committed", "status", "parent", "branch", "metric",
+        table(["step", "size", "files", "committed", "status", "parent", "branch", "metric",
                 "retention", "name"], rows, right=(0, 1, 2))
         for name, why in failed:
             click.echo(f"failed: {name} failed its last verification: {one_line(why)[:300]}")
@@ -194,12 +181,12 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
     if quarantined:
         click.echo(f"quarantined ({len(quarantined)}; found unloadable by a restore, never loaded "
                    "or deleted automatically):")
-        _table(["step", "name", "since", "why"],
+        table(["step", "name", "since", "why"],
                [["-" if e.step is None else e.step, e.name, _when(e.mtime),
                  (e.problem or "").splitlines()[0][:160]] for e in quarantined], right=(0,))
     if abandoned:
         click.echo(f"abandoned ({len(abandoned)}, never committed; ignored by load):")
-        _table(["name", "modified", "why"],
+        table(["name", "modified", "why"],
                [[e.name, _when(e.mtime), e.problem or ("retired by an overwrite" if RETIRED in e.name
                                                        else "incomplete attempt")]
                 for e in abandoned])
@@ -217,7 +204,7 @@ def _ls_dcp(st: Any, key: str) -> None:
     if found:
         click.echo(f"DCP checkpoints ({len(found)}; reshard.load reads them, `reshard convert "
                    "--from dcp` converts them; never deleted by gc):")
-        _table(["name", "modified"], [[n, _when(t)] for n, t in found])
+        table(["name", "modified"], [[n, _when(t)] for n, t in found])
 
 
 @main.command("gc")
@@ -240,7 +227,8 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
     replace is deleted); then delete what the policy does not keep and
     abandoned attempts older than --grace. Leases, HEAD's checkpoint and
     quarantined checkpoints are never deleted. --dry-run runs the same checks
-    and predicts exactly what would be deleted."""
+    and predicts exactly what would be deleted. Exits 1 when a check failed
+    (what failed is kept; the rest of retention still applies)."""
     try:
         st, key = resolve(root)
         if not st.exists(key):
@@ -273,107 +261,9 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
                    "a save still running; pass --grace 0 once no job writes here)")
     if not decision.delete and not gone:
         click.echo("nothing to delete")
-
-
-@main.command("advise")
-@click.option("--failures", "failures_log", type=click.Path(dir_okay=False, exists=True), required=True,
-              help="Failure log: one failure time per line (seconds since the epoch or ISO 8601).")
-@click.option("--bench", "bench_json", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="JSON from benchmarks/bench_core.py or `reshard bench io` (its reshard save time is the cost C).")
-@click.option("--cost-s", type=float, default=None, callback=finite(0.0, open_low=False),
-              help="Foreground cost of one checkpoint, seconds.")
-@click.option("--step-time-s", type=float, required=True, callback=finite(0.0, open_low=True),
-              help="Seconds per training step.")
-@click.option("--every-steps", type=click.IntRange(min=1), required=True,
-              help="Current cadence: checkpoint every N steps.")
-@click.option("--tokens-per-step", type=click.IntRange(min=0), default=0, help="Tokens per step (for tokens lost).")
-@click.option("--restart-s", type=float, default=0.0, callback=finite(0.0, open_low=False),
-              help="Fixed restart cost per failure, seconds.")
-@json_option
-def advise_cmd(failures_log: str, bench_json: str | None, cost_s: float | None, step_time_s: float,
-               every_steps: int, tokens_per_step: int, restart_s: float, json_path: str | None) -> None:
-    """Checkpoint cadence from a failure log and a save benchmark: the MTBF,
-    the Young/Daly interval sqrt(2*C*MTBF), and the work lost per failure at
-    the current cadence and at the optimum."""
-    from .manager import young_daly_interval
-
-    times = []
-    with open(failures_log, encoding="utf-8", errors="replace") as f:
-        for no, line in enumerate(f, 1):
-            if line.strip() and not line.lstrip().startswith("#"):
-                try:
-                    times.append(_parse_time(line))
-                except ValueError:
-                    raise click.BadParameter(f"{failures_log}:{no}: {line.strip()[:80]!r} is neither seconds "
-                                             "since the epoch nor an ISO 8601 time",
-                                             param_hint="--failures") from None
-    times.sort()
-    if len(times) < 2:
-        _fail(2, f"{failures_log}: need at least two failure times")
-    mtbf = (times[-1] - times[0]) / (len(times) - 1)
-    if not mtbf > 0:
-        _fail(2, f"{failures_log}: the {len(times)} failure times are all the same instant (no MTBF)")
-    source = "--cost-s"
-    if cost_s is None:
-        if bench_json is None:
-            _fail(2, "give --cost-s or --bench")
-        cost_s, source = _bench_cost(bench_json)
-    t_opt = young_daly_interval(cost_s, mtbf)
-    cur = every_steps * step_time_s
-    click.echo(f"failures       : {len(times)} over {(times[-1] - times[0]) / 3600:.1f} h")
-    click.echo(f"MTBF           : {mtbf:.0f} s ({mtbf / 3600:.2f} h)")
-    click.echo(f"checkpoint cost: {cost_s:.3f} s (foreground; {source})")
-    click.echo(f"optimal interval (Young/Daly sqrt(2*C*MTBF)): {t_opt:.0f} s = "
-               f"{max(1, round(t_opt / step_time_s))} steps")
-    figures: dict[str, Any] = {"failures": len(times), "mtbf_s": mtbf, "cost_s": cost_s,
-                               "optimal_interval_s": t_opt,
-                               "optimal_every_steps": max(1, round(t_opt / step_time_s))}
-    for label, interval in (("current", cur), ("optimal", t_opt)):
-        lost_s = interval / 2 + restart_s  # expected: half an interval of work, plus the restart
-        steps = lost_s / step_time_s
-        overhead = cost_s / interval if interval > 0 else float("inf")
-        figures[label] = {"interval_s": interval, "loss_per_failure_s": lost_s,
-                          "loss_per_failure_steps": steps, "overhead": overhead}
-        line = (f"{label:<8}: every {interval:.0f} s -> expected loss per failure {lost_s:.0f} s = "
-                f"{steps:.1f} steps")
-        if tokens_per_step:
-            line += f" = {steps * tokens_per_step:,.0f} tokens"
-        click.echo(line + f"; checkpoint overhead {100 * overhead:.2f}% of run time")
-    write_json(json_path, figures)
-
-
-def _parse_time(text: str) -> float:
-    from datetime import datetime
-
-    t = text.strip().split()[0]
-    try:
-        return float(t)
-    except ValueError:
-        return datetime.fromisoformat(t).timestamp()
-
-
-def _bench_cost(path: str) -> tuple[float, str]:
-    """The median reshard save time of a ``benchmarks/bench_core.py --json``
-    file, or of a ``reshard bench io --json`` file (its largest world size,
-    on a real store: local or s3 before ``memory://``, which lives in the
-    process), and where it was taken from."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-        where = f"reshard.save median of {path}"
-        if "save" not in doc and "summary" in doc:
-            summ = doc["summary"]
-            runs = sorted((k for k, s in summ.items() if "reshard" in s["save"]),
-                          key=lambda k: (not k.startswith("memory/"), len(summ[k]["local_bytes_per_rank"]),
-                                         k.startswith("local/")))
-            where = f"reshard.save median of {runs[-1]} in {path}"
-            doc = summ[runs[-1]]
-        cost = float(doc["save"]["reshard"]["median_s"])
-    except (KeyError, TypeError, ValueError, IndexError, UnicodeDecodeError) as e:
-        raise click.BadParameter(f"{path}: no save.reshard.median_s ({e})", param_hint="--bench") from None
-    if not (cost >= 0 and cost != float("inf")):
-        raise click.BadParameter(f"{path}: save.reshard.median_s is {cost}", param_hint="--bench")
-    return cost, where
+    failed = [f"{name} ({what})" for name, what, ok in mgr.last_plan.checks if not ok]
+    if failed:  # retention kept what it had to; the run still has a checkpoint that does not load
+        _fail(1, f"{len(failed)} check(s) failed under {root}: {', '.join(failed)} (kept, not deleted)")
 
 
 @main.command("inspect")
@@ -401,13 +291,13 @@ def inspect_cmd(ckpt: str, as_json: bool) -> None:
         click.echo(f"  required features: {', '.join(m.required_features)}")
     click.echo(f"tensors ({len(m.tensors)}):")
     if m.tensors:
-        _table(["fqn", "dtype", "global shape", "chunks", "bytes"],
+        table(["fqn", "dtype", "global shape", "chunks", "bytes"],
                [[fqn, te.dtype, _shape(te.global_shape), len(te.chunks),
                  human_bytes(sum(c.length for c in te.chunks))] for fqn, te in m.tensors.items()],
                right=(3, 4))
     if m.objects:
         click.echo(f"objects ({len(m.objects)}):")
-        _table(["key", "grid", "elements"],
+        table(["key", "grid", "elements"],
                [[k, _shape(oe.global_shape), len(oe.chunks)] for k, oe in m.objects.items()],
                right=(2,))
     values = sorted((m.values or {}).keys()) if isinstance(m.values, dict) else []
@@ -629,7 +519,7 @@ def diff_cmd(a: str, b: str, json_path: str | None) -> None:
             click.echo(f"  {k}: {what}")
     if r.differ:
         click.echo(f"values differ ({len(r.differ)}):")
-        _table(["key", "max |a-b|"], [[k, f"{v:.6g}"] for k, v in r.differ.items()], right=(1,))
+        table(["key", "max |a-b|"], [[k, f"{v:.6g}"] for k, v in r.differ.items()], right=(1,))
     if r.unreadable:
         click.echo(f"not compared ({len(r.unreadable)}, unreadable):")
         for k, why in r.unreadable.items():
@@ -643,146 +533,16 @@ def diff_cmd(a: str, b: str, json_path: str | None) -> None:
         sys.exit(CHECK_FAILED)
 
 
-# --------------------------------------------------------------------------- fuzz and faults
-
-
-@main.command("fuzz")
-@click.option("--count", type=click.IntRange(1, None), default=100_000, show_default=True,
-              help="Hostile inputs to run.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the input generator.")
-@click.option("--workdir", type=click.Path(file_okay=False), default=None,
-              help="Scratch directory (default: a temporary one, removed after).")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(0.1, None), default=10.0,
-              show_default=True, help="Seconds one input may take before it counts as a hang.")
-@click.option("--jobs", type=click.IntRange(1, 64), default=None,
-              help="Worker processes (default: the CPUs this process may use, at most 8).")
-@click.option("--json", "json_path", type=OutputPath(), default=None,
-              help="Write the counts as JSON here.")
-def fuzz_cmd(count: int, seed: int, workdir: str | None, timeout_s: float, jobs: int | None,
-             json_path: str | None) -> None:
-    """Load COUNT hostile checkpoints (mutated manifests, shard files, DCP
-    .metadata, safetensors headers) derived from small valid ones.
-
-    Exits 0 when every outcome was a valid load or a CheckpointError, 1 on any
-    other outcome (another exception, a hang, an allocation past the 1 GiB
-    ceiling, wrong data loaded), 2 on a usage error.
-    """
-    from .testing.fuzz import fuzz
-
-    tmp = None
-    if workdir is None:
-        tmp = workdir = tempfile.mkdtemp(prefix="reshard-fuzz-")
-
-    def progress(rep: Any) -> None:
-        click.echo(f"  {rep.inputs} inputs, {len(rep.crashes)} crashes, {rep.rate:.0f}/s", err=True)
-
-    try:
-        if jobs is None:
-            jobs = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                       else (os.cpu_count() or 1))
-        rep = fuzz(count, seed=seed, workdir=workdir, timeout_s=timeout_s, jobs=jobs,
-                   progress=progress if count >= 5000 else None)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    click.echo(f"fuzz: {rep.inputs} inputs (seed {seed}) in {rep.duration_s:.1f} s "
-               f"({rep.rate:.0f}/s, {rep.jobs} job(s)), crashes: {len(rep.crashes)}, slowest input "
-               f"{rep.slowest_s * 1e3:.1f} ms ({rep.slowest_cpu_s * 1e3:.1f} ms CPU; {rep.slowest[:80]}), "
-               f"most CPU {rep.most_cpu_s * 1e3:.1f} ms ({rep.most_cpu[:80]})")
-    _table(["input: outcome", "count"], sorted(rep.outcomes.items()), right=[1])
-    _table(["slowest families", "inputs", "total s", "CPU s", "mean ms", "max ms", "slowest input"],
-           [[k, f.inputs, f"{f.total_s:.2f}", f"{f.cpu_s:.2f}", f"{f.total_s / max(f.inputs, 1) * 1e3:.2f}",
-             f"{f.max_s * 1e3:.1f}", f.slowest[:60]] for k, f in rep.slowest_families(8)],
-           right=[1, 2, 3, 4, 5])
-    for desc, typ, msg in rep.crashes[:20]:
-        click.echo(f"  CRASH {typ}: {msg[:200]}  <- {desc[:120]}")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"seed": seed, **rep.to_json()}, f, indent=1)
-    sys.exit(0 if rep.ok else 1)
-
-
-@main.command("faults")
-@click.option("--quick", is_flag=True, help="One cell per fault class (a few minutes).")
-@click.option("--backend", default="local", show_default=True,
-              help="local, s3 (a moto server started on 127.0.0.1), or both: local,s3.")
-@click.option("--json", "json_path", type=OutputPath(), default=None,
-              help="Write every cell's outcome as JSON here.")
-@click.option("--only", default=None, help="Run only cells whose name contains this text.")
-@click.option("--workdir", type=click.Path(file_okay=False), default=None,
-              help="Scratch directory (default: a temporary one, removed after).")
-def faults_cmd(quick: bool, backend: str, json_path: str | None, only: str | None,
-               workdir: str | None) -> None:
-    """Run the fault matrix: every fault x phase x mode on 2 real gloo ranks
-    (storage errors, SIGKILL at each phase of a save and during a load, a rank
-    that never arrives, corrupted committed checkpoints) and judge each cell.
-    --backend s3 runs the S3 rows on a moto server started on 127.0.0.1
-    behind a fault-injecting proxy (HTTP 500/503, resets, bodies cut short).
-
-    A cell is safe when nothing half-written is listed as committed or loaded,
-    every surviving rank raised a CheckpointError, the previous checkpoint
-    still loads bit-exact and gc leaves no stray attempt. Exits 0 when every
-    cell is safe, 1 otherwise, 2 on a usage error.
-    """
-    from .testing.fault_matrix import cells, run_matrix
-
-    backends = [b.strip() for b in backend.split(",")]
-    bad = [b for b in backends if b not in ("local", "s3")] or (
-        [backend] if len(set(backends)) != len(backends) else [])
-    if bad:
-        _fail(2, f"--backend {backend!r}: expected local, s3 or local,s3")
-    if "s3" in backends:
-        try:
-            import boto3  # noqa: F401
-            import moto.server  # noqa: F401
-        except ImportError as e:
-            _fail(2, f"--backend s3 needs boto3 and moto[server] (the dev set): {e}")
-    chosen = [c for c in cells(quick=quick, backend=",".join(backends))
-              if only is None or only in f"{c.backend}:{c.name}"]
-    if not chosen:
-        _fail(2, f"no cell matches {only!r}")
-    tmp = None
-    if workdir is None:
-        tmp = workdir = tempfile.mkdtemp(prefix="reshard-faults-")
-    t0 = time.perf_counter()
-
-    def progress(r: Any) -> None:
-        click.echo(f"  {'safe  ' if r.safe else 'UNSAFE'} {r.seconds:5.1f}s {r.cell.backend}:{r.cell.name}",
-                   err=True)
-
-    try:
-        results = run_matrix(chosen, workdir=workdir, progress=progress)
-    finally:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    rows = []
-    for r in results:
-        errs = sorted({v.split(":", 1)[0] for v in r.ranks.values()})
-        rows.append([f"{r.cell.backend}:{r.cell.name}", "safe" if r.safe else "UNSAFE", "/".join(errs),
-                     os.path.basename(r.latest) if r.latest else "-",
-                     "yes" if r.previous_loads else "NO", ",".join(r.left_behind) or "-"])
-    _table(["cell", "verdict", "rank outcomes", "latest", "prev bit-exact", "left behind (gc'd)"], rows)
-    unsafe = [r for r in results if not r.safe]
-    for r in unsafe:
-        click.echo(f"UNSAFE {r.cell.backend}:{r.cell.name}:")
-        for p in r.problems:
-            click.echo(f"    {p[:300]}")
-    click.echo(f"faults: {len(results)} cells run, {len(results) - len(unsafe)} safe, {len(unsafe)} "
-               f"unsafe ({time.perf_counter() - t0:.0f} s)")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"backend": backend, "quick": quick, "cells": len(results),
-                       "safe": len(results) - len(unsafe), "unsafe": len(unsafe),
-                       "results": [r.to_json() for r in results]}, f, indent=1)
-    sys.exit(1 if unsafe else 0)
-
-
-from .cli_bench import bench_group  # noqa: E402 - commands defined beside
+from .cli_bench import advise_cmd, bench_group  # noqa: E402 - commands defined beside
 from .cli_demo import demo_cmd, smoke_cmd  # noqa: E402
+from .cli_faults import faults_cmd, fuzz_cmd  # noqa: E402
 
 main.add_command(demo_cmd)
 main.add_command(smoke_cmd)
 main.add_command(bench_group)
+main.add_command(advise_cmd)
+main.add_command(fuzz_cmd)
+main.add_command(faults_cmd)
 __all__ = ["human_bytes", "main"]
 
 

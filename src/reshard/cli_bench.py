@@ -1,7 +1,9 @@
 """The ``reshard bench`` commands (registered on the group in :mod:`reshard.cli`):
 ``scale`` simulates the coordination of a save and a load at scale in this
 process (:mod:`reshard.testing.scale_sim`); ``io`` measures checkpoint I/O of a
-model state on real gloo ranks (the engine is :mod:`reshard.bench`).
+model state on real gloo ranks (the engine is :mod:`reshard.bench`); and
+``reshard advise``, the checkpoint cadence from a failure log and a bench's
+save time.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 import click
 
-from .cli_support import CHECK_FAILED, USAGE, OutputPath, fail, finite
+from .cli_support import CHECK_FAILED, USAGE, OutputPath, fail, finite, json_option, write_json
 
 
 @click.group("bench")
@@ -290,3 +292,104 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
     bad = report.state_mismatches(doc)
     if bad:  # a load that did not give back the saved state is a failed check, never a figure
         fail(CHECK_FAILED, f"bench io: the loaded state differs from the saved one after: {', '.join(bad)}")
+
+
+@click.command("advise")
+@click.option("--failures", "failures_log", type=click.Path(dir_okay=False, exists=True), required=True,
+              help="Failure log: one failure time per line (seconds since the epoch or ISO 8601).")
+@click.option("--bench", "bench_json", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="JSON from benchmarks/bench_core.py or `reshard bench io` (its reshard save time is the cost C).")
+@click.option("--cost-s", type=float, default=None, callback=finite(0.0, open_low=False),
+              help="Foreground cost of one checkpoint, seconds.")
+@click.option("--step-time-s", type=float, required=True, callback=finite(0.0, open_low=True),
+              help="Seconds per training step.")
+@click.option("--every-steps", type=click.IntRange(min=1), required=True,
+              help="Current cadence: checkpoint every N steps.")
+@click.option("--tokens-per-step", type=click.IntRange(min=0), default=0, help="Tokens per step (for tokens lost).")
+@click.option("--restart-s", type=float, default=0.0, callback=finite(0.0, open_low=False),
+              help="Fixed restart cost per failure, seconds.")
+@json_option
+def advise_cmd(failures_log: str, bench_json: str | None, cost_s: float | None, step_time_s: float,
+               every_steps: int, tokens_per_step: int, restart_s: float, json_path: str | None) -> None:
+    """Checkpoint cadence from a failure log and a save benchmark: the MTBF,
+    the Young/Daly interval sqrt(2*C*MTBF), and the work lost per failure at
+    the current cadence and at the optimum."""
+    from .manager import young_daly_interval
+
+    times = []
+    with open(failures_log, encoding="utf-8", errors="replace") as f:
+        for no, line in enumerate(f, 1):
+            if line.strip() and not line.lstrip().startswith("#"):
+                try:
+                    times.append(_parse_time(line))
+                except ValueError:
+                    raise click.BadParameter(f"{failures_log}:{no}: {line.strip()[:80]!r} is neither seconds "
+                                             "since the epoch nor an ISO 8601 time",
+                                             param_hint="--failures") from None
+    times.sort()
+    if len(times) < 2:
+        fail(2, f"{failures_log}: need at least two failure times")
+    mtbf = (times[-1] - times[0]) / (len(times) - 1)
+    if not mtbf > 0:
+        fail(2, f"{failures_log}: the {len(times)} failure times are all the same instant (no MTBF)")
+    source = "--cost-s"
+    if cost_s is None:
+        if bench_json is None:
+            fail(2, "give --cost-s or --bench")
+        cost_s, source = _bench_cost(bench_json)
+    t_opt = young_daly_interval(cost_s, mtbf)
+    cur = every_steps * step_time_s
+    click.echo(f"failures       : {len(times)} over {(times[-1] - times[0]) / 3600:.1f} h")
+    click.echo(f"MTBF           : {mtbf:.0f} s ({mtbf / 3600:.2f} h)")
+    click.echo(f"checkpoint cost: {cost_s:.3f} s (foreground; {source})")
+    click.echo(f"optimal interval (Young/Daly sqrt(2*C*MTBF)): {t_opt:.0f} s = "
+               f"{max(1, round(t_opt / step_time_s))} steps")
+    figures: dict[str, Any] = {"failures": len(times), "mtbf_s": mtbf, "cost_s": cost_s,
+                               "optimal_interval_s": t_opt,
+                               "optimal_every_steps": max(1, round(t_opt / step_time_s))}
+    for label, interval in (("current", cur), ("optimal", t_opt)):
+        lost_s = interval / 2 + restart_s  # expected: half an interval of work, plus the restart
+        steps = lost_s / step_time_s
+        overhead = cost_s / interval if interval > 0 else float("inf")
+        figures[label] = {"interval_s": interval, "loss_per_failure_s": lost_s,
+                          "loss_per_failure_steps": steps, "overhead": overhead}
+        line = (f"{label:<8}: every {interval:.0f} s -> expected loss per failure {lost_s:.0f} s = "
+                f"{steps:.1f} steps")
+        if tokens_per_step:
+            line += f" = {steps * tokens_per_step:,.0f} tokens"
+        click.echo(line + f"; checkpoint overhead {100 * overhead:.2f}% of run time")
+    write_json(json_path, figures)
+
+
+def _parse_time(text: str) -> float:
+    from datetime import datetime
+
+    t = text.strip().split()[0]
+    try:
+        return float(t)
+    except ValueError:
+        return datetime.fromisoformat(t).timestamp()
+
+
+def _bench_cost(path: str) -> tuple[float, str]:
+    """The median reshard save time of a ``benchmarks/bench_core.py --json``
+    file, or of a ``reshard bench io --json`` file (its largest world size,
+    on a real store: local or s3 before ``memory://``, which lives in the
+    process), and where it was taken from."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        where = f"reshard.save median of {path}"
+        if "save" not in doc and "summary" in doc:
+            summ = doc["summary"]
+            runs = sorted((k for k, s in summ.items() if "reshard" in s["save"]),
+                          key=lambda k: (not k.startswith("memory/"), len(summ[k]["local_bytes_per_rank"]),
+                                         k.startswith("local/")))
+            where = f"reshard.save median of {runs[-1]} in {path}"
+            doc = summ[runs[-1]]
+        cost = float(doc["save"]["reshard"]["median_s"])
+    except (KeyError, TypeError, ValueError, IndexError, UnicodeDecodeError) as e:
+        raise click.BadParameter(f"{path}: no save.reshard.median_s ({e})", param_hint="--bench") from None
+    if not (cost >= 0 and cost != float("inf")):
+        raise click.BadParameter(f"{path}: save.reshard.median_s is {cost}", param_hint="--bench")
+    return cost, where

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import click
@@ -150,3 +151,12 @@ class Main(click.Group):
         if isinstance(rv, int) and not isinstance(rv, bool) and rv:  # --help, --version: 0
             sys.exit(rv)
         sys.exit(0)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Sequence[int] = (),
+           indent: str = "  ") -> None:
+    cells = [list(map(str, headers))] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    for r in cells:
+        parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
+        click.echo((indent + "  ".join(parts)).rstrip())

@@ -41,7 +41,14 @@ import msgspec
 import xxhash
 
 from .errors import CheckpointError, CheckpointNotFoundError, IntegrityError, ManifestError
-from .manifest import MANIFEST_NAME, Manifest, decode_manifest, encode_manifest
+from .manifest import (
+    MANIFEST_NAME,
+    SEAL_KEY,
+    Manifest,
+    decode_manifest,
+    encode_manifest,
+    encode_sealed,
+)
 from .storage import Storage
 
 INCOMPLETE = ".incomplete-"
@@ -150,11 +157,14 @@ def confirm_files(storage: Storage, attempt: str, files: dict[str, int]) -> None
 
 
 def sign_manifest(m: Manifest, key: bytes) -> Manifest:
-    """Return ``m`` with ``extra["hmac_sha256"]`` over its unsigned encoding."""
-    extra = {k: v for k, v in m.extra.items() if k != "hmac_sha256"}
+    """Return ``m`` with ``extra["hmac_sha256"]`` over its unsigned encoding
+    (without the manifest's own checksum, which is added after, over the
+    signed bytes)."""
+    extra = {k: v for k, v in m.extra.items() if k not in ("hmac_sha256", SEAL_KEY)}
     unsigned = msgspec.structs.replace(m, extra=extra)
     mac = hmac.new(key, encode_manifest(unsigned), sha256).hexdigest()
-    return msgspec.structs.replace(m, extra={**extra, "hmac_sha256": mac})
+    seal = {SEAL_KEY: m.extra[SEAL_KEY]} if SEAL_KEY in m.extra else {}
+    return msgspec.structs.replace(m, extra={**extra, **seal, "hmac_sha256": mac})
 
 
 def check_signature(m: Manifest, key: bytes, *, where: str) -> None:
@@ -214,7 +224,7 @@ def publish(storage: Storage, attempt: str, path: str, manifest: Manifest, *, ov
     if not storage.capabilities.atomic_rename:
         publish_marker(storage, path, manifest)
         return
-    storage.write_bytes(storage.join(attempt, MANIFEST_NAME), encode_manifest(manifest), durable=durable)
+    storage.write_bytes(storage.join(attempt, MANIFEST_NAME), encode_sealed(manifest), durable=durable)
     if durable:
         storage.fsync_dir(attempt)
     retired = None
@@ -241,7 +251,7 @@ def publish_marker(storage: Storage, path: str, manifest: Manifest) -> None:
             attempt's objects are not named by it and are discarded by the caller.
     """
     try:
-        storage.put_if_absent(storage.join(path, MANIFEST_NAME), encode_manifest(manifest))
+        storage.put_if_absent(storage.join(path, MANIFEST_NAME), encode_sealed(manifest))
     except FileExistsError:
         raise FileExistsError(
             f"{path}: another writer published this checkpoint first (conditional put of "
@@ -289,13 +299,15 @@ def read_manifest_bytes(storage: Storage, path: str) -> bytes:
 
     Raises:
         CheckpointNotFoundError: no manifest there.
-        ManifestError: the manifest is a symbolic link.
+        ManifestError: the manifest is a symbolic link or a directory.
     """
     mpath = storage.join(path, MANIFEST_NAME)
     if storage.is_link(mpath):
         raise ManifestError(f"{mpath}: manifest is a symbolic link")
     try:
         return storage.read_bytes(mpath)
+    except IsADirectoryError:
+        raise ManifestError(f"{mpath}: is a directory, not a manifest file") from None
     except (FileNotFoundError, NotADirectoryError):
         raise CheckpointNotFoundError(
             f"{path}: no committed checkpoint here (no {MANIFEST_NAME})"

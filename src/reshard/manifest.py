@@ -18,9 +18,11 @@ one digest per chunk, not one per MiB.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
+import xxhash
 
 from .errors import CoverageError, IntegrityError, ManifestError
 from .sharding import DTYPE_NAMES, itemsize, numel
@@ -31,7 +33,13 @@ FORMAT = "reshard"
 #: :func:`reshard.load` migrates those names (``LoadResult.notes``).
 FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
-KNOWN_FEATURES: frozenset[str] = frozenset()
+#: largest ``world_size`` a manifest may declare (2**24 ranks, far above any
+#: job; a larger one is a corrupt or hostile manifest, not a cluster)
+MAX_WORLD_SIZE = 1 << 24
+#: ``required_features`` entry of a manifest that carries its own checksum
+#: (:func:`encode_sealed`): a reader must check it, and one that cannot refuses it
+SEAL_FEATURE = "manifest-seal"
+KNOWN_FEATURES: frozenset[str] = frozenset({SEAL_FEATURE})
 # A declared dimension above this is refused before anything is allocated.
 MAX_DIM = 2**48
 # The leaf records below hold only ints, strs and tuples of them (no reference
@@ -166,6 +174,79 @@ def encode_manifest(m: Manifest) -> bytes:
     return _ENCODER.encode(m)
 
 
+#: ``extra`` key of the manifest's own checksum: xxh3_64 (hex) of the
+#: manifest's bytes as written, with this value replaced by 16 zeros
+SEAL_KEY = "manifest_xxh3_64"
+_SEAL_ZERO = "0" * 16
+
+
+def _seal_token(digest: str) -> bytes:
+    return _ENCODER.encode(SEAL_KEY) + b":" + _ENCODER.encode(digest)
+
+
+def encode_sealed(m: Manifest) -> bytes:
+    """The manifest's bytes as published, with its own checksum
+    (``extra[SEAL_KEY]``, and ``SEAL_FEATURE`` among ``required_features``):
+    every byte is covered (a changed number in ``values``, a file size, a
+    chunk offset), which the block and file checksums cannot do for the
+    manifest itself. The checksum is over the bytes, not over a re-encoding,
+    so it is checked whatever fields the reader knows. Written without a
+    seal only when the placeholder is not unique in the bytes (a user value
+    holding the exact text of the key and 16 zeros)."""
+    extra = {k: v for k, v in m.extra.items() if k != SEAL_KEY}
+    feats = tuple(f for f in m.required_features if f != SEAL_FEATURE)
+    raw = encode_manifest(msgspec.structs.replace(
+        m, extra={**extra, SEAL_KEY: _SEAL_ZERO}, required_features=(*feats, SEAL_FEATURE)))
+    zero = _seal_token(_SEAL_ZERO)
+    if raw.count(zero) != 1:
+        return encode_manifest(msgspec.structs.replace(m, extra=extra, required_features=feats))
+    return raw.replace(zero, _seal_token(xxhash.xxh3_64_hexdigest(raw)))
+
+
+_SEAL_RE = re.compile(rb'"' + SEAL_KEY.encode() + rb'"\s*:\s*"[^"\\]*"')
+
+
+def reseal(raw: bytes) -> bytes:
+    """``raw`` (the JSON bytes of a manifest document that holds
+    ``extra[SEAL_KEY]`` once, with any string value, and names
+    ``SEAL_FEATURE``) sealed over its own bytes as :func:`encode_sealed`
+    seals: for tools and tests that write a manifest document themselves.
+
+    Raises:
+        ValueError: the key does not appear exactly once.
+    """
+    if len(_SEAL_RE.findall(raw)) != 1:
+        raise ValueError(f"{SEAL_KEY!r} must appear once in the manifest bytes")
+    raw = _SEAL_RE.sub(_seal_token(_SEAL_ZERO), raw)
+    return raw.replace(_seal_token(_SEAL_ZERO), _seal_token(xxhash.xxh3_64_hexdigest(raw)))
+
+
+def check_seal(raw: bytes, m: Manifest, *, where: str) -> Manifest:
+    """Check the manifest's own checksum (:func:`encode_sealed`) and return
+    ``m`` without it (``extra`` and ``required_features`` as the writer was
+    given them). A manifest written before seals existed (neither the
+    feature nor the key) passes unchanged.
+
+    Raises:
+        IntegrityError: the bytes changed after they were written (the
+            checksum differs, or the feature is named and the checksum is
+            gone).
+    """
+    got = m.extra.get(SEAL_KEY)
+    sealed = SEAL_FEATURE in m.required_features
+    if got is None and not sealed:
+        return m
+    token = _seal_token(got) if isinstance(got, str) else b""
+    if not sealed or not token or raw.count(token) != 1 or xxhash.xxh3_64_hexdigest(
+            raw.replace(token, _seal_token(_SEAL_ZERO))) != got:
+        raise IntegrityError(
+            f"{where}: manifest checksum mismatch: its bytes changed after it was written "
+            f"(bit rot, a torn copy or an edit; extra[{SEAL_KEY!r}] = {got!r}); nothing was loaded")
+    return msgspec.structs.replace(
+        m, extra={k: v for k, v in m.extra.items() if k != SEAL_KEY},
+        required_features=tuple(f for f in m.required_features if f != SEAL_FEATURE))
+
+
 def check_file_name(name: str, *, where: str) -> None:
     """Refuse names that are not plain file names inside the checkpoint."""
     if (
@@ -186,8 +267,10 @@ def decode_manifest(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
         ManifestError: not JSON, fails the schema, unsupported format or
             version, unknown required feature, bad dtype/shape, a file name
             outside the checkpoint, or a chunk naming an undeclared file.
-        IntegrityError: a chunk's declared byte length disagrees with its
-            shape and dtype, or reaches past the declared size of its file.
+        IntegrityError: the manifest's own checksum does not match its bytes
+            (:func:`check_seal`); a chunk's declared byte length disagrees
+            with its shape and dtype, or reaches past the declared size of
+            its file.
     """
     try:
         m = _DECODER.decode(raw)
@@ -195,6 +278,7 @@ def decode_manifest(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
         raise ManifestError(f"{where}: invalid manifest: {e}") from None
     except RecursionError:  # JSON nested deeper than the interpreter's recursion limit
         raise ManifestError(f"{where}: invalid manifest: nested too deeply") from None
+    m = check_seal(raw, m, where=where)
     validate_manifest(m, where=where)
     return m
 
@@ -213,6 +297,8 @@ def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
         raise ManifestError(f"{where}: unknown checksum_algorithm {m.checksum_algorithm!r}")
     if m.checksum_block_bytes <= 0:
         raise ManifestError(f"{where}: checksum_block_bytes must be positive")
+    if not 1 <= m.world_size <= MAX_WORLD_SIZE:
+        raise ManifestError(f"{where}: world_size {m.world_size} is outside [1, {MAX_WORLD_SIZE}]")
     block = m.checksum_block_bytes
     sizes: dict[str, int] = {}
     tables: dict[str, int] = {}
@@ -300,3 +386,6 @@ def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
     for alias, target in m.aliases.items():
         if target not in m.tensors:
             raise ManifestError(f"{where}: alias {alias!r} points to unknown tensor {target!r}")
+        if alias in m.tensors or alias in m.objects:  # one name, two meanings: which would load?
+            raise ManifestError(f"{where}: alias {alias!r} is also the name of a saved "
+                                f"{'tensor' if alias in m.tensors else 'object'}")

@@ -404,17 +404,21 @@ def async_save(method: str, path: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------- train
-def train(methods: list[str], base: str, steps: int, settle: float, saves: int = 1) -> dict[str, Any]:
+def train(methods: list[str], base: str, steps: int, settle: float, saves: int = 1,
+          min_steps: int = 3, max_extra: int = 2) -> dict[str, Any]:
     """Step times with no save in flight, and while each method's background
     save is in flight (a real forward/backward/AdamW step of the workload);
-    ``saves`` background saves per method (order rotated), ``save_s`` their
+    ``saves`` background saves per method (order rotated), then up to
+    ``max_extra`` more of a method while fewer than ``min_steps`` of its
+    steps were timed during a save on some rank (a save shorter than two
+    steps gives one sample; the ranks agree on the count); ``save_s`` their
     median time from start to commit."""
     w = _w()
     out: dict[str, Any] = {"rank": _rank(), "no_save": [], "during": {m: [] for m in methods}, "save_s": {}}
     took: dict[str, list[float]] = {m: [] for m in methods}
     w.step()
-    order = [m for i in range(saves) for m in methods[i % len(methods):] + methods[:i % len(methods)]]
-    for i, m in enumerate(order):
+
+    def one(m: str, i: int) -> None:
         p = f"{base}-{m}-{i}"
         quiet(settle)
         for _ in range(steps):
@@ -433,6 +437,16 @@ def train(methods: list[str], base: str, steps: int, settle: float, saves: int =
         took[m].append(time.perf_counter() - t_start)
         out["during"][m].extend(xs)
         drop(p)
+
+    order = [m for i in range(saves) for m in methods[i % len(methods):] + methods[:i % len(methods)]]
+    for i, m in enumerate(order):
+        one(m, i)
+    for extra in range(max_extra):
+        counts = torch.tensor([len(out["during"][m]) for m in methods])
+        dist.all_reduce(counts, op=dist.ReduceOp.MIN)
+        short = [m for m, n in zip(methods, counts.tolist(), strict=True) if n < min_steps]
+        for m in short:
+            one(m, len(order) + extra * len(methods) + methods.index(m))
     out["save_s"] = {m: sorted(v)[len(v) // 2] for m, v in took.items()}
     return out
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 from collections.abc import Generator, Iterable
 
 from ..errors import IntegrityError, StorageError
@@ -126,6 +127,8 @@ class LocalStorage(Storage):
         except OSError as e:
             raise _storage_error("open", path, e) from e
         try:
+            if stat.S_ISDIR(os.fstat(fd).st_mode):  # the content is wrong, not the store
+                raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", path)
             for i, (offset, buf) in enumerate(parts):
                 self._pread(fd, path, offset, buf)
                 yield i

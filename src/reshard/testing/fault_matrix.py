@@ -411,6 +411,16 @@ def run_cell(cell: Cell, workdir: str, *, world: int = WORLD) -> CellResult:
                 if r != cell.rank):
             break  # every other rank has given up on the stalled one: the job ends
         time.sleep(0.05)
+    stop_ranks(cell, res, procs, hang)
+    outs = rank_outcomes(res, procs, cdir)
+    _judge(cell, res, outs, procs, os.path.join(cdir, "root"), world)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def stop_ranks(cell: Cell, res: CellResult, procs: list[Any], hang: bool) -> None:
+    """End the job: kill the rank processes still alive (a hang, unless it is
+    the cell's stalled rank) and join every one."""
     for r, p in enumerate(procs):
         if p.is_alive():
             p.kill()
@@ -420,6 +430,11 @@ def run_cell(cell: Cell, workdir: str, *, world: int = WORLD) -> CellResult:
                 res.problems.append(f"rank {r} hung")
         else:
             p.join()
+
+
+def rank_outcomes(res: CellResult, procs: list[Any], cdir: str) -> dict[int, dict[str, Any]]:
+    """Each rank's outcome file (``rank<r>.json``, written by :func:`_finish_rank`);
+    ``res.ranks`` says per rank: ok, the error, or killed with its exit code."""
     outs: dict[int, dict[str, Any]] = {}
     for r, p in enumerate(procs):
         f = os.path.join(cdir, f"rank{r}.json")
@@ -430,9 +445,7 @@ def run_cell(cell: Cell, workdir: str, *, world: int = WORLD) -> CellResult:
             res.ranks[r] = "ok" if o["status"] == "ok" else f"{o['type']}: {o['message'][:160]}"
         elif r not in res.ranks:
             res.ranks[r] = f"killed (exit {p.exitcode})"
-    _judge(cell, res, outs, procs, os.path.join(cdir, "root"), world)
-    res.seconds = time.perf_counter() - t0
-    return res
+    return outs
 
 
 _LOST = re.compile(r"\branks? ([\d,-]+)(?: \(global [\d,-]+\))?(?: \(the coordinator\))? (?:was|were) lost")

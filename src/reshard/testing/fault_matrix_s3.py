@@ -59,6 +59,8 @@ from .fault_matrix import (
     _free_port,
     _KillOnStateDict,
     named_lost,
+    rank_outcomes,
+    stop_ranks,
 )
 
 BUCKET = "reshard-faults"
@@ -401,26 +403,9 @@ def run_cell(cell: Cell, workdir: str, ep: Endpoint, *, world: int = WORLD) -> C
                 os.path.exists(os.path.join(cdir, f"rank{r}.json")) for r in range(world) if r != cell.rank):
             break  # every other rank has given up on the stalled one: the job ends
         time.sleep(0.05)
-    for r, p in enumerate(procs):
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-            res.ranks[r] = "hung (killed when the job ended)"
-            if not (hang and r == cell.rank):
-                res.problems.append(f"rank {r} hung")
-        else:
-            p.join()
+    stop_ranks(cell, res, procs, hang)
     ep.proxy.clear()  # the judge talks to the store without faults
-    outs: dict[int, dict[str, Any]] = {}
-    for r, p in enumerate(procs):
-        f = os.path.join(cdir, f"rank{r}.json")
-        if os.path.exists(f):
-            with open(f) as fh:
-                outs[r] = json.load(fh)
-            o = outs[r]
-            res.ranks[r] = "ok" if o["status"] == "ok" else f"{o['type']}: {o['message'][:160]}"
-        elif r not in res.ranks:
-            res.ranks[r] = f"killed (exit {p.exitcode})"
+    outs = rank_outcomes(res, procs, cdir)
     if not armed:
         res.problems.append("the ranks never reached the fault (step 1 failed?)")
     elif rules and not any(f.fired for f in rules):

@@ -188,6 +188,19 @@ def _dumps(obj: Any, *, ensure_ascii: bool = True) -> bytes:
     return text.encode()
 
 
+def _sealed(raw: bytes) -> bytes:
+    """A mutated manifest document sealed again over its bytes, as a hostile
+    writer (who can recompute it) would: the mutation reaches the validator,
+    not only the seal; raw byte mutations of a sealed manifest (bit rot) meet
+    the seal. Unchanged when the mutation removed or duplicated the seal."""
+    from ..manifest import reseal
+
+    try:
+        return reseal(raw)
+    except ValueError:
+        return raw
+
+
 def hostile_value(rng: random.Random) -> Any:
     """A JSON value chosen to break a parser or validator."""
     choices: list[Callable[[], Any]] = [
@@ -370,7 +383,7 @@ def _reshard_case(rng: random.Random, c: Corpus) -> Case:
         p = rng.choice(paths[1:])
         v = hostile_value(rng)
         _set(m, p, v)
-        files[MANIFEST] = _dumps(m)
+        files[MANIFEST] = _sealed(_dumps(m))
         return Case("reshard", f"manifest field {list(p)} = {repr(v)[:60]}", files,
                     family="manifest field set")
     if op == 3:  # a field removed, or an unknown one added
@@ -388,12 +401,12 @@ def _reshard_case(rng: random.Random, c: Corpus) -> Case:
             if isinstance(cur, dict):
                 cur["unknown_" + str(rng.randrange(9))] = hostile_value(rng)
             desc, fam = f"unknown field added under {list(parent)}", "manifest field added"
-        files[MANIFEST] = _dumps(m)
+        files[MANIFEST] = _sealed(_dumps(m))
         return Case("reshard", desc, files, family=fam)
     if op <= 5:  # meaning-aware
         m = c.fresh_manifest()
         fam, desc = _semantic(rng, m, c)
-        files[MANIFEST] = _dumps(m, ensure_ascii=rng.random() < 0.5)
+        files[MANIFEST] = _sealed(_dumps(m, ensure_ascii=rng.random() < 0.5))
         return Case("reshard", desc, files, family=f"manifest {fam}")
     if op == 6:  # raw manifest bytes
         desc, raw = _bytes_mutation(rng, c.reshard[MANIFEST])

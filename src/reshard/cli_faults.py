@@ -1,0 +1,150 @@
+"""``reshard fuzz`` and ``reshard faults``: hostile inputs and the fault
+matrix (engines in :mod:`reshard.testing.fuzz` and
+:mod:`reshard.testing.fault_matrix`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+import click
+
+from .cli_support import OutputPath, fail, table
+
+
+@click.command("fuzz")
+@click.option("--count", type=click.IntRange(1, None), default=100_000, show_default=True,
+              help="Hostile inputs to run.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the input generator.")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Scratch directory (default: a temporary one, removed after).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(0.1, None), default=10.0,
+              show_default=True, help="Seconds one input may take before it counts as a hang.")
+@click.option("--jobs", type=click.IntRange(1, 64), default=None,
+              help="Worker processes (default: the CPUs this process may use, at most 8).")
+@click.option("--json", "json_path", type=OutputPath(), default=None,
+              help="Write the counts as JSON here.")
+def fuzz_cmd(count: int, seed: int, workdir: str | None, timeout_s: float, jobs: int | None,
+             json_path: str | None) -> None:
+    """Load COUNT hostile checkpoints (mutated manifests, shard files, DCP
+    .metadata, safetensors headers) derived from small valid ones.
+
+    Exits 0 when every outcome was a valid load or a CheckpointError, 1 on any
+    other outcome (another exception, a hang, an allocation past the 1 GiB
+    ceiling, wrong data loaded), 2 on a usage error.
+    """
+    from .testing.fuzz import fuzz
+
+    tmp = None
+    if workdir is None:
+        tmp = workdir = tempfile.mkdtemp(prefix="reshard-fuzz-")
+
+    def progress(rep: Any) -> None:
+        click.echo(f"  {rep.inputs} inputs, {len(rep.crashes)} crashes, {rep.rate:.0f}/s", err=True)
+
+    try:
+        if jobs is None:
+            jobs = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                       else (os.cpu_count() or 1))
+        rep = fuzz(count, seed=seed, workdir=workdir, timeout_s=timeout_s, jobs=jobs,
+                   progress=progress if count >= 5000 else None)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    click.echo(f"fuzz: {rep.inputs} inputs (seed {seed}) in {rep.duration_s:.1f} s "
+               f"({rep.rate:.0f}/s, {rep.jobs} job(s)), crashes: {len(rep.crashes)}, slowest input "
+               f"{rep.slowest_s * 1e3:.1f} ms ({rep.slowest_cpu_s * 1e3:.1f} ms CPU; {rep.slowest[:80]}), "
+               f"most CPU {rep.most_cpu_s * 1e3:.1f} ms ({rep.most_cpu[:80]})")
+    table(["input: outcome", "count"], sorted(rep.outcomes.items()), right=[1])
+    table(["slowest families", "inputs", "total s", "CPU s", "mean ms", "max ms", "slowest input"],
+           [[k, f.inputs, f"{f.total_s:.2f}", f"{f.cpu_s:.2f}", f"{f.total_s / max(f.inputs, 1) * 1e3:.2f}",
+             f"{f.max_s * 1e3:.1f}", f.slowest[:60]] for k, f in rep.slowest_families(8)],
+           right=[1, 2, 3, 4, 5])
+    for desc, typ, msg in rep.crashes[:20]:
+        click.echo(f"  CRASH {typ}: {msg[:200]}  <- {desc[:120]}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"seed": seed, **rep.to_json()}, f, indent=1)
+    sys.exit(0 if rep.ok else 1)
+
+
+@click.command("faults")
+@click.option("--quick", is_flag=True, help="One cell per fault class (a few minutes).")
+@click.option("--backend", default="local", show_default=True,
+              help="local, s3 (a moto server started on 127.0.0.1), or both: local,s3.")
+@click.option("--json", "json_path", type=OutputPath(), default=None,
+              help="Write every cell's outcome as JSON here.")
+@click.option("--only", default=None, help="Run only cells whose name contains this text.")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None,
+              help="Scratch directory (default: a temporary one, removed after).")
+def faults_cmd(quick: bool, backend: str, json_path: str | None, only: str | None,
+               workdir: str | None) -> None:
+    """Run the fault matrix: every fault x phase x mode on 2 real gloo ranks
+    (storage errors, SIGKILL at each phase of a save and during a load, a rank
+    that never arrives, corrupted committed checkpoints) and judge each cell.
+    --backend s3 runs the S3 rows on a moto server started on 127.0.0.1
+    behind a fault-injecting proxy (HTTP 500/503, resets, bodies cut short).
+
+    A cell is safe when nothing half-written is listed as committed or loaded,
+    every surviving rank raised a CheckpointError, the previous checkpoint
+    still loads bit-exact and gc leaves no stray attempt. Exits 0 when every
+    cell is safe, 1 otherwise, 2 on a usage error.
+    """
+    from .testing.fault_matrix import cells, run_matrix
+
+    backends = [b.strip() for b in backend.split(",")]
+    bad = [b for b in backends if b not in ("local", "s3")] or (
+        [backend] if len(set(backends)) != len(backends) else [])
+    if bad:
+        fail(2, f"--backend {backend!r}: expected local, s3 or local,s3")
+    if "s3" in backends:
+        try:
+            import boto3  # noqa: F401
+            import moto.server  # noqa: F401
+        except ImportError as e:
+            fail(2, f"--backend s3 needs boto3 and moto[server] (the dev set): {e}")
+    chosen = [c for c in cells(quick=quick, backend=",".join(backends))
+              if only is None or only in f"{c.backend}:{c.name}"]
+    if not chosen:
+        fail(2, f"no cell matches {only!r}")
+    tmp = None
+    if workdir is None:
+        tmp = workdir = tempfile.mkdtemp(prefix="reshard-faults-")
+    t0 = time.perf_counter()
+
+    def progress(r: Any) -> None:
+        click.echo(f"  {'safe  ' if r.safe else 'UNSAFE'} {r.seconds:5.1f}s {r.cell.backend}:{r.cell.name}",
+                   err=True)
+
+    try:
+        results = run_matrix(chosen, workdir=workdir, progress=progress)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    rows = []
+    for r in results:
+        errs = sorted({v.split(":", 1)[0] for v in r.ranks.values()})
+        rows.append([f"{r.cell.backend}:{r.cell.name}", "safe" if r.safe else "UNSAFE", "/".join(errs),
+                     os.path.basename(r.latest) if r.latest else "-",
+                     "yes" if r.previous_loads else "NO", ",".join(r.left_behind) or "-"])
+    table(["cell", "verdict", "rank outcomes", "latest", "prev bit-exact", "left behind (gc'd)"], rows)
+    unsafe = [r for r in results if not r.safe]
+    for r in unsafe:
+        click.echo(f"UNSAFE {r.cell.backend}:{r.cell.name}:")
+        for p in r.problems:
+            click.echo(f"    {p[:300]}")
+    click.echo(f"faults: {len(results)} cells run, {len(results) - len(unsafe)} safe, {len(unsafe)} "
+               f"unsafe ({time.perf_counter() - t0:.0f} s)")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"backend": backend, "quick": quick, "cells": len(results),
+                       "safe": len(results) - len(unsafe), "unsafe": len(unsafe),
+                       "results": [r.to_json() for r in results]}, f, indent=1)
+    sys.exit(1 if unsafe else 0)
+
+
