@@ -233,12 +233,12 @@ def test_gc_reverifies_the_checkpoint_it_keeps(tmp_path: Path) -> None:
     assert "verified again (structure and sizes) step-00000002: passed" in r.stdout
     assert "would delete step-00000001" in r.stdout
     r = _run("gc", str(root), "--keep-last", "1", "--dry-run")
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 1, r.output  # a failed re-verification is reported by the exit status
     assert "verified again with checksums step-00000002: FAILED" in r.stdout
     assert "would delete" not in r.stdout and "nothing to delete" in r.stdout
     assert sorted(p.name for p in root.iterdir()) == before  # a dry run changes nothing
     r = _run("gc", str(root), "--keep-last", "1")
-    assert r.exit_code == 0, r.output
+    assert r.exit_code == 1, r.output
     assert "verified again with checksums step-00000002: FAILED" in r.stdout
     assert "deleted step-" not in r.stdout and "kept step-00000001 (newest verified)" in r.stdout
     assert not mgr.is_verified("step-00000002")  # the failure is recorded

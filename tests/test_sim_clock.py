@@ -65,3 +65,27 @@ def test_slow_simulated_write_never_makes_a_rank_time_negative(monkeypatch) -> N
     # 8 ranks x 3 saves x 10 ms of sleep per write would be >= 0.03 s on one rank alone
     # if the write were counted; ranks other than the coordinator do almost nothing
     assert row["max_rank_s"] < 0.03 + row["coordinator_s"]
+
+
+def test_bench_scale_measures_the_sealed_manifest(monkeypatch) -> None:
+    """The simulated save encodes the manifest as a real publish does (sealed:
+    the seal's two hashes are in ``manifest_encode_s``, its check in
+    ``manifest_parse_s``); it encoded it unsealed, so the bench timed a
+    manifest no save writes."""
+    import json
+
+    from reshard.manifest import SEAL_FEATURE, SEAL_KEY
+
+    seen: list[bytes] = []
+    real = scale_sim.decode_manifest
+
+    def recording(raw: bytes, **kw):
+        seen.append(raw)
+        return real(raw, **kw)
+
+    monkeypatch.setattr(scale_sim, "decode_manifest", recording)
+    lay = Layout(tp=2, pp=1, dp=2)
+    row = scale_sim.simulate_one("llama-8b", lay, scale_sim.default_target(lay))
+    assert seen and row["manifest_bytes"] == len(seen[0])
+    doc = json.loads(seen[0])
+    assert len(doc["extra"][SEAL_KEY]) == 16 and SEAL_FEATURE in doc["required_features"]

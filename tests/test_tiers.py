@@ -81,3 +81,19 @@ def test_copy_refuses_a_corrupt_source_and_reports_bandwidth(s3e, tmp_path) -> N
     except reshard.IntegrityError as e:
         assert "checksum mismatch" in str(e)
     assert not st_remote.exists(k_remote)
+
+
+def test_copy_report_counts_the_manifest_as_written(tmp_path) -> None:
+    """CopyReport.bytes is the data and manifest bytes the target holds: the
+    manifest counted as published (sealed); it counted an unsealed encoding,
+    short of the file written."""
+    from reshard.storage import resolve
+
+    src = tmp_path / "src"
+    reshard.save({"w": torch.arange(64.0), "lr": 0.5}, src, step=3)
+    st_src, k_src = resolve(str(src), None)
+    st_dst, k_dst = resolve(str(tmp_path / "dst"), None)
+    rep = copy_checkpoint(st_src, k_src, st_dst, k_dst, step=3)
+    m = reshard.inspect(tmp_path / "dst")
+    on_disk = sum((tmp_path / "dst" / n).stat().st_size for n in m.files)
+    assert rep.bytes == on_disk + (tmp_path / "dst" / "manifest.json").stat().st_size

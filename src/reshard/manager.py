@@ -603,7 +603,9 @@ class CheckpointManager:
             StorageError: the store failed (never a reason to quarantine or
                 to fall back: it may be transient).
             CheckpointError: checkpoints exist (or were quarantined) but none
-                loads; a mismatch with ``state`` (e.g. ShardingError).
+                loads; the checkpoint of ``step`` (``name``) is committed but
+                its manifest is damaged (set aside now, the error names it); a
+                mismatch with ``state`` (e.g. ShardingError).
             CheckpointNotFoundError: no committed checkpoint but abandoned
                 attempts exist (a silent fresh start would lose the run), or
                 ``step`` (``name``) is not committed.

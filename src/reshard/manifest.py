@@ -190,17 +190,26 @@ def encode_sealed(m: Manifest) -> bytes:
     every byte is covered (a changed number in ``values``, a file size, a
     chunk offset), which the block and file checksums cannot do for the
     manifest itself. The checksum is over the bytes, not over a re-encoding,
-    so it is checked whatever fields the reader knows. Written without a
-    seal only when the placeholder is not unique in the bytes (a user value
-    holding the exact text of the key and 16 zeros)."""
+    so it is checked whatever fields the reader knows. A user value holding
+    the exact text of the key and 16 zeros leaves the seal's own occurrence
+    the last one (the key is the last of the top-level ``extra``); written
+    without a seal only if that ever failed to hold (checked by decoding)."""
     extra = {k: v for k, v in m.extra.items() if k != SEAL_KEY}
     feats = tuple(f for f in m.required_features if f != SEAL_FEATURE)
     raw = encode_manifest(msgspec.structs.replace(
         m, extra={**extra, SEAL_KEY: _SEAL_ZERO}, required_features=(*feats, SEAL_FEATURE)))
     zero = _seal_token(_SEAL_ZERO)
-    if raw.count(zero) != 1:
-        return encode_manifest(msgspec.structs.replace(m, extra=extra, required_features=feats))
-    return raw.replace(zero, _seal_token(xxhash.xxh3_64_hexdigest(raw)))
+    digest = xxhash.xxh3_64_hexdigest(raw)
+    seal = _seal_token(digest)
+    if raw.count(zero) == 1:
+        return raw.replace(zero, seal)
+    # a user value holds the placeholder's text too: the seal is the last key of the top-level
+    # extra (what follows extra holds no user keys), so its occurrence is the last one; checked
+    at = raw.rfind(zero)
+    out = raw[:at] + seal + raw[at + len(zero):]
+    if _DECODER.decode(out).extra.get(SEAL_KEY) == digest:
+        return out
+    return encode_manifest(msgspec.structs.replace(m, extra=extra, required_features=feats))
 
 
 _SEAL_RE = re.compile(rb'"' + SEAL_KEY.encode() + rb'"\s*:\s*"[^"\\]*"')
@@ -221,11 +230,27 @@ def reseal(raw: bytes) -> bytes:
     return raw.replace(_seal_token(_SEAL_ZERO), _seal_token(xxhash.xxh3_64_hexdigest(raw)))
 
 
+def _zeroed(raw: bytes, got: str) -> bytes:
+    """``raw`` with the seal's value (``got``, the one occurrence of the key
+    and that value, whatever JSON whitespace a writer put around the colon)
+    read as 16 zeros; ``b""`` when it is not there exactly once."""
+    value = _ENCODER.encode(got)
+    spans = list(re.finditer(rb'"' + re.escape(SEAL_KEY.encode()) + rb'"[ \t\n\r]*:[ \t\n\r]*('
+                             + re.escape(value) + rb")", raw))
+    if len(spans) != 1:
+        return b""
+    at = spans[0]
+    return raw[:at.start(1)] + _ENCODER.encode(_SEAL_ZERO) + raw[at.end(1):]
+
+
 def check_seal(raw: bytes, m: Manifest, *, where: str) -> Manifest:
     """Check the manifest's own checksum (:func:`encode_sealed`) and return
     ``m`` without it (``extra`` and ``required_features`` as the writer was
-    given them). A manifest written before seals existed (neither the
-    feature nor the key) passes unchanged.
+    given them). The checksum is over ``raw`` with the one occurrence of
+    the key and its value read as 16 zeros, whatever JSON whitespace the
+    writer put around the colon (another JSON writer, ``json.dumps`` with
+    its default separators or an indent). A manifest written before seals
+    existed (neither the feature nor the key) passes unchanged.
 
     Raises:
         IntegrityError: the bytes changed after they were written (the
@@ -236,9 +261,8 @@ def check_seal(raw: bytes, m: Manifest, *, where: str) -> Manifest:
     sealed = SEAL_FEATURE in m.required_features
     if got is None and not sealed:
         return m
-    token = _seal_token(got) if isinstance(got, str) else b""
-    if not sealed or not token or raw.count(token) != 1 or xxhash.xxh3_64_hexdigest(
-            raw.replace(token, _seal_token(_SEAL_ZERO))) != got:
+    zeroed = _zeroed(raw, got) if isinstance(got, str) else b""
+    if not sealed or not zeroed or xxhash.xxh3_64_hexdigest(zeroed) != got:
         raise IntegrityError(
             f"{where}: manifest checksum mismatch: its bytes changed after it was written "
             f"(bit rot, a torn copy or an edit; extra[{SEAL_KEY!r}] = {got!r}); nothing was loaded")

@@ -24,7 +24,9 @@ class SaveOptions:
             the manifest and checked at load.
         mesh: a description of the save-time device mesh, recorded as is
             (JSON-safe dict, e.g. ``{"dp": 2, "tp": 2}``).
-        extra: free-form JSON-safe metadata recorded in the manifest.
+        extra: free-form JSON-safe metadata recorded in the manifest (the
+            key ``"manifest_xxh3_64"`` is reserved for the manifest's own
+            checksum: ValueError).
         hmac_key: when set, the manifest carries an HMAC-SHA256 over its
             contents; a load given the same key refuses a manifest that fails it.
         verify_replicas: compare checksums of every replica of every chunk
@@ -78,6 +80,11 @@ class SaveOptions:
             raise ValueError("checksum_block_bytes must be positive")
         if self.files_per_rank < 1:
             raise ValueError("files_per_rank must be >= 1")
+        from .manifest import SEAL_KEY
+
+        if SEAL_KEY in self.extra:
+            raise ValueError(f"extra[{SEAL_KEY!r}] is reserved for the manifest's own checksum "
+                             "(it would be replaced when the manifest is written); use another key")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -98,7 +98,7 @@ def _plan(mgr: CheckpointManager, step: int | None, name: str | None) -> dict[st
     ``step`` / ``name``."""
     st, root = mgr.storage, mgr.root
     listed_at = time.time()  # HEAD's time: what is committed after the listing descends
-    notes = _quarantine_invalid(mgr)
+    notes, aside = _quarantine_invalid(mgr)
     entries = committed(st, root)
     head, head_tag = read_head_tagged(st, root)
     lin = lineage_of(entries, Head.from_record(head))
@@ -107,7 +107,7 @@ def _plan(mgr: CheckpointManager, step: int | None, name: str | None) -> dict[st
         order = [e for e in order if e.step == step]
     if name is not None:
         order = [e for e in order if e.name == name]
-    return {"notes": notes, "order": [e.name for e in order], "listed_at": listed_at,
+    return {"notes": notes, "aside": aside, "order": [e.name for e in order], "listed_at": listed_at,
             "other": [e.name for e in order if lin.head is not None and e.name not in lin.current],
             "head": lin.head.name if lin.head is not None else None,
             "head_tag": head_tag,
@@ -173,9 +173,16 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
     plan = _coordinated(mgr, f"restore {root} (listing)", _plan, mgr, step, name)
     for note in plan["notes"]:
         warnings.warn(note, RuntimeWarning, stacklevel=3)
-    if step is not None and not plan["order"]:
-        raise CheckpointNotFoundError(f"{root}: no committed checkpoint of step {step}")
-    if name is not None and not plan["order"]:
+    if (step is not None or name is not None) and not plan["order"]:
+        # the one asked for was committed but its manifest is damaged (set aside just now):
+        # not "not found", which a caller may take for "start fresh"
+        hit = [a["note"] for a in plan["aside"]
+               if (step is None or a["step"] == step) and (name is None or a["name"] == name)]
+        what = f"of step {step}" if step is not None else f"named {name!r}"
+        if hit:
+            raise CheckpointError(f"{root}: the checkpoint {what} is unloadable: " + "; ".join(hit))
+        if step is not None:
+            raise CheckpointNotFoundError(f"{root}: no committed checkpoint of step {step}")
         raise CheckpointNotFoundError(f"{root}: no committed checkpoint named {name!r}")
     failures: list[str] = list(plan["notes"])
     opts = load_kwargs.get("options")
@@ -251,14 +258,17 @@ def _damaged(mgr: CheckpointManager, path: str) -> bool:
     return not verify(path, storage=mgr.storage).ok
 
 
-def _quarantine_invalid(mgr: CheckpointManager) -> list[str]:
+def _quarantine_invalid(mgr: CheckpointManager) -> tuple[list[str], list[dict[str, Any]]]:
     """Coordinator: quarantine the checkpoints whose manifest is present but
     invalid (unparsable, failing the schema or its own consistency checks:
     ``ManifestError`` / ``IntegrityError``), which can never load. A manifest
     of a newer format version, with an unknown required feature, or of
-    another format is left alone: a newer reader may load it."""
+    another format is left alone: a newer reader may load it. Returns the
+    notes and, for each checkpoint set aside, its name and the step its
+    damaged manifest names (None when it names none)."""
     st, root = mgr.storage, mgr.root
     out = []
+    aside: list[dict[str, Any]] = []
     for e in scan(st, root):
         if e.manifest is not None or e.abandoned or e.quarantined or not e.problem:
             continue
@@ -276,9 +286,11 @@ def _quarantine_invalid(mgr: CheckpointManager) -> list[str]:
             new = quarantine(st, root, e.name, reason=why, attempt_id=None)
             st.delete_tree(record_path(st, root, e.name))
             out.append(f"{why}; quarantined as {new}")
+            step = raw.get("step") if isinstance(raw, dict) else None
+            aside.append({"name": e.name, "step": step if type(step) is int else None, "note": out[-1]})
         except CheckpointError as qe:
             out.append(f"{why}; could not be quarantined ({type(qe).__name__}: {qe})")
-    return out
+    return out, aside
 
 
 def _quarantine(mgr: CheckpointManager, name: str, attempt_id: str | None, reason: str) -> str:

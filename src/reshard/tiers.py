@@ -31,8 +31,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from . import attempts
 from .collectives import get_collectives
 from .commit import (
@@ -47,7 +45,7 @@ from .commit import (
 from .errors import CheckpointError, IntegrityError, StorageError
 from .load import LoadResult
 from .manager import CheckpointManager
-from .manifest import Manifest
+from .manifest import Manifest, encode_sealed
 from .options import SaveOptions
 from .save import SaveResult
 from .shardfile import block_digests, file_checksum
@@ -183,7 +181,7 @@ def copy_checkpoint(src: Storage, src_path: str, dst: Storage, dst_path: str, *,
     finally:
         if lease is not None:
             lease.stop()
-    copied += len(msgspec.json.encode(new))
+    copied += len(encode_sealed(new))  # the manifest as publish wrote it (sealed)
     return CopyReport(step=step, source=src_path, target=dst_path, bytes=copied,
                       seconds=time.perf_counter() - t0)
 

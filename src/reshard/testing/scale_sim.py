@@ -39,7 +39,7 @@ import xxhash
 
 from ..coordination import Assignment, CacheEntry, RankSave, report_bytes, save_steps
 from ..coordination_load import key_census_steps, saved_keys
-from ..manifest import Manifest, decode_manifest, encode_manifest
+from ..manifest import Manifest, decode_manifest, encode_sealed
 from ..plan_store import restart_entry
 from ..planning import LocalPlan, Request, plan_reads
 from .scale_layout import Layout, rank_items, rank_plan, scaled_layouts
@@ -93,7 +93,7 @@ def _save(plans: list[LocalPlan], caches: list[CacheEntry | None]) -> tuple[list
 
     def publish(info: dict[str, Any], m: Manifest) -> None:
         t0 = time.process_time()
-        out["raw"] = encode_manifest(m)
+        out["raw"] = encode_sealed(m)  # as commit.publish writes it
         out["encode_s"] = time.process_time() - t0
 
     def write_plan(info: dict[str, Any], raw: bytes) -> None:
