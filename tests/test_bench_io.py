@@ -40,6 +40,9 @@ def test_layout_syntax() -> None:
         parse_layout("zero3")
     with pytest.raises(ValueError, match="bad layout"):
         parse_layout("tp0,dp2")
+    for zero in ("fsdp0", "dp0"):  # was the run's own world size, silently
+        with pytest.raises(ValueError, match="a degree is at least 1"):
+            parse_layout(zero)
 
 
 def test_digest_is_layout_independent_and_bit_exact() -> None:
@@ -76,6 +79,16 @@ def test_digest_is_layout_independent_and_bit_exact() -> None:
     (["--model", "llama-tiny", "--layout", "dp2,tp2", "--world", "2"], "runs on 4 ranks"),
     (["--model", "llama-tiny", "--layout", "fsdp", "--reshard-to", "tp2"], "different keys"),
     (["--backend", "memory", "--world", "1,2"], "memory:// lives in one process"),
+    # every rank is a process of this machine: a layout's world is capped like --world's
+    (["--model", "llama-tiny", "--world", "1", "--reshard-to", "fsdp0"], "a degree is at least 1"),
+    (["--model", "llama-tiny", "--world", "1", "--reshard-to", "fsdp64"], "64 ranks; the runs take 1 to 8"),
+    (["--model", "llama-tiny", "--layout", "tp8,pp8,dp8"], "512 ranks; the runs take 1 to 8"),
+    # a state that cannot fit (a rank of --synthetic-mib 100000 was OOM-killed on the shared machine)
+    (["--synthetic-mib", "1e7", "--world", "1"], "the run needs about 173015.4 GB of memory"),
+    (["--dir", "/nonexistent-reshard-dir/sub"], "'/nonexistent-reshard-dir/sub' does not exist"),
+    # nothing to load into the other layout: was measured as nothing at all, exit 0
+    (["--model", "llama-tiny", "--world", "1", "--reshard-to", "fsdp2", "--skip", "save"], "save skipped"),
+    (["--model", "llama-tiny", "--world", "1", "--reshard-to", "fsdp2", "--skip", "load"], "load skipped"),
 ])
 def test_bad_settings_are_usage_errors(args: list[str], message: str) -> None:
     r = CliRunner().invoke(main, ["bench", "io", *args])
@@ -203,6 +216,13 @@ def test_demo_report_beside_the_bench() -> None:
     assert cmp["save_ratio_cold"] == pytest.approx(1.125)
     assert not cmp["within_2x"] and "CheckpointManager" in cmp["why"]
     assert "demo/bench x3.00" in "\n".join(report.demo_lines(cmp))
+    assert cmp["same_state"]
+    # the bench of another model (llama-tiny, 10 MiB) beside the bert demo: said, not judged as "within 2x"
+    s["save"]["reshard"]["stored_bytes"] = 10 << 20
+    s["save"]["reshard"]["median_s"] = 3.0  # demo/bench 1.5: "within 2x", of two different states
+    cmp = report.demo_compare({"summary": {"local/w4": s}}, d)
+    assert cmp["same_state"] is False and cmp["why"].startswith("not the same state: the demo saved 261.0 MiB")
+    assert "within 2x: yes (of different states)" in "\n".join(report.demo_lines(cmp))
     with pytest.raises(ValueError, match="not a `reshard demo` report"):
         report.parse_demo_report("hello")
 
@@ -219,4 +239,219 @@ def test_bench_scale_smoke_beside_io() -> None:
     r = CliRunner().invoke(main, ["bench", "scale", "--tp", "2", "--pp", "2", "--dp", "2", "--model",
                                   "llama-8b", "--only-largest"], catch_exceptions=False)
     assert r.exit_code == 0, r.output
-    assert "8 ranks" in r.output
+    assert "8 ranks; loaded into tp1,pp1,dp8" in r.output  # the default load layout, said
+    # more pipeline stages than the model has layers: refused (stages without a layer were simulated)
+    for args in (["--pp", "200"], ["--pp", "2", "--reshard-to", "tp1,pp64,dp1"]):
+        r = CliRunner().invoke(main, ["bench", "scale", "--tp", "2", "--dp", "1", "--model", "llama-8b",
+                                      "--only-largest", *args])
+        assert r.exit_code == 2 and "more stages than layers" in r.output, r.output
+
+
+def _gone(pids: set[int], within_s: float = 15.0) -> bool:
+    """Every process of ``pids`` ended (or is a zombie) within ``within_s``:
+    multiprocessing's resource tracker, for one, ends shortly after the
+    process that started it."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=within_s)
+    return all(p.status() == psutil.STATUS_ZOMBIE for p in alive if p.is_running())
+
+
+@pytest.mark.timeout(120)
+def test_a_phase_past_timeout_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    """A phase that runs past --timeout (here the ranks' setup, which imports
+    torch) ends the run with exit 1 and one line naming the phase and the
+    timeout, not a Python traceback; the scratch directory is removed and no
+    rank process is left."""
+    import psutil
+
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "reshard.cli", "bench", "io", "--model", "llama-tiny", "--world", "1",
+         "--repeat", "1", "--timeout", "0.2", "--dir", str(tmp_path), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    children: set[int] = set()
+    while p.poll() is None:  # the ranks this run starts, to check none outlives it
+        try:
+            children |= {c.pid for c in psutil.Process(p.pid).children(recursive=True)}
+        except psutil.Error:
+            pass
+    out, err = p.communicate(timeout=100)
+    assert p.returncode == 1, out + err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("reshard: bench io: w1 local: setup (setup, 1 ranks) failed: "), err
+    assert "did not answer within --timeout 0.2 s" in last
+    assert "Traceback (most recent call last)" not in err
+    assert list(tmp_path.iterdir()) == []
+    assert children and _gone(children)
+
+
+@pytest.mark.timeout(120)
+def test_s3_endpoint_bucket_is_removed_and_an_unreachable_one_is_named(monkeypatch) -> None:
+    """`--s3-endpoint URL`: the bucket the run creates there is deleted at the
+    end (its objects were, the bucket was left behind on every run); an
+    endpoint that does not answer is one line naming it, exit 2."""
+    import boto3
+
+    from reshard.bench.objstore import Endpoint
+    from reshard.testing.s3server import S3Server
+
+    with S3Server() as srv:
+        for k, v in srv.env().items():
+            monkeypatch.setenv(k, v)
+        ep = Endpoint(srv.url)
+        c = boto3.client("s3", endpoint_url=srv.url)
+        assert ep.bucket in {b["Name"] for b in c.list_buckets()["Buckets"]}
+        c.put_object(Bucket=ep.bucket, Key="x/manifest.json", Body=b"{}")
+        c.create_multipart_upload(Bucket=ep.bucket, Key="x/att-1.data")  # as a Ctrl-C'd save leaves it
+        ep.close()
+        assert ep.bucket not in {b["Name"] for b in c.list_buckets()["Buckets"]}
+    monkeypatch.setenv("RESHARD_S3_DEADLINE_S", "1")
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run([sys.executable, "-m", "reshard.cli", "bench", "io", "--model", "llama-tiny",
+                        "--world", "1", "--backend", "s3", "--s3-endpoint", "http://127.0.0.1:1"],
+                       capture_output=True, text=True, timeout=100, env=env)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.startswith("reshard: bench io: S3 endpoint http://127.0.0.1:1: cannot create the bucket")
+    assert "Traceback" not in p.stderr
+
+
+def _load_record(method: str, ranks: int, *, ok: bool = True, target: str | None = None) -> dict:
+    """A load record as Runner.record writes it (one call per rank, timed once)."""
+    rec = {"phase": "reshard" if target else "load", "method": method, "world": 2, "backend": "local",
+           "loadavg": [1.0], "per_rank": [
+               {"rank": r, "own_s": [0.1], "total_s": [0.1 * ranks], "fingerprint_ok": ok,
+                "timings": [{"manifest": 0.01, "plan": 0.01, "read": 0.05 * ranks, "place": 0.01}]}
+               for r in range(ranks)]}
+    if target:
+        rec.update(target=target, target_world=ranks)
+    return rec
+
+
+def test_a_differing_state_is_named_and_each_reshard_panel_plots_its_own_target(tmp_path: Path) -> None:
+    """A load whose state differs from the saved one is named by
+    state_mismatches (the command exits 1 on it; the table only said STATE
+    DIFFERS and the exit was 0); the plot's "load into T" panel takes T's own
+    per-rank timings (with two --reshard-to it titled the first target and
+    drew the last one's ranks)."""
+    from reshard.bench import report
+
+    setup = {"phase": "setup", "method": "build", "world": 2, "backend": "local", "loadavg": [1.0],
+             "logical_bytes": 1e6, "layout": "fsdp2",
+             "per_rank": [{"local_bytes": 5e5, "tensors": 3, "params": 10} for _ in range(2)]}
+    records = [setup, _load_record("reshard", 2), _load_record("reshard", 1, target="fsdp1<-fsdp2"),
+               _load_record("reshard", 4, target="fsdp4<-fsdp2", ok=False)]
+    doc = {"summary": report.summarise(records, {}), "records": records}
+    assert report.state_mismatches(doc) == ["local/w2 reshard reshard@fsdp4<-fsdp2"]
+    records[-1] = _load_record("reshard", 4, target="fsdp4<-fsdp2")
+    doc = {"summary": report.summarise(records, {}), "records": records}
+    assert report.state_mismatches(doc) == []
+    assert len(report._load_timings(doc, "local/w2", "reshard", "fsdp1<-fsdp2")) == 1
+    assert len(report._load_timings(doc, "local/w2", "reshard", "fsdp4<-fsdp2")) == 4
+    assert len(report._load_timings(doc, "local/w2")) == 2
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_mid_run_removes_the_scratch_checkpoints_and_the_ranks(tmp_path: Path) -> None:
+    """`kill PID` (a scheduler's SIGTERM) in the middle of the saves: the run
+    ends as after Ctrl-C, exit 143, with its scratch checkpoints and rank
+    processes removed. Regression: SIGTERM's default action ended the main
+    process at once, leaving every scratch checkpoint behind (1.4 GB for a
+    64 MiB synthetic model)."""
+    import signal
+    import time
+
+    import psutil
+
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "reshard.cli", "bench", "io", "--model", "synthetic", "--synthetic-mib", "4",
+         "--world", "1", "--repeat", "3", "--settle", "0.3", "--skip", "train,rss,async",
+         "--dir", str(tmp_path), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    children: set[int] = set()
+    deadline = time.monotonic() + 150
+    while p.poll() is None and time.monotonic() < deadline:
+        try:
+            children |= {c.pid for c in psutil.Process(p.pid).children(recursive=True)}
+        except psutil.Error:
+            pass
+        if list(tmp_path.glob("reshard-bench-io-*/w1-save-*/*")):  # a save's files are there
+            break
+        time.sleep(0.02)
+    assert p.poll() is None, "the run ended before its first save was seen"
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err[-2000:])
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))[:5]
+    assert children and _gone(children)
+
+
+def test_world_sizes_given_twice_run_once() -> None:
+    """`--world 1,2,1`: each size once (a size given twice ran twice and its
+    records were merged into one summary, medians over both runs)."""
+    from reshard.cli_bench import _ints
+
+    assert _ints("1,2,1,2") == [1, 2]
+
+
+
+def test_memory_backend_figures_say_what_they_measure() -> None:
+    """memory:// keeps the checkpoints in the rank's memory: the report says
+    its RSS targets measure the store, and its save is not fsync'd (the
+    table's header said "save (fsync)" and the async RSS target read "NO")."""
+    from reshard.bench.io import _notes
+
+    notes = _notes({"layout": "fsdp", "backends": ["local", "memory"], "s3_endpoint": None})
+    assert any(n.startswith("memory://: the store keeps every checkpoint in the rank's own memory")
+               and "nothing is fsync'd" in n for n in notes)
+    assert not any(n.startswith("memory://") for n in _notes({"layout": "fsdp", "backends": ["local"],
+                                                               "s3_endpoint": None}))
+
+
+@pytest.mark.timeout(180)
+def test_a_second_ctrl_c_does_not_cut_the_cleanup_short(tmp_path: Path) -> None:
+    """Ctrl-C, then again and again while the run cleans up (the ranks, the
+    S3 endpoint it started): nothing left in --dir (a second Ctrl-C cut the
+    cleanup short, leaving the scratch folder)."""
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "reshard.cli", "bench", "io", "--model", "llama-tiny", "--world", "2",
+         "--repeat", "1", "--dir", str(tmp_path), "--backend", "s3", "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal starts it
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(2.0)  # moto's server is up, the ranks are starting: the cleanup stops both
+    p.send_signal(signal.SIGINT)
+    for _ in range(20):  # again and again while it cleans up
+        time.sleep(0.05)
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    # 130, or killed by one of the later SIGINTs after "reshard: interrupted"
+    assert p.returncode in (130, -signal.SIGINT), (p.returncode, err[-2000:])
+    assert "reshard: interrupted" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, tmp_path: Path) -> None:
+    """Was found only after the whole run, when the plot was drawn."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # find_spec: not installed
+    r = CliRunner().invoke(main, ["bench", "io", "--model", "llama-tiny", "--world", "1",
+                                  "--plot", str(tmp_path / "p.png")])
+    assert r.exit_code == 2 and "--plot needs matplotlib" in r.output, r.output
+    assert "reshard bench io:" not in r.output  # no run
+    r = CliRunner().invoke(main, ["bench", "scale", "--model", "llama-8b", "--plot", str(tmp_path / "s.png")])
+    assert r.exit_code == 2 and "--plot needs matplotlib" in r.output, r.output
+

@@ -199,3 +199,45 @@ def test_advise_young_daly(tmp_path: Path) -> None:
     assert "MTBF           : 7200 s" in r.stdout
     assert "sqrt(2*C*MTBF)): 170 s = 170 steps" in r.stdout
     assert "current : every 1000 s -> expected loss per failure 500 s = 500.0 steps = 2,048,000 tokens" in r.stdout
+
+
+@pytest.mark.parametrize("log,args,message", [
+    # each was a Python traceback (ZeroDivisionError, ValueError) or a nonsense report
+    ("0\n7200\n", ["--step-time-s", "0"], "'--step-time-s': 0.0: a finite number > 0"),
+    ("0\n7200\n", ["--step-time-s", "-1"], "'--step-time-s': -1.0: a finite number > 0"),
+    ("0\n7200\n", ["--cost-s", "-5"], "'--cost-s': -5.0: a finite number >= 0"),
+    ("0\n7200\n", ["--cost-s", "nan"], "'--cost-s': nan: a finite number >= 0"),
+    ("0\n7200\n", ["--every-steps", "0"], "'--every-steps': 0 is not in the range x>=1"),
+    ("0\n7200\n", ["--restart-s", "inf"], "'--restart-s': inf: a finite number >= 0"),
+    ("0\nnot-a-time\n", [], "failures.txt:2: 'not-a-time' is neither seconds since the epoch nor an ISO 8601"),
+    ("5\n5\n", [], "the 2 failure times are all the same instant (no MTBF)"),
+])
+def test_advise_refuses_bad_numbers_in_one_line(tmp_path: Path, log: str, args: list[str], message: str) -> None:
+    f = tmp_path / "failures.txt"
+    f.write_text(log)
+    base = {"--cost-s": "2", "--step-time-s": "1", "--every-steps": "100"}
+    for k, v in zip(args[::2], args[1::2]):
+        base[k] = v
+    r = CliRunner().invoke(main, ["advise", "--failures", str(f), *[x for kv in base.items() for x in kv]])
+    assert r.exit_code == 2, r.output
+    assert message in " ".join(r.output.split()), r.output
+    assert "Traceback" not in r.output
+
+
+def test_advise_bench_takes_a_real_store_and_says_which_run(tmp_path: Path) -> None:
+    """A `bench io --json` of --backend local,memory: the cost is the local
+    disk's save, not memory://'s (a store in the process, 6.5x faster in the run
+    that found it), and the report names the run it took."""
+    f = tmp_path / "failures.txt"
+    f.write_text("0\n7200\n")
+    def run(w: int, t: float) -> dict:
+        return {"save": {"reshard": {"median_s": t}}, "local_bytes_per_rank": [1] * w}
+    bench = tmp_path / "io.json"
+    bench.write_text(json.dumps({"summary": {"local/w1": run(1, 1.113), "memory/w1": run(1, 0.170)}}))
+    r = _run("advise", "--failures", str(f), "--bench", str(bench), "--step-time-s", "1", "--every-steps", "100")
+    assert r.exit_code == 0, r.output
+    assert f"checkpoint cost: 1.113 s (foreground; reshard.save median of local/w1 in {bench})" in r.stdout
+    bench.write_text(json.dumps({"summary": {"local/w1": run(1, 1.0), "s3/w2": run(2, 2.5),
+                                             "memory/w1": run(1, 0.1)}}))
+    r = _run("advise", "--failures", str(f), "--bench", str(bench), "--step-time-s", "1", "--every-steps", "100")
+    assert "checkpoint cost: 2.500 s (foreground; reshard.save median of s3/w2" in r.stdout, r.output

@@ -107,6 +107,15 @@ def test_missing_optional_packages_say_how_to_install(monkeypatch: pytest.Monkey
     assert not (tmp_path / "d").exists()
 
 
+@pytest.mark.parametrize("lr", ["nan", "-1", "inf"])
+def test_demo_bad_learning_rate_is_a_usage_error_before_any_rank(tmp_path: Path, lr: str) -> None:
+    """Was a Python traceback from AdamW on the ranks ("Invalid learning
+    rate"), after the demo had started its processes and its output folder."""
+    _one_line_error(_run("demo", "--out", str(tmp_path / "d"), "--size", "tiny", "--data", "random",
+                         "--lr", lr), 2, "--lr", "a finite number >= 0")
+    assert not (tmp_path / "d").exists()
+
+
 def test_verify_failure_exits_1_and_json(tmp_path: Path, ck: Path) -> None:
     j = tmp_path / "v.json"
     assert _run("verify", str(ck), "--json", str(j)).exit_code == 0
@@ -317,6 +326,29 @@ def test_gc_names_the_abandoned_attempts_it_keeps(tmp_path: Path) -> None:
     r = _run("gc", str(root), "--keep-last", "1", "--grace", "0")
     assert r.exit_code == 0 and not att.exists(), r.output
     assert f"deleted abandoned attempt {att.name}" in r.stdout and "kept abandoned" not in r.stdout
+
+
+def test_a_progress_bar_leaves_no_semaphore_under_spawn() -> None:
+    """A bar in a process whose multiprocessing start method is spawn (as in
+    `reshard bench io`, whose ranks are spawned): nothing left in /dev/shm and
+    no "leaked semaphore objects" warning at exit (tqdm's default lock is a
+    named multiprocessing semaphore it never releases)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import multiprocessing as mp, os\n"
+            "mp.set_start_method('spawn')\n"
+            "before = set(os.listdir('/dev/shm'))\n"
+            "from reshard.progress import bar\n"
+            "b = bar(3, 'x', enabled=True, unit='phase'); b.update(1); b.close()\n"
+            "print(sorted(set(os.listdir('/dev/shm')) - before))\n")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**__import__("os").environ, "PYTHONPATH": src})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]", p.stdout
+    assert "leaked" not in p.stderr, p.stderr
 
 
 def test_gc_exits_1_when_a_checkpoint_fails_its_smoke_test(tmp_path: Path) -> None:

@@ -90,3 +90,50 @@ def test_a_program_ending_without_wait_commits_its_async_save(tmp_path: Path) ->
     tgt = {f"t{i}": torch.zeros(1024) for i in range(8)}
     reshard.load(tgt, str(ck))
     assert all(torch.equal(tgt[f"t{i}"], torch.full((1024,), float(i))) for i in range(8))
+
+
+FAILS_SCRIPT = textwrap.dedent("""
+    import errno, sys, torch, reshard
+    from reshard.storage import LocalStorage
+
+    class Full(LocalStorage):  # the disk fills up under the background save's data files
+        def open_write(self, path, *, durable=True):
+            s = super().open_write(path, durable=durable)
+            if not path.endswith("manifest.json"):
+                def write(data):
+                    raise OSError(errno.ENOSPC, "No space left on device", path)
+                s.write = write
+            return s
+
+    state = {f"t{i}": torch.full((1024,), float(i)) for i in range(8)}
+    h = reshard.async_save(state, sys.argv[1], step=3, storage=Full())
+    print("staged", h.staged.done(), flush=True)
+    if sys.argv[2] == "wait":
+        try:
+            h.wait()
+        except reshard.CheckpointError as e:
+            print("caught", type(e).__name__, flush=True)
+""")
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_a_failed_save_never_waited_for_is_named_at_exit(tmp_path: Path, waits: bool) -> None:
+    """A background save that fails when the program ends without waiting for
+    it: exit names it on stderr (path, step, the error) and publishes nothing.
+    Regression: the failure was dropped silently (exit 0, no message, no
+    checkpoint). A failure the program already caught through wait() is not
+    repeated."""
+    script = tmp_path / "job.py"
+    script.write_text(FAILS_SCRIPT)
+    ck = tmp_path / "ck"
+    p = subprocess.run([sys.executable, str(script), str(ck), "wait" if waits else "no"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert not ck.exists()  # nothing published
+    note = [ln for ln in p.stderr.splitlines() if ln.startswith("reshard: the asynchronous save")]
+    if waits:
+        assert "caught" in p.stdout and note == [], p.stderr
+    else:
+        assert note == [f"reshard: the asynchronous save of step 3 to {ck} failed and was never waited "
+                        f"for (nothing published): {note[0].split('(nothing published): ', 1)[1]}"]
+        assert "No space left on device" in note[0], p.stderr

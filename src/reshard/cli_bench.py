@@ -9,14 +9,13 @@ save time.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from typing import Any
 
 import click
 
-from .cli_support import USAGE, OutputPath, fail, json_option, write_json
+from .cli_support import CHECK_FAILED, USAGE, OutputPath, fail, finite, json_option, write_json
 
 
 @click.group("bench")
@@ -67,6 +66,11 @@ def bench_scale_cmd(tp: int, pp: int, dp: int, ep: int, model: str, optimizer: s
 
     if model not in MODELS:
         fail(USAGE, f"unknown model {model!r} (one of {sorted(MODELS)})")
+    if plot_path:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            fail(USAGE, "--plot needs matplotlib (pip install 'reshard[demo]')")
     if ep > 1 and (dp % ep or not MODELS[model]["experts"]):
         fail(USAGE, "--ep needs a moe-* model and must divide --dp")
     lay = Layout(tp=tp, pp=pp, dp=dp, ep=ep)
@@ -74,12 +78,17 @@ def bench_scale_cmd(tp: int, pp: int, dp: int, ep: int, model: str, optimizer: s
         tgt = parse_layout(target) if target else None
     except ValueError as e:
         fail(USAGE, str(e))
+    from .testing.scale_sim import default_target
+
+    layers = MODELS[model]["layers"]
+    for what, x in (("--pp", lay), ("--reshard-to", tgt)):
+        if x is not None and x.pp > layers:  # stages without a layer: a layout nobody can run
+            fail(USAGE, f"{what}: pp{x.pp} splits {model}'s {layers} layers into more stages than layers")
     opt = "adam" if optimizer == "adam" else "none"
-    click.echo(f"{model}, {opt}, ZeRO-{zero} ({zero_split} split): {lay} = {lay.world} ranks")
+    click.echo(f"{model}, {opt}, ZeRO-{zero} ({zero_split} split): {lay} = {lay.world} ranks; "
+               f"loaded into {tgt or default_target(lay)}")
     click.echo(HEADER)
     if only_largest:
-        from .testing.scale_sim import default_target
-
         rows = [simulate_one(model, lay, tgt or default_target(lay), optimizer=opt, zero_split=zero_split)]
         click.echo(format_row(rows[0]))
     else:
@@ -96,15 +105,6 @@ def bench_scale_cmd(tp: int, pp: int, dp: int, ep: int, model: str, optimizer: s
         plot(rows, plot_path)
         click.echo(f"plot written to {plot_path}")
 
-
-
-def _finite(low: float, *, open_low: bool) -> Any:
-    """A click callback: a finite number ``> low`` (``open_low``) or ``>= low``."""
-    def check(ctx: click.Context, param: click.Parameter, value: float) -> float:
-        if not math.isfinite(value) or value < low or (open_low and value == low):
-            raise click.BadParameter(f"{value}: a finite number {'>' if open_low else '>='} {low:g}")
-        return value
-    return check
 
 
 def _methods() -> set[str]:
@@ -126,7 +126,7 @@ def _ints(text: str | None) -> list[int] | None:
                                  param_hint="--world") from None
     if not out or min(out) < 1 or max(out) > 8:
         raise click.BadParameter(f"{text!r}: world sizes from 1 to 8", param_hint="--world")
-    return out
+    return list(dict.fromkeys(out))  # a size given twice ran twice, its records merged into one summary
 
 
 @bench_group.command("io")
@@ -149,25 +149,25 @@ def _ints(text: str | None) -> list[int] | None:
 @click.option("--repeat", type=click.IntRange(1, 20), default=2, show_default=True,
               help="Timed runs per method (min and median reported).")
 @click.option("--synthetic-mib", type=float, default=256.0, show_default=True,
-              callback=_finite(0.0, open_low=True),
+              callback=finite(0.0, open_low=True),
               help="MiB of parameters of the synthetic model (state: 3x with the moments).")
 @click.option("--seq-len", type=click.IntRange(2, 1024), default=16, show_default=True,
               help="Tokens per sample of the training step.")
 @click.option("--steps", type=click.IntRange(1, 100), default=3, show_default=True,
               help="Training steps with no save in flight before each background save.")
 @click.option("--settle", type=float, default=0.5, show_default=True,
-              callback=_finite(0.0, open_low=False),
+              callback=finite(0.0, open_low=False),
               help="Seconds of rest after os.sync() before each timed save.")
 @click.option("--skip", default="", help="Comma-separated methods (e.g. dcp-async-process, reshard-nocheck) "
-              "or phases (rss, train, async) to leave out.")
-@click.option("--dir", "scratch_dir", type=click.Path(file_okay=False), default=None,
+              "or phases (rss, train, async, save, load; no save: no load either) to leave out.")
+@click.option("--dir", "scratch_dir", type=click.Path(file_okay=False, exists=True), default=None,
               help="Scratch directory on the disk to measure (default: a temporary one).")
 @click.option("--json", "json_path", type=OutputPath(), default=None,
               help="Write every record (one per phase measurement) and the summary here.")
 @click.option("--plot", "plot_path", type=OutputPath(), default=None,
               help="Write a PNG: per-rank timelines of save and load, and the scaling over world sizes.")
 @click.option("--timeout", type=float, default=1800.0, show_default=True,
-              callback=_finite(0.0, open_low=True),
+              callback=finite(0.0, open_low=True),
               help="Seconds one phase may take on the ranks.")
 @click.option("--profile", "profile_dir", type=click.Path(file_okay=False), default=None,
               help="Profile every timed reshard save and load with pyinstrument (a dev dependency) "
@@ -187,17 +187,31 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
            plot_path: str | None, timeout: float, profile_dir: str | None, demo_report: str | None,
            cold: bool, no_progress: bool) -> None:
     """Measure save, async save, load and reshard of a model state, with DCP,
-    torch.save, safetensors and the machine's limits in the same run."""
+    torch.save, safetensors and the machine's limits in the same run.
+
+    Every load is checked bit for bit against the saved state: exit 1 when
+    one differs (or a phase failed on the ranks), after the report."""
     from .bench import report
-    from .bench.io import check_layouts, run
+    from .bench.io import BenchError, check_layouts, run
     from .progress import interactive, wanted
 
     try:
         worlds = check_layouts(model, layout, list(reshard_to), _ints(world))
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+    import psutil
+
+    from .bench.io import memory_needed
     from .bench.models import parse_layout
 
+    need, avail = memory_needed(model, layout, worlds, list(reshard_to), synthetic_mib), \
+        psutil.virtual_memory().available
+    if need > avail:
+        raise click.UsageError(f"--model {model}" + (f" --synthetic-mib {synthetic_mib:g}" if model == "synthetic"
+                                                     else "") +
+                               f": the run needs about {need / 1e9:.1f} GB of memory (the state and its copies "
+                               f"on every rank), {avail / 1e9:.1f} GB is available; use a smaller state or "
+                               "fewer ranks")
     fixed = parse_layout(layout)
     if fixed.kind != "grid" and fixed.world is not None and any(w != fixed.world for w in worlds):
         raise click.BadParameter(f"layout {layout!r} names {fixed.world} ranks, but the runs are at "
@@ -207,7 +221,16 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
     if unknown:
         raise click.BadParameter(f"unknown method(s) {', '.join(unknown)}; one of "
                                  f"{', '.join(sorted(_methods()))}", param_hint="--skip")
-    backends = [b.strip() for b in backend.split(",") if b.strip()]
+    skipped = {m.strip() for m in skip.split(",") if m.strip()} & {"save", "load"}
+    if skipped and (reshard_to or demo_report):
+        what = "--reshard-to" if reshard_to else "--demo-report"
+        raise click.BadParameter(f"{', '.join(sorted(skipped))} skipped: {what} loads the reshard save's "
+                                 "checkpoint, which is then not written or not loaded", param_hint="--skip")
+    backends = list(dict.fromkeys(b.strip() for b in backend.split(",") if b.strip()))
+    seen: dict[str, str] = {}  # one load per target layout (a target given twice was measured twice)
+    for t in reshard_to:
+        seen.setdefault(str(parse_layout(t)), t)
+    reshard_to = tuple(seen.values())
     for b in backends:
         if b not in ("local", "memory", "s3"):
             raise click.BadParameter(f"backend {b!r}: one of local, memory, s3", param_hint="--backend")
@@ -228,6 +251,11 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
                 demo = report.parse_demo_report(f.read())
         except ValueError as e:
             raise click.BadParameter(f"{demo_report}: {e}", param_hint="--demo-report") from None
+    if plot_path:  # checked now, not after a run of minutes
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise click.UsageError("--plot needs matplotlib (pip install 'reshard[demo]')")
     if profile_dir:
         try:
             import pyinstrument  # noqa: F401
@@ -242,8 +270,15 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
         "argv": sys.argv[1:], "cpus": os.cpu_count(),
         "profile": os.path.abspath(profile_dir) if profile_dir else None, "cold": cold,
     }
-    doc = run(cfg, progress=not no_progress and (interactive() or wanted(None)), json_path=json_path,
-              scratch_dir=scratch_dir)
+    try:
+        doc = run(cfg, progress=not no_progress and (interactive() or wanted(None)), json_path=json_path,
+                  scratch_dir=scratch_dir)
+    except BenchError as e:
+        if os.environ.get("RESHARD_TRACEBACK"):
+            raise
+        fail(USAGE if e.phase == "s3 endpoint" else CHECK_FAILED,
+             f"bench io: {e}" + (f"; the worlds measured before it are in {e.partial_json}"
+                                 if e.partial_json else ""))
     if demo is not None:
         doc["demo"] = report.demo_compare(doc, demo)
     click.echo(report.table(doc))
@@ -254,6 +289,9 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
     if plot_path:
         report.plot(doc, plot_path)
         click.echo(f"plot written to {plot_path}")
+    bad = report.state_mismatches(doc)
+    if bad:  # a load that did not give back the saved state is a failed check, never a figure
+        fail(CHECK_FAILED, f"bench io: the loaded state differs from the saved one after: {', '.join(bad)}")
 
 
 @click.command("advise")
@@ -261,11 +299,15 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
               help="Failure log: one failure time per line (seconds since the epoch or ISO 8601).")
 @click.option("--bench", "bench_json", type=click.Path(dir_okay=False, exists=True), default=None,
               help="JSON from benchmarks/bench_core.py or `reshard bench io` (its reshard save time is the cost C).")
-@click.option("--cost-s", type=float, default=None, help="Foreground cost of one checkpoint, seconds.")
-@click.option("--step-time-s", type=float, required=True, help="Seconds per training step.")
-@click.option("--every-steps", type=int, required=True, help="Current cadence: checkpoint every N steps.")
-@click.option("--tokens-per-step", type=int, default=0, help="Tokens per step (for tokens lost).")
-@click.option("--restart-s", type=float, default=0.0, help="Fixed restart cost per failure, seconds.")
+@click.option("--cost-s", type=float, default=None, callback=finite(0.0, open_low=False),
+              help="Foreground cost of one checkpoint, seconds.")
+@click.option("--step-time-s", type=float, required=True, callback=finite(0.0, open_low=True),
+              help="Seconds per training step.")
+@click.option("--every-steps", type=click.IntRange(min=1), required=True,
+              help="Current cadence: checkpoint every N steps.")
+@click.option("--tokens-per-step", type=click.IntRange(min=0), default=0, help="Tokens per step (for tokens lost).")
+@click.option("--restart-s", type=float, default=0.0, callback=finite(0.0, open_low=False),
+              help="Fixed restart cost per failure, seconds.")
 @json_option
 def advise_cmd(failures_log: str, bench_json: str | None, cost_s: float | None, step_time_s: float,
                every_steps: int, tokens_per_step: int, restart_s: float, json_path: str | None) -> None:
@@ -274,20 +316,32 @@ def advise_cmd(failures_log: str, bench_json: str | None, cost_s: float | None, 
     the current cadence and at the optimum."""
     from .manager import young_daly_interval
 
-    times = sorted(_parse_time(line) for line in open(failures_log) if line.strip()
-                   and not line.lstrip().startswith("#"))
+    times = []
+    with open(failures_log, encoding="utf-8", errors="replace") as f:
+        for no, line in enumerate(f, 1):
+            if line.strip() and not line.lstrip().startswith("#"):
+                try:
+                    times.append(_parse_time(line))
+                except ValueError:
+                    raise click.BadParameter(f"{failures_log}:{no}: {line.strip()[:80]!r} is neither seconds "
+                                             "since the epoch nor an ISO 8601 time",
+                                             param_hint="--failures") from None
+    times.sort()
     if len(times) < 2:
         fail(2, f"{failures_log}: need at least two failure times")
     mtbf = (times[-1] - times[0]) / (len(times) - 1)
+    if not mtbf > 0:
+        fail(2, f"{failures_log}: the {len(times)} failure times are all the same instant (no MTBF)")
+    source = "--cost-s"
     if cost_s is None:
         if bench_json is None:
             fail(2, "give --cost-s or --bench")
-        cost_s = _bench_cost(bench_json)
+        cost_s, source = _bench_cost(bench_json)
     t_opt = young_daly_interval(cost_s, mtbf)
     cur = every_steps * step_time_s
     click.echo(f"failures       : {len(times)} over {(times[-1] - times[0]) / 3600:.1f} h")
     click.echo(f"MTBF           : {mtbf:.0f} s ({mtbf / 3600:.2f} h)")
-    click.echo(f"checkpoint cost: {cost_s:.3f} s (foreground)")
+    click.echo(f"checkpoint cost: {cost_s:.3f} s (foreground; {source})")
     click.echo(f"optimal interval (Young/Daly sqrt(2*C*MTBF)): {t_opt:.0f} s = "
                f"{max(1, round(t_opt / step_time_s))} steps")
     figures: dict[str, Any] = {"failures": len(times), "mtbf_s": mtbf, "cost_s": cost_s,
@@ -317,14 +371,25 @@ def _parse_time(text: str) -> float:
         return datetime.fromisoformat(t).timestamp()
 
 
-def _bench_cost(path: str) -> float:
+def _bench_cost(path: str) -> tuple[float, str]:
     """The median reshard save time of a ``benchmarks/bench_core.py --json``
-    file, or of a ``reshard bench io --json`` file (its largest world size)."""
+    file, or of a ``reshard bench io --json`` file (its largest world size,
+    on a real store: local or s3 before ``memory://``, which lives in the
+    process), and where it was taken from."""
     try:
-        doc = json.load(open(path))
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        where = f"reshard.save median of {path}"
         if "save" not in doc and "summary" in doc:
-            runs = sorted(doc["summary"].values(), key=lambda s: len(s["local_bytes_per_rank"]))
-            doc = runs[-1]
-        return float(doc["save"]["reshard"]["median_s"])
-    except (KeyError, TypeError, ValueError, IndexError) as e:
+            summ = doc["summary"]
+            runs = sorted((k for k, s in summ.items() if "reshard" in s["save"]),
+                          key=lambda k: (not k.startswith("memory/"), len(summ[k]["local_bytes_per_rank"]),
+                                         k.startswith("local/")))
+            where = f"reshard.save median of {runs[-1]} in {path}"
+            doc = summ[runs[-1]]
+        cost = float(doc["save"]["reshard"]["median_s"])
+    except (KeyError, TypeError, ValueError, IndexError, UnicodeDecodeError) as e:
         raise click.BadParameter(f"{path}: no save.reshard.median_s ({e})", param_hint="--bench") from None
+    if not (cost >= 0 and cost != float("inf")):
+        raise click.BadParameter(f"{path}: save.reshard.median_s is {cost}", param_hint="--bench")
+    return cost, where

@@ -10,7 +10,7 @@ import tempfile
 
 import click
 
-from .cli_support import CHECK_FAILED, USAGE, fail, human_bytes, json_option, write_json
+from .cli_support import CHECK_FAILED, USAGE, fail, finite, human_bytes, json_option, write_json
 
 
 @click.command("demo")
@@ -29,7 +29,8 @@ from .cli_support import CHECK_FAILED, USAGE, fail, human_bytes, json_option, wr
               help="Step whose save loses a rank to SIGKILL.")
 @click.option("--seq-len", type=click.IntRange(4, 512), default=32, show_default=True)
 @click.option("--global-batch", type=click.IntRange(1, None), default=8, show_default=True)
-@click.option("--lr", type=float, default=1e-4, show_default=True)
+@click.option("--lr", type=float, default=1e-4, show_default=True, callback=finite(0.0, open_low=False),
+              help="AdamW learning rate (a finite number >= 0).")
 @click.option("--max-files", type=click.IntRange(1, None), default=None,
               help="Standard-library files read for text (default: all).")
 @click.option("--no-progress", is_flag=True, help="No progress bars.")

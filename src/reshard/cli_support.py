@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -47,6 +48,16 @@ def fail(code: int, msg: str) -> NoReturn:
     """Print ``reshard: msg`` (on one line) on stderr and exit with ``code``."""
     click.echo(f"reshard: {one_line(msg)}", err=True)
     sys.exit(code)
+
+
+def finite(low: float, *, open_low: bool) -> Any:
+    """A click callback: a finite number ``> low`` (``open_low``) or ``>= low``
+    (None, an option not given, passes)."""
+    def check(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+        if value is not None and (not math.isfinite(value) or value < low or (open_low and value == low)):
+            raise click.BadParameter(f"{value}: a finite number {'>' if open_low else '>='} {low:g}")
+        return value
+    return check
 
 
 class OutputPath(click.Path):

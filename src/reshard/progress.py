@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from typing import Any
 
 ENV = "RESHARD_PROGRESS"
@@ -53,5 +54,12 @@ def bar(total: float | None, desc: str, *, enabled: bool, unit: str = "B") -> An
         return _Quiet()
     from tqdm import tqdm
 
+    if not hasattr(tqdm, "_lock"):
+        # a thread lock: tqdm's default adds a multiprocessing RLock, a named
+        # semaphore under the spawn/forkserver start methods that it never
+        # releases ("resource_tracker: There appear to be 2 leaked semaphore
+        # objects" at the exit of every `reshard bench io` with a bar); our
+        # bars are written by one process each
+        tqdm.set_lock(threading.RLock())
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", unit_divisor=1024,
                 file=sys.stderr, leave=False, dynamic_ncols=True)

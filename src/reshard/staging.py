@@ -311,7 +311,10 @@ def _at_exit() -> None:
     (running torch code) once interpreter finalisation begins. A Ctrl-C
     during that wait abandons the pending saves without publishing (the
     commit protocol leaves nothing half-way: no manifest, no older checkpoint
-    deleted) and waits up to 30 s per save for its thread to stop."""
+    deleted) and waits up to 30 s per save for its thread to stop. A save
+    that failed (or was abandoned) and whose failure no ``wait()`` or later
+    save raised is named in one line on stderr: the exit itself cannot
+    raise it."""
     slots = [slot for s in SAVERS.values() for slot in s.pending]
     try:
         for slot in slots:
@@ -322,6 +325,31 @@ def _at_exit() -> None:
             slot.handle.abandon()
         for slot in slots:
             slot.thread.join(timeout=30)
+        for slot in slots:
+            if not slot.handle.committed.done() or slot.handle.committed.exception() is not None:
+                _exit_note(slot.handle, "was abandoned at exit (interrupted; nothing published)")
+        return
+    # a failure nobody will see otherwise: the program ended without waiting
+    # for the save, and no later save raises it (raise_pending_error)
+    for s in SAVERS.values():
+        failed = [slot.handle for slot in s.pending if slot.handle.committed.exception() is not None]
+        if s.error_handle is not None and s.error_handle not in failed:
+            failed.append(s.error_handle)
+        for h in failed:
+            if not h._reported:
+                h._reported = True
+                _exit_note(h, f"failed and was never waited for (nothing published): {h.committed.exception()}")
+
+
+def _exit_note(h: SaveHandle, what: str) -> None:
+    """One line on stderr at exit about an asynchronous save (best effort:
+    stderr may already be closed)."""
+    try:
+        sys.stderr.write(f"reshard: the asynchronous save of step {h.step} to {h.path} "
+                         f"{' '.join(what.split())}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 # Run before concurrent.futures' own exit hook: the interpreter's thread

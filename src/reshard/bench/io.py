@@ -50,7 +50,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -58,6 +60,8 @@ from ..plan_store import PLAN_FILE
 from .models import parse_layout
 
 GB = 1e9
+#: the most ranks (processes on this machine) a run, a --layout or a --reshard-to takes
+MAX_WORLD = 8
 
 
 def check_layouts(model: str, layout: str, reshard_to: list[str], worlds: list[int] | None) -> list[int]:
@@ -66,7 +70,8 @@ def check_layouts(model: str, layout: str, reshard_to: list[str], worlds: list[i
 
     Raises:
         ValueError: a bad layout, a grid layout of a model without one, a
-            world size a grid layout cannot take, a reshard between the
+            world size a grid layout cannot take, a layout of more than
+            :data:`MAX_WORLD` ranks, a reshard between the
             trainer's grid state and an nn.Module state dict (their keys differ).
     """
     from .models import GRID_MODELS
@@ -74,6 +79,9 @@ def check_layouts(model: str, layout: str, reshard_to: list[str], worlds: list[i
     spec = parse_layout(layout)
     targets = [parse_layout(t) for t in reshard_to]
     for sp, what in [(spec, "--layout"), *((t, "--reshard-to") for t in targets)]:
+        if sp.world is not None and sp.world > MAX_WORLD:  # each rank is a process on this machine
+            raise ValueError(f"{what} {sp}: {sp.world} ranks; the runs take 1 to {MAX_WORLD} ranks "
+                             "(each a process on this machine)")
         if sp.kind == "grid" and model not in GRID_MODELS:
             raise ValueError(f"{what} {sp}: tensor/pipeline layouts run the demo's trainer, which has "
                              f"the models {', '.join(GRID_MODELS)} (not {model!r})")
@@ -87,6 +95,41 @@ def check_layouts(model: str, layout: str, reshard_to: list[str], worlds: list[i
                              f"{spec.world} ranks")
         return [int(spec.world or 1)]
     return worlds or [1, 2]
+
+
+#: logical state bytes (parameters + AdamW moments) of the fixed workloads (measured: the setup's figure)
+STATE_BYTES = {"gpt2-small": 1.49e9, "bert-minilm": 0.32e9, "llama-tiny": 0.01e9}
+#: resident bytes of a rank with torch imported and nothing built (about 350 MiB measured), rounded up
+RANK_BASE_BYTES = 0.4e9
+
+
+def memory_needed(model: str, layout: str, worlds: list[int], reshard_to: list[str],
+                  synthetic_mib: float) -> float:
+    """Bytes of memory the largest world of the run needs, about: each rank
+    holds its share of the state (all of it when replicated) and, with the
+    peers' copies, up to about 5.5x that (the README's measurement), plus
+    :data:`RANK_BASE_BYTES`. An estimate to refuse a run that cannot fit
+    (a rank of `--synthetic-mib 100000` was killed by the kernel's OOM killer,
+    which may pick any process of the machine)."""
+    state = 3 * synthetic_mib * (1 << 20) if model == "synthetic" else STATE_BYTES[model]
+    spec = parse_layout(layout)
+    need = 0.0
+    for w in [*worlds, *(parse_layout(t).world or max(worlds) for t in reshard_to)]:
+        copies = w if spec.kind == "dp" else 1  # replicated: every rank holds the whole state
+        need = max(need, 5.5 * state * copies + RANK_BASE_BYTES * w)
+    return need
+
+
+class BenchError(RuntimeError):
+    """A phase failed on the ranks (a rank raised, died, or did not answer
+    within ``--timeout``). ``phase`` names it; ``partial_json`` is the
+    ``--json`` path holding the records of the worlds completed before it
+    (None when none was written)."""
+
+    def __init__(self, message: str, phase: str) -> None:
+        super().__init__(message)
+        self.phase = phase
+        self.partial_json: str | None = None
 
 
 class Runner:
@@ -108,9 +151,22 @@ class Runner:
 
     # -- helpers
     def run(self, world: int, fn: Any, *args: Any) -> list[Any]:
+        from ..testing.pool import WorkerError
+
         if self.bar is not None:  # the phase under way, shown while it runs
             self.bar.set_postfix_str(f"{self.ctx} ({fn.__name__})", refresh=True)
-        return self.pool.run(world, fn, *args, timeout=self.cfg["timeout"])
+        try:
+            return self.pool.run(world, fn, *args, timeout=self.cfg["timeout"])
+        except WorkerError as e:
+            phase = f"{self.ctx} ({fn.__name__}, {world} ranks)"
+            why = [f"rank {r} raised {name}: {' '.join(str(msg).split())[:300]}"
+                   for r, (name, msg, _tb) in sorted(e.failures.items())]
+            if e.hung:
+                why.append(f"ranks {e.hung} did not answer "
+                           + ("after the first failure" if e.failures else
+                              f"within --timeout {self.cfg['timeout']:g} s")
+                           + " (killed; their stacks are on stderr)")
+            raise BenchError(f"{phase} failed: {'; '.join(why)}", phase) from e
 
     ctx = ""
 
@@ -376,12 +432,36 @@ def _notes(cfg: dict[str, Any]) -> list[str]:
         out.append(f"layout {cfg['layout']}: the demo trainer's state (manual TP views, GPipe stages, ZeRO-1 "
                    "moments, RNG, data cursor); DCP, torch.save and safetensors have no equivalent of it, "
                    "so only reshard and the limits are measured")
+    if "memory" in cfg["backends"]:
+        out.append("memory://: the store keeps every checkpoint in the rank's own memory, so its peak extra "
+                   "RSS counts the stored bytes (async_rss_over_state, async_rss_flat measure the store there, "
+                   "not the staging buffers), and nothing is fsync'd")
     if "s3" in cfg["backends"]:
         out.append(f"s3 ({cfg['s3_endpoint'] or 'moto server on 127.0.0.1, started for this run'}): DCP, "
                    "torch.save and safetensors have no S3 writer; the limits are raw boto3 uploads and ranged "
                    "GETs of the same bytes on the same endpoint, with the backend's client, part and range "
                    "sizes. moto is a Python server on the ranks' cores: it, not the network, sets the pace")
     return out
+
+
+def _exit_on_termination() -> dict[int, Any]:
+    """SIGTERM and SIGHUP (a job scheduler's kill, a closed terminal) end the
+    run the way Ctrl-C does: ``SystemExit(128 + signal)`` in the main thread,
+    so the ranks, the S3 endpoint and the scratch checkpoints are removed
+    (the default action ended this process at once and left them: 1.4 GB of
+    scratch checkpoints for a 64 MiB synthetic model). During that cleanup
+    (see :func:`run`) these and SIGINT are ignored. Returns the handlers to
+    restore."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    ending = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        if not ending.is_set():
+            ending.set()
+            raise SystemExit(128 + signum)
+
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
 
 
 def run(cfg: dict[str, Any], *, progress: bool, json_path: str | None = None,
@@ -406,11 +486,16 @@ def run(cfg: dict[str, Any], *, progress: bool, json_path: str | None = None,
     runner = Runner(cfg, progress)
     runner.notes.extend(_notes(cfg))
     t0 = time.perf_counter()
+    wrote = False
+    handlers = _exit_on_termination()
     try:
         if "s3" in cfg["backends"]:  # before any rank starts: they inherit the AWS variables
             from .objstore import Endpoint
 
-            runner.s3 = Endpoint(cfg["s3_endpoint"])
+            try:
+                runner.s3 = Endpoint(cfg["s3_endpoint"])
+            except RuntimeError as e:
+                raise BenchError(str(e), "s3 endpoint") from e
         if progress:
             runner.bar = bar(_phase_count(cfg), "bench io", enabled=True, unit="phase")
         for b in cfg["backends"]:
@@ -426,13 +511,25 @@ def run(cfg: dict[str, Any], *, progress: bool, json_path: str | None = None,
                         json.dump({"config": {**cfg, "skip": sorted(cfg["skip"])}, "meta": meta,
                                    "notes": runner.notes, "partial": True, "records": runner.records},
                                   f, indent=1, default=str)
+                    wrote = True
+    except BenchError as e:
+        e.partial_json = json_path if wrote else None
+        raise
     finally:
-        if runner.bar is not None:
-            runner.bar.close()
-        runner.close()
-        if runner.s3 is not None:
-            runner.s3.close()
-        shutil.rmtree(scratch, ignore_errors=True)
+        if handlers:  # the cleanup is not cut short by a second Ctrl-C (it left the scratch folder)
+            handlers.setdefault(signal.SIGINT, signal.signal(signal.SIGINT, signal.SIG_IGN))
+            for sig in handlers:
+                signal.signal(sig, signal.SIG_IGN)
+        try:
+            if runner.bar is not None:
+                runner.bar.close()
+            runner.close()
+            if runner.s3 is not None:
+                runner.s3.close()
+            shutil.rmtree(scratch, ignore_errors=True)
+        finally:
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
     meta["loadavg_end"] = list(os.getloadavg())
     meta["wall_s"] = time.perf_counter() - t0
     cfg["skip"] = sorted(cfg["skip"])

@@ -82,13 +82,15 @@ def parse_layout(spec: str) -> LayoutSpec:
     ZeRO-1 over DP) on ``tp * pp * dp`` ranks.
 
     Raises:
-        ValueError: an unknown spec.
+        ValueError: an unknown spec, or a degree of 0.
     """
     from ..testing.trainer import Layout
 
     s = spec.strip().lower()
     m = re.fullmatch(r"(fsdp|dp)(\d*)", s)
     if m:
+        if m[2] and int(m[2]) < 1:
+            raise ValueError(f"bad layout {spec!r}: a degree is at least 1 (or none: the run's world size)")
         return LayoutSpec(m[1], int(m[2]) if m[2] else None)
     try:
         lay = Layout.parse(s)

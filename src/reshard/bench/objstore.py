@@ -3,8 +3,9 @@
 * :class:`Endpoint`: moto's S3 server on 127.0.0.1 started for the run
   (:class:`reshard.testing.s3server.S3Server`), or an endpoint given with
   ``--s3-endpoint`` (credentials from the standard AWS variables, default
-  ``testing``); a bucket of its own; the AWS variables set in this process
-  before the ranks start (they inherit them).
+  ``testing``); a bucket of its own, deleted again by :meth:`Endpoint.close`
+  when this run created it; the AWS variables set in this process before
+  the ranks start (they inherit them).
 * The limits of the endpoint (no peer: DCP, ``torch.save`` and safetensors
   have no S3 writer): ``limit-write`` is a raw boto3 upload of the bytes
   reshard makes a rank write, as one object (multipart, ``part_bytes``
@@ -27,11 +28,14 @@ class Endpoint:
     """The run's S3 endpoint and bucket (see the module doc).
 
     Raises:
-        RuntimeError: moto's server did not start (``moto[server]`` missing).
+        RuntimeError: moto's server did not start (``moto[server]`` missing),
+            or the endpoint did not answer / refused to create the bucket
+            (the message names the URL and bucket).
     """
 
     def __init__(self, url: str | None = None, bucket: str | None = None):
         self.server: Any = None
+        self.created = False  # this run created the bucket: close() deletes it
         self.bucket = bucket or f"reshard-bench-{uuid.uuid4().hex[:8]}"
         self._old = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
                                                     "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
@@ -54,7 +58,13 @@ class Endpoint:
         try:
             c.head_bucket(Bucket=self.bucket)
         except Exception:  # noqa: BLE001 - absent: created
-            c.create_bucket(Bucket=self.bucket)
+            try:
+                c.create_bucket(Bucket=self.bucket)
+            except Exception as e:  # noqa: BLE001 - unreachable, refused: named
+                self.close()
+                raise RuntimeError(f"S3 endpoint {self.url}: cannot create the bucket {self.bucket!r}: "
+                                   f"{' '.join(str(e).split())}") from None
+            self.created = True
 
     def prefix(self, name: str) -> str:
         return f"s3://{self.bucket}/{name}"
@@ -67,6 +77,23 @@ class Endpoint:
             st.delete_tree(key)
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass
+        if self.created:  # the run's own bucket: not left behind on the user's endpoint
+            from ..storage.s3 import _client
+
+            try:
+                c = _client()
+                for u in c.list_multipart_uploads(Bucket=self.bucket).get("Uploads", ()):
+                    c.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
+                while True:  # whatever is left in it (a run's objects are deleted above)
+                    keys = [{"Key": o["Key"]} for o in
+                            c.list_objects_v2(Bucket=self.bucket).get("Contents", ())]
+                    if not keys:
+                        break
+                    c.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
+                c.delete_bucket(Bucket=self.bucket)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+            self.created = False
         if self.server is not None:
             self.server.close()
         for k, v in self._old.items():

@@ -209,7 +209,8 @@ def table(doc: dict[str, Any]) -> str:
         sv = s["save"]
         lim, dcp = _t(s, "save", "limit-write"), _t(s, "save", "dcp")
         if sv:
-            rows.append(("save (durable)" if s3 else "save (fsync)", "min s", "med s", "GB/s", "x limit",
+            rows.append(("save (durable)" if s3 else "save (in memory)" if key.startswith("memory/") else
+                         "save (fsync)", "min s", "med s", "GB/s", "x limit",
                          "x DCP", ""))
         for m, e in sv.items():
             extra = []
@@ -262,7 +263,7 @@ def table(doc: dict[str, Any]) -> str:
         if s.get("cold"):
             lines.append("first calls in freshly started processes (no warm-up): " + "; ".join(
                 f"{_COLD.get(m.split('@')[0], m)}{' into ' + m.split('@')[1].split('<-')[0] if '@' in m else ''} "
-                f"{e['s']:.2f} s" for m, e in s["cold"].items()))
+                f"{e['s']:.2f} s{'' if e['fingerprint_ok'] else ' STATE DIFFERS'}" for m, e in s["cold"].items()))
         if "train" in s:
             tr = s["train"]
             r0 = tr["per_rank"][0]
@@ -287,6 +288,15 @@ def table(doc: dict[str, Any]) -> str:
     for n in doc["notes"]:
         lines.append(f"note: {n}")
     return "\n".join(lines)
+
+
+def state_mismatches(doc: dict[str, Any]) -> list[str]:
+    """Every load of the run whose state differed from the saved one
+    (``"<backend>/w<N> <phase> <method>[@<target>]"``): the bench checks each
+    load bit for bit, and ``reshard bench io`` exits 1 when this is not empty."""
+    return [f"{key} {phase} {m}" for key, s in doc["summary"].items()
+            for phase in ("load", "reshard", "cold") for m, e in s.get(phase, {}).items()
+            if not e.get("fingerprint_ok", True)]
 
 
 def _target(k: str, v: Any) -> str:
@@ -350,7 +360,7 @@ def plot(doc: dict[str, Any], path: str) -> None:
                 ax.text(0.5, 0.5, "not measured", ha="center")
                 continue
             timings = ([p["timings"] for p in e["per_rank"]] if phase == "save" else
-                       _load_timings(doc, key, phase))
+                       _load_timings(doc, key, phase, e.get("target")))
             for r, t in enumerate(timings):
                 x = 0.0
                 for k in parts:
@@ -373,7 +383,8 @@ def plot(doc: dict[str, Any], path: str) -> None:
     ax.set_xlabel("world size")
     ax.set_ylabel("GB/s of logical state")
     ax.set_title("scaling over world sizes and backends", fontsize=9)
-    ax.legend(fontsize=6)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=6)
     ax = axes[-1][1]
     for key in keys:
         a = summ[key]["async"]
@@ -387,10 +398,15 @@ def plot(doc: dict[str, Any], path: str) -> None:
     plt.close(fig)
 
 
-def _load_timings(doc: dict[str, Any], key: str, phase: str = "load") -> list[dict[str, float]]:
+def _load_timings(doc: dict[str, Any], key: str, phase: str = "load",
+                  target: str | None = None) -> list[dict[str, float]]:
+    """Each rank's phase timings of the last reshard load of run ``key``
+    (``"local/w2"``); for ``phase="reshard"``, of the load into ``target``
+    (``"fsdp1<-fsdp2"``; the record's own target, not the last one's)."""
     backend, w = key.split("/w")
     for r in reversed(doc["records"]):
-        if (r["phase"], r["method"], r["backend"], str(r["world"])) == (phase, "reshard", backend, w):
+        if (r["phase"], r["method"], r["backend"], str(r["world"]), r.get("target")) == (
+                phase, "reshard", backend, w, target):
             return [p["timings"][-1] if p.get("timings") else {} for p in r["per_rank"]]
     return []
 
@@ -452,6 +468,9 @@ def demo_compare(doc: dict[str, Any], demo: dict[str, Any]) -> dict[str, Any]:
         out["save_demo_s"], out["save_bench_s"] = ds, bs
         out["stored_mib_demo"] = _med([x["mib"] for x in demo["saves"]])
         out["stored_mib_bench"] = (s["save"]["reshard"].get("stored_bytes") or 0) / MiB
+        # another model or size (the demo's --preset/--size vs --model): the ratios compare two states
+        out["same_state"] = abs(out["stored_mib_demo"] - out["stored_mib_bench"]) <= 0.1 * max(
+            out["stored_mib_demo"], out["stored_mib_bench"])
     rb = s["reshard"].get(f"reshard@{demo['layout_b']}<-{demo['layout_a']}", {}).get("median_s")
     if demo["restore"] and rb:
         out["restore_ratio"] = demo["restore"]["s"] / rb
@@ -468,7 +487,11 @@ def demo_compare(doc: dict[str, Any], demo: dict[str, Any]) -> dict[str, Any]:
         out["restore_ratio_cold"] = demo["restore"]["s"] / max(cl["s"], 1e-9)
     ratios = [out[k] for k in ("save_ratio", "restore_ratio") if k in out]
     out["within_2x"] = bool(ratios) and all(0.5 <= x <= 2.0 for x in ratios)
-    if not out["within_2x"]:
+    if out.get("same_state") is False:
+        out["why"] = (f"not the same state: the demo saved {out['stored_mib_demo']:.1f} MiB, this bench "
+                      f"{out['stored_mib_bench']:.1f} MiB (run the bench with the demo's model: --model "
+                      "bert-minilm for --preset bert --size full)")
+    elif not out["within_2x"]:
         out["why"] = DEMO_DIFFERENCES
     return out
 
@@ -494,7 +517,8 @@ def demo_lines(cmp: dict[str, Any]) -> list[str]:
                      f"{cmp['cold_restore_s']:.2f} s "
                      f"(demo/cold x{cmp['restore_ratio_cold']:.2f})")
     if "within_2x" in cmp:
-        lines.append(f"  within 2x: {'yes' if cmp['within_2x'] else 'NO'}")
+        lines.append(f"  within 2x: {'yes' if cmp['within_2x'] else 'NO'}"
+                     + (" (of different states)" if cmp.get("same_state") is False else ""))
     if cmp.get("why"):
         lines.append(f"  why: {cmp['why']}")
     return lines
