@@ -304,6 +304,9 @@ def wait_all(group: Any = None, timeout: float | None = None) -> None:
         s.reclaim()
 
 
+_AT_EXIT_SEEN: set[int] = set()
+
+
 def _at_exit() -> None:
     """Process exit waits for pending commits (an ``async_save`` the program
     never waited for is committed complete before the process ends) and joins
@@ -315,7 +318,11 @@ def _at_exit() -> None:
     that failed (or was abandoned) and whose failure no ``wait()`` or later
     save raised is named in one line on stderr: the exit itself cannot
     raise it."""
-    slots = [slot for s in SAVERS.values() for slot in s.pending]
+    # it runs twice (the interpreter's thread shutdown, then atexit): the second
+    # time only for saves started since (a save abandoned the first time, whose
+    # thread outlived its 30 s join, is not waited for again without a limit)
+    slots = [slot for s in SAVERS.values() for slot in s.pending if id(slot) not in _AT_EXIT_SEEN]
+    _AT_EXIT_SEEN.update(id(slot) for slot in slots)
     try:
         for slot in slots:
             slot.handle.committed.exception()
