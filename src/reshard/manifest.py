@@ -212,7 +212,19 @@ def encode_sealed(m: Manifest) -> bytes:
     return encode_manifest(msgspec.structs.replace(m, extra=extra, required_features=feats))
 
 
-_SEAL_RE = re.compile(rb'"' + SEAL_KEY.encode() + rb'"\s*:\s*"[^"\\]*"')
+#: the seal's key and its string value (group 1), with whatever JSON
+#: whitespace a writer put around the colon
+_SEAL_RE = re.compile(rb'"' + re.escape(SEAL_KEY.encode()) + rb'"[ \t\n\r]*:[ \t\n\r]*("[^"\\]*")')
+
+
+def _seal_spans(raw: bytes, value: str | None = None) -> list[re.Match[bytes]]:
+    """The occurrences of the key in ``raw`` (with ``value`` only, when given)."""
+    want = None if value is None else _ENCODER.encode(value)
+    return [mt for mt in _SEAL_RE.finditer(raw) if want is None or mt.group(1) == want]
+
+
+def _with_value(raw: bytes, at: re.Match[bytes], value: str) -> bytes:
+    return raw[:at.start(1)] + _ENCODER.encode(value) + raw[at.end(1):]
 
 
 def reseal(raw: bytes) -> bytes:
@@ -224,23 +236,18 @@ def reseal(raw: bytes) -> bytes:
     Raises:
         ValueError: the key does not appear exactly once.
     """
-    if len(_SEAL_RE.findall(raw)) != 1:
+    spans = _seal_spans(raw)
+    if len(spans) != 1:
         raise ValueError(f"{SEAL_KEY!r} must appear once in the manifest bytes")
-    raw = _SEAL_RE.sub(_seal_token(_SEAL_ZERO), raw)
-    return raw.replace(_seal_token(_SEAL_ZERO), _seal_token(xxhash.xxh3_64_hexdigest(raw)))
+    zeroed = _with_value(raw, spans[0], _SEAL_ZERO)
+    return _with_value(zeroed, _seal_spans(zeroed)[0], xxhash.xxh3_64_hexdigest(zeroed))
 
 
 def _zeroed(raw: bytes, got: str) -> bytes:
     """``raw`` with the seal's value (``got``, the one occurrence of the key
-    and that value, whatever JSON whitespace a writer put around the colon)
-    read as 16 zeros; ``b""`` when it is not there exactly once."""
-    value = _ENCODER.encode(got)
-    spans = list(re.finditer(rb'"' + re.escape(SEAL_KEY.encode()) + rb'"[ \t\n\r]*:[ \t\n\r]*('
-                             + re.escape(value) + rb")", raw))
-    if len(spans) != 1:
-        return b""
-    at = spans[0]
-    return raw[:at.start(1)] + _ENCODER.encode(_SEAL_ZERO) + raw[at.end(1):]
+    and that value) read as 16 zeros; ``b""`` when it is not there exactly once."""
+    spans = _seal_spans(raw, got)
+    return _with_value(raw, spans[0], _SEAL_ZERO) if len(spans) == 1 else b""
 
 
 def check_seal(raw: bytes, m: Manifest, *, where: str) -> Manifest:
