@@ -207,8 +207,9 @@ def _non_empty(storage: Storage, path: str) -> bool:
 
 
 def publish(storage: Storage, attempt: str, path: str, manifest: Manifest, *, overwrite: bool,
-            durable: bool) -> None:
-    """Write the manifest last and make the attempt the checkpoint at ``path``.
+            durable: bool) -> int:
+    """Write the manifest last and make the attempt the checkpoint at ``path``;
+    returns the bytes of the manifest written (sealed, :func:`encode_sealed`).
 
     First every file the manifest names is confirmed at its declared size
     (:func:`confirm_files`) and :data:`ATTEMPT_NONCE` is deleted. With
@@ -222,9 +223,9 @@ def publish(storage: Storage, attempt: str, path: str, manifest: Manifest, *, ov
     confirm_files(storage, attempt, {n: fe.size for n, fe in manifest.files.items()})
     storage.delete_tree(nonce_key(storage, attempt, manifest.attempt_id))
     if not storage.capabilities.atomic_rename:
-        publish_marker(storage, path, manifest)
-        return
-    storage.write_bytes(storage.join(attempt, MANIFEST_NAME), encode_sealed(manifest), durable=durable)
+        return publish_marker(storage, path, manifest)
+    raw = encode_sealed(manifest)
+    storage.write_bytes(storage.join(attempt, MANIFEST_NAME), raw, durable=durable)
     if durable:
         storage.fsync_dir(attempt)
     retired = None
@@ -240,23 +241,27 @@ def publish(storage: Storage, attempt: str, path: str, manifest: Manifest, *, ov
         storage.fsync_dir(storage.parent(path) or "/")
     if retired is not None:
         storage.delete_tree(retired)
+    return len(raw)
 
 
-def publish_marker(storage: Storage, path: str, manifest: Manifest) -> None:
+def publish_marker(storage: Storage, path: str, manifest: Manifest) -> int:
     """Publish on a store without rename: put ``path/manifest.json`` only if
-    absent (the data objects, named by the manifest, are already durable).
+    absent (the data objects, named by the manifest, are already durable);
+    returns the bytes of the manifest put.
 
     Raises:
         FileExistsError: another writer published this checkpoint first; this
             attempt's objects are not named by it and are discarded by the caller.
     """
+    raw = encode_sealed(manifest)
     try:
-        storage.put_if_absent(storage.join(path, MANIFEST_NAME), encode_sealed(manifest))
+        storage.put_if_absent(storage.join(path, MANIFEST_NAME), raw)
     except FileExistsError:
         raise FileExistsError(
             f"{path}: another writer published this checkpoint first (conditional put of "
             f"{MANIFEST_NAME} refused); attempt {manifest.attempt_id} published nothing "
             "(save under a new step)") from None
+    return len(raw)
 
 
 def delete_checkpoint(storage: Storage, path: str) -> None:

@@ -45,7 +45,7 @@ from .commit import (
 from .errors import CheckpointError, IntegrityError, StorageError
 from .load import LoadResult
 from .manager import CheckpointManager
-from .manifest import Manifest, encode_sealed
+from .manifest import Manifest
 from .options import SaveOptions
 from .save import SaveResult
 from .shardfile import block_digests, file_checksum
@@ -170,7 +170,7 @@ def copy_checkpoint(src: Storage, src_path: str, dst: Storage, dst_path: str, *,
         new = attempts.rename_files(m, names)
         if hmac_key is not None and "hmac_sha256" in m.extra:
             new = sign_manifest(new, hmac_key)
-        publish(dst, target, dst_path, new, overwrite=False, durable=True)
+        copied += publish(dst, target, dst_path, new, overwrite=False, durable=True)
     except BaseException:
         with contextlib.suppress(Exception):
             if rename:
@@ -181,7 +181,6 @@ def copy_checkpoint(src: Storage, src_path: str, dst: Storage, dst_path: str, *,
     finally:
         if lease is not None:
             lease.stop()
-    copied += len(encode_sealed(new))  # the manifest as publish wrote it (sealed)
     return CopyReport(step=step, source=src_path, target=dst_path, bytes=copied,
                       seconds=time.perf_counter() - t0)
 
