@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors import safe_open
 from torch import nn
 
 import reshard
-from reshard.formats.hf_export import INDEX_NAME, SINGLE_NAME, export_hf
+from reshard.cli import main
+from reshard.formats.hf_export import INDEX_NAME, SINGLE_NAME, AmbiguousModelError, export_hf
 from reshard.formats.hf_import import hf_manifest, import_hf
 from reshard.testing.pool import WorkerPool
 
@@ -56,7 +58,13 @@ def _file_meta(path: Path) -> dict[str, Any]:
 def test_export_writes_own_names_and_leaves_the_tied_copy_out(ckpt: Path, tmp_path: Path) -> None:
     assert reshard.inspect(ckpt).aliases == {"model.head.weight": "model.emb.weight",
                                               "ema.head.weight": "ema.emb.weight"}
-    res = export_hf(ckpt, tmp_path / "hf")
+    # two models: the export does not guess which one (the CLI exits 2 with this line)
+    with pytest.raises(AmbiguousModelError, match="candidates: 'ema', 'model'.*--subtree"):
+        export_hf(ckpt, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    r = CliRunner().invoke(main, ["export", str(ckpt), str(tmp_path / "hf")])
+    assert r.exit_code == 2 and "candidates: 'ema', 'model'" in r.output and "--subtree" in r.output
+    res = export_hf(ckpt, tmp_path / "hf", subtree="model")
     assert sorted(res.weight_map) == ["emb.weight", "norm.bias", "norm.weight"]  # "model." stripped
     assert res.aliases == {"head.weight": "emb.weight"}
     assert json.loads(_file_meta(tmp_path / "hf" / SINGLE_NAME)["tied_weights"]) == {
@@ -81,7 +89,7 @@ def test_export_writes_own_names_and_leaves_the_tied_copy_out(ckpt: Path, tmp_pa
 @pytest.mark.parametrize("sharded", [False, True])
 def test_import_restores_the_tie(ckpt: Path, tmp_path: Path, sharded: bool) -> None:
     out = tmp_path / "hf"
-    export_hf(ckpt, out, max_shard_bytes=V * D * 4 if sharded else 1 << 30)
+    export_hf(ckpt, out, max_shard_bytes=V * D * 4 if sharded else 1 << 30, subtree="model")
     assert hf_manifest(out)[2].aliases == {"head.weight": "emb.weight"}
     m = Tied(9)  # tied, other values
     res = import_hf({"model": reshard.ModelState(m)}, out, subtree="model")  # strict
@@ -112,9 +120,9 @@ def test_export_to_s3_records_the_tie_as_the_local_export_does(ckpt: Path, tmp_p
     """The object-store export path wrote its shard headers (and its index)
     without ``tied_weights``, so an import from S3 could not restore the tie."""
     shard = V * D * 4 if sharded else 1 << 30
-    local = export_hf(ckpt, tmp_path / "hf", max_shard_bytes=shard)
+    local = export_hf(ckpt, tmp_path / "hf", max_shard_bytes=shard, subtree="model")
     url = s3e.url("hf-tied")
-    remote = export_hf(ckpt, url, max_shard_bytes=shard)
+    remote = export_hf(ckpt, url, max_shard_bytes=shard, subtree="model")
     assert remote.files == local.files and remote.aliases == local.aliases == {"head.weight": "emb.weight"}
     for name in local.files:  # byte for byte: header (tied_weights included) and data
         raw = _s3_bytes(s3e, url, name)

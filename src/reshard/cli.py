@@ -367,14 +367,18 @@ def verify_cmd(ckpt: str, no_checksums: bool, json_path: str | None) -> None:
               help="Glob over fqns (relative to --subtree) to export (repeatable; default: all but optim.*).")
 @click.option("--subtree", default=None, metavar="PATH",
               help="Tree path of the model to export, written under its own parameter names "
-                   "(default: model when the checkpoint has one; '' = every name as saved).")
+                   "(default: the model the checkpoint records: a ModelState, TorchState's model, "
+                   "a saved model.state_dict(); exit 2 naming the candidates when it holds several; "
+                   "'' = every name as saved).")
 @click.option("--overwrite", is_flag=True, help="Replace model files already in OUT.")
 @json_option
 def export_cmd(ckpt: str, out: str, fmt: str, dtype: str | None, max_shard_size: str,
                copies: tuple[str, ...], includes: tuple[str, ...], subtree: str | None,
                overwrite: bool, json_path: str | None) -> None:
     """Export the model tensors of checkpoint CKPT to the directory OUT
-    (streaming, one tensor in memory at a time; optimizer state dropped)."""
+    (streaming, one tensor in memory at a time) under the model's own
+    parameter names; optimizer, RNG and data state and objects are never
+    written. With --dtype, a copied config.json names the new dtype."""
     from .formats.hf_export import export_hf, parse_dtype, parse_size
 
     try:
