@@ -65,6 +65,13 @@ def _manifest(path: str) -> Manifest:
     raise AssertionError("unreachable")
 
 
+def _url(path: str) -> str:
+    """``path`` as :func:`reshard.storage.resolve` reads it, in the caller's form
+    (``s3://``, ``memory://``, ``file://`` kept; a local path made absolute)."""
+    st, key = resolve(path)
+    return st.url(key)
+
+
 def _progress() -> bool:
     from .progress import interactive
 
@@ -120,7 +127,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
     try:
         st, key = resolve(root)
         if not st.exists(key):
-            _fail(2, f"{key}: no such directory")
+            _fail(2, f"{st.url(key)}: no such directory")
         done = committed(st, key)
         others = [e for e in scan(st, key) if e.manifest is None or e.quarantined]
         head = Head.from_record(read_head(st, key))
@@ -135,7 +142,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         except CheckpointError:
             pass
         else:
-            click.echo(f"{key} is itself a committed checkpoint:")
+            click.echo(f"{st.url(key)} is itself a committed checkpoint:")
             table(["step", "size", "files", "committed"],
                    [["-" if m.step is None else m.step, human_bytes(m.total_bytes), len(m.files),
                      _when(m.created_at)]], right=(0, 1, 2))
@@ -147,7 +154,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         cands = {c.name: c for c in mgr.candidates(done)}
         decision = decide(list(cands.values()), mgr.policy)
         lin = lineage_of(done, head)
-        click.echo(f"committed ({len(done)}) under {key}:")
+        click.echo(f"committed ({len(done)}) under {st.url(key)}:")
         rows = []
         failed: list[tuple[str, str]] = []
         for e in done:
@@ -174,7 +181,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
             for problem in list(torn[e.name].values())[:3]:
                 click.echo(f"  torn {e.name}: {problem}")
     else:
-        click.echo(f"no committed checkpoint under {key}")
+        click.echo(f"no committed checkpoint under {st.url(key)}")
     quarantined = [e for e in others if e.quarantined]
     abandoned = [e for e in others if e.abandoned and not e.quarantined]
     invalid = [e for e in others if not e.abandoned and not e.quarantined]
@@ -233,7 +240,7 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
     try:
         st, key = resolve(root)
         if not st.exists(key):
-            _fail(2, f"{key}: no such directory")
+            _fail(2, f"{st.url(key)}: no such directory")
         mgr = _manager_for(root, keep_last, keep_every, keep_best, metric_mode, grace)
         decision = mgr.apply_retention(dry_run=dry_run, checksums=not no_checksums, smoke_newer=True)
         gone = mgr.gc_abandoned(dry_run=dry_run)
@@ -282,7 +289,7 @@ def inspect_cmd(ckpt: str, as_json: bool) -> None:
         click.echo(json.dumps(json.loads(encode_manifest(m)), indent=2))
         return
     na = "-"
-    click.echo(f"{resolve(ckpt)[1]}")
+    click.echo(f"{_url(ckpt)}")
     if m.extra.get("source") == "dcp":
         click.echo("  DCP checkpoint (torch.distributed.checkpoint, read through restricted "
                    "unpicklers; no checksums; values listed by their DCP keys)")
@@ -361,7 +368,7 @@ def verify_cmd(ckpt: str, no_checksums: bool, json_path: str | None) -> None:
 @click.option("--dtype", default=None, help="Cast floating-point tensors (bf16, fp16, fp32).")
 @click.option("--max-shard-size", default="2GiB", show_default=True,
               help="Tensor bytes per shard file at most (2GB = 2e9 as in Hugging Face, 2GiB = 2**31).")
-@click.option("--copy", "copies", multiple=True, type=click.Path(exists=True, dir_okay=False),
+@click.option("--copy", "copies", multiple=True, metavar="FILE",
               help="A file to copy alongside (config.json, tokenizer files); repeatable.")
 @click.option("--include", "includes", multiple=True,
               help="Glob over fqns (relative to --subtree) to export (repeatable; default: all but optim.*).")
@@ -397,6 +404,8 @@ def export_cmd(ckpt: str, out: str, fmt: str, dtype: str | None, max_shard_size:
         _fail(USAGE, str(e))
     except FileExistsError as e:
         _fail(USAGE, str(e).replace("(pass overwrite=True)", "(pass --overwrite to replace them)"))
+    except FileNotFoundError as e:  # a --copy file
+        _fail(USAGE, str(e))
     except CheckpointError as e:
         _fail(USAGE, f"{type(e).__name__}: {e}")
     except ValueError as e:  # a bad argument (a ShardingError is a CheckpointError, above)

@@ -431,7 +431,7 @@ def run_save(
     timings.update(ctx.timings)
     timings["cached_plan"] = float(out.cached)
     timings["plan_from_parent"] = float(out.cached and restored)
-    return SaveResult(path=key, step=step, attempt_id=out.attempt_id, bytes_written=out.bytes_written,
+    return SaveResult(path=st.url(key), step=step, attempt_id=out.attempt_id, bytes_written=out.bytes_written,
                       total_bytes=out.total_bytes, num_files=out.num_files, timings=timings,
                       manifest=published[0] if published else None)
 

@@ -48,7 +48,7 @@ from ..sharding import (
     dtype_name,
     torch_dtype,
 )
-from ..storage import Storage, resolve
+from ..storage import LocalStorage, Storage, local_path, resolve
 from .hf_write import TIED_KEY, _fsync_dir, _fsync_file, _Item, _write_shard
 
 SINGLE_NAME = "model.safetensors"
@@ -465,7 +465,7 @@ def export_hf(
     shards = _plan(items, limit)
     n = len(shards)
     files = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    copies = [os.path.abspath(os.fspath(c)) for c in copy_files]
+    copies = [local_path(c) for c in copy_files]
     for c in copies:
         base = os.path.basename(c)
         if base in (SINGLE_NAME, INDEX_NAME) or _SHARD_RX.match(base):
@@ -485,10 +485,10 @@ def export_hf(
         body = {"metadata": meta, "weight_map": dict(sorted(wm.items()))}
         return (json.dumps(body, indent=2) + "\n").encode()
 
-    if "://" in os.fspath(out_dir) and not os.fspath(out_dir).startswith("file://"):
+    out_st, out_key = resolve(out_dir)
+    if not isinstance(out_st, LocalStorage):
         from .hf_store import write_shards
 
-        out_st, out_key = resolve(out_dir)
         if type(out_st) is type(st) and (out_key == key or out_key.startswith(key.rstrip("/") + "/")):
             raise ValueError(f"export_hf: {out_dir} is inside the checkpoint {key} (a committed "
                              "checkpoint is never modified)")
@@ -496,13 +496,13 @@ def export_hf(
             st, key, m, out_st, out_key, files, shards, opts=opts, validate=validate,
             overwrite=overwrite, copies=copies, index=index_body, tied=tied,
             payload=lambda c: copy_payload(c, out_dtype))
-        return ExportResult(out_dir=os.fspath(out_dir), files=tuple(files),
+        return ExportResult(out_dir=out_st.url(out_key), files=tuple(files),
                             index_file=INDEX_NAME if n > 1 else None, weight_map=wmap,
                             total_size=total, skipped=tuple(sorted(skipped)), aliases=out_aliases,
                             copied=tuple(copied), bytes_read=st.bytes_read - read0,
                             bytes_written=written, duration_s=time.perf_counter() - t0)
-    out = os.path.abspath(os.fspath(out_dir))
-    if storage is None and "://" not in os.fspath(ckpt):
+    out = out_key
+    if isinstance(st, LocalStorage):
         rk, ro = os.path.realpath(key), os.path.realpath(out)
         if ro == rk or ro.startswith(rk + os.sep):
             raise ValueError(f"export_hf: {out} is inside the checkpoint {key} (a committed "
@@ -571,7 +571,7 @@ def export_hf(
                 os.unlink(tmp)
             except OSError:
                 pass
-    return ExportResult(out_dir=out, files=tuple(files), index_file=index_file,
+    return ExportResult(out_dir=out_st.url(out), files=tuple(files), index_file=index_file,
                         weight_map=weight_map, total_size=total, skipped=tuple(sorted(skipped)),
                         aliases=out_aliases, copied=tuple(copied), bytes_read=st.bytes_read - read0,
                         bytes_written=written, duration_s=time.perf_counter() - t0)

@@ -84,10 +84,24 @@ class Storage(ABC):
             ``read_into`` call of a large chunk (None: the reader's default,
             sized for the page cache; object stores want larger requests,
             which they split into parallel ranged GETs themselves).
+        url_scheme: the scheme the caller named this store by (``"s3"``,
+            ``"memory"``, ``"file"``), set by :func:`reshard.storage.resolve`
+            on the backend it makes; None for a plain local path or a backend
+            the caller passed (its keys are then given back as they are).
     """
 
     capabilities: Capabilities
     read_segment_bytes: int | None = None
+    url_scheme: str | None = None
+
+    def url(self, key: str) -> str:
+        """``key`` in the form the caller named the store by: ``s3://`` +
+        key, ``memory://`` + key, ``file://`` + key; the key itself for a
+        plain local path or a backend passed explicitly. Every result path
+        (``SaveResult.path``, ``SaveHandle.path``, ``LoadResult.path``,
+        ``latest()``, the CLI's output) goes through it, so it resolves back
+        to the same store."""
+        return f"{self.url_scheme}://{key}" if self.url_scheme else key
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
