@@ -31,7 +31,7 @@ from .cli_support import (
     write_json,
 )
 from .commit import INCOMPLETE, RETIRED, committed, read_manifest, scan
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, StorageError
 from .manifest import Manifest, encode_manifest
 from .storage import resolve
 
@@ -251,6 +251,8 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
                  and e.name not in gone and (INCOMPLETE in e.name or RETIRED in e.name)]
     except ValueError as err:
         _fail(2, str(err))
+    except StorageError as err:  # the store failed: an environment error, not a failed check
+        _fail(USAGE, f"{type(err).__name__}: {err}")
     except CheckpointError as err:
         _fail(1, f"{type(err).__name__}: {err}")
     assert mgr.last_plan is not None
@@ -273,6 +275,8 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
                    "a save still running; pass --grace 0 once no job writes here)")
     if not decision.delete and not gone:
         click.echo("nothing to delete")
+    for note in mgr.storage.notes:  # what the store could not do (e.g. list multipart uploads)
+        click.echo(f"note: {note}")
     failed = [f"{name} ({what})" for name, what, ok in mgr.last_plan.checks if not ok]
     failed += [f"{e.name} (invalid manifest)" for e in invalid]
     if failed:  # retention kept what it had to; the run still has a checkpoint that does not load

@@ -254,13 +254,28 @@ def publish_marker(storage: Storage, path: str, manifest: Manifest) -> int:
             attempt's objects are not named by it and are discarded by the caller.
     """
     raw = encode_sealed(manifest)
+    where = storage.join(path, MANIFEST_NAME)
     try:
-        storage.put_if_absent(storage.join(path, MANIFEST_NAME), raw)
+        storage.put_if_absent(where, raw)
     except FileExistsError:
         raise FileExistsError(
             f"{path}: another writer published this checkpoint first (conditional put of "
             f"{MANIFEST_NAME} refused); attempt {manifest.attempt_id} published nothing "
             "(save under a new step)") from None
+    # the publish relied on the conditional put: prove it, the manifest there is ours
+    try:
+        back = storage.read_bytes(where)
+    except FileNotFoundError:
+        back = b""
+    if back != raw:
+        try:
+            other = decode_manifest(back, where=where).attempt_id if back else None
+        except CheckpointError:
+            other = "unreadable"
+        raise FileExistsError(
+            f"{path}: the manifest read back after publishing is not attempt {manifest.attempt_id}'s "
+            f"(it is {'absent' if other is None else repr(other)}): another writer replaced it, "
+            "the store did not honour the conditional put; this save is not committed") from None
     return len(raw)
 
 

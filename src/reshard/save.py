@@ -453,6 +453,7 @@ def open_attempt(st: Storage, key: str, options: SaveOptions) -> dict[str, Any]:
     checkpoint location), ``attempt`` (id), ``attempt_path`` and ``nonce``.
     """
     target = st.canonical(key)
+    st.check_publish(target)  # a store that cannot publish safely is refused before any data
     check_target(st, target, overwrite=options.overwrite)
     attempt_id = new_attempt_id()
     attempt = attempt_path(st, target, attempt_id)

@@ -93,6 +93,9 @@ class Storage(ABC):
     capabilities: Capabilities
     read_segment_bytes: int | None = None
     url_scheme: str | None = None
+    #: what this store could not do while serving a request (e.g. "the store
+    #: does not list multipart uploads"), for tools to report (``reshard gc``)
+    notes: list[str]
 
     def url(self, key: str) -> str:
         """``key`` in the form the caller named the store by: ``s3://`` +
@@ -107,6 +110,7 @@ class Storage(ABC):
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.bytes_written = 0
+        self.notes = []
 
     def _count_read(self, n: int) -> None:
         with self._lock:
@@ -143,6 +147,21 @@ class Storage(ABC):
             s.abort()
             raise
         s.close()
+
+    def check_publish(self, path: str) -> None:
+        """Prove, before a save writes data (and again at publish), that this
+        store can publish a checkpoint at ``path`` safely: what the commit
+        relies on (atomic rename, or conditional put and replace) is probed
+        once per store and cached (DESIGN.md section 1). Default: nothing to
+        prove (the local file system and ``memory://`` implement them
+        themselves).
+
+        Raises:
+            StoreCapabilityError: the store was found to lack one (one line:
+                what was found, what to set).
+            StorageError: the probe itself failed.
+        """
+        return None
 
     def put_if_absent(self, path: str, data: bytes) -> None:
         """Create ``path`` holding ``data`` unless it exists (atomically where
