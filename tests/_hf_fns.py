@@ -121,3 +121,44 @@ def train_and_save(kind: str, tied: bool, root: str) -> dict[str, Any]:
         model.config.save_pretrained(os.path.join(root, "config"))
     dist.barrier()
     return {"loss": loss}
+
+
+def save_pretrained(kind: str, tied: bool, out: str) -> None:
+    """``save_pretrained`` of the seed-0 model, sharded (several files and an
+    index), tied weights left out as transformers does."""
+    build(kind, tied).save_pretrained(out, max_shard_size="20KB")
+
+
+def import_and_resume(kind: str, tied: bool, hf_dir: str, layout: str, fsdp: bool) -> dict[str, Any]:
+    """A fresh model (another seed) and a fresh AdamW, ``import_hf`` strictly
+    under ``layout`` ("torchstate" or "model_optim"), then one training step.
+    Returns whether every parameter equals the saved one, whether the tie
+    holds, the step's loss and the full parameters after it."""
+    from reshard.adapters.torch_native import TorchState
+    from reshard.formats.hf_import import import_hf
+
+    model = build(kind, tied, seed=7)
+    if fsdp:
+        shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if layout == "torchstate":
+        res = import_hf({"model": TorchState(model, opt)}, hf_dir, subtree="model.model")
+    else:
+        res = import_hf({"model": reshard.ModelState(model), "optim": reshard.OptimizerState(model, opt)},
+                        hf_dir, subtree="model")
+    ref = build(kind, tied)
+    full = {n: _full(p) for n, p in model.named_parameters()}
+    same = all(torch.equal(full[n], p.detach()) for n, p in ref.named_parameters())
+    out_emb = model.get_output_embeddings().weight
+    tie_ok = (out_emb is model.get_input_embeddings().weight) == tied
+    fresh = not opt.state
+    loss = train_step(model, opt, 0)
+    after = {n: _full(p) for n, p in model.named_parameters()}
+    return {"missing": list(res.missing), "unexpected": list(res.unexpected), "same": same,
+            "tie_ok": tie_ok, "fresh_optimizer": fresh, "loss": loss, "after": after}
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()

@@ -133,3 +133,53 @@ def test_export_to_s3_records_the_tie_as_the_local_export_does(ckpt: Path, tmp_p
         idx = json.loads(_s3_bytes(s3e, url, INDEX_NAME))
         assert idx == json.loads((tmp_path / "hf" / INDEX_NAME).read_text())
         assert idx["metadata"]["tied_weights"] == {"head.weight": "emb.weight"}
+
+
+def test_model_only_import_is_strict_about_weights_only(ckpt: Path, tmp_path: Path) -> None:
+    """A Hugging Face directory holds weights alone: a strict import into
+    TorchState / OptimizerState asks it for no optimizer state or objects
+    (the optimizers stay as constructed), but a weight really absent is
+    still missing."""
+    from reshard.adapters.torch_native import TorchState
+
+    out = tmp_path / "hf"
+    export_hf(ckpt, out, subtree="model")
+    m = Tied(9)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    res = import_hf({"model": TorchState(m, opt)}, out, subtree="model.model")  # strict
+    assert not res.missing and not res.unexpected and not opt.state
+    assert torch.equal(m.emb.weight, Tied(0).emb.weight) and m.head.weight is m.emb.weight
+    m2 = Tied(9)
+    opt2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+    res = import_hf({"model": reshard.ModelState(m2), "optim": reshard.OptimizerState(m2, opt2)}, out,
+                    subtree="model")
+    assert not res.missing and torch.equal(m2.norm.bias, Tied(0).norm.bias) and not opt2.state
+    # a weight that is not there: still an error under strict
+    part = tmp_path / "part"
+    export_hf(ckpt, part, subtree="model", include=["emb.*"])
+    m3 = Tied(9)
+    with pytest.raises(reshard.CheckpointError, match=r"missing from the checkpoint: .*norm\.weight"):
+        import_hf({"model": TorchState(m3, torch.optim.AdamW(m3.parameters()))}, part, subtree="model.model")
+
+
+def test_tie_from_config_json(tmp_path: Path) -> None:
+    """save_pretrained leaves the tied lm_head out and records the tie only in
+    config.json (tie_word_embeddings): the import restores it from there."""
+    from safetensors.torch import save_file
+
+    from reshard.formats.hf_import import config_ties, hf_manifest
+
+    emb = torch.randn(V, D)
+    save_file({"model.embed_tokens.weight": emb, "model.norm.weight": torch.ones(D)},
+              str(tmp_path / SINGLE_NAME))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    assert hf_manifest(tmp_path)[2].aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    assert hf_manifest(tmp_path)[2].aliases == {}
+    st, key, m = hf_manifest(tmp_path)
+    assert config_ties(st, key, m.tensors) == {}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # transformers' default: tied
+    lm = torch.zeros(V, D)
+    res = import_hf({"model.embed_tokens.weight": torch.zeros(V, D), "model.norm.weight": torch.zeros(D),
+                     "lm_head.weight": lm}, tmp_path)
+    assert not res.missing and torch.equal(lm, emb)
