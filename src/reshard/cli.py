@@ -201,6 +201,11 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         click.echo(f"invalid ({len(invalid)}; ignored by load):")
         for e in invalid:
             click.echo(f"  {e.name}: {e.problem}")
+    from .commit import linked_children
+
+    for name in linked_children(st, key):
+        click.echo(f"link {name} ignored: a symbolic link inside a root is not one of its checkpoints "
+                   "(latest, restore, retention and gc skip it; load its target by its own path)")
     _ls_dcp(st, key)
 
 
@@ -300,9 +305,12 @@ def inspect_cmd(ckpt: str, as_json: bool) -> None:
     click.echo(f"  format {m.format} v{m.format_version}  step {na if m.step is None else m.step}  "
                f"schema_version {m.schema_version or na}  world_size {m.world_size}  "
                f"mesh {json.dumps(m.mesh) if m.mesh else na}")
+    dcp = m.extra.get("source") == "dcp"
+    nfiles = int(m.extra.get("dcp_files") or 0) if dcp else len(m.files)  # DCP: its own files
+    sums = ("no checksums (DCP records none)" if dcp else
+            f"checksums {m.checksum_algorithm}/{human_bytes(m.checksum_block_bytes)} blocks")
     click.echo(f"  committed {_when(m.created_at)}  attempt {m.attempt_id}  "
-               f"{len(m.files)} file{'' if len(m.files) == 1 else 's'}, {human_bytes(m.total_bytes)}  "
-               f"checksums {m.checksum_algorithm}/{human_bytes(m.checksum_block_bytes)} blocks"
+               f"{nfiles} file{'' if nfiles == 1 else 's'}, {human_bytes(m.total_bytes)}  {sums}"
                + ("  signed" if "hmac_sha256" in m.extra else ""))
     if m.required_features:
         click.echo(f"  required features: {', '.join(m.required_features)}")
@@ -344,13 +352,17 @@ def verify_cmd(ckpt: str, no_checksums: bool, json_path: str | None) -> None:
         _fail(USAGE, str(e))
     except CheckpointError as e:
         _fail(CHECK_FAILED, f"{type(e).__name__}: {e}")
+    from .verify import DCP_NOTE
+
     secs = time.perf_counter() - t0
+    dcp = DCP_NOTE in rep.notes  # DCP records no checksums: none were compared
     write_json(json_path, {"path": rep.path, "ok": rep.ok, "problems": list(rep.problems),
                            "notes": list(rep.notes),
-                           "bytes_checked": rep.bytes_checked, "checksums": not no_checksums,
+                           "bytes_checked": rep.bytes_checked, "checksums": not no_checksums and not dcp,
                            "seconds": round(secs, 6)})
     if rep.ok:
         what = ("structure and sizes only" if no_checksums
+                else f"{human_bytes(rep.bytes_checked)} decoded, no checksums" if dcp
                 else f"{human_bytes(rep.bytes_checked)} checksummed")
         click.echo(f"OK {rep.path} ({what}, {secs:.2f} s)")
         for note in rep.notes:

@@ -334,6 +334,16 @@ def read_manifest_bytes(storage: Storage, path: str) -> bytes:
         ) from None
 
 
+def linked_children(storage: Storage, root: str) -> list[str]:
+    """Names of the children of ``root`` that are symbolic links (which
+    :func:`scan` leaves out)."""
+    try:
+        names = storage.list_dir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [n for n in names if storage.is_link(storage.join(root, n))]
+
+
 def manifest_digest(raw: bytes) -> str:
     """xxh3_64 hex digest of manifest bytes (binds records to one manifest)."""
     return xxhash.xxh3_64_hexdigest(raw)
@@ -437,7 +447,10 @@ def scan(storage: Storage, root: str) -> list[Entry]:
     a directory of reshard shard files without a manifest), and directories
     with an invalid manifest (``problem`` says which). Records (``HEAD``,
     sidecars) are not entries; other children (e.g. ``tensorboard/``) are
-    left out.
+    left out, and so is a symbolic link (to another checkpoint, here or
+    elsewhere): it is not one of the root's checkpoints, so ``latest``,
+    ``restore``, retention and gc never see it twice nor delete through it
+    (``reshard ls`` names it, :func:`linked_children`).
 
     Raises:
         StorageError: listing failed (never reported as "no checkpoints").
@@ -450,7 +463,7 @@ def scan(storage: Storage, root: str) -> list[Entry]:
     out: list[Entry] = []
     for name in names:
         p = storage.join(root, name)
-        if name.endswith(QUARANTINE_MARK) or _TMP in name:
+        if name.endswith(QUARANTINE_MARK) or _TMP in name or storage.is_link(p):
             continue
         if INCOMPLETE in name or RETIRED in name:
             out.append(Entry(path=p, name=name, manifest=None, abandoned=True,
