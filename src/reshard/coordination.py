@@ -237,7 +237,8 @@ def coordinate(messages: Sequence[bytes], *, files_per_rank: int) -> tuple[list[
 def build_manifest(layout: Layout, reports: Sequence[bytes], *, attempt_id: str, step: int | None,
                    checksum_block_bytes: int, schema_version: str | None, mesh: dict[str, Any] | None,
                    values: Any, extra: dict[str, Any], parent: str | None = None,
-                   lineage: str | None = None, plan: PlanIndex | None = None) -> Manifest:
+                   lineage: str | None = None, plan: PlanIndex | None = None,
+                   adapters: dict[str, str] | None = None) -> Manifest:
     """The manifest from the layout and every rank's write report: compares
     the digests of every replica group, then places each written item at the
     offset, length and checksums its writer reported. Deterministic.
@@ -289,7 +290,7 @@ def build_manifest(layout: Layout, reports: Sequence[bytes], *, attempt_id: str,
         objects={k: ObjectEntry(global_shape=v[0], chunks=tuple(sorted(v[1], key=lambda c: c.global_offset)))
                  for k, v in sorted(objects.items())},
         values=values, aliases=dict(sorted(layout.aliases.items())), files=dict(sorted(files.items())),
-        extra=dict(extra), parent=parent, lineage=lineage, plan=plan)
+        extra=dict(extra), parent=parent, lineage=lineage, plan=plan, adapters=dict(adapters or {}))
 
 
 # ----------------------------------------------------------------------------- plan cache

@@ -95,6 +95,12 @@ class StorageError(CheckpointError):
     """The store failed: I/O error, no space, throttled past retries, listing failed."""
 
 
+class StoreCapabilityError(StorageError):
+    """The store lacks what the commit protocol needs (probed, not declared):
+    e.g. an S3-compatible store that ignores ``If-None-Match``/``If-Match``.
+    Permanent: never retried; the message says what was found and what to set."""
+
+
 _BY_NAME: dict[str, type[CheckpointError]] = {
     c.__name__: c
     for c in (
@@ -105,6 +111,7 @@ _BY_NAME: dict[str, type[CheckpointError]] = {
         IntegrityError,
         CoverageError,
         StorageError,
+        StoreCapabilityError,
     )
 }
 

@@ -222,7 +222,7 @@ def load(
     total = time.perf_counter() - t0
     timings = {"manifest": t_plan - t0, "plan": t_read - t_plan, "read": result.timings["read"]}
     timings["place"] = total - sum(timings.values())
-    return LoadResult(**{**result.__dict__, "bytes_read": base.bytes_read - before,
+    return LoadResult(**{**result.__dict__, "path": base.url(key), "bytes_read": base.bytes_read - before,
                          "duration_s": total, "timings": timings})
 
 

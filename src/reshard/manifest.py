@@ -137,6 +137,16 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
             outside a manager's lineage. See :mod:`reshard.lineage`.
         plan: the save plan kept beside the checkpoint (:class:`PlanIndex`);
             None in manifests written before it existed or by other writers.
+        adapters: what saved each subtree, tree path -> kind: a reshard
+            adapter's class name (``"ModelState"``, ``"TorchState"``,
+            ``"OptimizerState"``, ``"RNGState"``, ``"DataCursor"``),
+            ``"Stateful:<module>.<qualname>"`` for another Stateful,
+            ``"optimizer"`` for a mapping shaped as ``Optimizer.state_dict()``
+            (``state`` and ``param_groups``; nothing below it is recorded),
+            ``"tensors"`` for a plain mapping that holds tensors itself (a
+            ``model.state_dict()``). Export finds the model from it. Empty in
+            manifests written before it existed, by other writers, or for a
+            tree of more than 4096 such subtrees.
     """
 
     attempt_id: str
@@ -159,6 +169,7 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     parent: str | None = None
     lineage: str | None = None
     plan: PlanIndex | None = None
+    adapters: dict[str, str] = {}
 
     @property
     def total_bytes(self) -> int:

@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from .commit import (
+    HEAD_NAME,
     check_signature,
     committed,
     quarantine,
@@ -170,6 +171,8 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
                        name: str | None, allow_fresh_start: bool,
                        load_kwargs: dict[str, Any], record_head: bool = True) -> LoadResult | None:
     coll, st, root = mgr.coll, mgr.storage, mgr.root
+    if record_head:  # the HEAD write needs a conditional replace: a store without one is refused first
+        _coordinated(mgr, f"restore {root} (store check)", st.check_publish, st.join(root, HEAD_NAME))
     plan = _coordinated(mgr, f"restore {root} (listing)", _plan, mgr, step, name)
     for note in plan["notes"]:
         warnings.warn(note, RuntimeWarning, stacklevel=3)

@@ -84,6 +84,8 @@ class Snapshot:
     aliases: dict[str, str]
     value_digests: dict[str, str]
     plain: set[str] = field(default_factory=set)
+    #: tree path -> kind of what saved it (Manifest.adapters)
+    adapters: dict[str, str] = field(default_factory=dict)
 
 
 def _storage_key(item: LocalTensorItem) -> str:
@@ -179,7 +181,8 @@ def collect(
     if clash:
         raise ShardingError(f"names used both for a tensor and a value/object: {sorted(clash)[:5]}")
     snap = Snapshot(tensors=tensors, objects=objects, values=leaves.values, values_json=values_json,
-                    aliases=aliases, value_digests=value_digests, plain=plain_fqns)
+                    aliases=aliases, value_digests=value_digests, plain=plain_fqns,
+                    adapters=leaves.adapters)
     if copy is None:
         finish_digests(snap, options)
     return snap
@@ -386,7 +389,7 @@ def run_save(
         return dict(step=step, checksum_block_bytes=options.checksum_block_bytes,
                     schema_version=options.schema_version, mesh=options.mesh,
                     values=snap.values_json, extra=dict(options.extra), parent=options.parent,
-                    lineage=options.lineage)
+                    lineage=options.lineage, adapters=snap.adapters)
 
     published: list[Manifest] = []
     cache = PLAN_CACHE.pop(gkey, None)
@@ -428,7 +431,7 @@ def run_save(
     timings.update(ctx.timings)
     timings["cached_plan"] = float(out.cached)
     timings["plan_from_parent"] = float(out.cached and restored)
-    return SaveResult(path=key, step=step, attempt_id=out.attempt_id, bytes_written=out.bytes_written,
+    return SaveResult(path=st.url(key), step=step, attempt_id=out.attempt_id, bytes_written=out.bytes_written,
                       total_bytes=out.total_bytes, num_files=out.num_files, timings=timings,
                       manifest=published[0] if published else None)
 
@@ -450,6 +453,7 @@ def open_attempt(st: Storage, key: str, options: SaveOptions) -> dict[str, Any]:
     checkpoint location), ``attempt`` (id), ``attempt_path`` and ``nonce``.
     """
     target = st.canonical(key)
+    st.check_publish(target)  # a store that cannot publish safely is refused before any data
     check_target(st, target, overwrite=options.overwrite)
     attempt_id = new_attempt_id()
     attempt = attempt_path(st, target, attempt_id)

@@ -202,7 +202,7 @@ def async_save(
         if busy:
             warnings.warn(f"async_save of step {step} skipped: {len(saver.pending)} save(s) still "
                           "in flight", RuntimeWarning, stacklevel=2)
-            h = SaveHandle(key, step, skipped=True)
+            h = SaveHandle(st.url(key), step, skipped=True)
             h.staged.set_result(None)
             h.committed.set_result(None)
             return h
@@ -210,7 +210,7 @@ def async_save(
         saver.pending[0].handle.committed.exception()  # wait, errors surface below
         saver.reclaim()
     raise_pending_error(group)
-    handle = SaveHandle(key, step)
+    handle = SaveHandle(st.url(key), step)
     buffers: list[torch.Tensor] = []
     cuda_stream = None
 

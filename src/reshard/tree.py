@@ -142,6 +142,9 @@ class Leaves:
     statefuls: list[tuple[str, Any, Callable[[], Any]]] = field(default_factory=list)
     #: checkpoint key -> the name format version 1 gave it, where they differ
     legacy: dict[str, str] = field(default_factory=dict)
+    #: what holds each subtree (tree path -> kind, see :func:`adapter_kind`),
+    #: recorded in the manifest as ``Manifest.adapters``
+    adapters: dict[str, str] = field(default_factory=dict)
 
 
 def _renamed(x: Any, name: str) -> Any:
@@ -176,6 +179,36 @@ def _as_stateful(x: Any) -> Any:
     return x
 
 
+#: kinds in :attr:`Leaves.adapters` whose subtree is not model weights
+NON_MODEL_KINDS = frozenset({"OptimizerState", "optimizer", "RNGState", "DataCursor"})
+#: at most this many subtrees are recorded (a tree of more is not recorded at all)
+MAX_ADAPTER_RECORDS = 4096
+
+
+def adapter_kind(x: Any) -> str:
+    """The kind recorded for Stateful ``x``: the class name for reshard's own
+    adapters (``"ModelState"``, ``"TorchState"``, ``"OptimizerState"``...),
+    ``"Stateful:<qualified name>"`` for any other."""
+    cls = type(x)
+    if cls.__module__.startswith("reshard."):
+        return cls.__name__
+    return f"Stateful:{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_tensor_leaf(v: Any) -> bool:
+    if isinstance(v, ShardedTensor):
+        return len(v.global_shape) > 0
+    if isinstance(v, (list, tuple)):
+        return bool(v) and all(isinstance(x, ShardedTensor) for x in v) and _is_tensor_leaf(v[0])
+    return isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim > 0
+
+
+def _is_optimizer_dict(m: Mapping[Any, Any]) -> bool:
+    """The shape of ``torch.optim.Optimizer.state_dict()`` (and of DCP's
+    ``get_optimizer_state_dict``): ``{"state": {...}, "param_groups": [...]}``."""
+    return "state" in m and "param_groups" in m and isinstance(m["state"], Mapping)
+
+
 def flatten(
     state: Mapping[str, Any],
     *,
@@ -202,6 +235,27 @@ def flatten(
     #: checkpoint key -> (tree path parts, container of a ShardedTensor/ShardedObject or None)
     owner: dict[str, tuple[tuple[str, ...], str | None]] = {}
     loading = loaded_values is not None
+    #: paths whose subtree is not recorded further (optimizer state, or too many records)
+    quiet: list[str] = []
+
+    #: paths of mappings recorded as "tensors" (but the root): a plain mapping below one is part of it
+    plains: list[str] = []
+
+    def below(path: str, tops: list[str]) -> bool:
+        return any(path == q or path.startswith(q + ".") or not q for q in tops)
+
+    def record(path: str, kind: str) -> None:
+        if below(path, quiet) or (kind == "tensors" and below(path, plains)):
+            return
+        if kind == "tensors" and path:  # the root is a container, not one model, when it nests them
+            plains.append(path)
+        if len(out.adapters) >= MAX_ADAPTER_RECORDS:
+            out.adapters.clear()
+            quiet.append("")
+            return
+        out.adapters[path] = kind
+        if kind in NON_MODEL_KINDS:
+            quiet.append(path)
 
     def claim(key: str, tree: tuple[str, ...], group: str | None) -> None:
         prev = owner.get(key)
@@ -261,6 +315,8 @@ def flatten(
                 raise ShardingError(f"{path}: {e}") from None
             if not isinstance(sd, Mapping):
                 raise ShardingError(f"{path}: state_dict() returned {type(sd).__name__}, not a mapping")
+            if not loading:
+                record(path, adapter_kind(x))
             walk_container(sd, path, (*tree, f"<{type(x).__name__}>.state_dict()"), v1_rules(x))
             out.statefuls.append((path, x, functools.partial(rebuild, sd, path, cpath, True)))
             return
@@ -287,6 +343,11 @@ def flatten(
 
     def walk_container(m: Mapping[Any, Any], path: str, tree: tuple[str, ...],
                        rules: tuple[tuple[str, str], ...]) -> None:
+        if not loading and path not in out.adapters:
+            if _is_optimizer_dict(m):
+                record(path, "optimizer")
+            elif any(_is_tensor_leaf(v) for v in m.values()):
+                record(path, "tensors")
         for k, v in m.items():
             walk(v, join(path, k), path, (*tree, f"[{k!r}]"), rules)
 

@@ -40,9 +40,8 @@ def latest(root: str | os.PathLike[str], *, storage: Storage | None = None) -> s
     best = latest_entry(st, key)
     if best is None:
         return None
-    scheme = os.fspath(root).split("://", 1)[0] if "://" in os.fspath(root) else ""
     # a URL root gives a URL back (load must resolve it to the same store)
-    return f"{scheme}://{best.path}" if scheme and scheme != "file" else best.path
+    return st.url(best.path)
 
 
 def latest_entry(st: Storage, root: str) -> Entry | None:
@@ -121,7 +120,7 @@ def verify(path: str | os.PathLike[str], *, checksums: bool = True,
             return _verify_dcp(st, key, decode=checksums, progress=progress)
         raise
     except CheckpointError as e:
-        return VerifyReport(path=key, ok=False, problems=(f"{type(e).__name__}: {e}",))
+        return VerifyReport(path=st.url(key), ok=False, problems=(f"{type(e).__name__}: {e}",))
     for fqn, te in m.tensors.items():
         chunks: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
         for i, c in enumerate(te.chunks):
@@ -154,7 +153,7 @@ def verify(path: str | os.PathLike[str], *, checksums: bool = True,
 
         with bar(sum(m.files[n].size for n in good_files), "verify", enabled=wanted(progress)) as pb:
             checked = _verify_checksums(st, key, m, good_files, problems, pb)
-    return VerifyReport(path=key, ok=not problems, problems=tuple(problems), bytes_checked=checked,
+    return VerifyReport(path=st.url(key), ok=not problems, problems=tuple(problems), bytes_checked=checked,
                         manifest=m)
 
 
@@ -226,7 +225,7 @@ def _verify_dcp(st: Storage, key: str, *, decode: bool, progress: bool | None) -
     try:
         dst, m = open_dcp(key, storage=st, cache_bytes=0)
     except CheckpointError as e:
-        return VerifyReport(path=key, ok=False, problems=(f"{type(e).__name__}: {e}",),
+        return VerifyReport(path=st.url(key), ok=False, problems=(f"{type(e).__name__}: {e}",),
                             notes=(DCP_NOTE,))
     problems: list[str] = []
     for fqn, te in m.tensors.items():
@@ -256,6 +255,6 @@ def _verify_dcp(st: Storage, key: str, *, decode: bool, progress: bool | None) -
                     pb.update(c.length)
     for k, why in (m.extra.get("dcp_skipped_values") or {}).items():
         problems.append(f"value {k!r} cannot be read safely: {why}")
-    return VerifyReport(path=key, ok=not problems, problems=tuple(problems), bytes_checked=checked,
+    return VerifyReport(path=st.url(key), ok=not problems, problems=tuple(problems), bytes_checked=checked,
                         manifest=m, notes=(DCP_NOTE,))
 

@@ -178,6 +178,15 @@ def _describe(g: Mapping[str, Any], per_param: list[tuple[torch.Tensor, Any, dic
     return "; ".join(out[:8]) + (f"; ... {len(out) - 8} more" if len(out) > 8 else "")
 
 
+def model_only(m: Any) -> bool:
+    """The manifest ``m`` describes model weights alone, by what it is: a
+    Hugging Face directory (``extra["source"] == "huggingface"``, see
+    :func:`reshard.formats.hf_import.hf_manifest`) holds no optimizer state,
+    hyperparameters or objects, so an optimizer adapter asks it for none and
+    keeps its own (as constructed, or as trained), under ``strict`` too."""
+    return isinstance(getattr(m, "extra", None), dict) and m.extra.get("source") == "huggingface"
+
+
 def dcp_param_groups_saved(m: Any, prefix: str = "") -> bool:
     """The manifest ``m`` (seen from an adapter) holds hyperparameters as DCP
     writes them, by group position (``{prefix}param_groups.<i>.<name>`` values,

@@ -60,6 +60,7 @@ from .hyperparams import (
     dcp_param_groups_saved,
     group_hyperparams,
     hyperparams_from_dcp,
+    model_only,
     restore_hyperparams,
 )
 from .model import ModelState
@@ -112,6 +113,7 @@ class OptimizerState:
         self.hyperparams = check_rule(hyperparams)
         self._saved_groups: frozenset[str] = frozenset()  # param_group names this load restores
         self._dcp_groups = False  # this load restores DCP's param_groups (by group position)
+        self._model_only = False  # this load reads model weights alone (a Hugging Face directory)
         #: id(flat param) -> the canonical tensors its state names (layout-named parameters)
         self._flat_names: dict[int, list[str]] = {}
         self._loading = False
@@ -240,6 +242,9 @@ class OptimizerState:
         loading, self._loading = self._loading, False
         if not loading:  # what a refused load created is not this optimizer's
             self._pending, self._pending_grads = {}, {}
+            self._model_only = False
+        elif self._model_only:
+            return {}
         for fqn, p, g in self._params():
             bases = self._bases(fqn, p) if fqn is not None else []
             state = self.optimizer.state.get(p) or (self._pending.get(id(p), {}) if loading else {})
@@ -283,6 +288,11 @@ class OptimizerState:
         ``m`` is the manifest as seen from this adapter (names relative to it)."""
         self._loading = True
         self._pending, self._pending_grads = {}, {}
+        self._model_only = model_only(m)
+        if self._model_only:  # model weights alone: nothing of the optimizer's is asked for
+            self._saved_groups, self._dcp_groups, self._load_grads = frozenset(), False, frozenset()
+            self.params_without_state = ()
+            return {}
         pre = "state."
         saved: dict[str, dict[str, Any]] = {}
         keys: dict[str, Any] = {}
@@ -393,6 +403,9 @@ class OptimizerState:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._loading = False
+        if self._model_only:  # a model-only load leaves the optimizer as it is
+            self._model_only = False
+            return
         for _fqn, p, _ in self._params():  # what this load created, now filled
             if id(p) in self._pending:
                 self.optimizer.state[p] = self._pending[id(p)]

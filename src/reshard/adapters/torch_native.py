@@ -35,6 +35,7 @@ from .hyperparams import (
     dcp_param_groups_saved,
     group_hyperparams,
     hyperparams_from_dcp,
+    model_only,
     restore_hyperparams,
 )
 from .names import canonical_names
@@ -86,6 +87,7 @@ class TorchState:
         self._saved: frozenset[str] = frozenset()  # names the checkpoint being loaded holds
         self._fresh: tuple[torch.optim.Optimizer, ...] = ()  # never stepped before this call
         self._dcp_groups = False  # this load restores DCP's param_groups (by group position)
+        self._model_only = False  # this load reads model weights alone (a Hugging Face directory)
 
     def _fqns(self) -> dict[int, str]:
         params = list(self.model.named_parameters())
@@ -118,6 +120,7 @@ class TorchState:
         self._loading = True
         self._saved = frozenset(m.tensors) | frozenset(m.objects) | frozenset(m.aliases)
         self._dcp_groups = dcp_param_groups_saved(m, "optim.")
+        self._model_only = model_only(m)
 
     def state_dict(self) -> dict[str, Any]:
         # the load-time view is taken once, right after reshard_prepare_load: a load
@@ -140,6 +143,10 @@ class TorchState:
                 else:
                     objects.append(ShardedObject(name, v))
         out: dict[str, Any] = {"tensors": tensors, "objects": objects}
+        if loading and self._model_only:  # model weights alone: no optimizer state, no empty list
+            keep = [t for t in tensors if t.fqn.startswith("model.")]
+            return {k: v for k, v in (("tensors", keep),
+                                      ("objects", [o for o in objects if o.key in self._saved])) if v}
         if loading and self._dcp_groups:  # DCP's groups, by position: one value (regrouped at load)
             out = {k: v for k, v in out.items() if v}  # no empty list (a value DCP does not hold)
             out["optim"] = {"param_groups": None}
@@ -172,6 +179,18 @@ class TorchState:
 
         assert self._msd is not None and self._osd is not None
         msd, osd = self._msd, self._osd
+        if self._model_only:  # the optimizers keep their state (fresh ones: none, as constructed)
+            self._model_only = False
+            for ob in sd.get("objects", []):
+                if ob.key.startswith("model."):
+                    msd[ob.key[len("model."):]] = ob.value
+            set_state_dict(self.model, (), model_state_dict=msd, optim_state_dict={},
+                           options=StateDictOptions(cpu_offload=self.cpu_offload))
+            for o in self._fresh:
+                o.state.clear()
+            self._msd = self._osd = None
+            self._fresh, self._saved = (), frozenset()
+            return
         pre_state, pre_group = "optim.state.", "optim.param_group."
         objs = sd.get("objects", [])
         hparams = self._hyperparams((ob.key, ob.value) for ob in objs)

@@ -495,10 +495,14 @@ def _build(st: Storage, key: str, md: Any, *, values: bool) -> tuple[dict[str, _
         created = st.modified_time(where) or 0.0
     except Exception:  # noqa: BLE001
         created = 0.0
+    # the training step the state dict saved at its top level ({"app": ..., "step": 5}), as DCP's
+    # own tutorials do; reshard's manifests carry it as `step`
+    saved_step = vals.get("step")
+    step = saved_step if type(saved_step) is int else None
     m = Manifest(
         attempt_id=f"dcp-{save_id}" if type(save_id) is str else "dcp",
         created_at=round(created, 3), world_size=world, checksum_block_bytes=1 << 20,
-        tensors=tensors, values=vals,
+        tensors=tensors, values=vals, step=step,
         files={name: FileEntry(size=it.nbytes) for name, it in items.items()}, extra=extra,
     )
     validate_manifest(m, where=f"{where} (as a reshard manifest)")

@@ -48,7 +48,7 @@ from ..sharding import (
     dtype_name,
     torch_dtype,
 )
-from ..storage import Storage, resolve
+from ..storage import LocalStorage, Storage, local_path, resolve
 from .hf_write import TIED_KEY, _fsync_dir, _fsync_file, _Item, _write_shard
 
 SINGLE_NAME = "model.safetensors"
@@ -180,20 +180,102 @@ def _output_names(m: Manifest, transforms: Sequence[Any]
     return names, aliases
 
 
+#: optimizer state in a tree without a record of its adapters: a component
+#: ``optim``/``optimizer``/``optimizers`` (or ``optim_*``...) followed by
+#: ``state``, ``param_group`` or ``param_groups``
+_OPTIM_RX = re.compile(r"(^|\.)(optim|optimizer|optimizers|optim_\w+|optimizer_\w+)\."
+                       r"(state|param_group|param_groups)(\.|$)")
+_OPTIM_NAME_RX = re.compile(r"^(optim|optimizer|optimizers|optim_\w+|optimizer_\w+)$")
+#: kinds of :attr:`Manifest.adapters` that hold model weights, and where below them
+_MODEL_KINDS = {"ModelState": "", "TorchState": "model"}
+
+
+def _under(name: str, path: str) -> bool:
+    return not path or name == path or name.startswith(path + ".")
+
+
+def model_candidates(m: Manifest) -> tuple[list[str], list[str]]:
+    """``(candidates, excluded)``: the tree paths that hold a model in ``m``
+    (from :attr:`Manifest.adapters`: a ``ModelState``, the ``model`` part of a
+    ``TorchState``, a plain mapping of tensors such as ``model.state_dict()``
+    or the ``"model"`` entry of an ``AppState`` built on ``get_state_dict``),
+    and the paths whose tensors are never model weights (optimizer state,
+    RNG, data cursor). Without a record (checkpoints written before it, DCP
+    directories): tensors whose names look like optimizer state are excluded
+    and the single candidate is the longest component prefix that every other
+    tensor (and tied alias) name shares."""
+    from ..tree import NON_MODEL_KINDS
+
+    rec = m.adapters
+    if not rec:
+        names = [k for k in (*m.tensors, *m.aliases) if not _OPTIM_RX.search(k)]
+        parts = [k.split(".")[:-1] for k in names]
+        common: list[str] = []
+        if parts:
+            for comps in zip(*parts, strict=False):
+                if len(set(comps)) != 1:
+                    break
+                common.append(comps[0])
+        excluded = sorted({k for k in m.tensors if _OPTIM_RX.search(k)})
+        return [".".join(common)], excluded
+    excluded = sorted(p for p, kind in rec.items() if kind in NON_MODEL_KINDS)
+    cands: list[str] = []
+    for path, kind in rec.items():
+        if kind in _MODEL_KINDS:
+            sub = _MODEL_KINDS[kind]
+            cands.append(f"{path}.{sub}" if path and sub else path or sub)
+            if kind == "TorchState":
+                excluded.append(f"{path}.optim" if path else "optim")
+    plain = []
+    for path, kind in rec.items():
+        if kind != "tensors" or any(_under(path, e) for e in excluded):
+            continue
+        if _OPTIM_NAME_RX.match(path.rsplit(".", 1)[-1]):
+            excluded.append(path)  # {"optim": {...}} of tensors: optimizer state by its name
+        else:
+            plain.append(path)
+    # a plain mapping that holds another candidate is its container (its own
+    # tensors, e.g. a step counter beside it, are not the model)
+    cands += [p for p in plain if not any(c != p and _under(c, p) for c in (*cands, *plain))]
+    return sorted(set(cands)), sorted(set(excluded))
+
+
+class AmbiguousModelError(ValueError):
+    """The checkpoint holds more than one model subtree (``candidates``), or
+    none: pass ``subtree=`` (``--subtree``)."""
+
+    def __init__(self, msg: str, candidates: Sequence[str]):
+        super().__init__(msg)
+        self.candidates = tuple(candidates)
+
+
 def _subtree(m: Manifest, subtree: str | None, key: str) -> Manifest:
     """``m`` seen from ``subtree`` (see :func:`export_hf`): its tensors and
-    aliases below it, renamed relative to it."""
-    if subtree is None:
-        subtree = "model" if any(k.startswith("model.") for k in m.tensors) else ""
-    if not subtree:
+    aliases below it, renamed relative to it, without the tensors of
+    non-model subtrees inside it (optimizer state, RNG, data cursor)."""
+    if subtree == "":
         return m
-    pre = subtree.rstrip(".") + "."
-    tensors = {k[len(pre):]: te for k, te in m.tensors.items() if k.startswith(pre)}
+    cands, excluded = model_candidates(m)
+    if subtree is None:
+        if len(cands) != 1:
+            shown = ", ".join(repr(c) for c in cands) or "none"
+            raise AmbiguousModelError(
+                f"export_hf: {key}: cannot tell which subtree is the model (candidates: {shown}); "
+                "pass subtree= (--subtree PATH; '' for every tensor, names as saved)", cands)
+        sub = cands[0]
+    else:
+        sub = subtree.rstrip(".")
+    drop = [e for e in excluded if e != sub and _under(e, sub)]
+    cut = len(sub) + 1 if sub else 0
+
+    def keep(name: str) -> bool:
+        return _under(name, sub) and name != sub and not any(_under(name, e) for e in drop)
+
+    tensors = {k[cut:]: te for k, te in m.tensors.items() if keep(k)}
     if not tensors:
-        raise ValueError(f"export_hf: {key}: no tensor under {subtree!r} (saved e.g. "
+        raise ValueError(f"export_hf: {key}: no tensor under {sub!r} (saved e.g. "
                          f"{sorted(m.tensors)[:3]}; pass subtree='' for every tensor)")
-    aliases = {a[len(pre):]: t[len(pre):] for a, t in m.aliases.items()
-               if a.startswith(pre) and t.startswith(pre)}
+    aliases = {a[cut:]: t[cut:] for a, t in m.aliases.items() if keep(a) and keep(t)}
     return msgspec.structs.replace(m, tensors=tensors, aliases=aliases, objects={}, values=None)
 
 
@@ -212,6 +294,43 @@ def _plan(items: list[_Item], max_shard_bytes: int) -> list[list[_Item]]:
     if cur or not shards:
         shards.append(cur)
     return shards
+
+
+#: the names transformers reads the weights' dtype from in config.json (``dtype``
+#: since transformers 4.56, ``torch_dtype`` before)
+_CONFIG_DTYPE_KEYS = ("dtype", "torch_dtype")
+
+
+def copy_payload(path: str, out_dtype: torch.dtype | None) -> bytes | None:
+    """The bytes to write for the copied file ``path``: for a ``config.json``
+    when the export casts, the config with ``dtype``/``torch_dtype`` set to
+    the export's dtype (each key it has; ``dtype`` and ``torch_dtype`` when
+    it has neither), other keys and their order kept; None: copy the file as
+    it is.
+
+    Raises:
+        ValueError: a config.json that is not a JSON object (named)."""
+    if out_dtype is None or os.path.basename(path) != "config.json":
+        return None
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        cfg = json.loads(raw)
+    except ValueError as e:
+        raise ValueError(f"export_hf: copy_files: {path}: not JSON ({e}); cannot set its dtype "
+                         "to the export's") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"export_hf: copy_files: {path}: a JSON object expected, got {type(cfg).__name__}")
+    name = str(out_dtype).removeprefix("torch.")
+    keys = [k for k in _CONFIG_DTYPE_KEYS if k in cfg] or list(_CONFIG_DTYPE_KEYS)
+    for k in keys:
+        cfg[k] = name
+    for sub in cfg.values():  # composite models: text_config, vision_config...
+        if isinstance(sub, dict):
+            for k in _CONFIG_DTYPE_KEYS:
+                if isinstance(sub.get(k), str):
+                    sub[k] = name
+    return (json.dumps(cfg, indent=2, sort_keys=False) + "\n").encode()
 
 
 def _existing_outputs(out_dir: str) -> list[str]:
@@ -255,10 +374,18 @@ def export_hf(
         subtree: the tree path of the model to export (``"model"``, ``"ema"``,
             ``"app.model"``); its tensors are written under their names
             relative to it, the model's own parameter names, as Hugging Face
-            loaders expect. None (default): ``"model"`` when the checkpoint
-            has tensors under ``model.``, else the whole checkpoint; ``""``:
-            the whole checkpoint, names as saved. ``include`` and
-            ``transforms`` then see the relative names.
+            loaders expect. None (default): the model the manifest records
+            (:attr:`~reshard.manifest.Manifest.adapters`, see
+            :func:`model_candidates`): a ``ModelState``, the ``model`` part of
+            a ``TorchState``, a plain mapping of tensors (``model.state_dict()``
+            at the root or under a key, the ``"model"`` entry of a
+            ``get_state_dict``-style AppState); optimizer state (an
+            ``OptimizerState``, TorchState's ``optim``, a mapping shaped as
+            ``Optimizer.state_dict()`` or named ``optim``/``optimizer``), RNG
+            and data cursor are never model weights. More than one model
+            (``"model"`` and ``"ema"``): :class:`AmbiguousModelError` naming
+            them. ``""``: the whole checkpoint, names as saved. ``include``
+            and ``transforms`` then see the relative names.
         include: which checkpoint fqns (before transforms) to export: a glob,
             a list of globs, or a predicate. Default: every tensor whose fqn
             does not start with ``"optim."`` (optimizer state, gradients).
@@ -267,7 +394,8 @@ def export_hf(
             ``Reset``), applied as at load: the output names are the names
             ``reshard.load(..., transforms=...)`` would see.
         copy_files: files copied into ``out_dir`` as they are (config.json,
-            tokenizer files...).
+            tokenizer files...); with ``dtype``, a ``config.json`` is copied
+            with its ``dtype``/``torch_dtype`` set to it (:func:`copy_payload`).
         include_aliases: tied weights (``manifest.aliases``) are exported as
             the canonical tensor only, as ``transformers``' ``save_pretrained``
             does for tied embeddings (its loaders re-tie them from the
@@ -296,6 +424,8 @@ def export_hf(
     Raises:
         CheckpointNotFoundError, ManifestError, IntegrityError: as ``load``.
         FileExistsError: model files already in ``out_dir`` (no ``overwrite``).
+        AmbiguousModelError: (a ValueError) ``subtree`` None and the
+            checkpoint holds no model or more than one (the candidates named).
         ValueError: a bad argument, a transform that is not name-level,
             ``include`` selects nothing.
     """
@@ -335,7 +465,7 @@ def export_hf(
     shards = _plan(items, limit)
     n = len(shards)
     files = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    copies = [os.path.abspath(os.fspath(c)) for c in copy_files]
+    copies = [local_path(c) for c in copy_files]
     for c in copies:
         base = os.path.basename(c)
         if base in (SINGLE_NAME, INDEX_NAME) or _SHARD_RX.match(base):
@@ -355,23 +485,24 @@ def export_hf(
         body = {"metadata": meta, "weight_map": dict(sorted(wm.items()))}
         return (json.dumps(body, indent=2) + "\n").encode()
 
-    if "://" in os.fspath(out_dir) and not os.fspath(out_dir).startswith("file://"):
+    out_st, out_key = resolve(out_dir)
+    if not isinstance(out_st, LocalStorage):
         from .hf_store import write_shards
 
-        out_st, out_key = resolve(out_dir)
         if type(out_st) is type(st) and (out_key == key or out_key.startswith(key.rstrip("/") + "/")):
             raise ValueError(f"export_hf: {out_dir} is inside the checkpoint {key} (a committed "
                              "checkpoint is never modified)")
         written, wmap, copied = write_shards(
             st, key, m, out_st, out_key, files, shards, opts=opts, validate=validate,
-            overwrite=overwrite, copies=copies, index=index_body, tied=tied)
-        return ExportResult(out_dir=os.fspath(out_dir), files=tuple(files),
+            overwrite=overwrite, copies=copies, index=index_body, tied=tied,
+            payload=lambda c: copy_payload(c, out_dtype))
+        return ExportResult(out_dir=out_st.url(out_key), files=tuple(files),
                             index_file=INDEX_NAME if n > 1 else None, weight_map=wmap,
                             total_size=total, skipped=tuple(sorted(skipped)), aliases=out_aliases,
                             copied=tuple(copied), bytes_read=st.bytes_read - read0,
                             bytes_written=written, duration_s=time.perf_counter() - t0)
-    out = os.path.abspath(os.fspath(out_dir))
-    if storage is None and "://" not in os.fspath(ckpt):
+    out = out_key
+    if isinstance(st, LocalStorage):
         rk, ro = os.path.realpath(key), os.path.realpath(out)
         if ro == rk or ro.startswith(rk + os.sep):
             raise ValueError(f"export_hf: {out} is inside the checkpoint {key} (a committed "
@@ -401,7 +532,17 @@ def export_hf(
         copied = []
         for c in copies:
             dst = os.path.join(out, os.path.basename(c))
-            if os.path.abspath(dst) != c:
+            payload = copy_payload(c, out_dtype)
+            if payload is not None:
+                tmp = os.path.join(out, f".{os.path.basename(c)}.partial")
+                tmps.append(tmp)
+                with open(tmp, "wb") as fb:
+                    fb.write(payload)
+                    fb.flush()
+                    os.fsync(fb.fileno())
+                os.replace(tmp, dst)
+                tmps.remove(tmp)
+            elif os.path.abspath(dst) != c:
                 shutil.copyfile(c, dst)
                 _fsync_file(dst)
             copied.append(os.path.basename(c))
@@ -430,10 +571,11 @@ def export_hf(
                 os.unlink(tmp)
             except OSError:
                 pass
-    return ExportResult(out_dir=out, files=tuple(files), index_file=index_file,
+    return ExportResult(out_dir=out_st.url(out), files=tuple(files), index_file=index_file,
                         weight_map=weight_map, total_size=total, skipped=tuple(sorted(skipped)),
                         aliases=out_aliases, copied=tuple(copied), bytes_read=st.bytes_read - read0,
                         bytes_written=written, duration_s=time.perf_counter() - t0)
 
 
-__all__ = ["ExportResult", "export_hf", "parse_dtype", "parse_size"]
+__all__ = ["AmbiguousModelError", "ExportResult", "copy_payload", "export_hf", "model_candidates",
+           "parse_dtype", "parse_size"]

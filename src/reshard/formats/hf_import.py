@@ -202,6 +202,44 @@ def _tied(tied: Any, tensors: Mapping[str, TensorEntry], *, where: str) -> dict[
     return dict(sorted(tied.items()))
 
 
+#: the output embedding transformers ties to the input embedding
+#: (``tie_word_embeddings``), and the names the input embedding goes by
+OUTPUT_EMBEDDING = "lm_head.weight"
+_INPUT_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight", "tok_embeddings.weight",
+                     "embed_in.weight", "shared.weight")
+
+
+def config_ties(st: Storage, key: str, tensors: Mapping[str, TensorEntry]) -> dict[str, str]:
+    """The tie ``save_pretrained`` left out, from the directory's
+    ``config.json``: with ``tie_word_embeddings`` true (transformers'
+    default when the key is absent) and no ``lm_head.weight`` stored, the
+    output embedding is the input embedding (the one stored tensor whose
+    name ends in ``embed_tokens.weight``, ``wte.weight``,
+    ``word_embeddings.weight``...): ``{"lm_head.weight": <it>}``. Nothing
+    without a config.json, with ``tie_word_embeddings`` false, with
+    ``lm_head.weight`` stored, or without exactly one such tensor.
+
+    Raises:
+        ManifestError: a config.json that is not a JSON object."""
+    if OUTPUT_EMBEDDING in tensors:
+        return {}
+    st = _snapshot_files(st, key, ["config.json"])  # a hub cache snapshot's link, resolved and checked
+    path = st.join(key, "config.json")
+    if not st.exists(path):
+        return {}
+    cfg = _read_json(st, path, 16 << 20)
+    if not isinstance(cfg, dict):
+        raise ManifestError(f"{path}: a JSON object expected")
+    tie = cfg.get("tie_word_embeddings", True)
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and "tie_word_embeddings" in text:
+        tie = text["tie_word_embeddings"]
+    if tie is not True:
+        return {}
+    cands = [n for n in tensors if n.endswith(_INPUT_EMBEDDINGS) and len(tensors[n].global_shape) == 2]
+    return {OUTPUT_EMBEDDING: cands[0]} if len(cands) == 1 else {}
+
+
 def hf_manifest(hf_dir: str | os.PathLike[str], *, storage: Storage | None = None
                 ) -> tuple[Storage, str, Manifest]:
     """A reshard Manifest describing the Hugging Face safetensors directory
@@ -267,6 +305,8 @@ def hf_manifest(hf_dir: str | os.PathLike[str], *, storage: Storage | None = Non
         except json.JSONDecodeError as e:
             raise ManifestError(f"{key}/{SINGLE_NAME}: __metadata__ {TIED_KEY!r} is not JSON: {e}") from None
     aliases = _tied(tied, tensors, where=ipath if wmap is not None else f"{key}/{SINGLE_NAME}")
+    if not aliases:
+        aliases = config_ties(st, key, tensors)
     mtime = st.modified_time(st.join(key, names[0])) or 0.0
     m = Manifest(attempt_id="huggingface", created_at=mtime, world_size=1,
                  checksum_block_bytes=1 << 20, tensors=dict(sorted(tensors.items())), files=files,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import xxhash
@@ -33,9 +33,11 @@ def write_shards(st: Storage, key: str, m: Manifest, out_st: Storage, out: str,
                  files: Sequence[str], shards: Sequence[list[Any]], *, opts: LoadOptions,
                  validate: bool, overwrite: bool, copies: Sequence[str],
                  index: Any, tied: Mapping[str, str] | None = None,
+                 payload: Callable[[str], bytes | None] | None = None,
                  ) -> tuple[int, dict[str, str], list[str]]:
     """Write ``shards`` as ``files`` under ``out`` of ``out_st``; then the
-    copied files and (``index(weight_map)`` -> bytes or None) the index.
+    copied files (``payload(path)``: the bytes to write instead of the file's
+    own, or None) and (``index(weight_map)`` -> bytes or None) the index.
     ``tied`` (alias -> target, the tied weights left out) is recorded in every
     shard's ``__metadata__``, as the local export does.
 
@@ -68,6 +70,11 @@ def write_shards(st: Storage, key: str, m: Manifest, out_st: Storage, out: str,
             out_st.delete_tree(out_st.join(out, name))
     copied = []
     for c in copies:
+        body = payload(c) if payload is not None else None
+        if body is not None:
+            out_st.write_bytes(out_st.join(out, os.path.basename(c)), body)
+            copied.append(os.path.basename(c))
+            continue
         with open(c, "rb") as f:
             s = out_st.open_write(out_st.join(out, os.path.basename(c)))
             try:

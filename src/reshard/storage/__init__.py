@@ -15,6 +15,7 @@ __all__ = [
     "Storage",
     "WriteStream",
     "clear_memory_storage",
+    "local_path",
     "resolve",
 ]
 
@@ -22,7 +23,8 @@ __all__ = [
 def resolve(url: str | os.PathLike[str], storage: Storage | None = None) -> tuple[Storage, str]:
     """Map a checkpoint path or URL to ``(backend, key)``.
 
-    ``/a/b``, ``a/b`` and ``file:///a/b`` -> local file system (absolute path);
+    ``/a/b``, ``a/b``, ``~/a/b`` and ``file:///a/b`` -> local file system
+    (absolute path, ``~`` expanded);
     ``memory://name/prefix`` -> the in-process store; ``s3://bucket/prefix``
     -> :class:`~reshard.storage.s3.S3Storage` (key ``bucket/prefix``;
     needs the ``reshard[s3]`` extra). An explicit ``storage``
@@ -34,19 +36,41 @@ def resolve(url: str | os.PathLike[str], storage: Storage | None = None) -> tupl
     s = os.fspath(url)
     if storage is not None:
         return storage, s.rstrip("/")
+    st: Storage
     if s.startswith("memory://"):
         rest = s[len("memory://"):].strip("/")
-        return MemoryStorage(), rest
+        st = MemoryStorage()
+        st.url_scheme = "memory"
+        return st, rest
     if s.startswith("s3://"):
         rest = s[len("s3://"):].strip("/")
         if not rest:
             raise ValueError(f"{s!r}: an s3:// URL needs a bucket")
         from .s3 import S3Storage
 
-        return S3Storage(), rest
+        st = S3Storage()
+        st.url_scheme = "s3"
+        return st, rest
+    st = LocalStorage()
     if s.startswith("file://"):
         s = s[len("file://"):]
+        if s.startswith("localhost/"):  # file://localhost/abs (RFC 8089)
+            s = s[len("localhost"):]
+        st.url_scheme = "file"
     elif "://" in s:
         scheme = s.split("://", 1)[0]
         raise ValueError(f"unsupported checkpoint URL scheme {scheme!r} in {s!r}")
-    return LocalStorage(), os.path.abspath(s).rstrip("/") or "/"
+    return st, os.path.abspath(os.path.expanduser(s)).rstrip("/") or "/"
+
+
+def local_path(path: str | os.PathLike[str]) -> str:
+    """A local path as :func:`resolve` reads it: ``file://`` stripped, ``~``
+    expanded, made absolute (for outputs that are always local: an export's
+    directory, a copied file).
+
+    Raises:
+        ValueError: a URL of another scheme."""
+    st, key = resolve(path)
+    if not isinstance(st, LocalStorage):
+        raise ValueError(f"{os.fspath(path)!r}: a local path is needed here")
+    return key

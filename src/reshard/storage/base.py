@@ -84,15 +84,33 @@ class Storage(ABC):
             ``read_into`` call of a large chunk (None: the reader's default,
             sized for the page cache; object stores want larger requests,
             which they split into parallel ranged GETs themselves).
+        url_scheme: the scheme the caller named this store by (``"s3"``,
+            ``"memory"``, ``"file"``), set by :func:`reshard.storage.resolve`
+            on the backend it makes; None for a plain local path or a backend
+            the caller passed (its keys are then given back as they are).
     """
 
     capabilities: Capabilities
     read_segment_bytes: int | None = None
+    url_scheme: str | None = None
+    #: what this store could not do while serving a request (e.g. "the store
+    #: does not list multipart uploads"), for tools to report (``reshard gc``)
+    notes: list[str]
+
+    def url(self, key: str) -> str:
+        """``key`` in the form the caller named the store by: ``s3://`` +
+        key, ``memory://`` + key, ``file://`` + key; the key itself for a
+        plain local path or a backend passed explicitly. Every result path
+        (``SaveResult.path``, ``SaveHandle.path``, ``LoadResult.path``,
+        ``latest()``, the CLI's output) goes through it, so it resolves back
+        to the same store."""
+        return f"{self.url_scheme}://{key}" if self.url_scheme else key
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.bytes_read = 0
         self.bytes_written = 0
+        self.notes = []
 
     def _count_read(self, n: int) -> None:
         with self._lock:
@@ -129,6 +147,21 @@ class Storage(ABC):
             s.abort()
             raise
         s.close()
+
+    def check_publish(self, path: str) -> None:
+        """Prove, before a save writes data (and again at publish), that this
+        store can publish a checkpoint at ``path`` safely: what the commit
+        relies on (atomic rename, or conditional put and replace) is probed
+        once per store and cached (DESIGN.md section 1). Default: nothing to
+        prove (the local file system and ``memory://`` implement them
+        themselves).
+
+        Raises:
+            StoreCapabilityError: the store was found to lack one (one line:
+                what was found, what to set).
+            StorageError: the probe itself failed.
+        """
+        return None
 
     def put_if_absent(self, path: str, data: bytes) -> None:
         """Create ``path`` holding ``data`` unless it exists (atomically where

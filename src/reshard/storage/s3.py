@@ -14,10 +14,27 @@ files (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
 * Conditional put: ``put_if_absent`` is ``PutObject`` with ``If-None-Match: *``;
   ``put_if_match`` (compare-and-swap of a small record) is ``PutObject`` with
   ``If-Match: <ETag>`` (S3 since 2024-11; MinIO, moto 5.2 honour it too).
+* Capabilities are proven, not declared: before the first save (or HEAD
+  write) to a bucket, :meth:`S3Storage.check_publish` probes on a scratch key
+  that a second ``If-None-Match: *`` put is refused (412), that ``If-Match``
+  with a wrong ETag is refused and with the right one accepted; the answer is
+  cached per endpoint and bucket. A store that ignores the headers (s3rver,
+  some older or self-hosted stores: they answer 200 and overwrite) is refused
+  for publishing with :class:`~reshard.errors.StoreCapabilityError`, since
+  two writers of one step would both "succeed" and the first one's committed
+  checkpoint would be replaced. ``RESHARD_S3_TRUST_CONDITIONAL=1`` skips the
+  probe (a store known to honour them; the probe costs five requests once per
+  process and bucket). After every publish the manifest is read back and
+  must be this attempt's (:func:`reshard.commit.publish_marker`).
 * Retries: throttling (503 SlowDown), 5xx, timeouts and reset connections are
   retried with exponential backoff and full jitter, bounded by
   ``deadline_s`` seconds per request; past it a :class:`StorageError`.
-  botocore's own retries are off (one policy, counted here).
+  ``501 NotImplemented`` and other permanent answers fail at once, never
+  retried. botocore's own retries are off (one policy, counted here).
+* A store that does not implement ListMultipartUploads (501): ``list_uploads``
+  returns nothing and says so once in :attr:`Storage.notes` (``reshard gc``
+  prints it): gc deletes what listing objects found, and cannot abort open
+  multipart uploads it cannot see.
 
 Threads: every method may be called from several threads at once.
 """
@@ -46,6 +63,40 @@ _RETRY_CODES = {"BadDigest", "SlowDown", "Throttling", "ThrottlingException", "R
                 "ServiceUnavailable", "RequestTimeTooSkewed", "ConditionalRequestConflict"}
 _CLIENTS: dict[tuple[Any, ...], Any] = {}
 _CLIENTS_LOCK = threading.Lock()
+#: answers that are permanent even though their status is 5xx: never retried
+_PERMANENT_CODES = {"NotImplemented", "MethodNotAllowed", "NotSupported"}
+_PERMANENT_STATUS = {501, 505}
+#: (endpoint, bucket) -> the probe's answer (:class:`Probe`)
+_PROBES: dict[tuple[str, str], Probe] = {}
+#: the environment variable that skips the probe (a store known to honour conditional requests)
+TRUST_ENV = "RESHARD_S3_TRUST_CONDITIONAL"
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What :meth:`S3Storage.probe` found about one endpoint and bucket.
+
+    Attributes:
+        conditional_put: a second ``PutObject`` with ``If-None-Match: *`` of
+            one key was refused (412).
+        conditional_replace: ``If-Match`` with a wrong ETag was refused and
+            with the object's own ETag accepted.
+        why: what the store did instead, in words ("" when both hold).
+    """
+
+    conditional_put: bool
+    conditional_replace: bool
+    why: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.conditional_put and self.conditional_replace
+
+
+def permanent(e: BaseException) -> bool:
+    """An answer no retry can change: 501 NotImplemented and the like."""
+    status, code = _status(e)
+    return status in _PERMANENT_STATUS or code in _PERMANENT_CODES
 
 
 def _env_float(name: str, default: float) -> float:
@@ -147,6 +198,8 @@ def _retryable(e: BaseException) -> bool:
     from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
 
     if isinstance(e, ClientError):
+        if permanent(e):
+            return False
         status, code = _status(e)
         return status >= 500 or status == 429 or code in _RETRY_CODES
     # connection refused/reset/closed, timeouts, a body cut short; never a bad parameter
@@ -271,6 +324,8 @@ class S3Storage(Storage):
         self.requests = 0
         self.retries = 0
         self.open_uploads: dict[str, str] = {}
+        #: (endpoint, bucket) that answered ListMultipartUploads with NotImplemented
+        self._no_list_uploads: set[tuple[str, str]] = set()
 
     def _note_upload(self, path: str, upload_id: str, opened: bool) -> None:
         with self._lock:
@@ -379,7 +434,101 @@ class S3Storage(Storage):
         self._count_write(len(data))
 
     def put_if_absent(self, path: str, data: bytes) -> None:
+        self.check_publish(path)
         self._put_cond("conditional put", path, data, {"IfNoneMatch": "*"})
+
+    def _endpoint(self, bucket: str) -> tuple[str, str]:
+        return (str(getattr(self.client.meta, "endpoint_url", "") or ""), bucket)
+
+    def probe(self, path: str) -> Probe:
+        """Probe (once per endpoint and bucket, cached) whether the store
+        honours conditional requests, on a scratch key beside ``path``
+        (``<parent of path>/.reshard-probe-<random>``, deleted after): put it
+        with ``If-None-Match: *`` (accepted), again (must be refused: 412),
+        with ``If-Match`` a wrong ETag (must be refused), with its own ETag
+        (must be accepted). Five requests.
+
+        Raises:
+            StorageError: a request of the probe failed otherwise."""
+        b, k = _split(path)
+        ident = self._endpoint(b)
+        with _CLIENTS_LOCK:
+            got = _PROBES.get(ident)
+        if got is not None:
+            return got
+        parent = k.rstrip("/").rpartition("/")[0]
+        scratch = f"{b}/{parent + '/' if parent else ''}.reshard-probe-{os.urandom(6).hex()}"
+        sb, sk = _split(scratch)
+
+        def put(data: bytes, **cond: str) -> str:
+            """"ok", "refused" (412 / 404) or "answered <code>" (501, 400...)."""
+            try:
+                self._call("capability probe", scratch, lambda: self._put(sb, sk, data, **cond))
+                return "ok"
+            except (FileExistsError, FileNotFoundError):
+                return "refused"
+            except StorageError as e:
+                if e.__cause__ is not None and not _retryable(e.__cause__):
+                    status, code = _status(e.__cause__)
+                    return f"answered {code or status or type(e.__cause__).__name__}"
+                raise
+
+        try:
+            cp, cr, why = True, True, []
+            first = put(b"reshard capability probe 1", IfNoneMatch="*")
+            if first != "ok":
+                cp = cr = False
+                why.append(f"PutObject with If-None-Match: * of a new key was {first}")
+            else:
+                second = put(b"reshard capability probe 2", IfNoneMatch="*")
+                if second != "refused":
+                    cp = False
+                    why.append("a second PutObject with If-None-Match: * of one key was "
+                               + ("accepted (the header is ignored: the object was replaced)"
+                                  if second == "ok" else second))
+                wrong = put(b"reshard capability probe 3", IfMatch='"00000000000000000000000000000000"')
+                if wrong != "refused":
+                    cr = False
+                    why.append("PutObject with If-Match: <a wrong ETag> was "
+                               + ("accepted (the header is ignored)" if wrong == "ok" else wrong))
+                else:
+                    _, tag = self.read_tagged(scratch)
+                    right = put(b"reshard capability probe 4", IfMatch=tag)
+                    if right != "ok":
+                        cr = False
+                        why.append(f"PutObject with If-Match: <its own ETag> was {right}")
+        finally:
+            try:
+                self.delete_keys([scratch])
+            except Exception:  # noqa: BLE001, S110 - a leftover scratch key is ignored by every listing
+                pass
+        out = Probe(conditional_put=cp, conditional_replace=cr, why="; ".join(why))
+        with _CLIENTS_LOCK:
+            _PROBES[ident] = out
+        return out
+
+    def check_publish(self, path: str) -> None:
+        """Refuse to publish at ``path`` on a store that does not honour
+        conditional puts and replaces (:meth:`probe`), with one line saying
+        what was found and what to set; ``RESHARD_S3_TRUST_CONDITIONAL=1``
+        skips the probe.
+
+        Raises:
+            StoreCapabilityError: the store ignores or refuses them.
+            StorageError: the probe failed."""
+        from ..errors import StoreCapabilityError
+
+        if os.environ.get(TRUST_ENV, "").strip().lower() in ("1", "true", "yes"):
+            return
+        got = self.probe(path)
+        if not got.ok:
+            endpoint, bucket = self._endpoint(_split(path)[0])
+            raise StoreCapabilityError(
+                f"s3://{path}: refusing to publish: the store at {endpoint or 'AWS'} (bucket {bucket}) "
+                f"does not honour conditional requests ({got.why}), so two writers of one step or two "
+                "jobs resuming from one root could both succeed and replace each other's commit; use "
+                "a store that does (AWS S3, MinIO, Ceph RGW...), or set "
+                f"{TRUST_ENV}=1 only if one job alone ever writes this root")
 
     def read_tagged(self, path: str) -> tuple[bytes, str]:
         b, k = _split(path)
@@ -400,6 +549,7 @@ class S3Storage(Storage):
         if tag is None:
             self.put_if_absent(path, data)
             return
+        self.check_publish(path)
         try:
             self._put_cond("conditional replace", path, data, {"IfMatch": tag})
         except FileExistsError as e:
@@ -463,15 +613,35 @@ class S3Storage(Storage):
         """Open multipart uploads below ``prefix``: ``(key, upload id, initiated
         seconds since the epoch)``."""
         b, k = _split(prefix)
+        ident = self._endpoint(b)
+        if ident in self._no_list_uploads:
+            return []
         out: list[tuple[str, str, float]] = []
         kw: dict[str, Any] = {"Bucket": b, "Prefix": k}
         while True:
-            r = self._call("list uploads", prefix, partial(self.client.list_multipart_uploads, **kw))
+            try:
+                r = self._call("list uploads", prefix, partial(self.client.list_multipart_uploads, **kw))
+            except StorageError as e:
+                if e.__cause__ is None or not permanent(e.__cause__):
+                    raise
+                with self._lock:
+                    self._no_list_uploads.add(ident)
+                self._note_no_list_uploads(ident)
+                return []
             for u in r.get("Uploads", ()):
                 out.append((f"{b}/{u['Key']}", u["UploadId"], u["Initiated"].timestamp()))
             if not r.get("IsTruncated"):
                 return out
             kw = {**kw, "KeyMarker": r["NextKeyMarker"], "UploadIdMarker": r["NextUploadIdMarker"]}
+
+    def _note_no_list_uploads(self, ident: tuple[str, str]) -> None:
+        note = (f"the store at {ident[0] or 'AWS'} does not list multipart uploads (ListMultipartUploads "
+                "answered NotImplemented): open uploads of abandoned attempts in bucket "
+                f"{ident[1]} cannot be found or aborted here (a lifecycle rule "
+                "AbortIncompleteMultipartUpload on the bucket removes them)")
+        with self._lock:
+            if note not in self.notes:
+                self.notes.append(note)
 
     def abort_upload(self, path: str, upload_id: str) -> None:
         b, k = _split(path)
@@ -480,6 +650,15 @@ class S3Storage(Storage):
                 Bucket=b, Key=k, UploadId=upload_id))
         except FileNotFoundError:
             pass
+        except StorageError as e:  # a store without AbortMultipartUpload (s3rver): the object
+            if e.__cause__ is None or not permanent(e.__cause__):  # never appears; its parts stay
+                raise
+            note = (f"the store at {self._endpoint(b)[0] or 'AWS'} does not abort multipart uploads "
+                    f"({_status(e.__cause__)[1]}): the parts of an aborted upload stay on the store "
+                    "until a lifecycle rule (AbortIncompleteMultipartUpload) removes them")
+            with self._lock:
+                if note not in self.notes:
+                    self.notes.append(note)
 
     # -- reading
     def _get_range(self, path: str, offset: int, buf: memoryview) -> None:

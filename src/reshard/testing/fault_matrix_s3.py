@@ -309,19 +309,27 @@ def _corrupt(st: Any, kind: str, ckpt: str, other: str) -> None:
 
 
 class Endpoint:
-    """moto's server on 127.0.0.1 behind the fault proxy, one bucket, one
-    prefix per cell (shared by the cells of one matrix run)."""
+    """An S3 server on 127.0.0.1 behind the fault proxy, one bucket, one
+    prefix per cell (shared by the cells of one matrix run): moto's, or
+    s3rver's (``server="s3rver"``; it ignores conditional requests, so the
+    cells, each one writer, run with ``RESHARD_S3_TRUST_CONDITIONAL=1``: the
+    refusal itself is tested on its own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, server: str = "moto") -> None:
         from .s3proxy import FaultProxy
-        from .s3server import S3Server
+        from .s3server import S3rverServer, S3Server
 
-        self.server = S3Server(min_part_bytes=4 << 10)
+        if server not in ("moto", "s3rver"):
+            raise ValueError(f"unknown S3 server {server!r} (moto, s3rver)")
+        self.name = server
+        self.server: Any = S3Server(min_part_bytes=4 << 10) if server == "moto" else S3rverServer()
         self.proxy = FaultProxy(self.server.url)
         self.server.create_bucket(BUCKET)
         self.env = {**self.server.env(self.proxy.url), "RESHARD_S3_PART_BYTES": str(PART_BYTES),
                     "RESHARD_S3_RANGE_BYTES": str(PART_BYTES), "RESHARD_S3_DEADLINE_S": str(DEADLINE_S),
                     "RESHARD_LEASE_TTL_S": str(LEASE_TTL_S)}
+        if server == "s3rver":
+            self.env["RESHARD_S3_TRUST_CONDITIONAL"] = "1"
         self.n = 0
 
     def close(self) -> None:
@@ -564,10 +572,12 @@ def _judge(cell: Cell, res: CellResult, outs: dict[int, dict[str, Any]], procs: 
         res.problems.append(f"gc left {res.after_gc[:6]}")
 
 
-def run_matrix(chosen: list[Cell], *, workdir: str, progress: Any = None) -> list[CellResult]:
-    """Run the S3 cells of ``chosen`` on one moto server started here."""
+def run_matrix(chosen: list[Cell], *, workdir: str, progress: Any = None,
+               server: str = "moto") -> list[CellResult]:
+    """Run the S3 cells of ``chosen`` on one S3 server started here (moto's,
+    or ``"s3rver"``)."""
     os.makedirs(workdir, exist_ok=True)
-    ep = Endpoint()
+    ep = Endpoint(server)
     out = []
     try:
         for c in chosen:

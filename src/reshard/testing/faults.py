@@ -215,6 +215,9 @@ class FaultStorage(Storage):
         super().write_bytes(path, data, durable=durable)  # through open_write: counted there too
         self._fire("write_bytes", path, after=True)
 
+    def check_publish(self, path: str) -> None:
+        self.inner.check_publish(path)
+
     def put_if_absent(self, path: str, data: bytes) -> None:
         self._call("put_if_absent", path, lambda: self.inner.put_if_absent(path, data))
 

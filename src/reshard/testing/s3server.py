@@ -1,4 +1,5 @@
-"""A real S3 endpoint for tests and benchmarks: moto's server on loopback.
+"""Real S3 endpoints for tests and benchmarks: moto's server on loopback, and
+s3rver (npm), a second S3 implementation (:class:`S3rverServer`).
 
 ``S3Server()`` starts ``python -m moto.server`` on a free port of 127.0.0.1
 (a subprocess: real HTTP, real request parsing), waits until it answers,
@@ -12,9 +13,11 @@ multipart uploads of small parts (S3 itself requires 5 MiB).
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from types import TracebackType
@@ -84,5 +87,102 @@ class S3Server:
         return self
 
     def __exit__(self, t: type[BaseException] | None, v: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+#: s3rver's version the dev setup installs (``make setup``: ``npm install --prefix .venv/s3rver``)
+S3RVER_VERSION = "3.7.1"
+
+
+def find_s3rver() -> tuple[str, str] | None:
+    """``(node, s3rver's bin script)``, or None where node or s3rver is not
+    installed: ``$RESHARD_S3RVER``, else ``<venv>/s3rver/node_modules/.bin/s3rver``
+    (``make setup`` puts it there), else ``s3rver`` on the PATH."""
+    node = shutil.which("node")
+    if node is None:
+        return None
+    cands = [os.environ.get("RESHARD_S3RVER", ""),
+             os.path.join(sys.prefix, "s3rver", "node_modules", ".bin", "s3rver"),
+             shutil.which("s3rver") or ""]
+    for c in cands:
+        if c and os.path.isfile(c):
+            return node, os.path.realpath(c)
+    return None
+
+
+class S3rverServer:
+    """s3rver on ``127.0.0.1:<free port>``, data in a temporary directory: a
+    second S3 implementation beside moto. It ignores ``If-None-Match`` and
+    ``If-Match`` on PutObject (answers 200 and overwrites) and answers
+    ListMultipartUploads with 501 NotImplemented, which is what the tests
+    against it are about. ``NODE_OPTIONS=--openssl-legacy-provider`` is set
+    (Node 17+ refuses the cipher s3rver's listing continuation tokens use).
+
+    Same interface as :class:`S3Server` (``url``, ``env()``, ``client()``,
+    ``create_bucket()``, ``close()``).
+
+    Raises:
+        RuntimeError: node or s3rver is not installed (:func:`find_s3rver`),
+            or the server did not answer.
+    """
+
+    KEY = "S3RVER"  # s3rver's built-in credentials
+
+    def __init__(self, *, start_timeout_s: float = 60.0):
+        found = find_s3rver()
+        if found is None:
+            raise RuntimeError("s3rver is not installed (npm install --prefix <venv>/s3rver "
+                               f"s3rver@{S3RVER_VERSION}, or set RESHARD_S3RVER)")
+        node, script = found
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._dir = tempfile.mkdtemp(prefix="s3rver-")
+        env = {**os.environ, "NODE_OPTIONS": "--openssl-legacy-provider"}
+        self._proc = subprocess.Popen(
+            [node, script, "-d", self._dir, "-a", "127.0.0.1", "-p", str(self.port), "--silent",
+             "--allow-mismatched-signatures", "--no-vhost-buckets"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                shutil.rmtree(self._dir, ignore_errors=True)
+                raise RuntimeError(f"s3rver exited with {self._proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"s3rver did not answer on {self.url}") from None
+                time.sleep(0.1)
+
+    def env(self, endpoint: str | None = None) -> dict[str, str]:
+        return {"AWS_ENDPOINT_URL": endpoint or self.url, "AWS_ACCESS_KEY_ID": self.KEY,
+                "AWS_SECRET_ACCESS_KEY": self.KEY, "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def client(self) -> object:
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.url, aws_access_key_id=self.KEY,
+                            aws_secret_access_key=self.KEY, region_name="us-east-1")
+
+    def create_bucket(self, name: str) -> None:
+        self.client().create_bucket(Bucket=name)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> S3rverServer:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()

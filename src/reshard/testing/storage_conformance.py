@@ -11,7 +11,9 @@ Use it for your own backend the way zarr ships ``zarr.testing.store``::
 Every ``test_*`` method checks one promise of the protocol
 (:mod:`reshard.storage.base`); tests of optional features run only where the
 backend declares the capability (``atomic_rename``, ``conditional_put``,
-``multipart``). Needs pytest.
+``multipart``); a store whose probe found conditional requests ignored
+(:meth:`~reshard.storage.Storage.check_publish`) must refuse them with
+``StoreCapabilityError``. Needs pytest.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import threading
 
 import pytest
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, StoreCapabilityError
 from ..storage.base import Capabilities, Storage
 
 
@@ -145,9 +147,26 @@ class StorageConformance:
         assert not st.exists(p)
         assert st.list_uploads(root) == []
 
+    def _refuses_publishing(self, st: Storage, p: str) -> bool:
+        """True where the store proved it cannot publish (its conditional
+        requests are ignored): then every conditional put must be refused
+        with StoreCapabilityError, writing nothing."""
+        try:
+            st.check_publish(p)
+        except StoreCapabilityError:
+            with pytest.raises(StoreCapabilityError, match="refusing to publish"):
+                st.put_if_absent(p, b"first")
+            with pytest.raises(StoreCapabilityError):
+                st.put_if_match(p, b"first", None)
+            assert not st.exists(p)
+            return True
+        return False
+
     def test_put_if_absent(self) -> None:
         st, root = self._setup()
         p = st.join(self._dir(st, root, "ck"), "manifest.json")
+        if self._refuses_publishing(st, p):
+            return
         st.put_if_absent(p, b"first")
         with pytest.raises(FileExistsError):
             st.put_if_absent(p, b"second")
@@ -158,6 +177,8 @@ class StorageConformance:
         if not st.capabilities.conditional_put:
             pytest.skip("no conditional put")
         p = st.join(self._dir(st, root, "ck"), "manifest.json")
+        if self._refuses_publishing(st, p):
+            return
         wins: list[int] = []
         barrier = threading.Barrier(4)
 
