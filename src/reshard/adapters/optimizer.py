@@ -60,6 +60,7 @@ from .hyperparams import (
     dcp_param_groups_saved,
     group_hyperparams,
     hyperparams_from_dcp,
+    rebase_schedulers,
     restore_hyperparams,
 )
 from .model import ModelState
@@ -384,12 +385,21 @@ class OptimizerState:
         return {k[len(pre):]: v for k, v in objects
                 if k.startswith(pre) and k in self._saved_groups}  # not requests left as they were
 
-    def reshard_check_load(self, objects: dict[str, Any]) -> None:
+    def reshard_check_load(self, objects: dict[str, Any]) -> dict[str, Any]:
         """Before any target is written: raise what restoring the saved
         hyperparameters would raise (``objects``: this adapter's loaded
-        objects by relative key)."""
-        restore_hyperparams(self.optimizer, self._param_names(), self._hyperparams(objects.items()),
-                            self.hyperparams, where="OptimizerState", check_only=True)
+        objects by relative key); returns the notes of the values a restore
+        replaces (``hyperparams_restored``)."""
+        return restore_hyperparams(self.optimizer, self._param_names(),
+                                   self._hyperparams(objects.items()), self.hyperparams,
+                                   where="OptimizerState", check_only=True)
+
+    def reshard_finish_load(self, peers: list[Any]) -> None:
+        """After every Stateful of the load: under ``hyperparams="current"``,
+        the LR schedulers of this optimizer among ``peers`` continue from the
+        constructed rates (:func:`~reshard.adapters.hyperparams.rebase_schedulers`)."""
+        if self.hyperparams == "current":
+            rebase_schedulers(self.optimizer, peers, where="OptimizerState")
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._loading = False
