@@ -88,3 +88,15 @@ def r_global_as_rank_save(path: str, steps: int) -> None:
     for _ in range(steps):
         step(cur, "global")
     reshard.save({"data": cur}, path, step=steps)
+
+
+def r_dcp_save(path: str, style: str, steps: int) -> dict[str, Any]:
+    """As :func:`r_run`, saved with ``torch.distributed.checkpoint.save``."""
+    import torch.distributed.checkpoint as dcp
+
+    cur = cursor(style)
+    trained = [step(cur, style) for _ in range(steps)]
+    dcp.save({"data": cur}, checkpoint_id=path)
+    rank, _ = _rank()
+    left = cur.pending if style == "rank" or rank == 0 else []
+    return {"trained": trained, "pending": list(left), "notes": {}}

@@ -130,3 +130,29 @@ def test_dataset_change_continues_only_at_an_epoch_boundary(tmp_path: Path) -> N
                      tmp_path / "mid")
     msg = str(ei.value)
     assert "dataset_len=24" in msg and "20" in msg and "epoch 1" in msg and "8 of its 24" in msg, msg
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("style", ["rank", "global"])
+def test_cursor_saved_by_dcp_restores_strictly(pool: WorkerPool, tmp_path: Path, style: str) -> None:
+    """dcp.save({"data": cursor}) on 2 ranks (it pickled a ShardedObject that a
+    weights_only load refused, and kept one rank's leftovers); reshard.load
+    (strict) restores it at DP 2 as the uninterrupted run, and at DP 1 with
+    every sample exactly once."""
+    path = str(tmp_path / "dcp")
+    before = pool.run(2, fns.r_dcp_save, path, style, BEFORE)
+    assert _left(before)
+    m = reshard.inspect(path)
+    want = {"data.pending"} if style == "global" else {"data.pending.dp0", "data.pending.dp1"}
+    assert want <= set(m.values or {}), sorted(m.values or {})
+    after = pool.run(2, fns.r_run, path, style, AFTER, True)
+    whole = pool.run(2, fns.r_run, None, style, BEFORE + AFTER, False)
+    assert [r["trained"][BEFORE:] for r in whole] == [r["trained"] for r in after]
+    on = {"on_dp_change": "redistribute"} if style == "rank" else {}
+    (one,) = pool.run(1, fns.r_run, path, style, AFTER, True, **on)
+    assert "error" not in one, one
+    got = Counter(_stream(before) + _stream([one]) + one["pending"])
+    assert got == Counter(fns.drawn(BEFORE + AFTER))
+    if style == "rank":  # the default rule still refuses a DP change, naming the option
+        (r,) = pool.run(1, fns.r_run, path, style, AFTER, True)
+        assert "on_dp_change='redistribute'" in r["error"], r

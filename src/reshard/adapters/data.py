@@ -58,6 +58,13 @@ next epoch is a permutation of the new dataset); mid-epoch it is refused
 with the exact numbers, since the epoch's order is a permutation of the
 saved length. Reported in ``LoadResult.notes`` under ``<path>.batch_change``.
 
+**Saved by DCP.** ``state_dict()`` called by anyone but reshard's walk
+(``torch.distributed.checkpoint.save``, user code) returns plain values only:
+``pending`` is the list itself (``"global"``) or ``{"dp<rank>": list}``
+(``"rank"``: a key per rank, so DCP's de-duplication of equal keys keeps
+every rank's). ``reshard.load`` of such a DCP checkpoint restores the cursor
+strictly, at any DP size, by the rules above.
+
 Other per-rank state that cannot be resharded (e.g. ``{0: 10, 1: 11, ...}``)
 must be saved as a ShardedObject grid; loading it with another DP size raises
 ShardingError (reshard never drops or invents per-rank state).
@@ -74,6 +81,7 @@ from .. import codec
 from ..errors import ShardingError
 from ..manifest import Manifest
 from ..sharding import ShardedObject
+from ..tree import walking
 
 _EMPTY = codec.encode([])
 
@@ -214,8 +222,16 @@ class DataCursor:
             "global_batch_size": self.global_batch_size, "dataset_len": self.dataset_len,
             "shuffle": self.shuffle}
         saved = self._load_pending
-        if saved == "empty":
+        if saved is None and not walking():
+            # dcp.save or user code: plain values only, which DCP stores as they are (a
+            # ShardedObject would be pickled, then refused by a weights_only load); per-rank
+            # leftovers under a key of their own rank, so that DCP keeps every rank's
+            sd["pending"] = ([int(s) for s in self.pending] if self.pending_scope == "global"
+                             else {f"dp{self.dp_rank}": [int(s) for s in self.pending]})
+        elif saved == "empty":
             pass
+        elif saved == "dcp":
+            sd["pending"] = {}  # one value: every saved rank's list by "dp<rank>"
         elif saved == "value" or (saved is None and self.pending_scope == "global"):
             sd["pending"] = [int(s) for s in self.pending]  # one list, common to every rank
         elif isinstance(saved, int):  # read every saved rank's leftovers
@@ -243,6 +259,11 @@ class DataCursor:
             if change:
                 notes["batch_change"] = change
         oe = m.objects.get("pending")
+        by_rank = {k: v for k, v in vals.items() if k.startswith("pending.dp") and k[10:].isdigit()}
+        if oe is None and by_rank and "pending" not in vals:  # saved by dcp.save (state_dict() above)
+            self._load_pending = "dcp"
+            self._from_parts({int(k[10:]): codec.from_json(v) for k, v in by_rank.items()})  # may raise
+            return notes or None
         if oe is None:
             if "pending" in (m.values or {}):
                 self._load_pending = "value"  # one common list (global scope, or an old checkpoint)
@@ -278,6 +299,42 @@ class DataCursor:
                 "packs the same global stream, pass pending_scope='global' instead")
         self._load_pending = saved[0]
         return {**notes, "pending_redistributed": {"from_dp": saved[0], "to_dp": self.dp_size}}
+
+    def _from_parts(self, parts: dict[int, list[int]]) -> list[int]:
+        """This rank's leftovers from every saved DP rank's (``saved rank -> list``;
+        a rank missing is one without leftovers), by the rules of the module
+        docstring.
+
+        Raises:
+            ShardingError: another DP size under ``on_dp_change="raise"``; a
+                sample id on two saved ranks; ``pending_scope="global"`` and
+                lists that differ.
+        """
+        saved_dp = max(parts, default=-1) + 1
+        lists = [list(parts.get(r, [])) for r in range(saved_dp)]
+        if not lists:
+            return []
+        if self.pending_scope == "global":
+            if any(p != lists[0] for p in lists[1:]):
+                raise ShardingError(
+                    f"DataCursor: pending_scope='global', but the {saved_dp} saved DP ranks' "
+                    "packing leftovers differ (they were packed per rank): load with "
+                    "pending_scope='rank'")
+            return lists[0]
+        if saved_dp == self.dp_size:
+            return lists[self.dp_rank]
+        if not any(lists):
+            return []
+        if self.on_dp_change == "raise":
+            raise ShardingError(
+                f"DataCursor: packing leftovers (pending) were saved by {saved_dp} DP ranks and this "
+                f"run has dp_size={self.dp_size}; they cannot follow ranks that no longer exist. "
+                "Resume at the saved DP size, or pass DataCursor(..., on_dp_change='redistribute') "
+                "to deal them out by the documented rule (saved lists concatenated in DP-rank order, "
+                "split into contiguous near-equal parts, none lost or duplicated); if every rank "
+                "packs the same global stream, pass pending_scope='global' instead")
+        _refuse_duplicates(lists)
+        return redistribute_pending(lists, self.dp_size)[self.dp_rank]
 
     def _batch_change(self, sd: dict[str, Any]) -> tuple[int, int, dict[str, Any]]:
         """The ``(epoch, consumed)`` to resume from, by ``on_batch_change``,
@@ -318,17 +375,14 @@ class DataCursor:
         epoch, consumed, _ = self._batch_change(sd)
         pend = sd.get("pending", [])
         if isinstance(pend, list) and pend and isinstance(pend[0], ShardedObject):
-            parts = [list(ob.value) for ob in sorted(pend, key=lambda o: o.global_offset)]
-            if self.pending_scope == "global":
-                if any(p != parts[0] for p in parts[1:]):
-                    raise ShardingError(
-                        f"DataCursor: pending_scope='global', but the {len(parts)} saved DP ranks' "
-                        "packing leftovers differ (they were packed per rank): load with "
-                        "pending_scope='rank'")
-                mine = parts[0]
-            else:
-                _refuse_duplicates(parts)
-                mine = redistribute_pending(parts, self.dp_size)[self.dp_rank]
+            mine = self._from_parts({int(ob.global_offset[0]): list(ob.value) for ob in pend})
+        elif isinstance(pend, dict):  # saved by dcp.save (or state_dict() outside reshard)
+            try:
+                parts = {int(str(k)[2:]): list(v) for k, v in pend.items()}
+            except (TypeError, ValueError):
+                raise ShardingError(f"DataCursor: pending saved as {pend!r}, expected "
+                                    "{'dp<rank>': [sample, ...]}") from None
+            mine = self._from_parts(parts)
         elif isinstance(pend, ShardedObject):
             mine = list(pend.value)
         else:  # one common list (global scope, or a checkpoint from before per-rank leftovers)
