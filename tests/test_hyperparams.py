@@ -194,3 +194,42 @@ def test_current_rebases_a_restored_scheduler_on_the_constructed_lr(tmp_path: Pa
         want = _run(lr if rule == "current" else 1e-3, kind, N + 3)[N - 1:]
         assert got == pytest.approx(want, rel=1e-12), (rule, lr)
         assert s.base_lrs == [lr if rule == "current" else 1e-3]
+
+
+def _dcp_target(adapter: str, m: Net, opt: torch.optim.Optimizer, rule: str = "error") -> dict[str, Any]:
+    if adapter == "torch":
+        return {"app": TorchState(m, opt, hyperparams=rule)}  # type: ignore[arg-type]
+    return {"model": ModelState(m), "optim": OptimizerState(m, opt, hyperparams=rule)}  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("adapter", ["optim", "torch"])
+def test_dcp_checkpoint_split_raises_before_writing(tmp_path: Path, adapter: str) -> None:
+    """The same rule for a DCP checkpoint (hyperparameters by group position):
+    one saved group resumed with the decay / no-decay split raises before any
+    target is written; "saved" restores 0.01 everywhere."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    src = Net()
+    opt = torch.optim.AdamW(src.parameters(), lr=1e-3, weight_decay=0.01)
+    _step(src, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        msd, osd = get_state_dict(src, opt)
+        tree = {"model": msd, "optim": osd}
+        dcp.save({"app": tree} if adapter == "torch" else tree, checkpoint_id=str(tmp_path / "dcp"))
+    dst = Net(1)
+    before = dst.fc.weight.detach().clone()
+    opt = torch.optim.AdamW(_decay_split(dst), lr=1e-3)
+    with pytest.raises(ShardingError) as ei:
+        reshard.load(_dcp_target(adapter, dst, opt), str(tmp_path / "dcp"))
+    msg = str(ei.value)
+    assert "every target is unchanged" in msg and "weight_decay=0.0" in msg, msg
+    assert torch.equal(dst.fc.weight, before)
+    dst = Net(1)
+    opt = torch.optim.AdamW(_decay_split(dst), lr=1e-3)
+    reshard.load(_dcp_target(adapter, dst, opt, "saved"), str(tmp_path / "dcp"))
+    assert [wd for _, wd in _groups(opt, dst)] == [0.01, 0.01]
+    assert torch.equal(dst.fc.weight, src.fc.weight)

@@ -498,7 +498,7 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
         values[ob.key] = v
     for p, enc in (m.values or {}).items():
         values[p] = codec.from_json(enc)
-    _check_hooks(leaves.statefuls, objects, ctx["notes"])
+    _check_hooks(leaves.statefuls, objects, ctx["notes"], values)
     if opts.verify_first:
         reader.verify_only(groups)
     return _Plan(manifest=m, reader=reader, groups=groups, rules=rules, finalize=finalize,
@@ -507,10 +507,12 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
 
 
 def _check_hooks(statefuls: Sequence[tuple[str, Any, Any]],
-                 objects: Mapping[tuple[str, tuple[int, ...]], Any], notes: dict[str, Any]) -> None:
+                 objects: Mapping[tuple[str, tuple[int, ...]], Any], notes: dict[str, Any],
+                 values: Mapping[str, Any] | None = None) -> None:
     """Before any target is written, a Stateful with ``reshard_check_load(objects)``
     (e.g. an OptimizerState that must refuse saved hyperparameters its param
-    groups cannot hold) sees the objects loaded for it, by key relative to its
+    groups cannot hold) sees the objects loaded for it (and the common values
+    below it: a DCP checkpoint's ``param_groups``), by key relative to its
     position in the tree, and may raise; a mapping it returns is merged into
     ``notes`` under its path (as ``reshard_prepare_load``'s)."""
     for path, obj, _ in statefuls:
@@ -518,7 +520,9 @@ def _check_hooks(statefuls: Sequence[tuple[str, Any, Any]],
         if not callable(hook):
             continue
         pre = f"{path}." if path else ""
-        got = hook({k[len(pre):]: v for (k, _off), v in objects.items() if k.startswith(pre)})
+        mine = {k[len(pre):]: v for k, v in (values or {}).items() if k.startswith(pre)}
+        mine.update({k[len(pre):]: v for (k, _off), v in objects.items() if k.startswith(pre)})
+        got = hook(mine)
         for k, v in (got or {}).items():
             notes[join(path, k)] = v
 

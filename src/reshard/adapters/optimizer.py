@@ -390,8 +390,10 @@ class OptimizerState:
         hyperparameters would raise (``objects``: this adapter's loaded
         objects by relative key); returns the notes of the values a restore
         replaces (``hyperparams_restored``)."""
-        return restore_hyperparams(self.optimizer, self._param_names(),
-                                   self._hyperparams(objects.items()), self.hyperparams,
+        hparams = self._hyperparams(objects.items())
+        if self._dcp_groups and objects.get("param_groups") is not None:  # DCP's, by group position
+            hparams.update(hyperparams_from_dcp(objects["param_groups"], where="OptimizerState"))
+        return restore_hyperparams(self.optimizer, self._param_names(), hparams, self.hyperparams,
                                    where="OptimizerState", check_only=True)
 
     def reshard_finish_load(self, peers: list[Any]) -> None:

@@ -172,7 +172,11 @@ class TorchState:
         """Before any target is written: raise what restoring the saved
         hyperparameters would raise; returns the notes of the values a restore
         replaces."""
-        return self._restore_hyperparams(self._hyperparams(objects.items()), check_only=True)
+        hparams = self._hyperparams(objects.items())
+        optim = objects.get("optim")  # DCP's groups, by position: one value {"param_groups": [...]}
+        if self._dcp_groups and isinstance(optim, dict) and optim.get("param_groups") is not None:
+            hparams.update(hyperparams_from_dcp(optim["param_groups"], where="TorchState"))
+        return self._restore_hyperparams(hparams, check_only=True)
 
     def reshard_finish_load(self, peers: list[Any]) -> None:
         """After every Stateful of the load: under ``hyperparams="current"``,
