@@ -156,3 +156,20 @@ def test_cursor_saved_by_dcp_restores_strictly(pool: WorkerPool, tmp_path: Path,
     if style == "rank":  # the default rule still refuses a DP change, naming the option
         (r,) = pool.run(1, fns.r_run, path, style, AFTER, True)
         assert "on_dp_change='redistribute'" in r["error"], r
+
+
+def test_plain_state_dict_round_trips_and_loads_weights_only(tmp_path: Path) -> None:
+    """Outside reshard, state_dict() holds plain values (a weights_only
+    torch.load reads it), and each rank's own dict restores its own leftovers."""
+    import torch
+
+    for rank in range(2):
+        c = reshard.DataCursor(24, 8, seed=3, dp_rank=rank, dp_size=2)
+        c.next_batch()
+        c.pending = [rank * 10 + 1, rank * 10 + 2]
+        torch.save(c.state_dict(), tmp_path / f"r{rank}.pt")
+        sd = torch.load(tmp_path / f"r{rank}.pt", weights_only=True)
+        assert sd["pending"] == {"dp_size": 2, f"dp{rank}": [rank * 10 + 1, rank * 10 + 2]}
+        d = reshard.DataCursor(24, 8, seed=0, dp_rank=rank, dp_size=2)
+        d.load_state_dict(sd)
+        assert (d.pending, d.consumed, d.seed) == (c.pending, 8, 3)

@@ -60,9 +60,10 @@ saved length. Reported in ``LoadResult.notes`` under ``<path>.batch_change``.
 
 **Saved by DCP.** ``state_dict()`` called by anyone but reshard's walk
 (``torch.distributed.checkpoint.save``, user code) returns plain values only:
-``pending`` is the list itself (``"global"``) or ``{"dp<rank>": list}``
-(``"rank"``: a key per rank, so DCP's de-duplication of equal keys keeps
-every rank's). ``reshard.load`` of such a DCP checkpoint restores the cursor
+``pending`` is the list itself (``"global"``) or ``{"dp_size": n,
+"dp<rank>": list}`` (``"rank"``: a key per rank, so DCP's de-duplication of
+equal keys keeps every rank's; a rank's own state dict round-trips through
+its own ``load_state_dict``). ``reshard.load`` of such a DCP checkpoint restores the cursor
 strictly, at any DP size, by the rules above.
 
 Other per-rank state that cannot be resharded (e.g. ``{0: 10, 1: 11, ...}``)
@@ -227,7 +228,8 @@ class DataCursor:
             # ShardedObject would be pickled, then refused by a weights_only load); per-rank
             # leftovers under a key of their own rank, so that DCP keeps every rank's
             sd["pending"] = ([int(s) for s in self.pending] if self.pending_scope == "global"
-                             else {f"dp{self.dp_rank}": [int(s) for s in self.pending]})
+                             else {"dp_size": self.dp_size,
+                                   f"dp{self.dp_rank}": [int(s) for s in self.pending]})
         elif saved == "empty":
             pass
         elif saved == "dcp":
@@ -262,7 +264,9 @@ class DataCursor:
         by_rank = {k: v for k, v in vals.items() if k.startswith("pending.dp") and k[10:].isdigit()}
         if oe is None and by_rank and "pending" not in vals:  # saved by dcp.save (state_dict() above)
             self._load_pending = "dcp"
-            self._from_parts({int(k[10:]): codec.from_json(v) for k, v in by_rank.items()})  # may raise
+            dp = vals.get("pending.dp_size")
+            self._from_parts({int(k[10:]): codec.from_json(v) for k, v in by_rank.items()},
+                             None if dp is None else int(codec.from_json(dp)))  # may raise
             return notes or None
         if oe is None:
             if "pending" in (m.values or {}):
@@ -300,9 +304,10 @@ class DataCursor:
         self._load_pending = saved[0]
         return {**notes, "pending_redistributed": {"from_dp": saved[0], "to_dp": self.dp_size}}
 
-    def _from_parts(self, parts: dict[int, list[int]]) -> list[int]:
+    def _from_parts(self, parts: dict[int, list[int]], saved_dp: int | None = None) -> list[int]:
         """This rank's leftovers from every saved DP rank's (``saved rank -> list``;
-        a rank missing is one without leftovers), by the rules of the module
+        a rank missing is one without leftovers; ``saved_dp``: the saved DP
+        size, default the highest rank + 1), by the rules of the module
         docstring.
 
         Raises:
@@ -310,7 +315,8 @@ class DataCursor:
                 sample id on two saved ranks; ``pending_scope="global"`` and
                 lists that differ.
         """
-        saved_dp = max(parts, default=-1) + 1
+        if saved_dp is None:
+            saved_dp = max(parts, default=-1) + 1
         lists = [list(parts.get(r, [])) for r in range(saved_dp)]
         if not lists:
             return []
@@ -378,11 +384,12 @@ class DataCursor:
             mine = self._from_parts({int(ob.global_offset[0]): list(ob.value) for ob in pend})
         elif isinstance(pend, dict):  # saved by dcp.save (or state_dict() outside reshard)
             try:
-                parts = {int(str(k)[2:]): list(v) for k, v in pend.items()}
+                dp = pend.get("dp_size")
+                parts = {int(str(k)[2:]): list(v) for k, v in pend.items() if k != "dp_size"}
             except (TypeError, ValueError):
                 raise ShardingError(f"DataCursor: pending saved as {pend!r}, expected "
-                                    "{'dp<rank>': [sample, ...]}") from None
-            mine = self._from_parts(parts)
+                                    "{'dp_size': n, 'dp<rank>': [sample, ...]}") from None
+            mine = self._from_parts(parts, None if dp is None else int(dp))
         elif isinstance(pend, ShardedObject):
             mine = list(pend.value)
         else:  # one common list (global scope, or a checkpoint from before per-rank leftovers)
