@@ -334,6 +334,22 @@ def test_cli_convert_refusal_names_the_cli_flag(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+def test_reshard_stateful_pickled_by_dcp_save_is_refused_saying_why(tmp_path: Path) -> None:
+    """RNGState / ModelState saved through dcp.save: DCP pickles their
+    ShardedObject/ShardedTensor records; the load refuses them (nothing
+    unpickled) naming the cause and what to do, not a bare 'missing' key."""
+    ck = tmp_path / "ck"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.distributed.checkpoint.save({"rng": reshard.RNGState(base_seed=1), "w": torch.ones(2)},
+                                          checkpoint_id=str(ck))
+    with pytest.raises(reshard.IntegrityError) as ei:
+        reshard.load({"rng": reshard.RNGState(base_seed=1), "w": torch.zeros(2)}, str(ck))
+    msg = str(ei.value)
+    assert "['rng']" in msg and "reshard ShardedObject/ShardedTensor pickled by dcp.save" in msg, msg
+    assert "reshard.save" in msg and "get_state_dict" in msg, msg
+
+
 def test_data_file_outside_checkpoint_refused(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     _small_dcp(ck)

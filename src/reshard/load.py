@@ -424,7 +424,12 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
             "check prefixes or pass a rename transform"
         )
     refused = m.extra.get("dcp_skipped_values") or {}
-    unsafe = sorted(k for k in requested if k in refused)
+    def refused_as(k: str) -> str | None:  # k, or the DCP value group holding it, was refused
+        parts = k.split(".")
+        return next((p for p in (".".join(parts[:i]) for i in range(len(parts), 0, -1))
+                     if p in refused), None) if refused else None
+
+    unsafe = sorted({g for g in map(refused_as, requested) if g is not None})
     if unsafe:  # present in the source, but only an unrestricted unpickler could read them
         raise IntegrityError(f"{key}: value(s) {unsafe[:5]} need more than torch.load(weights_only="
                              f"True) and are refused: {[refused[k] for k in unsafe[:2]]}")
