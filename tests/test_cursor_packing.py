@@ -173,3 +173,16 @@ def test_plain_state_dict_round_trips_and_loads_weights_only(tmp_path: Path) -> 
         d = reshard.DataCursor(24, 8, seed=0, dp_rank=rank, dp_size=2)
         d.load_state_dict(sd)
         assert (d.pending, d.consumed, d.seed) == (c.pending, 8, 3)
+
+
+@pytest.mark.timeout(120)
+def test_one_global_list_is_not_given_to_every_rank(pool: WorkerPool, tmp_path: Path) -> None:
+    """Leftovers saved as one global list, loaded per rank at DP 2: every rank
+    would train all of them; refused naming pending_scope. Empty, it loads."""
+    path = str(tmp_path / "ck")
+    pool.run(1, fns.r_run, path, "global", BEFORE, False)
+    for r in pool.run(2, fns.r_run, path, "rank", 1, True, on_dp_change="redistribute"):
+        assert "pending_scope='global'" in r["error"], r
+    empty = str(tmp_path / "empty")
+    reshard.save({"data": reshard.DataCursor(fns.LEN, 8, seed=fns.SEED, pending_scope="global")}, empty)
+    assert all("error" not in r for r in pool.run(2, fns.r_run, empty, "rank", 1, True))

@@ -250,7 +250,10 @@ class DataCursor:
 
         Raises:
             ShardingError: the leftovers were saved at another DP size and
-                ``on_dp_change`` is ``"raise"``.
+                ``on_dp_change`` is ``"raise"``; a sample id on two saved
+                ranks; one global list of leftovers loaded per rank at
+                ``dp_size > 1``; a batch size or dataset change the
+                ``on_batch_change`` rule refuses.
         """
         self._load_pending = None
         notes: dict[str, Any] = {}
@@ -271,7 +274,7 @@ class DataCursor:
         if oe is None:
             if "pending" in (m.values or {}):
                 self._load_pending = "value"  # one common list (global scope, or an old checkpoint)
-                if self.pending_scope == "rank" and self.dp_size > 1:
+                if self.pending_scope == "rank" and self.dp_size > 1 and codec.from_json(vals["pending"]):
                     raise ShardingError(
                         "DataCursor: packing leftovers (pending) were saved as one global list (a "
                         "global packer's, the same on every rank) and this cursor has "
