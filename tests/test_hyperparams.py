@@ -153,9 +153,13 @@ def _lambda(k: int) -> float:
 
 
 def _sched(kind: str, opt: torch.optim.Optimizer) -> Any:
+    L = torch.optim.lr_scheduler
     if kind == "lambda":
-        return torch.optim.lr_scheduler.LambdaLR(opt, _lambda)
-    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return L.LambdaLR(opt, _lambda)
+    if kind == "sequential":  # warm-up then step decay: the sub-schedulers hold the bases
+        return L.SequentialLR(opt, [L.LinearLR(opt, 0.5, total_iters=3), L.StepLR(opt, 2, 0.5)],
+                              milestones=[3])
+    return L.StepLR(opt, step_size=2, gamma=0.5)
 
 
 def _run(lr: float, kind: str, steps: int) -> list[float]:
@@ -170,7 +174,7 @@ def _run(lr: float, kind: str, steps: int) -> list[float]:
     return lrs
 
 
-@pytest.mark.parametrize("kind", ["lambda", "step"])
+@pytest.mark.parametrize("kind", ["lambda", "step", "sequential"])
 @pytest.mark.parametrize("adapter", ["optim", "torch"])
 def test_current_rebases_a_restored_scheduler_on_the_constructed_lr(tmp_path: Path, kind: str,
                                                                     adapter: str) -> None:
@@ -197,7 +201,9 @@ def test_current_rebases_a_restored_scheduler_on_the_constructed_lr(tmp_path: Pa
             got.append(opt.param_groups[0]["lr"])
         want = _run(lr if rule == "current" else 1e-3, kind, N + 3)[N - 1:]
         assert got == pytest.approx(want, rel=1e-12), (rule, lr)
-        assert s.base_lrs == [lr if rule == "current" else 1e-3]
+        for x in [s, *getattr(s, "_schedulers", [])]:
+            if hasattr(x, "base_lrs"):
+                assert x.base_lrs == [lr if rule == "current" else 1e-3]
 
 
 def _dcp_target(adapter: str, m: Net, opt: torch.optim.Optimizer, rule: str = "error") -> dict[str, Any]:
