@@ -318,6 +318,38 @@ def test_undecodable_value_skipped_with_note(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+def test_cli_convert_refusal_names_the_cli_flag(tmp_path: Path) -> None:
+    """The refusal of a value that needs more than weights_only names the CLI
+    flag (it named the Python keyword skip_unsafe_values=True); the flag converts."""
+    ck = tmp_path / "ck"
+    _small_dcp(ck)
+    marker = tmp_path / "pwned"
+    _replace_item(ck, "cfg.lr", pickle.dumps(_payloads(marker)["os.system"]))
+    r = CliRunner().invoke(cli_main, ["convert", "--from", "dcp", str(ck), str(tmp_path / "out")])
+    assert r.exit_code == 2, r.output
+    assert "pass --skip-unsafe-values" in r.stderr and "skip_unsafe_values=True" not in r.stderr, r.stderr
+    r = CliRunner().invoke(cli_main, ["convert", "--from", "dcp", "--skip-unsafe-values", str(ck),
+                                      str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    assert not marker.exists()
+
+
+def test_reshard_stateful_pickled_by_dcp_save_is_refused_saying_why(tmp_path: Path) -> None:
+    """RNGState / ModelState saved through dcp.save: DCP pickles their
+    ShardedObject/ShardedTensor records; the load refuses them (nothing
+    unpickled) naming the cause and what to do, not a bare 'missing' key."""
+    ck = tmp_path / "ck"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.distributed.checkpoint.save({"rng": reshard.RNGState(base_seed=1), "w": torch.ones(2)},
+                                          checkpoint_id=str(ck))
+    with pytest.raises(reshard.IntegrityError) as ei:
+        reshard.load({"rng": reshard.RNGState(base_seed=1), "w": torch.zeros(2)}, str(ck))
+    msg = str(ei.value)
+    assert "['rng']" in msg and "reshard ShardedObject/ShardedTensor pickled by dcp.save" in msg, msg
+    assert "reshard.save" in msg and "get_state_dict" in msg, msg
+
+
 def test_data_file_outside_checkpoint_refused(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     _small_dcp(ck)

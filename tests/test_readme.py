@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import reshard
+from reshard.diff import diff
 from reshard.testing.pool import WorkerPool
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -37,8 +38,14 @@ def test_usage_snippet_runs_fresh_then_resumes(tmp_path: Path) -> None:
         assert p.returncode == 0, p.stdout + p.stderr
         outs.append(p.stdout)
     assert "resumed" not in outs[0] and outs[0].strip().endswith("True")
-    assert "resumed from" in outs[1] and "at step 3" in outs[1], outs[1]
-    assert reshard.latest(tmp_path / "ckpt").endswith("step-00000007")
+    assert "resumed from" in outs[1] and "at step 4" in outs[1], outs[1]
+    assert reshard.latest(tmp_path / "ckpt").endswith("step-00000008")
+    # each checkpoint holds the state of its own step: the model differs from one to the next
+    names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert names == ["step-00000003", "step-00000004", "step-00000007", "step-00000008"], names
+    for a, b in zip(names, names[1:], strict=False):
+        assert reshard.inspect(tmp_path / "ckpt" / b).step == int(b[5:])
+        assert not diff(tmp_path / "ckpt" / a, tmp_path / "ckpt" / b).identical, (a, b)
 
 
 def r_save_two_ranks(path: str) -> None:

@@ -483,7 +483,8 @@ def convert_cmd(src_format: str, src: str, dst: str, step: int | None, overwrite
         else:
             res = _convert_hf(src, dst, step, opts)
     except CheckpointError as e:
-        _fail(USAGE, str(e) if isinstance(e, CheckpointNotFoundError) else f"{type(e).__name__}: {e}")
+        msg = str(e).replace("pass skip_unsafe_values=True", "pass --skip-unsafe-values")  # the CLI's flag
+        _fail(USAGE, msg if isinstance(e, CheckpointNotFoundError) else f"{type(e).__name__}: {msg}")
     except ValueError as e:  # unsupported URL scheme
         _fail(USAGE, str(e))
     m = res.manifest
@@ -527,14 +528,17 @@ def _convert_hf(src: str, dst: str, step: int | None, opts: Any) -> Any:
 @click.argument("b")
 @json_option
 def diff_cmd(a: str, b: str, json_path: str | None) -> None:
-    """Compare checkpoints A and B: keys added and removed, shape/dtype
-    changes, and which tensors' values differ (by chunk digest first, then by
-    reading both: the maximum absolute difference).
+    """Compare checkpoints A and B (reshard checkpoints or DCP folders) by
+    logical content, whatever their layouts: keys added and removed (grouped
+    by subtree with counts; --json lists them all), shape/dtype changes, which
+    tensors' values differ (by chunk digest first, then by reading both: the
+    maximum absolute difference), and which values and objects differ (by
+    decoded content: a per-rank grid of equal elements is one value).
 
     Exits 0 if they hold the same state, 1 if they differ, 2 if either cannot
     be read.
     """
-    from .diff import diff
+    from .diff import by_subtree, diff
 
     try:
         r = diff(a, b)
@@ -546,8 +550,11 @@ def diff_cmd(a: str, b: str, json_path: str | None) -> None:
     click.echo(f"a: {r.a}")
     click.echo(f"b: {r.b}")
     for title, keys in (("added in b", r.added), ("removed in b", r.removed)):
-        if keys:
-            click.echo(f"{title} ({len(keys)}): " + ", ".join(keys))
+        if keys:  # by subtree with counts (--json lists every key)
+            click.echo(f"{title} ({len(keys)}):")
+            for head, n in by_subtree(keys).items():
+                one = [k for k in keys if k == head or k.startswith(head + ".")]
+                click.echo(f"  {one[0]}" if n == 1 else f"  {head}.* ({n} keys)")
     if r.changed:
         click.echo(f"shape/dtype changed ({len(r.changed)}):")
         for k, what in r.changed.items():

@@ -214,8 +214,16 @@ def load(
     # hand loaded plain values to Stateful objects, only once every rank succeeded
     err = None
     try:
-        for _path, obj, rebuild in ctx["leaves"].statefuls:
+        statefuls = ctx["leaves"].statefuls
+        for _path, obj, rebuild in statefuls:
             obj.load_state_dict(rebuild())
+        # then a Stateful with reshard_finish_load(peers) sees every other one loaded
+        # (OptimizerState(hyperparams="current") rebases the LR schedulers of its optimizer)
+        peers = [obj for _path, obj, _ in statefuls]
+        for _path, obj, _ in statefuls:
+            hook = getattr(obj, "reshard_finish_load", None)
+            if callable(hook):
+                hook(peers)
     except Exception as e:  # noqa: BLE001
         err = e
     coll.agree("load (load_state_dict)", err)
@@ -416,7 +424,12 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
             "check prefixes or pass a rename transform"
         )
     refused = m.extra.get("dcp_skipped_values") or {}
-    unsafe = sorted(k for k in requested if k in refused)
+    def refused_as(k: str) -> str | None:  # k, or the DCP value group holding it, was refused
+        parts = k.split(".")
+        return next((p for p in (".".join(parts[:i]) for i in range(len(parts), 0, -1))
+                     if p in refused), None) if refused else None
+
+    unsafe = sorted({g for g in map(refused_as, requested) if g is not None})
     if unsafe:  # present in the source, but only an unrestricted unpickler could read them
         raise IntegrityError(f"{key}: value(s) {unsafe[:5]} need more than torch.load(weights_only="
                              f"True) and are refused: {[refused[k] for k in unsafe[:2]]}")
@@ -490,7 +503,7 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
         values[ob.key] = v
     for p, enc in (m.values or {}).items():
         values[p] = codec.from_json(enc)
-    _check_hooks(leaves.statefuls, objects)
+    _check_hooks(leaves.statefuls, objects, ctx["notes"], values)
     if opts.verify_first:
         reader.verify_only(groups)
     return _Plan(manifest=m, reader=reader, groups=groups, rules=rules, finalize=finalize,
@@ -499,17 +512,24 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
 
 
 def _check_hooks(statefuls: Sequence[tuple[str, Any, Any]],
-                 objects: Mapping[tuple[str, tuple[int, ...]], Any]) -> None:
+                 objects: Mapping[tuple[str, tuple[int, ...]], Any], notes: dict[str, Any],
+                 values: Mapping[str, Any] | None = None) -> None:
     """Before any target is written, a Stateful with ``reshard_check_load(objects)``
     (e.g. an OptimizerState that must refuse saved hyperparameters its param
-    groups cannot hold) sees the objects loaded for it, by key relative to its
-    position in the tree, and may raise."""
+    groups cannot hold) sees the objects loaded for it (and the common values
+    below it: a DCP checkpoint's ``param_groups``), by key relative to its
+    position in the tree, and may raise; a mapping it returns is merged into
+    ``notes`` under its path (as ``reshard_prepare_load``'s)."""
     for path, obj, _ in statefuls:
         hook = getattr(obj, "reshard_check_load", None)
         if not callable(hook):
             continue
         pre = f"{path}." if path else ""
-        hook({k[len(pre):]: v for (k, _off), v in objects.items() if k.startswith(pre)})
+        mine = {k[len(pre):]: v for k, v in (values or {}).items() if k.startswith(pre)}
+        mine.update({k[len(pre):]: v for (k, _off), v in objects.items() if k.startswith(pre)})
+        got = hook(mine)
+        for k, v in (got or {}).items():
+            notes[join(path, k)] = v
 
 
 def _apply(plan: _Plan, ctx: dict[str, Any], st: Storage, key: str) -> LoadResult:

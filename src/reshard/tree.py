@@ -36,6 +36,7 @@ such a checkpoint's names to the new ones (see ``V1_NAMES``).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import sys
 from collections.abc import Callable, Iterator, Mapping
@@ -48,6 +49,18 @@ import torch
 
 from .errors import ShardingError
 from .sharding import ShardedObject, ShardedTensor
+
+_WALKING: contextvars.ContextVar[bool] = contextvars.ContextVar("reshard_walking", default=False)
+
+
+def walking() -> bool:
+    """True inside a ``state_dict()`` call made by reshard's walk of a state
+    (``reshard.save`` / ``reshard.load``); False when anyone else calls it
+    (``torch.distributed.checkpoint.save``, user code). A Stateful may then
+    return a form that other tools store faithfully (plain values, no
+    ShardedObject): :class:`~reshard.DataCursor` does."""
+    return _WALKING.get()
+
 
 #: Name of an optional attribute of a Stateful: ``((v1_prefix, rel_prefix), ...)``
 #: saying how format version 1 named what its ``state_dict()`` now names
@@ -309,10 +322,13 @@ def flatten(
                 sharded(v, cpath, (*tree, f"[{i}]"), rules)
             return
         if is_stateful(x) and not isinstance(x, Mapping):
+            token = _WALKING.set(True)
             try:
                 sd = x.state_dict()
             except ShardingError as e:
                 raise ShardingError(f"{path}: {e}") from None
+            finally:
+                _WALKING.reset(token)
             if not isinstance(sd, Mapping):
                 raise ShardingError(f"{path}: state_dict() returned {type(sd).__name__}, not a mapping")
             if not loading:

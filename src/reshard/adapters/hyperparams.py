@@ -3,19 +3,37 @@
 A checkpoint records, for every parameter, the hyperparameters of the group
 it was in (``lr``, ``betas``, ``weight_decay``, ...), never a group position.
 At load, each group of the optimizer receives the saved values of its
-parameters. When the optimizer was built with another partition into groups,
-a group can hold parameters whose saved values differ; what happens then is
-the rule the user chose (:data:`HyperparamRule`):
+parameters. What happens when the optimizer's groups differ from the
+checkpoint's is the rule the user chose (:data:`HyperparamRule`); the saved
+groups are known by their values (parameters saved with equal values were in
+one group, as far as anyone can tell):
 
-* ``"error"`` (default): raise ShardingError naming the parameters and their
-  values; nothing about the groups is guessed. The load raises it before any
-  target is written (the adapters' ``reshard_check_load``).
-* ``"saved"``: every parameter gets exactly its saved values: a group whose
-  parameters disagree is split, in place, into one group per distinct set of
-  values (``optimizer.param_groups`` grows; create LR schedulers after the
-  load, since a scheduler built before holds one base value per old group).
+* ``"error"`` (default): the optimizer must partition the saved parameters as
+  the checkpoint did. A group holding parameters saved with different values
+  (a merge), or groups constructed with different values whose parameters
+  were saved with the same ones (a split: one saved AdamW group resumed with
+  the usual decay / no-decay groups), raises ShardingError naming the groups,
+  the parameters and the values, before any target is written (the adapters'
+  ``reshard_check_load``). With the same partition, the saved values are
+  restored (as DCP does: a changed ``lr`` or ``weight_decay`` in the
+  constructor is overridden by the checkpoint) and every constructed value so
+  replaced is reported in ``LoadResult.notes`` under
+  ``<adapter path>.hyperparams_restored`` (``{"group <i>": {key:
+  {"constructed": v, "saved": w}}}``; ``lr`` is not reported when
+  ``initial_lr`` is saved and unchanged: that is an LR scheduler's progress).
+* ``"saved"``: every parameter gets exactly its saved values, for every
+  partition: a group whose parameters disagree is split, in place, into one
+  group per distinct set of values (``optimizer.param_groups`` grows; create
+  LR schedulers after the load, since a scheduler built before holds one base
+  value per old group); groups split at this run all take the saved values.
+  Reported in the notes as above (a split as ``{"split_into": n}``).
 * ``"current"``: hyperparameters are not restored at all; every group keeps
-  the values the optimizer was constructed with.
+  the values the optimizer was constructed with, for every partition. An LR
+  scheduler restored in the same load would bring the saved schedule back at
+  its next ``step()`` (its saved ``base_lrs`` win); so the schedulers of the
+  optimizer found in the same state are rebased on the constructed rates
+  (:func:`rebase_schedulers`): the restored position continues with the new
+  base, as Megatron's ``override_opt_param_scheduler`` does.
 
 Parameters without saved values (new parameters) follow their group. A
 parameter that cannot be split from others (a ZeRO flat buffer holding
@@ -74,7 +92,7 @@ def _key(hp: Mapping[str, Any]) -> Any:
 
 def restore_hyperparams(optimizer: torch.optim.Optimizer, names: Mapping[int, Sequence[str]],
                         saved: Mapping[str, Mapping[str, Any]], rule: str, *, where: str,
-                        check_only: bool = False) -> None:
+                        check_only: bool = False) -> dict[str, Any]:
     """Give each group of ``optimizer`` the saved hyperparameters of its parameters.
 
     Args:
@@ -86,13 +104,24 @@ def restore_hyperparams(optimizer: torch.optim.Optimizer, names: Mapping[int, Se
         check_only: raise what applying would raise, change nothing (the
             load calls it before any target is written).
 
+    Returns:
+        Notes for ``LoadResult.notes``: ``{"hyperparams_restored": {"group <i>":
+        {key: {"constructed": v, "saved": w}}}}`` for every constructed value a
+        saved one replaces (not ``lr`` when ``initial_lr`` is saved and
+        unchanged: a scheduler's progress is no change), empty when none.
+
     Raises:
-        ShardingError: a group (or one parameter) whose parameters were saved
-            with different values, under ``"error"`` (or a parameter that
-            cannot be split, under ``"saved"``).
+        ShardingError: under ``"error"``, a group partition other than the
+            checkpoint's: a group holding parameters saved with different
+            values (a merge), or groups constructed with different values
+            whose parameters were saved with the same ones (a split; the usual
+            decay / no-decay split of one saved group); the message names the
+            groups, parameters and values. Under ``"error"`` and ``"saved"``,
+            one parameter that cannot be split (a flat buffer, fused views)
+            whose saved parameters differ.
     """
     if check_rule(rule) == "current" or not saved:
-        return
+        return {}
     keys: dict[str, Any] = {}  # saved name -> _key of its hyperparameters (once each)
 
     def key_of(n: str) -> Any:
@@ -101,8 +130,9 @@ def restore_hyperparams(optimizer: torch.optim.Optimizer, names: Mapping[int, Se
             k = keys[n] = _key(saved[n])
         return k
 
-    new_groups: list[dict[str, Any]] = []
-    for gi, g in enumerate(optimizer.param_groups):
+    groups = optimizer.param_groups
+    plans: list[tuple[list[tuple[torch.Tensor, Any, dict[str, Any] | None]], dict[Any, dict[str, Any]]]] = []
+    for g in groups:
         per_param: list[tuple[torch.Tensor, Any, dict[str, Any] | None]] = []
         conflicts: list[str] = []
         for p in g["params"]:
@@ -121,20 +151,22 @@ def restore_hyperparams(optimizer: torch.optim.Optimizer, names: Mapping[int, Se
         for _, k, hp in per_param:
             if k is not None and hp is not None:
                 distinct.setdefault(k, hp)
+        plans.append((per_param, distinct))
+    if rule == "error":
+        _check_partition(groups, plans, names, where)
+    notes: dict[str, Any] = {}
+    new_groups: list[dict[str, Any]] = []
+    for gi, (g, (per_param, distinct)) in enumerate(zip(groups, plans, strict=True)):
         if not distinct:
             new_groups.append(g)
             continue
         if len(distinct) == 1:
-            new_groups.append({**g, **next(iter(distinct.values()))})
+            hp = next(iter(distinct.values()))
+            changed = _changes(g, hp)
+            if changed:
+                notes[f"group {gi}"] = changed
+            new_groups.append({**g, **hp})
             continue
-        if rule == "error":
-            values = _describe(g, per_param, names)
-            raise ShardingError(
-                f"{where}: param group {gi} holds parameters saved with different hyperparameters "
-                f"({values}); the optimizer's groups do not match the checkpoint's. Build the "
-                "optimizer with the saved groups, or pass hyperparams='saved' (split the group: "
-                "each parameter gets its saved values) or hyperparams='current' (keep the "
-                "constructed values)")
         # "saved": one group per distinct set of values, in the order first met; parameters
         # without saved values stay with the first
         parts: dict[Any, list[torch.Tensor]] = {k: [] for k in distinct}
@@ -142,10 +174,11 @@ def restore_hyperparams(optimizer: torch.optim.Optimizer, names: Mapping[int, Se
         for p, k, _ in per_param:
             parts[first if k is None else k].append(p)
         base = group_hyperparams(g)
+        notes[f"group {gi}"] = {"split_into": len(parts)}
         for k, ps in parts.items():
             new_groups.append({**base, **distinct[k], "params": ps})
     if check_only:
-        return
+        return {"hyperparams_restored": notes} if notes else {}
     # every group planned without error: now change the optimizer (a group kept
     # whole is updated in place, so references to it stay valid)
     old = {id(g): g for g in optimizer.param_groups}
@@ -158,6 +191,58 @@ def restore_hyperparams(optimizer: torch.optim.Optimizer, names: Mapping[int, Se
         else:
             out.append(ng)
     optimizer.param_groups[:] = out
+    return {"hyperparams_restored": notes} if notes else {}
+
+
+def _changes(g: Mapping[str, Any], hp: Mapping[str, Any]) -> dict[str, Any]:
+    """The constructed values of group ``g`` that the saved ``hp`` replace."""
+    out = {k: {"constructed": g[k], "saved": v} for k, v in hp.items()
+           if k in g and k != "params" and _canon(g[k]) != _canon(v)}
+    if "lr" in out and "initial_lr" in hp and "initial_lr" in g and "initial_lr" not in out:
+        del out["lr"]  # the same schedule, further on: a scheduler's progress, not a change
+    return out
+
+
+def _names(ps: Sequence[torch.Tensor], names: Mapping[int, Sequence[str]], n: int = 4) -> str:
+    got = [", ".join(names.get(id(p), ("<unnamed>",))) for p in ps]
+    return ", ".join(got[:n]) + (f", ... {len(got) - n} more" if len(got) > n else "")
+
+
+def _check_partition(groups: Sequence[Mapping[str, Any]],
+                     plans: Sequence[tuple[list[tuple[torch.Tensor, Any, dict[str, Any] | None]],
+                                           dict[Any, dict[str, Any]]]],
+                     names: Mapping[int, Sequence[str]], where: str) -> None:
+    """Under ``"error"``: raise unless the optimizer's groups partition the saved
+    parameters as the checkpoint's groups did (by their saved values)."""
+    problems: list[str] = []
+    by_key: dict[Any, list[int]] = {}  # saved values -> the groups holding parameters saved with them
+    for gi, (per_param, distinct) in enumerate(plans):
+        if len(distinct) > 1:  # a merge
+            problems.append(f"param group {gi} holds parameters saved with different hyperparameters "
+                            f"({_describe(groups[gi], per_param, names)})")
+        for k in distinct:
+            by_key.setdefault(k, []).append(gi)
+    for k, gis in by_key.items():
+        cons = [group_hyperparams(groups[gi]) for gi in gis]
+        if len({_key(c) for c in cons}) < 2:
+            continue  # groups constructed alike: restoring keeps them alike
+        differing = sorted({n for c in cons for n in c if len({_canon(d.get(n)) for d in cons}) > 1})
+        hp = plans[gis[0]][1][k]
+        parts = []
+        for gi in gis:
+            ps = [p for p, kk, _ in plans[gi][0] if kk == k]
+            vals = ", ".join(f"{n}={groups[gi].get(n)!r}" for n in differing)
+            parts.append(f"group {gi} ({vals}: {_names(ps, names)})")
+        saved_vals = ", ".join(f"{n}={hp.get(n)!r}" for n in differing)
+        problems.append(f"parameters saved in one group ({saved_vals}) are split over param groups "
+                        f"constructed with different values: {'; '.join(parts)}")
+    if problems:
+        raise ShardingError(
+            f"{where}: the optimizer's param groups do not partition the parameters as the "
+            f"checkpoint's groups did: {'; '.join(problems)}. Restoring the saved values would "
+            "silently undo that. Build the optimizer with the saved groups, or pass "
+            "hyperparams='saved' (each parameter gets its saved values, a group whose parameters "
+            "disagree is split) or hyperparams='current' (keep the constructed values)")
 
 
 def _diff(hp: Mapping[str, Any], ref: Mapping[str, Any]) -> dict[str, Any]:
@@ -215,3 +300,71 @@ def hyperparams_from_dcp(groups: Any, *, where: str) -> dict[str, dict[str, Any]
         for fqn in g["params"]:
             out[str(fqn)] = hp
     return out
+
+
+def rebase_schedulers(optimizer: torch.optim.Optimizer, peers: Sequence[Any], *, where: str) -> list[str]:
+    """Under ``hyperparams="current"``: the LR schedulers among ``peers`` that
+    drive ``optimizer`` continue their restored position from the constructed
+    learning rates.
+
+    A restored scheduler holds the saved ``base_lrs``, and at its next
+    ``step()`` it would bring the saved schedule back (PyTorch's semantics),
+    undoing ``"current"``. So, for each scheduler (and each scheduler a
+    ``SequentialLR`` / ``ChainedScheduler`` holds): ``base_lrs`` become the
+    groups' constructed ``initial_lr`` (``lr`` without one), and each group's
+    ``lr`` (and the scheduler's ``_last_lr``) becomes the constructed base times
+    the restored schedule's factor at the restored position (saved ``_last_lr``
+    / saved ``base_lrs``). This is exact for schedules proportional to their
+    base (StepLR, MultiStepLR, ExponentialLR, LambdaLR, LinearLR,
+    CosineAnnealingLR with ``eta_min=0``, warmup-decay lambdas), as Megatron's
+    ``override_opt_param_scheduler`` recomputes the rate from the new values at
+    the saved step. ``ReduceLROnPlateau`` (no base) keeps the constructed
+    ``lr``. Called by the adapters' ``reshard_finish_load`` after every
+    Stateful of the state was loaded.
+
+    Returns:
+        One line per rebased scheduler, for logs.
+
+    Raises:
+        ShardingError: the saved schedule had one factor per group and the
+            optimizer has another number of groups, or a saved base of 0 that
+            cannot be rescaled to a nonzero constructed rate.
+    """
+    from torch.optim.lr_scheduler import LRScheduler
+
+    done = []
+    for s in peers:
+        if not isinstance(s, LRScheduler) or getattr(s, "optimizer", None) is not optimizer:
+            continue
+        subs = [c for c in getattr(s, "_schedulers", ()) if hasattr(c, "base_lrs")]
+        base = getattr(s, "base_lrs", None) or (subs[0].base_lrs if subs else None)
+        if not base:
+            continue
+        last = list(getattr(s, "_last_lr", None) or base)
+        new = [float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]
+        factors = []
+        for i, (b, x) in enumerate(zip(base, last, strict=False)):
+            if b == 0:
+                if any(n != 0 for n in new):
+                    raise ShardingError(f"{where}: {type(s).__name__} was saved with base lr 0 in group "
+                                        f"{i}; it cannot continue from the constructed lr {new}")
+                factors.append(0.0)
+            else:
+                factors.append(float(x) / float(b))
+        if len(factors) != len(new):
+            if len(set(factors)) != 1:
+                raise ShardingError(
+                    f"{where}: {type(s).__name__} was saved for {len(base)} param groups with different "
+                    f"factors {factors}; the optimizer has {len(new)} groups, so hyperparams='current' "
+                    "cannot continue it: build the groups as saved, or do not restore the scheduler")
+            factors = factors[:1] * len(new)
+        lrs = [n * f for n, f in zip(new, factors, strict=True)]
+        for g, lr in zip(optimizer.param_groups, lrs, strict=True):
+            g["lr"] = lr
+        for x in (s, *subs):
+            if hasattr(x, "base_lrs"):
+                x.base_lrs = list(new)
+            if hasattr(x, "_last_lr"):
+                x._last_lr = list(lrs)
+        done.append(f"{type(s).__name__}: base_lrs {list(base)} -> {new}, lr {last} -> {lrs}")
+    return done

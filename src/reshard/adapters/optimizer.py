@@ -61,6 +61,7 @@ from .hyperparams import (
     group_hyperparams,
     hyperparams_from_dcp,
     model_only,
+    rebase_schedulers,
     restore_hyperparams,
 )
 from .model import ModelState
@@ -394,12 +395,23 @@ class OptimizerState:
         return {k[len(pre):]: v for k, v in objects
                 if k.startswith(pre) and k in self._saved_groups}  # not requests left as they were
 
-    def reshard_check_load(self, objects: dict[str, Any]) -> None:
+    def reshard_check_load(self, objects: dict[str, Any]) -> dict[str, Any]:
         """Before any target is written: raise what restoring the saved
         hyperparameters would raise (``objects``: this adapter's loaded
-        objects by relative key)."""
-        restore_hyperparams(self.optimizer, self._param_names(), self._hyperparams(objects.items()),
-                            self.hyperparams, where="OptimizerState", check_only=True)
+        objects by relative key); returns the notes of the values a restore
+        replaces (``hyperparams_restored``)."""
+        hparams = self._hyperparams(objects.items())
+        if self._dcp_groups and objects.get("param_groups") is not None:  # DCP's, by group position
+            hparams.update(hyperparams_from_dcp(objects["param_groups"], where="OptimizerState"))
+        return restore_hyperparams(self.optimizer, self._param_names(), hparams, self.hyperparams,
+                                   where="OptimizerState", check_only=True)
+
+    def reshard_finish_load(self, peers: list[Any]) -> None:
+        """After every Stateful of the load: under ``hyperparams="current"``,
+        the LR schedulers of this optimizer among ``peers`` continue from the
+        constructed rates (:func:`~reshard.adapters.hyperparams.rebase_schedulers`)."""
+        if self.hyperparams == "current":
+            rebase_schedulers(self.optimizer, peers, where="OptimizerState")
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._loading = False

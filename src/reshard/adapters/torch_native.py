@@ -36,6 +36,7 @@ from .hyperparams import (
     group_hyperparams,
     hyperparams_from_dcp,
     model_only,
+    rebase_schedulers,
     restore_hyperparams,
 )
 from .names import canonical_names
@@ -162,17 +163,35 @@ class TorchState:
         return {k[len(pre):]: v for k, v in objects
                 if k.startswith(pre) and k in self._saved}  # not requests left as they were
 
-    def _restore_hyperparams(self, hparams: dict[str, dict[str, Any]], check_only: bool) -> None:
+    def _restore_hyperparams(self, hparams: dict[str, dict[str, Any]], check_only: bool) -> dict[str, Any]:
         fqns = self._fqns()
-        for o in self.optimizers:
+        notes: dict[str, Any] = {}
+        for i, o in enumerate(self.optimizers):
             names = {id(p): [fqns[id(p)]] for g in o.param_groups for p in g["params"] if id(p) in fqns}
-            restore_hyperparams(o, names, hparams, self.hyperparams, where="TorchState",
-                                check_only=check_only)
+            got = restore_hyperparams(o, names, hparams, self.hyperparams, where="TorchState",
+                                      check_only=check_only)
+            if got:
+                notes[f"optim{'' if len(self.optimizers) == 1 else f'[{i}]'}.hyperparams_restored"] = \
+                    got["hyperparams_restored"]
+        return notes
 
-    def reshard_check_load(self, objects: dict[str, Any]) -> None:
+    def reshard_check_load(self, objects: dict[str, Any]) -> dict[str, Any]:
         """Before any target is written: raise what restoring the saved
-        hyperparameters would raise."""
-        self._restore_hyperparams(self._hyperparams(objects.items()), check_only=True)
+        hyperparameters would raise; returns the notes of the values a restore
+        replaces."""
+        hparams = self._hyperparams(objects.items())
+        optim = objects.get("optim")  # DCP's groups, by position: one value {"param_groups": [...]}
+        if self._dcp_groups and isinstance(optim, dict) and optim.get("param_groups") is not None:
+            hparams.update(hyperparams_from_dcp(optim["param_groups"], where="TorchState"))
+        return self._restore_hyperparams(hparams, check_only=True)
+
+    def reshard_finish_load(self, peers: list[Any]) -> None:
+        """After every Stateful of the load: under ``hyperparams="current"``,
+        the LR schedulers of these optimizers among ``peers`` continue from
+        the constructed rates."""
+        if self.hyperparams == "current":
+            for o in self.optimizers:
+                rebase_schedulers(o, peers, where="TorchState")
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict

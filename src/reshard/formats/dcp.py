@@ -335,7 +335,11 @@ def _torch_load(raw: Any, *, where: str) -> Any:
                           map_location="cpu")
     except Exception as e:  # noqa: BLE001 - UnpicklingError, RuntimeError, EOFError, ...
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise IntegrityError(f"{where}: not loadable with torch.load(weights_only=True) "
+        hint = ""
+        if "reshard.sharding" in str(e):  # a reshard Stateful's state_dict saved by dcp.save
+            hint = (": a reshard ShardedObject/ShardedTensor pickled by dcp.save (save reshard "
+                    "adapters with reshard.save, or give dcp.save DCP-native state: get_state_dict)")
+        raise IntegrityError(f"{where}: not loadable with torch.load(weights_only=True){hint} "
                              f"({type(e).__name__}: {msg[:300]})") from None
 
 

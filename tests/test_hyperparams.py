@@ -1,0 +1,245 @@
+"""Optimizer hyperparameters are never changed silently: a changed group
+partition (a split, a merge, another partition) raises under the default rule,
+naming groups, parameters and values; a changed value with the same partition
+is restored and reported in ``LoadResult.notes``; ``"saved"`` / ``"current"``
+do what they say for every partition; ``"current"`` with a restored LR
+scheduler continues the restored position from the constructed rates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import reshard
+from reshard import ModelState, OptimizerState, ShardingError
+from reshard.adapters.torch_native import TorchState
+
+
+class Net(nn.Module):
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc = nn.Linear(3, 4)
+        self.norm = nn.LayerNorm(4)
+        self.out = nn.Linear(4, 2)
+
+
+def _step(m: Net, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    m.out(m.norm(m.fc(torch.ones(2, 3)))).square().sum().backward()
+    opt.step()
+
+
+def _state(adapter: str, m: Net, opt: torch.optim.Optimizer, rule: str | None = None,
+           **extra: Any) -> dict[str, Any]:
+    kw = {} if rule is None else {"hyperparams": rule}
+    if adapter == "torch":
+        return {"train": TorchState(m, opt, **kw), **extra}
+    return {"model": ModelState(m), "optim": OptimizerState(m, opt, **kw), **extra}
+
+
+def _decay_split(m: Net, wd: float = 0.01) -> list[dict[str, Any]]:
+    """The usual decay / no-decay groups: biases and norms at 0.0."""
+    decay = [p for n, p in m.named_parameters() if n.endswith("weight") and not n.startswith("norm")]
+    no = [p for n, p in m.named_parameters() if not (n.endswith("weight") and not n.startswith("norm"))]
+    return [{"params": decay, "weight_decay": wd}, {"params": no, "weight_decay": 0.0}]
+
+
+def _groups(opt: torch.optim.Optimizer, m: Net) -> list[tuple[list[str], float]]:
+    names = {id(p): n for n, p in m.named_parameters()}
+    return [([names[id(p)] for p in g["params"]], g["weight_decay"]) for g in opt.param_groups]
+
+
+def _saved_one_group(tmp_path: Path, adapter: str) -> Path:
+    return _saved_one_group_and_model(tmp_path, adapter)[0]
+
+
+def _saved_one_group_and_model(tmp_path: Path, adapter: str) -> tuple[Path, Net]:
+    src = Net()
+    opt = torch.optim.AdamW(src.parameters(), lr=1e-3, weight_decay=0.01)
+    _step(src, opt)
+    reshard.save(_state(adapter, src, opt), tmp_path / adapter)
+    return tmp_path / adapter, src
+
+
+@pytest.mark.parametrize("adapter", ["optim", "torch"])
+def test_decay_split_of_one_saved_group_raises_by_default(tmp_path: Path, adapter: str) -> None:
+    """Saved with one AdamW group (weight_decay 0.01), resumed with the
+    decay / no-decay split: the load raises naming both groups, their
+    parameters and values (it restored 0.01 into the no-decay group, silently);
+    "saved" gives every parameter 0.01; "current" keeps 0.0 for the norms."""
+    ckpt, src = _saved_one_group_and_model(tmp_path, adapter)
+    dst = Net(1)
+    opt = torch.optim.AdamW(_decay_split(dst), lr=1e-3)
+    before = dst.fc.weight.detach().clone()
+    with pytest.raises(ShardingError) as ei:
+        reshard.load(_state(adapter, dst, opt), ckpt)
+    msg = str(ei.value)
+    assert "weight_decay=0.01" in msg and "weight_decay=0.0" in msg, msg
+    assert "group 0" in msg and "group 1" in msg and "norm.weight" in msg and "fc.weight" in msg, msg
+    assert "hyperparams='saved'" in msg and "hyperparams='current'" in msg
+    assert "every target is unchanged" in msg and torch.equal(dst.fc.weight, before)
+    assert [wd for _, wd in _groups(opt, dst)] == [0.01, 0.0] and dict(opt.state) == {}
+    for rule, want in (("saved", [0.01, 0.01]), ("current", [0.01, 0.0])):
+        dst = Net(1)
+        opt = torch.optim.AdamW(_decay_split(dst), lr=1e-3)
+        reshard.load(_state(adapter, dst, opt, rule), ckpt)
+        assert [wd for _, wd in _groups(opt, dst)] == want, rule
+        assert torch.equal(dst.fc.weight, src.fc.weight), rule  # the model is the saved one
+        assert opt.state[dst.norm.weight]["exp_avg"].abs().sum() > 0, rule
+
+
+@pytest.mark.parametrize("adapter", ["optim", "torch"])
+def test_changed_value_same_partition_is_restored_and_reported(tmp_path: Path, adapter: str) -> None:
+    ckpt = _saved_one_group(tmp_path, adapter)
+    dst = Net(1)
+    opt = torch.optim.AdamW(dst.parameters(), lr=3e-3, weight_decay=0.01)
+    res = reshard.load(_state(adapter, dst, opt), ckpt)
+    assert opt.param_groups[0]["lr"] == 1e-3  # the saved value, as DCP restores it
+    key = "train.optim.hyperparams_restored" if adapter == "torch" else "optim.hyperparams_restored"
+    assert res.notes[key] == {"group 0": {"lr": {"constructed": 3e-3, "saved": 1e-3}}}
+    # the same values: nothing to report
+    dst = Net(1)
+    opt = torch.optim.AdamW(dst.parameters(), lr=1e-3, weight_decay=0.01)
+    res = reshard.load(_state(adapter, dst, opt), ckpt)
+    assert not any("hyperparams" in k for k in res.notes)
+
+
+def test_another_partition_raises_and_saved_splits(tmp_path: Path) -> None:
+    """Saved {fc.*, norm.*} at wd 0.1 and {out.*} at wd 0.2; loaded as
+    {fc.*} and {norm.*, out.*}: group 1 merges two saved groups and the first
+    saved group is split over groups constructed differently."""
+    src = Net()
+    sp = dict(src.named_parameters())
+    opt = torch.optim.AdamW([
+        {"params": [sp["fc.weight"], sp["fc.bias"], sp["norm.weight"], sp["norm.bias"]], "weight_decay": 0.1},
+        {"params": [sp["out.weight"], sp["out.bias"]], "weight_decay": 0.2}])
+    _step(src, opt)
+    reshard.save(_state("optim", src, opt), tmp_path / "ck")
+    dst = Net(1)
+    dp = dict(dst.named_parameters())
+    groups = [{"params": [dp["fc.weight"], dp["fc.bias"]], "weight_decay": 0.3},
+              {"params": [dp["norm.weight"], dp["norm.bias"], dp["out.weight"], dp["out.bias"]],
+               "weight_decay": 0.4}]
+    opt = torch.optim.AdamW(groups)
+    with pytest.raises(ShardingError) as ei:
+        reshard.load(_state("optim", dst, opt), tmp_path / "ck")
+    msg = str(ei.value)
+    assert "param group 1 holds parameters saved with different hyperparameters" in msg, msg
+    assert "norm.weight" in msg and "out.bias" in msg and "weight_decay=0.2" in msg, msg
+    assert "split over param groups" in msg, msg
+    dst = Net(1)
+    dp = dict(dst.named_parameters())
+    opt = torch.optim.AdamW([{**g, "params": [dp[n] for n in ns]} for g, ns in zip(
+        groups, [["fc.weight", "fc.bias"], ["norm.weight", "norm.bias", "out.weight", "out.bias"]],
+        strict=True)])
+    res = reshard.load(_state("optim", dst, opt, "saved"), tmp_path / "ck")
+    assert _groups(opt, dst) == [(["fc.weight", "fc.bias"], 0.1), (["norm.weight", "norm.bias"], 0.1),
+                                 (["out.weight", "out.bias"], 0.2)]
+    assert res.notes["optim.hyperparams_restored"]["group 1"] == {"split_into": 2}
+
+
+# ----------------------------------------------------------------------------- schedulers
+
+N = 5  # steps before the save
+
+
+def _lambda(k: int) -> float:
+    return min(1.0, (k + 1) / 3) * 0.9 ** k  # warm-up then decay
+
+
+def _sched(kind: str, opt: torch.optim.Optimizer) -> Any:
+    L = torch.optim.lr_scheduler
+    if kind == "lambda":
+        return L.LambdaLR(opt, _lambda)
+    if kind == "sequential":  # warm-up then step decay: the sub-schedulers hold the bases
+        return L.SequentialLR(opt, [L.LinearLR(opt, 0.5, total_iters=3), L.StepLR(opt, 2, 0.5)],
+                              milestones=[3])
+    return L.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def _run(lr: float, kind: str, steps: int) -> list[float]:
+    m = Net()
+    opt = torch.optim.AdamW(m.parameters(), lr=lr)
+    s = _sched(kind, opt)
+    lrs = []
+    for _ in range(steps):
+        _step(m, opt)
+        s.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    return lrs
+
+
+@pytest.mark.parametrize("kind", ["lambda", "step", "sequential"])
+@pytest.mark.parametrize("adapter", ["optim", "torch"])
+def test_current_rebases_a_restored_scheduler_on_the_constructed_lr(tmp_path: Path, kind: str,
+                                                                    adapter: str) -> None:
+    """Saved at lr 1e-3 after N steps of a schedule. Resumed with lr 2e-3 and
+    5e-4 under "current": the schedule continues from step N on the new base
+    (the lrs of a run started at the new lr); under "saved" (and the default),
+    the old schedule continues exactly."""
+    src = Net()
+    opt = torch.optim.AdamW(src.parameters(), lr=1e-3)
+    s = _sched(kind, opt)
+    for _ in range(N):
+        _step(src, opt)
+        s.step()
+    reshard.save(_state(adapter, src, opt, sched=s), tmp_path / "ck")
+    for rule, lr in (("current", 2e-3), ("current", 5e-4), ("saved", 2e-3), (None, 1e-3)):
+        dst = Net(1)
+        opt = torch.optim.AdamW(dst.parameters(), lr=lr)
+        s = _sched(kind, opt)
+        reshard.load(_state(adapter, dst, opt, rule, sched=s), tmp_path / "ck")
+        got = [opt.param_groups[0]["lr"]]
+        for _ in range(3):
+            _step(dst, opt)
+            s.step()
+            got.append(opt.param_groups[0]["lr"])
+        want = _run(lr if rule == "current" else 1e-3, kind, N + 3)[N - 1:]
+        assert got == pytest.approx(want, rel=1e-12), (rule, lr)
+        for x in [s, *getattr(s, "_schedulers", [])]:
+            if hasattr(x, "base_lrs"):
+                assert x.base_lrs == [lr if rule == "current" else 1e-3]
+
+
+def _dcp_target(adapter: str, m: Net, opt: torch.optim.Optimizer, rule: str = "error") -> dict[str, Any]:
+    if adapter == "torch":
+        return {"app": TorchState(m, opt, hyperparams=rule)}  # type: ignore[arg-type]
+    return {"model": ModelState(m), "optim": OptimizerState(m, opt, hyperparams=rule)}  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("adapter", ["optim", "torch"])
+def test_dcp_checkpoint_split_raises_before_writing(tmp_path: Path, adapter: str) -> None:
+    """The same rule for a DCP checkpoint (hyperparameters by group position):
+    one saved group resumed with the decay / no-decay split raises before any
+    target is written; "saved" restores 0.01 everywhere."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    src = Net()
+    opt = torch.optim.AdamW(src.parameters(), lr=1e-3, weight_decay=0.01)
+    _step(src, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        msd, osd = get_state_dict(src, opt)
+        tree = {"model": msd, "optim": osd}
+        dcp.save({"app": tree} if adapter == "torch" else tree, checkpoint_id=str(tmp_path / "dcp"))
+    dst = Net(1)
+    before = dst.fc.weight.detach().clone()
+    opt = torch.optim.AdamW(_decay_split(dst), lr=1e-3)
+    with pytest.raises(ShardingError) as ei:
+        reshard.load(_dcp_target(adapter, dst, opt), str(tmp_path / "dcp"))
+    msg = str(ei.value)
+    assert "every target is unchanged" in msg and "weight_decay=0.0" in msg, msg
+    assert torch.equal(dst.fc.weight, before)
+    dst = Net(1)
+    opt = torch.optim.AdamW(_decay_split(dst), lr=1e-3)
+    reshard.load(_dcp_target(adapter, dst, opt, "saved"), str(tmp_path / "dcp"))
+    assert [wd for _, wd in _groups(opt, dst)] == [0.01, 0.01]
+    assert torch.equal(dst.fc.weight, src.fc.weight)
