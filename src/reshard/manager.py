@@ -16,6 +16,7 @@ holds the checkpoint until ``expires``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -23,7 +24,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -112,6 +113,23 @@ class CheckpointManager:
             boundary followed by a clean stop (``should_stop``).
         options: SaveOptions for every save.
         group: process group.
+        on_save_error: ``hook(step, path, exception)``, called on every rank
+            when an asynchronous save fails, at the moment it fails (on the
+            save's background thread: keep it short and thread-safe; an
+            exception it raises is logged). A failure given to the hook
+            counts as reported: ``wait``/``close`` do not raise it again.
+
+    Failures (the failure budget: a fault costs at most the save it hit):
+        A background save that fails is reported when it fails: one warning
+        line on the coordinator (step, path, cause), the handle's
+        ``committed`` future and ``on_save_error``. It never costs a later
+        save: ``save``/``maybe_save`` always attempt their own step (an
+        earlier failure nobody was told of is surfaced as a
+        ``RuntimeWarning`` by that next save, which goes ahead). ``wait``
+        and ``close`` wait for every pending save, then raise the first
+        failure not yet reported (by the hook, a warning or
+        ``SaveHandle.wait``), once. A synchronous save raises its own
+        failure only.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, every_steps: int | None = None,
@@ -121,7 +139,8 @@ class CheckpointManager:
                  use_async: bool = False, smoke_tensors: int = 4, gc_grace_s: float = 3600.0,
                  preempt_signals: Sequence[int] = (signal.SIGTERM,),
                  options: SaveOptions | None = None, group: Any = None,
-                 storage: Storage | None = None, checksum_before_delete: bool = True):
+                 storage: Storage | None = None, checksum_before_delete: bool = True,
+                 on_save_error: Callable[[int | None, str, BaseException], Any] | None = None):
         if interval not in (None, "auto"):
             raise ValueError("interval must be None or 'auto'")
         if interval == "auto" and not mtbf_s:
@@ -144,6 +163,8 @@ class CheckpointManager:
         self._pending: list[tuple[str, SaveHandle]] = []
         self._auto_logged: float | None = None
         self.checksum_before_delete = checksum_before_delete
+        self.on_save_error = on_save_error
+        self._failed: list[SaveHandle] = []  # failed background saves of this manager
         self.last_plan: RetentionPlan | None = None
         # lineage of this run: the HEAD id and the parent of the next save
         self._lineage: str | None = None
@@ -206,14 +227,23 @@ class CheckpointManager:
     def maybe_save(self, step: int, state: Mapping[str, Any], *,
                    metric: float | None = None) -> SaveResult | SaveHandle | None:
         """Save if :meth:`should_save`. After a preemption request, the save is
-        synchronous and ``should_stop`` becomes True."""
+        synchronous and ``should_stop`` becomes True (also when it, or the
+        wait for the saves still in flight, raises).
+
+        Never raises an earlier background save's failure (see the class
+        docstring): a checkpoint step is always attempted.
+
+        Raises:
+            CheckpointError: this step's synchronous save failed."""
         self._process_finished()
         if not self.should_save(step):
             return None
         if self._preempt.is_set():
-            res = self.save(step, state, metric=metric, sync=True)
-            self.wait()
-            self.should_stop = True
+            try:
+                res = self.save(step, state, metric=metric, sync=True)
+                self.wait()
+            finally:
+                self.should_stop = True
             return res
         return self.save(step, state, metric=metric)
 
@@ -229,10 +259,14 @@ class CheckpointManager:
         (the checkpoint resumed from, then the previous save of this run) and
         this run's lineage (:mod:`reshard.lineage`).
 
+        Asynchronous (``use_async``): returns the handle once staged; its
+        failure is reported when it happens (see the class docstring). An
+        earlier save's failure never stops this one.
+
         Raises:
-            CheckpointError: as :func:`reshard.save` (or a previous
-                asynchronous save failed: raised once); StorageError when the
-                root cannot be listed to choose the name.
+            CheckpointError: as :func:`reshard.save` for a synchronous save
+                (its own failure only); StorageError when the root cannot be
+                listed to choose the name.
         """
         extra = dict(self.options.extra)
         if metric is not None:
@@ -247,6 +281,7 @@ class CheckpointManager:
         self.last_save_time = time.monotonic()
         if self.use_async and not sync:
             h = async_save(state, path, step=step, group=self.group, options=opts, storage=self.storage)
+            h.committed.add_done_callback(functools.partial(self._on_done, h))
             self.costs.append(h.stall_s)
             self._pending.append((name, h))
             self._parent = name
@@ -305,18 +340,42 @@ class CheckpointManager:
         log.info("%s is taken; saving step %d as %s.%d", base, step, base, i)
         return f"{base}.{i}"
 
+    def _on_done(self, h: SaveHandle, _f: Any = None) -> None:
+        """On the background thread, when a save ends: a failure goes to
+        ``on_save_error`` at once (which then counts as its report)."""
+        exc = h.committed.exception()
+        if exc is None or self.on_save_error is None:
+            return
+        h._reported = True
+        try:
+            self.on_save_error(h.step, h.path, exc)
+        except Exception as e:  # noqa: BLE001 - a hook's error must not end the save thread
+            log.warning("on_save_error raised for the save of step %s: %s: %s", h.step,
+                        type(e).__name__, e)
+
     def wait(self) -> None:
-        """Wait for in-flight saves, then verify and apply retention.
+        """Wait for every in-flight save, then verify and apply retention.
 
         Raises:
-            CheckpointError: a background save failed (raised once: the
-                failed save is then no longer pending).
+            CheckpointError: a background save of this manager failed and
+                was not yet reported (by ``on_save_error``, a later save's
+                warning or ``SaveHandle.wait``): the first such failure,
+                once, after every pending save finished.
         """
         try:
             for _, h in self._pending:
-                h.wait()
+                h.committed.exception()
         finally:
             self._process_finished()
+        fresh = [h for h in self._failed if not h._reported]
+        self._failed.clear()
+        for h in fresh:
+            h._reported = True
+        if fresh:
+            h = fresh[0]
+            more = f" ({len(fresh) - 1} more failed)" if len(fresh) > 1 else ""
+            raise CheckpointError(f"the asynchronous save of step {h.step} to {h.path} failed: "
+                                  f"{h.committed.exception()}{more}") from h.committed.exception()
 
     def _process_finished(self) -> None:
         done = [(n, h) for n, h in self._pending if h.done()]
@@ -325,9 +384,11 @@ class CheckpointManager:
             if h.exception() is None and not h.skipped:
                 self._last_committed = name
                 self._after_commit(name)
-            elif self._parent == name:  # never committed: the next save's parent is the last one that did
-                self._parent = self._last_committed
-            # a failed background save is raised by the next save (reshard.staging)
+            else:
+                if h.exception() is not None:
+                    self._failed.append(h)
+                if self._parent == name:  # never committed: the next save's parent is the last one that did
+                    self._parent = self._last_committed
 
     def _after_commit(self, name: str) -> None:
         """The coordinator's housekeeping after ``name`` committed: its
@@ -619,7 +680,10 @@ class CheckpointManager:
         self._last_committed = head.name
 
     def close(self) -> None:
-        """Wait for in-flight saves and restore the signal handlers replaced."""
+        """Wait for in-flight saves and restore the signal handlers replaced.
+
+        Raises:
+            CheckpointError: as :meth:`wait` (the handlers are restored first)."""
         try:
             self.wait()
         finally:

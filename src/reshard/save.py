@@ -317,14 +317,14 @@ def save(
         data file missing or short at publish); nothing is published, the
         attempt is discarded and no older checkpoint is touched.
     """
-    from .pending import raise_pending_error
+    from .pending import warn_pending_error
 
     step = check_step(step)
     coll = get_collectives(group)
     opts = options or SaveOptions()
     if coll.rank != 0 and opts.progress is not False:  # one progress bar: rank 0's
         opts = dataclasses.replace(opts, progress=False)
-    raise_pending_error(group, wait=True)
+    warn_pending_error(group, wait=True, step=step)
     st, key = resolve(path, storage)
     t0 = time.perf_counter()
     snap = None

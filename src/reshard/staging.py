@@ -20,6 +20,7 @@ with the training step for the same cores, and the step should win.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import threading
@@ -35,9 +36,12 @@ import torch
 
 from .collectives import Collectives, SingleProcess, TorchCollectives, get_collectives
 from .options import SaveOptions
-from .pending import SAVERS, SAVERS_LOCK, raise_pending_error
+from .pending import SAVERS, SAVERS_LOCK, warn_pending_error
+from .pending import raise_pending_error as raise_pending_error  # re-exported
 from .save import SaveResult, Snapshot, check_step, collect, finish_digests, run_save
 from .storage import Storage, resolve
+
+log = logging.getLogger("reshard.staging")
 
 
 class BufferPool:
@@ -186,15 +190,22 @@ def async_save(
     decision is agreed across ranks). Background collectives run on a
     separate gloo group, never the training group.
 
+    Failures: a background save that fails logs one warning on the
+    coordinator when it fails (step, path, cause) and sets the exception of
+    ``handle.committed`` (``handle.wait()`` raises it). It never costs a later
+    save: the next ``save``/``async_save`` of the group saves its own step
+    and surfaces an earlier failure that nobody waited for as a
+    ``RuntimeWarning`` (once).
+
     Raises:
-        CheckpointError: a previous background save of this group failed
-            (raised at the latest here), or staging failed on any rank.
+        CheckpointError: staging failed on any rank (then reported by the
+            handle: the background save fails on every rank).
     """
     t0 = time.perf_counter()
     step = check_step(step)
     opts = options or SaveOptions()
     saver = _saver(group)
-    raise_pending_error(group)
+    saver.reclaim()
     st, key = resolve(path, storage)
     busy = len(saver.pending) >= opts.max_pending
     if opts.if_busy == "skip":
@@ -209,7 +220,7 @@ def async_save(
     while len(saver.pending) >= opts.max_pending:
         saver.pending[0].handle.committed.exception()  # wait, errors surface below
         saver.reclaim()
-    raise_pending_error(group)
+    warn_pending_error(group, step=step)
     handle = SaveHandle(key, step)
     buffers: list[torch.Tensor] = []
     cuda_stream = None
@@ -267,6 +278,9 @@ def async_save(
         # (SIGABRT). Once the outcome is set, this thread runs no torch code.
         snap = None
         if failure is not None:
+            if saver.rank == 0:  # reported when it happens: one line, on the coordinator
+                log.warning("asynchronous save of step %s to %s failed: %s: %s", step, key,
+                            type(failure).__name__, " ".join(str(failure).split())[:2000])
             handle.committed.set_exception(failure)
         else:
             handle.committed.set_result(res)
@@ -337,7 +351,7 @@ def _at_exit() -> None:
                 _exit_note(slot.handle, "was abandoned at exit (interrupted; nothing published)")
         return
     # a failure nobody will see otherwise: the program ended without waiting
-    # for the save, and no later save raises it (raise_pending_error)
+    # for the save, and no later save warned of it (warn_pending_error)
     for s in SAVERS.values():
         failed = [slot.handle for slot in s.pending if slot.handle.committed.exception() is not None]
         if s.error_handle is not None and s.error_handle not in failed:
