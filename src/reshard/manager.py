@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -30,6 +31,7 @@ from typing import Any
 
 import msgspec
 
+from .attempts import LEASE_SUFFIX, local_lease_key, read_lease
 from .collectives import get_collectives
 from .commit import (
     _TMP,
@@ -51,7 +53,7 @@ from .records import VERIFIED, check_and_record, record_holds
 from .resume import restore_collective
 from .retention import Candidate, Decision, Policy, decide
 from .save import SaveResult, save
-from .staging import SaveHandle, async_save
+from .staging import SaveHandle, async_save, exiting
 from .storage import Storage, resolve
 from .verify import latest_entry
 
@@ -166,11 +168,14 @@ class CheckpointManager:
         self.on_save_error = on_save_error
         self._failed: list[SaveHandle] = []  # failed background saves of this manager
         self.last_plan: RetentionPlan | None = None
+        #: attempts the last gc kept for their live lease: name -> seconds since renewed
+        self.last_in_progress: dict[str, float] = {}
         # lineage of this run: the HEAD id and the parent of the next save
         self._lineage: str | None = None
         self._parent: str | None = None
         self._last_committed: str | None = None
         self._joined = False
+        self._closing = False
         self.storage.makedirs(self.root)
         self._old_handlers: dict[int, Any] = {}
         if preempt_signals and threading.current_thread() is threading.main_thread():
@@ -188,8 +193,29 @@ class CheckpointManager:
         return self.storage.join(self.root, self._name(step))
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        log.warning("signal %d: a checkpoint will be saved at the next step boundary", signum)
-        self._preempt.set()
+        """A preemption signal: a save at the next step boundary, while the
+        training loop is alive. One that arrives while the process is raising
+        or unwinding an exception, closing the manager or exiting (no step
+        boundary will come) is not deferred: the handler that was there
+        before the manager runs (the default one ends the process), as it
+        would without reshard."""
+        why = ("exiting" if self._closing or sys.is_finalizing() or exiting()
+               or not threading.main_thread().is_alive()
+               else "unwinding an exception" if sys.exc_info()[1] is not None else None)
+        if why is None:
+            log.warning("signal %d: a checkpoint will be saved at the next step boundary", signum)
+            self._preempt.set()
+            return
+        old = self._old_handlers.get(signum, signal.SIG_DFL)
+        log.warning("signal %d while %s: no checkpoint is deferred to a step boundary that will "
+                    "not come; handled as without reshard", signum, why)
+        if callable(old):
+            old(signum, frame)
+            return
+        if old == signal.SIG_IGN:
+            return
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
     def request_preemption(self) -> None:
         """Same as receiving a preemption signal."""
@@ -273,6 +299,15 @@ class CheckpointManager:
             extra["metric"] = float(metric)
         if self._lineage is None and not self._joined:
             self._join_lineage()
+        if self.use_async and not sync and self.options.if_busy == "block":
+            # the oldest in-flight save commits (and retention runs) before the
+            # next is handed off: keep_last=K then holds at most K committed
+            # checkpoints plus the one being written (plus the resume source)
+            while len(self._pending) >= self.options.max_pending:
+                self._pending[0][1].committed.exception()
+                self._process_finished()
+        if self.coll.rank == 0:
+            self._make_room(step)
         name = self._agreed_name(step)
         opts = SaveOptions(**{**self.options.__dict__, "extra": extra, "parent": self._parent,
                               "lineage": self._lineage})
@@ -291,6 +326,31 @@ class CheckpointManager:
         self._parent = self._last_committed = name
         self._after_commit(name)
         return res
+
+    def _make_room(self, step: int) -> None:
+        """Coordinator, before a save: when the store reports free space
+        (local: ``statvfs``) and it is less than the newest checkpoint's
+        size (the expected size of this one), apply retention first, so the
+        checkpoints it no longer keeps free their space (never the newest
+        verified one, the resume source or the lineage's newest: the
+        retention rules). Never raises: the save's own check (exact, from
+        its plan) fails it up front if it still does not fit."""
+        try:
+            free = self.storage.free_bytes(self.root)
+            if free is None:
+                return
+            entries = committed(self.storage, self.root)
+            if not entries or entries[-1].manifest is None:
+                return
+            need = entries[-1].manifest.total_bytes
+            if free >= need:
+                return
+            log.warning("%s: %d bytes free, the save of step %d needs about %d: applying "
+                        "retention first", self.root, free, step, need)
+            self._retention_after_commit()
+        except CheckpointError as e:
+            log.warning("%s: freeing space before the save of step %d failed (%s: %s)",
+                        self.root, step, type(e).__name__, e)
 
     def _join_lineage(self) -> None:
         """A manager that did not restore joins the root's current lineage
@@ -599,22 +659,39 @@ class CheckpointManager:
         if not self.storage.capabilities.atomic_rename:  # attempts live under the final prefix
             from .attempts import gc_root
 
-            return list(gc_root(self.storage, self.root, grace_s=grace, dry_run=dry_run).attempts)
+            got = gc_root(self.storage, self.root, grace_s=grace, dry_run=dry_run)
+            self.last_in_progress = dict(got.in_progress)
+            return list(got.attempts)
         now = time.time()
         inflight = set(self._pending_names())
+        live = self.attempts_in_progress(now)
+        self.last_in_progress = live
         out = []
         for e in scan(self.storage, self.root):
             if not e.abandoned or e.quarantined or (INCOMPLETE not in e.name
                                                     and RETIRED not in e.name):
                 continue
-            if e.name.split(INCOMPLETE, 1)[0] in inflight:
+            if e.name.split(INCOMPLETE, 1)[0] in inflight or e.name in live:
                 continue
             if e.mtime is not None and now - e.mtime < grace:
                 continue
             out.append(e.name)
             if not dry_run:
                 self.storage.delete_tree(e.path)
-        for child in self.storage.list_dir(self.root) if self.storage.exists(self.root) else ():
+                self.storage.delete_tree(local_lease_key(e.path))
+        names = self.storage.list_dir(self.root) if self.storage.exists(self.root) else []
+        for child in names:  # an expired lease whose attempt is gone (its coordinator died)
+            if INCOMPLETE not in child or not child.endswith(LEASE_SUFFIX):
+                continue
+            attempt = child[: -len(LEASE_SUFFIX)]
+            if attempt in live or attempt in names:
+                continue
+            p = self.storage.join(self.root, child)
+            if read_lease(self.storage, p, now) is None:
+                out.append(child)
+                if not dry_run:
+                    self.storage.delete_tree(p)
+        for child in names:
             if _TMP not in child:  # a record's temporary left by a SIGKILL (HEAD.tmp-..., ...)
                 continue
             p = self.storage.join(self.root, child)
@@ -624,6 +701,25 @@ class CheckpointManager:
             out.append(child)
             if not dry_run:
                 self.storage.delete_tree(p)
+        return out
+
+    def attempts_in_progress(self, now: float | None = None) -> dict[str, float]:
+        """Attempts under the root whose lease is live (a save is running):
+        name (``step-%08d.incomplete-<id>``, or ``<checkpoint>/<attempt id>``
+        where attempts share the final prefix) -> seconds since the lease was
+        renewed. gc and retention never delete these, whatever the grace."""
+        now = time.time() if now is None else now
+        if not self.storage.capabilities.atomic_rename:
+            from .attempts import gc_root
+
+            return dict(gc_root(self.storage, self.root, grace_s=math.inf, dry_run=True).in_progress)
+        names = self.storage.list_dir(self.root) if self.storage.exists(self.root) else []
+        out: dict[str, float] = {}
+        for child in names:
+            if INCOMPLETE in child and not child.endswith(LEASE_SUFFIX) and child + LEASE_SUFFIX in names:
+                age = read_lease(self.storage, self.storage.join(self.root, child + LEASE_SUFFIX), now)
+                if age is not None:
+                    out[child] = age
         return out
 
     def _pending_names(self) -> list[str]:
@@ -684,6 +780,7 @@ class CheckpointManager:
 
         Raises:
             CheckpointError: as :meth:`wait` (the handlers are restored first)."""
+        self._closing = True
         try:
             self.wait()
         finally:

@@ -353,7 +353,12 @@ def run_save(
     gkey = group_key(coll)
 
     def check_location(info: dict[str, Any]) -> None:
-        check_attempt_location(coll.rank, st, key, info)
+        try:
+            check_attempt_location(coll.rank, st, key, info)
+        except Exception as e:
+            if coll.rank != 0:  # elsewhere an unseen attempt is node-local storage, not removal
+                raise
+            raise removed_error(st, info, e) from e
 
     def do_persist(info: dict[str, Any], assignment: Assignment) -> tuple[bytes, int]:
         assert snap is not None and lp is not None
@@ -366,8 +371,14 @@ def run_save(
             on_attempt(attempt)
         try:  # into the coordinator's attempt, which this rank has been shown to see
             return persist(st, attempt, snap, assignment, options)
-        except OSError as e:  # a backend that raised a bare OSError: the store failed
-            raise StorageError(f"{key}: writing rank {rank}'s files failed: {type(e).__name__}: {e}") from e
+        except Exception as e:
+            gone = removed_error(st, info, e)
+            if gone is not e:
+                raise gone from e
+            if isinstance(e, OSError):  # a backend that raised a bare OSError: the store failed
+                raise StorageError(f"{key}: writing rank {rank}'s files failed: "
+                                   f"{type(e).__name__}: {e}") from e
+            raise
 
     def do_publish(info: dict[str, Any], manifest: Manifest) -> None:
         if abort is not None and abort.is_set():
@@ -377,8 +388,11 @@ def run_save(
                 manifest, {n: attempts.data_name(info["attempt"], n) for n in manifest.files})
         if options.hmac_key is not None:
             manifest = sign_manifest(manifest, options.hmac_key)
-        publish(st, info["attempt_path"], info["target"], manifest, overwrite=options.overwrite,
-                durable=options.durable)
+        try:
+            publish(st, info["attempt_path"], info["target"], manifest, overwrite=options.overwrite,
+                    durable=options.durable)
+        except Exception as e:
+            raise removed_error(st, info, e) from e
         published.append(manifest)
 
     def manifest_args() -> dict[str, Any]:
@@ -399,15 +413,26 @@ def run_save(
             restored = cache is not None
 
     def write_plan(info: dict[str, Any], raw: bytes) -> None:
-        st.write_bytes(st.join(info["attempt_path"], PLAN_FILE), raw, durable=options.durable)
+        try:
+            st.write_bytes(st.join(info["attempt_path"], PLAN_FILE), raw, durable=options.durable)
+        except Exception as e:
+            raise removed_error(st, info, e) from e
 
     leases: list[attempts.AttemptLease] = []
 
     def begin() -> dict[str, Any]:
-        info = open_attempt(st, key, options)
-        if not st.capabilities.atomic_rename:  # held by the coordinator until publish or discard
-            leases.append(attempts.AttemptLease(st, info["target"], info["attempt"]).start())
-        return info
+        # the lease is held by the coordinator until publish (and rename) or
+        # discard; it is written before the attempt exists, so no gc ever
+        # sees the attempt without it
+        return open_attempt(st, key, options, leases=leases)
+
+    def check_space(info: dict[str, Any], needed: int) -> None:
+        free = st.free_bytes(info["attempt_path"])
+        if free is not None and needed > free:
+            raise StorageError(
+                f"{info['target']}: not enough space for the checkpoint of step {step}: it needs "
+                f"about {needed} bytes ({needed / 2**20:.1f} MiB), {free} bytes "
+                f"({free / 2**20:.1f} MiB) are free; nothing was written")
 
     ctx = RankSave(rank=rank, world_size=coll.world_size, plan=lp,
                    value_digests=snap.value_digests if snap is not None else {}, err=err,
@@ -415,7 +440,7 @@ def run_save(
                    check_location=check_location, persist=do_persist, publish=do_publish,
                    discard=lambda info: discard_attempt(coll, st, info["attempt_path"],
                                                         attempt_id=info["attempt"]),
-                   manifest_args=manifest_args, cache=cache,
+                   manifest_args=manifest_args, cache=cache, check_space=check_space,
                    # attempts share the final prefix without rename: no plan kept there
                    write_plan=write_plan if st.capabilities.atomic_rename else None)
     try:
@@ -440,12 +465,34 @@ def drop_plan_cache(group: Any = None) -> None:
     PLAN_CACHE.pop(group_key(get_collectives(group)), None)
 
 
-def open_attempt(st: Storage, key: str, options: SaveOptions) -> dict[str, Any]:
+def removed_error(st: Storage, info: dict[str, Any], e: BaseException) -> BaseException:
+    """``e`` as a CheckpointError naming what happened when the attempt
+    directory no longer exists (removed under the running save: a ``reshard
+    gc`` of another version, a person, a script), else ``e`` itself."""
+    attempt = info["attempt_path"]
+    if isinstance(e, CheckpointError) and "was removed while the save ran" in str(e):
+        return e
+    try:
+        if not st.capabilities.atomic_rename or st.exists(attempt) or st.exists(
+                st.join(info["target"], MANIFEST_NAME)):
+            return e
+    except Exception:  # noqa: BLE001 - the original error is what matters then
+        return e
+    return CheckpointError(
+        f"{attempt}: the attempt directory was removed while the save ran (by a garbage "
+        f"collection that ignored its lease, or by a person or script); nothing was published "
+        f"and no older checkpoint was touched ({type(e).__name__}: {e})")
+
+
+def open_attempt(st: Storage, key: str, options: SaveOptions,
+                 leases: list[attempts.AttemptLease] | None = None) -> dict[str, Any]:
     """Coordinator, before any rank writes: decide where the checkpoint goes.
 
     ``key`` is made canonical (``Storage.canonical``: absolute, symbolic
     links resolved), checked (:func:`~reshard.commit.check_target`), and the
     attempt is created with a nonce in it (:func:`~reshard.commit.create_attempt`).
+    With ``leases``, the attempt's lease (:class:`reshard.attempts.AttemptLease`)
+    is started first and appended to it (the caller stops it).
     Returns what every rank needs (JSON-safe): ``target`` (the canonical
     checkpoint location), ``attempt`` (id), ``attempt_path`` and ``nonce``.
     """
@@ -454,6 +501,14 @@ def open_attempt(st: Storage, key: str, options: SaveOptions) -> dict[str, Any]:
     attempt_id = new_attempt_id()
     attempt = attempt_path(st, target, attempt_id)
     try:
+        if leases is not None:
+            if st.capabilities.atomic_rename:
+                st.makedirs(st.parent(attempt) or "/")
+                lease = attempts.AttemptLease(st, target, attempt_id,
+                                              key=attempts.local_lease_key(attempt))
+            else:
+                lease = attempts.AttemptLease(st, target, attempt_id)
+            leases.append(lease.start())
         nonce = create_attempt(st, attempt, attempt_id)
     except Exception:
         try:  # nothing was published: the attempt (or its objects under the prefix) goes

@@ -29,7 +29,7 @@ import warnings
 from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -124,6 +124,7 @@ class _Slot:
     handle: SaveHandle
     buffers: list[torch.Tensor]
     thread: threading.Thread
+    started: float = field(default_factory=time.monotonic)
 
 
 class _Saver:
@@ -319,6 +320,12 @@ def wait_all(group: Any = None, timeout: float | None = None) -> None:
 
 
 _AT_EXIT_SEEN: set[int] = set()
+_EXITING = threading.Event()
+
+
+def exiting() -> bool:
+    """Whether the process's exit has begun (the exit wait for pending saves runs)."""
+    return _EXITING.is_set()
 
 
 def _at_exit() -> None:
@@ -335,10 +342,16 @@ def _at_exit() -> None:
     # it runs twice (the interpreter's thread shutdown, then atexit): the second
     # time only for saves started since (a save abandoned the first time, whose
     # thread outlived its 30 s join, is not waited for again without a limit)
+    _EXITING.set()
     slots = [slot for s in SAVERS.values() for slot in s.pending if id(slot) not in _AT_EXIT_SEEN]
     _AT_EXIT_SEEN.update(id(slot) for slot in slots)
     try:
         for slot in slots:
+            if not slot.handle.committed.done():
+                h = slot.handle
+                _exit_line(f"reshard: exit waits for the asynchronous save of step {h.step} to "
+                           f"{h.path} (in flight for {time.monotonic() - slot.started:.0f} s) to "
+                           "commit, as long as its collectives wait at most; Ctrl-C abandons it")
             slot.handle.committed.exception()
             slot.thread.join()
     except KeyboardInterrupt:
@@ -363,11 +376,14 @@ def _at_exit() -> None:
 
 
 def _exit_note(h: SaveHandle, what: str) -> None:
-    """One line on stderr at exit about an asynchronous save (best effort:
-    stderr may already be closed)."""
+    """One line on stderr at exit about an asynchronous save."""
+    _exit_line(f"reshard: the asynchronous save of step {h.step} to {h.path} {' '.join(what.split())}")
+
+
+def _exit_line(line: str) -> None:
+    """One line on stderr at exit (best effort: stderr may already be closed)."""
     try:
-        sys.stderr.write(f"reshard: the asynchronous save of step {h.step} to {h.path} "
-                         f"{' '.join(what.split())}\n")
+        sys.stderr.write(line + "\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
