@@ -201,3 +201,75 @@ def test_sigterm_while_unwinding_or_exiting_ends_the_process(tmp_path: Path, whe
     assert f"while {'unwinding an exception' if when == 'unwinding' else 'exiting'}" in err, err
     if when == "exiting":
         assert "reshard: exit waits for the asynchronous save of step 1" in err, err
+
+
+HUNG_PEER_JOB = r"""
+import os, signal, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import reshard
+from reshard.storage import LocalStorage
+
+rank, port, root, what = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
+                        timeout=timedelta(seconds=300))  # the training group's: long
+
+class Stopping(LocalStorage):  # rank 1 is SIGSTOPped as it opens its shard file
+    def open_write(self, path, *, durable=True):
+        if rank == 1 and path.endswith(".safetensors"):
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return super().open_write(path, durable=durable)
+
+n = 1 << 10
+w = torch.arange(2 * n, dtype=torch.float32)[rank * n:(rank + 1) * n].clone()
+state = {"w": reshard.ShardedTensor("w", w, global_shape=(2 * n,), global_offset=(rank * n,))}
+opts = reshard.SaveOptions(durable=False, timeout_s=3)
+if what == "load":
+    reshard.save(state, root + "/ok", step=1, options=opts)
+t0 = time.monotonic()
+try:
+    if what == "save":
+        reshard.save(state, root + "/ck", step=2, options=opts, storage=Stopping())
+    else:
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        reshard.load(state, root + "/ok", options=reshard.LoadOptions(timeout_s=3))
+    print("no error", flush=True)
+except reshard.CheckpointError as e:
+    print(f"{time.monotonic() - t0:.1f} {type(e).__name__}: {' '.join(str(e).split())}", flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", ["save", "load"])
+def test_hung_peer_is_named_within_the_checkpoint_timeout(tmp_path: Path, what: str) -> None:
+    """One rank SIGSTOPped inside a save (load) with timeout_s=3 while the
+    training group waits 300 s: the other rank fails within the bound,
+    naming the stopped rank (and, for a save, the phase)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", HUNG_PEER_JOB, str(r), str(port), str(tmp_path),
+                               what], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for r in (0, 1)]
+    try:
+        out, err = procs[0].communicate(timeout=90)
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert procs[0].returncode == 0, err
+    took, msg = out.strip().split(" ", 1)
+    assert float(took) < 20, out
+    assert msg.startswith("CheckpointError: "), out
+    assert "rank 1 was lost" in msg, msg
+    if what == "save":
+        assert "phase write" in msg, msg
+    for bad in ("0", "-1", "x", "nan"):
+        with pytest.raises(ValueError, match="SaveOptions.timeout_s must be a number of seconds > 0"):
+            import reshard
+
+            reshard.SaveOptions(timeout_s=float(bad) if bad not in ("x",) else bad)  # type: ignore[arg-type]

@@ -134,7 +134,11 @@ def _pid_alive(pid: Any) -> bool:
         return False
     except OSError:  # another user's process: it exists
         return True
-    return True
+    try:  # a killed process not yet reaped by its parent (a zombie) is dead
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 class AttemptLease:

@@ -346,6 +346,9 @@ class RankSave:
     write_plan: Callable[[dict[str, Any], bytes], None] | None = None
     check_space: Callable[[dict[str, Any], int], None] | None = None
     new_cache: CacheEntry | None = None
+    #: the phase this rank is in ("plan", "write": writing and waiting for the
+    #: others to finish theirs, "publish"), named by a collective's failure
+    phase: str = "plan"
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -452,6 +455,7 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
     t1 = time.perf_counter()
     err = None
     report, mine = b"", 0
+    ctx.phase = "write"
     try:
         report, mine = ctx.persist(info, assignment)
     except Exception as e:  # noqa: BLE001
@@ -463,6 +467,7 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
     except CheckpointError:
         discard()
         raise
+    ctx.phase = "publish"
     reports = yield ("gather_bytes", report)
     err = None
     manifest = None

@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 
 from .attempts import LEASE_SUFFIX, local_lease_key, read_lease
-from .collectives import get_collectives
+from .collectives import timed_collectives
 from .commit import (
     _TMP,
     INCOMPLETE,
@@ -120,6 +120,11 @@ class CheckpointManager:
             save's background thread: keep it short and thread-safe; an
             exception it raises is logged). A failure given to the hook
             counts as reported: ``wait``/``close`` do not raise it again.
+        timeout_s: seconds every collective of a save, a restore and the
+            manager's own agreement may wait for the other ranks
+            (``SaveOptions.timeout_s`` / ``LoadOptions.timeout_s``: a
+            checkpoint group with that timeout, independent of the training
+            group's); None: ``options.timeout_s``.
 
     Failures (the failure budget: a fault costs at most the save it hit):
         A background save that fails is reported when it fails: one warning
@@ -142,7 +147,8 @@ class CheckpointManager:
                  preempt_signals: Sequence[int] = (signal.SIGTERM,),
                  options: SaveOptions | None = None, group: Any = None,
                  storage: Storage | None = None, checksum_before_delete: bool = True,
-                 on_save_error: Callable[[int | None, str, BaseException], Any] | None = None):
+                 on_save_error: Callable[[int | None, str, BaseException], Any] | None = None,
+                 timeout_s: float | None = None):
         if interval not in (None, "auto"):
             raise ValueError("interval must be None or 'auto'")
         if interval == "auto" and not mtbf_s:
@@ -156,8 +162,12 @@ class CheckpointManager:
         self.smoke_tensors = smoke_tensors
         self.gc_grace_s = gc_grace_s
         self.options = options or SaveOptions()
+        if timeout_s is not None:
+            self.options = replace(self.options, timeout_s=timeout_s)
+        self.timeout_s = self.options.timeout_s
         self.group = group
-        self.coll = get_collectives(group)
+        # the manager's own collectives (cadence votes, names) share the bound
+        self.coll = timed_collectives(group, self.timeout_s)
         self.costs: list[float] = []
         self.last_save_time = time.monotonic()
         self.should_stop = False
@@ -767,6 +777,12 @@ class CheckpointManager:
                 attempts exist (a silent fresh start would lose the run), or
                 ``step`` (``name``) is not committed.
         """
+        if self.timeout_s is not None:
+            from .options import LoadOptions
+
+            lo = load_kwargs.get("options") or LoadOptions()
+            if lo.timeout_s is None:
+                load_kwargs = {**load_kwargs, "options": replace(lo, timeout_s=self.timeout_s)}
         return restore_collective(self, state, step=step, name=name,
                                   allow_fresh_start=allow_fresh_start, load_kwargs=load_kwargs,
                                   record_head=record_head)

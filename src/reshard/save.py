@@ -14,7 +14,14 @@ import msgspec
 import xxhash
 
 from . import attempts, codec
-from .collectives import Collectives, drive, get_collectives, group_key
+from .collectives import (
+    Collectives,
+    drive,
+    get_collectives,
+    group_key,
+    timed_collectives,
+    timed_keys,
+)
 from .commit import (
     attempt_path,
     check_attempt,
@@ -320,8 +327,8 @@ def save(
     from .pending import warn_pending_error
 
     step = check_step(step)
-    coll = get_collectives(group)
     opts = options or SaveOptions()
+    coll = timed_collectives(group, opts.timeout_s)
     if coll.rank != 0 and opts.progress is not False:  # one progress bar: rank 0's
         opts = dataclasses.replace(opts, progress=False)
     warn_pending_error(group, wait=True, step=step)
@@ -445,6 +452,13 @@ def run_save(
                    write_plan=write_plan if st.capabilities.atomic_rename else None)
     try:
         out = drive(coll, save_steps(ctx))
+    except CheckpointError as e:
+        lost = getattr(e, "lost_ranks", None)
+        if lost is None:  # not a collective that failed
+            raise
+        err = type(e)(f"save of step {step} to {key}, phase {ctx.phase}: {e}", failures=e.failures)
+        err.lost_ranks = lost  # type: ignore[attr-defined]
+        raise err from e
     finally:
         for lease in leases:
             lease.stop()
@@ -462,7 +476,8 @@ def drop_plan_cache(group: Any = None) -> None:
     """Forget this process's cached save plan for ``group`` (default: the
     default group), as a restart does: the next save reuses the parent
     checkpoint's plan (``SaveOptions.parent``) when it fits, else plans."""
-    PLAN_CACHE.pop(group_key(get_collectives(group)), None)
+    for k in [group_key(get_collectives(group)), *timed_keys(group)]:
+        PLAN_CACHE.pop(k, None)
 
 
 def removed_error(st: Storage, info: dict[str, Any], e: BaseException) -> BaseException:

@@ -138,6 +138,7 @@ class _Saver:
         self.error: BaseException | None = None
         self.error_handle: SaveHandle | None = None
         self.lock = threading.Lock()
+        self.timed: dict[float, Collectives] = {}
         base = get_collectives(group)
         self.rank, self.world_size = base.rank, base.world_size
         if isinstance(base, SingleProcess):
@@ -149,6 +150,18 @@ class _Saver:
             # all ranks reach here on their first async_save, in the same order
             self.bg = TorchCollectives(new_checkpoint_group(group))
             self.ctl = TorchCollectives(new_checkpoint_group(group))
+
+    def bg_for(self, timeout_s: float | None) -> Collectives:
+        """The background group, or one created (once, by every rank, on the
+        caller's thread) with ``timeout_s`` (``SaveOptions.timeout_s``)."""
+        if timeout_s is None or isinstance(self.bg, SingleProcess):
+            return self.bg
+        got = self.timed.get(timeout_s)
+        if got is None:
+            from .collectives import new_checkpoint_group
+
+            got = self.timed[timeout_s] = TorchCollectives(new_checkpoint_group(self.group, timeout_s))
+        return got
 
     def reclaim(self) -> None:
         keep = []
@@ -223,6 +236,7 @@ def async_save(
         saver.reclaim()
     warn_pending_error(group, step=step)
     handle = SaveHandle(key, step)
+    bg = saver.bg_for(opts.timeout_s)
     buffers: list[torch.Tensor] = []
     cuda_stream = None
 
@@ -266,7 +280,7 @@ def async_save(
             t_sum = time.perf_counter() - t_sum
             if prev is not None:
                 prev.join()
-            res = run_save(saver.bg, st, key, snap, err, step=step, options=opts, t0=time.perf_counter(),
+            res = run_save(bg, st, key, snap, err, step=step, options=opts, t0=time.perf_counter(),
                            abort=handle._abort)
             # "stage": the caller's stall (copies into staging buffers); "checksum": background
             res.timings.update(stage=handle.stall_s, checksum=t_sum)
