@@ -216,7 +216,8 @@ def _ls_dcp(st: Any, key: str) -> None:
 @click.argument("root")
 @_retention_opts
 @click.option("--grace", type=float, default=3600.0, show_default=True,
-              help="Abandoned attempts older than this many seconds are deleted.")
+              help="Abandoned attempts older than this many seconds are deleted (never one "
+                   "whose lease a running save renews: reported as in progress).")
 @click.option("--dry-run", is_flag=True,
               help="Say what would be deleted (after the same checks); change nothing.")
 @click.option("--no-checksums", is_flag=True,

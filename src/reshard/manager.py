@@ -661,7 +661,9 @@ class CheckpointManager:
         (an overwrite's or a retention's interrupted deletion) and records'
         temporaries (``HEAD.tmp-*``: a write killed before its rename) older than
         ``grace_s`` seconds (never one of this manager's in-flight saves,
-        never a quarantined checkpoint). On a store without atomic rename
+        never an attempt whose lease is live, whatever ``grace_s``: those are
+        in :attr:`last_in_progress`; never a quarantined checkpoint), and
+        expired leases whose attempt is gone. On a store without atomic rename
         (S3): the attempts whose lease has expired, and their open multipart
         uploads (:func:`reshard.attempts.gc_root`); returns ``<checkpoint>/<attempt
         id>`` names."""

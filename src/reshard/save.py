@@ -8,7 +8,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import xxhash
@@ -322,7 +322,11 @@ def save(
         naming different checkpoints, a rank that cannot see the
         coordinator's attempt (node-local storage), an IntegrityError for a
         data file missing or short at publish); nothing is published, the
-        attempt is discarded and no older checkpoint is touched.
+        attempt is discarded and no older checkpoint is touched. Never an
+        earlier background save's failure: one nobody was told of is a
+        ``RuntimeWarning`` here, and this save goes ahead. StorageError
+        before any data is written when the store reports less free space
+        than the plan needs (the message names both).
     """
     from .pending import warn_pending_error
 
@@ -365,7 +369,7 @@ def run_save(
         except Exception as e:
             if coll.rank != 0:  # elsewhere an unseen attempt is node-local storage, not removal
                 raise
-            raise removed_error(st, info, e) from e
+            _raise_removed(st, info, e)
 
     def do_persist(info: dict[str, Any], assignment: Assignment) -> tuple[bytes, int]:
         assert snap is not None and lp is not None
@@ -399,7 +403,7 @@ def run_save(
             publish(st, info["attempt_path"], info["target"], manifest, overwrite=options.overwrite,
                     durable=options.durable)
         except Exception as e:
-            raise removed_error(st, info, e) from e
+            _raise_removed(st, info, e)
         published.append(manifest)
 
     def manifest_args() -> dict[str, Any]:
@@ -423,7 +427,7 @@ def run_save(
         try:
             st.write_bytes(st.join(info["attempt_path"], PLAN_FILE), raw, durable=options.durable)
         except Exception as e:
-            raise removed_error(st, info, e) from e
+            _raise_removed(st, info, e)
 
     leases: list[attempts.AttemptLease] = []
 
@@ -456,7 +460,7 @@ def run_save(
         lost = getattr(e, "lost_ranks", None)
         if lost is None:  # not a collective that failed
             raise
-        err = type(e)(f"save of step {step} to {key}, phase {ctx.phase}: {e}", failures=e.failures)
+        err = type(e)(f"{e} [save of step {step} to {key}, phase {ctx.phase}]", failures=e.failures)
         err.lost_ranks = lost  # type: ignore[attr-defined]
         raise err from e
     finally:
@@ -478,6 +482,14 @@ def drop_plan_cache(group: Any = None) -> None:
     checkpoint's plan (``SaveOptions.parent``) when it fits, else plans."""
     for k in [group_key(get_collectives(group)), *timed_keys(group)]:
         PLAN_CACHE.pop(k, None)
+
+
+def _raise_removed(st: Storage, info: dict[str, Any], e: BaseException) -> NoReturn:
+    """Raise :func:`removed_error` of ``e`` (chained to it), or ``e`` itself."""
+    gone = removed_error(st, info, e)
+    if gone is e:
+        raise e
+    raise gone from e
 
 
 def removed_error(st: Storage, info: dict[str, Any], e: BaseException) -> BaseException:
