@@ -252,7 +252,8 @@ def test_hung_peer_is_named_within_the_checkpoint_timeout(tmp_path: Path, what: 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "OMP_NUM_THREADS": "1",
+           "RESHARD_WAIT_REPORT_S": "1"}  # the coordinator's progress line (30 s by default)
     procs = [subprocess.Popen([sys.executable, "-c", HUNG_PEER_JOB, str(r), str(port), str(tmp_path),
                                what], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=env) for r in (0, 1)]
@@ -268,6 +269,7 @@ def test_hung_peer_is_named_within_the_checkpoint_timeout(tmp_path: Path, what: 
     assert "rank 1 was lost" in msg, msg
     if what == "save":
         assert "phase write" in msg, msg
+        assert re.search(r"save of step 2: waiting \d+ s for the other ranks in phase write", err), err
     for bad in ("0", "-1", "x", "nan"):
         with pytest.raises(ValueError, match="SaveOptions.timeout_s must be a number of seconds > 0"):
             import reshard
