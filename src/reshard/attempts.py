@@ -8,9 +8,15 @@ attempt id is part of every key it writes: data objects are
 *``), so exactly one attempt publishes, and the manifest names only the
 winner's objects. A prefix without a valid manifest is never a checkpoint.
 
-Leases: while a save runs, its coordinator holds a lease on its attempt
-(``{"attempt": id, "expires": epoch seconds}``), renewed every ``ttl/3``
-seconds by a background thread. :func:`gc_root` deletes only the objects of
+Leases (every backend): while a save runs, its coordinator holds a lease on
+its attempt (``{"attempt": id, "expires": epoch seconds, "renewed": epoch
+seconds}``), written before the attempt is created and renewed every
+``ttl/3`` seconds by a background thread. Here it is the key
+``att-<attempt id>.lease.json``; where rename is atomic (local) it is the
+sidecar ``<attempt directory>.lease.json`` beside the attempt (outside the
+committed namespace, deleted after the rename), see :func:`local_lease_key`.
+Garbage collection never deletes an attempt with a live lease, whatever its
+grace period. :func:`gc_root` deletes only the objects of
 attempts that are not the published one and whose lease has expired (or,
 without a lease, whose newest object is older than the grace period), and
 aborts their open multipart uploads.
@@ -21,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -89,6 +96,51 @@ def lease_key(storage: Storage, path: str, attempt_id: str) -> str:
     return storage.join(path, f"{PREFIX}{attempt_id}{LEASE_SUFFIX}")
 
 
+def local_lease_key(attempt: str) -> str:
+    """The lease of the attempt directory ``attempt`` on a rename-capable
+    store: the sidecar ``<attempt>.lease.json`` beside it."""
+    return f"{attempt}{LEASE_SUFFIX}"
+
+
+def read_lease(storage: Storage, key: str, now: float | None = None) -> float | None:
+    """Seconds since the lease at ``key`` was last renewed when it is live
+    (not expired), else None (no lease, or expired). A lease caught while
+    being rewritten (it does not parse) is live while the object is younger
+    than its default ttl. A lease whose holder ran on this host and is no
+    longer alive (killed) is over at once."""
+    now = time.time() if now is None else now
+    try:
+        raw = storage.read_bytes(key)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    try:
+        rec = json.loads(raw)
+        expires = float(rec.get("expires", 0))
+        renewed = float(rec.get("renewed", expires - lease_ttl_s()))
+    except (ValueError, AttributeError, TypeError):
+        mtime = storage.modified_time(key)
+        return None if mtime is None or now - mtime >= lease_ttl_s() else max(0.0, now - mtime)
+    if rec.get("host") == socket.gethostname() and not _pid_alive(rec.get("pid")):
+        return None  # its holder, on this host, is gone (killed): the lease ended with it
+    return max(0.0, now - renewed) if expires > now else None
+
+
+def _pid_alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: it exists
+        return True
+    try:  # a killed process not yet reaped by its parent (a zombie) is dead
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
 class AttemptLease:
     """The coordinator's lease on a running attempt, renewed in the background
     (``ttl_s`` seconds; default :func:`lease_ttl_s`).
@@ -100,16 +152,18 @@ class AttemptLease:
     """
 
     def __init__(self, storage: Storage, path: str, attempt_id: str,
-                 ttl_s: float | None = None):
+                 ttl_s: float | None = None, key: str | None = None):
         self.storage, self.path, self.attempt_id = storage, path, attempt_id
         self.ttl_s = lease_ttl_s() if ttl_s is None else ttl_s
-        self.key = lease_key(storage, path, attempt_id)
+        self.key = lease_key(storage, path, attempt_id) if key is None else key
         self.renewals = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def _write(self) -> None:
-        rec = {"attempt": self.attempt_id, "expires": time.time() + self.ttl_s}
+        now = time.time()
+        rec = {"attempt": self.attempt_id, "expires": now + self.ttl_s, "renewed": now,
+               "pid": os.getpid(), "host": socket.gethostname()}
         self.storage.write_bytes(self.key, json.dumps(rec).encode())
 
     def start(self) -> AttemptLease:
@@ -173,9 +227,12 @@ class Collected:
         attempts: ``<checkpoint name>/<attempt id>`` of every attempt removed.
         objects: keys deleted.
         uploads: ``(key, upload id)`` of multipart uploads aborted.
+        in_progress: ``(<checkpoint name>/<attempt id>, seconds since its
+            lease was renewed)`` of every attempt kept for its live lease.
     """
 
     attempts: tuple[str, ...] = ()
+    in_progress: tuple[tuple[str, float], ...] = ()
     objects: tuple[str, ...] = ()
     uploads: tuple[tuple[str, str], ...] = ()
 
@@ -228,6 +285,7 @@ def gc_root(storage: Storage, root: str, *, grace_s: float = 3600.0,
     attempts: list[str] = []
     objects: list[str] = []
     uploads: list[tuple[str, str]] = []
+    live: list[tuple[str, float]] = []
     try:
         children = storage.list_dir(root)
     except (FileNotFoundError, NotADirectoryError):
@@ -254,6 +312,10 @@ def gc_root(storage: Storage, root: str, *, grace_s: float = 3600.0,
                     if not dry_run:
                         storage.delete_tree(storage.join(path, lease))
                 continue
+            age = read_lease(storage, storage.join(path, lease), now) if lease in names else None
+            if age is not None:
+                live.append((f"{child}/{a}", age))
+                continue
             if _lease_alive(storage, path, a, names, now, grace_s):
                 continue
             pre = f"{PREFIX}{a}."
@@ -268,4 +330,5 @@ def gc_root(storage: Storage, root: str, *, grace_s: float = 3600.0,
                     objects.append(storage.join(path, n))
                     if not dry_run:
                         storage.delete_tree(storage.join(path, n))
-    return Collected(attempts=tuple(attempts), objects=tuple(objects), uploads=tuple(uploads))
+    return Collected(attempts=tuple(attempts), objects=tuple(objects), uploads=tuple(uploads),
+                     in_progress=tuple(live))

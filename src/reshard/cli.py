@@ -182,8 +182,13 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
                 click.echo(f"  torn {e.name}: {problem}")
     else:
         click.echo(f"no committed checkpoint under {st.url(key)}")
+    live = _manager_for(root, None, None, 0, "min").attempts_in_progress()
     quarantined = [e for e in others if e.quarantined]
-    abandoned = [e for e in others if e.abandoned and not e.quarantined]
+    abandoned = [e for e in others if e.abandoned and not e.quarantined and e.name not in live]
+    if live:
+        click.echo(f"in progress ({len(live)}; a save holds each, never deleted by gc):")
+        table(["name", "status"], [[n, f"in progress (lease renewed {a:.0f} s ago)"]
+                                   for n, a in sorted(live.items())])
     invalid = [e for e in others if not e.abandoned and not e.quarantined]
     if quarantined:
         click.echo(f"quarantined ({len(quarantined)}; found unloadable by a restore, never loaded "
@@ -223,7 +228,8 @@ def _ls_dcp(st: Any, key: str) -> None:
 @click.argument("root")
 @_retention_opts
 @click.option("--grace", type=float, default=3600.0, show_default=True,
-              help="Abandoned attempts older than this many seconds are deleted.")
+              help="Abandoned attempts older than this many seconds are deleted (never one "
+                   "whose lease a running save renews: reported as in progress).")
 @click.option("--dry-run", is_flag=True,
               help="Say what would be deleted (after the same checks); change nothing.")
 @click.option("--no-checksums", is_flag=True,
@@ -249,10 +255,11 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         mgr = _manager_for(root, keep_last, keep_every, keep_best, metric_mode, grace)
         decision = mgr.apply_retention(dry_run=dry_run, checksums=not no_checksums, smoke_newer=True)
         gone = mgr.gc_abandoned(dry_run=dry_run)
+        live = mgr.last_in_progress
         entries = scan(st, key)
         quarantined = [e.name for e in entries if e.quarantined]
         invalid = [e for e in entries if e.manifest is None and not e.abandoned and not e.quarantined]
-        young = [e.name for e in entries if e.abandoned and not e.quarantined
+        young = [e.name for e in entries if e.abandoned and not e.quarantined and e.name not in live
                  and e.name not in gone and (INCOMPLETE in e.name or RETIRED in e.name)]
     except ValueError as err:
         _fail(2, str(err))
@@ -275,6 +282,8 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
     for e in invalid:
         click.echo(f"kept {e.name} (invalid manifest, never deleted automatically: "
                    f"{one_line(e.problem or '')[:200]})")
+    for name, age in sorted(live.items()):
+        click.echo(f"kept attempt {name}: in progress (lease renewed {age:.0f} s ago)")
     for name in young:
         click.echo(f"kept abandoned attempt {name} (younger than --grace {grace:g} s: it may be "
                    "a save still running; pass --grace 0 once no job writes here)")
@@ -341,13 +350,23 @@ def inspect_cmd(ckpt: str, as_json: bool) -> None:
 def verify_cmd(ckpt: str, no_checksums: bool, json_path: str | None) -> None:
     """Check CKPT's manifest, coverage, files and (by default) every checksum.
 
-    Exits 1 if any problem is found, 2 if there is no checkpoint at CKPT.
+    The outcome (passed or failed) is recorded in CKPT's verification record
+    beside it (``<name>.verified.json``, bound to the manifest checked), so
+    ``reshard ls``, retention and the manager see a failed checkpoint as
+    failed; nothing is renamed or deleted. Exits 1 if any problem is found,
+    2 if there is no checkpoint at CKPT.
     """
+    from .commit import read_manifest_bytes
     from .verify import verify
 
     t0 = time.perf_counter()
     try:
-        rep = verify(ckpt, checksums=not no_checksums, progress=_progress())
+        st, key = resolve(ckpt)
+        try:  # the manifest the record is bound to (read before the check)
+            raw: bytes | None = read_manifest_bytes(st, key)
+        except CheckpointError:
+            raw = None
+        rep = verify(key, checksums=not no_checksums, progress=_progress(), storage=st)
     except (CheckpointNotFoundError, ValueError) as e:
         _fail(USAGE, str(e))
     except CheckpointError as e:
@@ -356,6 +375,8 @@ def verify_cmd(ckpt: str, no_checksums: bool, json_path: str | None) -> None:
 
     secs = time.perf_counter() - t0
     dcp = DCP_NOTE in rep.notes  # DCP records no checksums: none were compared
+    if raw is not None:
+        _record_verification(st, key, raw, rep, "structure" if no_checksums else "checksums")
     write_json(json_path, {"path": rep.path, "ok": rep.ok, "problems": list(rep.problems),
                            "notes": list(rep.notes),
                            "bytes_checked": rep.bytes_checked, "checksums": not no_checksums and not dcp,
@@ -374,6 +395,26 @@ def verify_cmd(ckpt: str, no_checksums: bool, json_path: str | None) -> None:
     for note in rep.notes:
         click.echo(f"  note: {note}")
     sys.exit(CHECK_FAILED)
+
+
+def _record_verification(st: Any, key: str, raw: bytes, rep: Any, how: str) -> None:
+    """Write the verification record of the checkpoint ``key`` (a note on
+    stderr when it cannot be written: the check's outcome stands)."""
+    from .commit import manifest_digest
+    from .manifest import MANIFEST_NAME, decode_manifest
+    from .records import write_outcome
+
+    root, name = st.parent(key), st.basename(key)
+    try:
+        try:
+            files = {f: fe.size for f, fe in
+                     decode_manifest(raw, where=st.join(key, MANIFEST_NAME)).files.items()}
+        except CheckpointError:
+            files = {}
+        write_outcome(st, root, name, ok=rep.ok, problems=list(rep.problems), how=how,
+                      digest=manifest_digest(raw), files=files)
+    except (CheckpointError, OSError) as e:
+        click.echo(f"note: the verification record of {key} could not be written: {e}", err=True)
 
 
 @main.command("export")

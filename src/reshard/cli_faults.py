@@ -131,8 +131,11 @@ def faults_cmd(quick: bool, backend: str, json_path: str | None, only: str | Non
         errs = sorted({v.split(":", 1)[0] for v in r.ranks.values()})
         rows.append([f"{r.cell.backend}:{r.cell.name}", "safe" if r.safe else "UNSAFE", "/".join(errs),
                      os.path.basename(r.latest) if r.latest else "-",
-                     "yes" if r.previous_loads else "NO", ",".join(r.left_behind) or "-"])
-    table(["cell", "verdict", "rank outcomes", "latest", "prev bit-exact", "left behind (gc'd)"], rows)
+                     "yes" if r.previous_loads else "NO",
+                     "-" if r.next_commits is None else "yes" if r.next_commits else "NO",
+                     ",".join(r.left_behind) or "-"])
+    table(["cell", "verdict", "rank outcomes", "latest", "prev bit-exact", "next save commits",
+           "left behind (gc'd)"], rows)
     unsafe = [r for r in results if not r.safe]
     for r in unsafe:
         click.echo(f"UNSAFE {r.cell.backend}:{r.cell.name}:")

@@ -549,6 +549,38 @@ def new_checkpoint_group(group: Any = None, timeout_s: float | None = None) -> A
     return dist.new_group(ranks=ranks, **kwargs)
 
 
+_TIMED_GROUPS: dict[tuple[Any, float], Any] = {}
+
+
+def timed_collectives(group: Any, timeout_s: float | None) -> Collectives:
+    """Collectives for a save or load of ``group`` bounded by ``timeout_s``
+    seconds: over a gloo checkpoint group created (once per group and
+    timeout, every rank of ``group`` calling) with that timeout, so neither
+    the training group's timeout nor its traffic governs the checkpoint's
+    collectives. Plain :func:`get_collectives` when ``timeout_s`` is None or
+    there is no process group (a single process)."""
+    base = get_collectives(group)
+    if timeout_s is None or not isinstance(base, TorchCollectives) or base.world_size == 1:
+        return base
+    import torch.distributed as dist
+
+    key = (group if group is not None else "default", float(timeout_s))
+    pg = _TIMED_GROUPS.get(key)
+    if pg is None:
+        ranks = dist.get_process_group_ranks(group) if group is not None else None
+        pg = _TIMED_GROUPS[key] = dist.new_group(
+            ranks=ranks, backend="gloo", timeout=timedelta(seconds=float(timeout_s)),
+            use_local_synchronization=group is not None)
+    return TorchCollectives(pg)
+
+
+def timed_keys(group: Any = None) -> list[tuple[Any, ...]]:
+    """:func:`group_key` of every checkpoint group :func:`timed_collectives`
+    made for ``group``."""
+    g = group if group is not None else "default"
+    return [group_key(TorchCollectives(pg)) for (k, _), pg in _TIMED_GROUPS.items() if k is g]
+
+
 def group_timeout_s(group: Any = None) -> float | None:
     """The timeout (seconds) of ``group`` (None: the default group) where the
     backend exposes it (gloo does), else None."""

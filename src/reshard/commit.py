@@ -61,6 +61,9 @@ _TMP = ".tmp-"
 #: before any data, read back by every rank, deleted before the manifest is
 #: written (so a committed checkpoint holds only its manifest and data files)
 ATTEMPT_NONCE = "attempt-nonce.json"
+#: the suffix of an attempt's lease (:mod:`reshard.attempts`); beside an
+#: attempt directory ``<attempt>.lease.json`` where rename is atomic
+ATTEMPT_LEASE = ".lease.json"
 
 
 def new_attempt_id() -> str:
@@ -463,7 +466,8 @@ def scan(storage: Storage, root: str) -> list[Entry]:
     out: list[Entry] = []
     for name in names:
         p = storage.join(root, name)
-        if name.endswith(QUARANTINE_MARK) or _TMP in name or storage.is_link(p):
+        if name.endswith(QUARANTINE_MARK) or _TMP in name or storage.is_link(p) or (
+                INCOMPLETE in name and name.endswith(ATTEMPT_LEASE)):  # an attempt's lease
             continue
         if INCOMPLETE in name or RETIRED in name:
             out.append(Entry(path=p, name=name, manifest=None, abandoned=True,

@@ -326,6 +326,9 @@ class RankSave:
     ``publish(info, manifest)``, ``discard(info)``: coordinator only.
     ``write_plan(info, raw)`` (coordinator, before publish; optional): keep
     the plan (``plan.bin``, :mod:`reshard.plan_store`) in the attempt.
+    ``check_space(info, needed)`` (coordinator, once the plan is known and
+    before any rank writes; optional): raise when ``needed`` bytes (an
+    estimate of the data files' total) will not fit.
     """
 
     rank: int
@@ -342,7 +345,11 @@ class RankSave:
     manifest_args: Callable[[], dict[str, Any]]
     cache: CacheEntry | None = None
     write_plan: Callable[[dict[str, Any], bytes], None] | None = None
+    check_space: Callable[[dict[str, Any], int], None] | None = None
     new_cache: CacheEntry | None = None
+    #: the phase this rank is in ("plan", "write": writing and waiting for the
+    #: others to finish theirs, "publish"), named by a collective's failure
+    phase: str = "plan"
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -354,6 +361,28 @@ class SaveOutcome:
     total_bytes: int
     num_files: int
     manifest: Manifest | None
+
+
+def planned_bytes(layout: Layout) -> int:
+    """The bytes a save of ``layout`` writes: every assigned item's bytes,
+    plus a bound on the shard files' headers and block tables (4 KiB per
+    file and 16 bytes per MiB of data). Known before anything is written."""
+    data = files = 0
+    for plan, a in zip(layout.plans, layout.assignments, strict=True):
+        files += len(a.files)
+        for kind, i, _ in a.writes:
+            data += plan.tensors[i].nbytes if kind == 0 else plan.objects[i].nbytes
+    return data + 4096 * files + 16 * (data >> 20)
+
+
+def _check_space(ctx: RankSave, info: dict[str, Any], layout: Layout) -> BaseException | None:
+    if ctx.check_space is None:
+        return None
+    try:
+        ctx.check_space(info, planned_bytes(layout))
+    except Exception as e:  # noqa: BLE001 - agreed by the caller, before any data is written
+        return e
+    return None
 
 
 def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
@@ -403,6 +432,8 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
             assert c is not None
             assignment = c.assignment
             layout = c.layout
+            if rank == 0 and err is None and layout is not None:
+                err = _check_space(ctx, info, layout)
             yield from agree_steps(rank, "save (attempt location)", err)
         else:
             got = yield ("gather_bytes", encode_plan(ctx.plan, sh, ctx.value_digests))
@@ -413,6 +444,8 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
                     parts, layout = coordinate(got, files_per_rank=ctx.files_per_rank)
                 except Exception as e:  # noqa: BLE001
                     err = e
+                if err is None and layout is not None:
+                    err = _check_space(ctx, info, layout)
                 ctx.timings["coordinate_cpu"] = time.process_time() - tc
             yield from agree_steps(rank, "save", err)
             assignment = _DEC_ASSIGN.decode((yield ("scatter_bytes", parts)))
@@ -423,6 +456,7 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
     t1 = time.perf_counter()
     err = None
     report, mine = b"", 0
+    ctx.phase = "write"
     try:
         report, mine = ctx.persist(info, assignment)
     except Exception as e:  # noqa: BLE001
@@ -434,6 +468,7 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
     except CheckpointError:
         discard()
         raise
+    ctx.phase = "publish"
     reports = yield ("gather_bytes", report)
     err = None
     manifest = None

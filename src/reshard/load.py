@@ -18,7 +18,7 @@ import torch
 import xxhash
 
 from . import codec
-from .collectives import Collectives, get_collectives
+from .collectives import Collectives, timed_collectives
 from .commit import read_manifest
 from .coordination_load import KeyCensus, key_census, read_shared
 from .errors import (
@@ -165,8 +165,8 @@ def load(
             a target on device ``meta`` (materialise with ``to_empty()`` first).
         Every failure is raised on every rank of ``group``.
     """
-    coll = get_collectives(group)
     opts = options or LoadOptions()
+    coll = timed_collectives(group, opts.timeout_s)
     if coll.rank != 0 and opts.progress is not False:  # one progress bar: rank 0's
         opts = dataclasses.replace(opts, progress=False)
     t0 = time.perf_counter()

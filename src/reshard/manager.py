@@ -16,20 +16,23 @@ holds the checkpoint until ``expires``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
 
-from .collectives import get_collectives
+from .attempts import LEASE_SUFFIX, local_lease_key, read_lease
+from .collectives import timed_collectives
 from .commit import (
     _TMP,
     INCOMPLETE,
@@ -50,7 +53,7 @@ from .records import VERIFIED, check_and_record, record_holds
 from .resume import restore_collective
 from .retention import Candidate, Decision, Policy, decide
 from .save import SaveResult, save
-from .staging import SaveHandle, async_save
+from .staging import SaveHandle, async_save, exiting
 from .storage import Storage, resolve
 from .verify import latest_entry
 
@@ -112,6 +115,28 @@ class CheckpointManager:
             boundary followed by a clean stop (``should_stop``).
         options: SaveOptions for every save.
         group: process group.
+        on_save_error: ``hook(step, path, exception)``, called on every rank
+            when an asynchronous save fails, at the moment it fails (on the
+            save's background thread: keep it short and thread-safe; an
+            exception it raises is logged). A failure given to the hook
+            counts as reported: ``wait``/``close`` do not raise it again.
+        timeout_s: seconds every collective of a save, a restore and the
+            manager's own agreement may wait for the other ranks
+            (``SaveOptions.timeout_s`` / ``LoadOptions.timeout_s``: a
+            checkpoint group with that timeout, independent of the training
+            group's); None: ``options.timeout_s``.
+
+    Failures (the failure budget: a fault costs at most the save it hit):
+        A background save that fails is reported when it fails: one warning
+        line on the coordinator (step, path, cause), the handle's
+        ``committed`` future and ``on_save_error``. It never costs a later
+        save: ``save``/``maybe_save`` always attempt their own step (an
+        earlier failure nobody was told of is surfaced as a
+        ``RuntimeWarning`` by that next save, which goes ahead). ``wait``
+        and ``close`` wait for every pending save, then raise the first
+        failure not yet reported (by the hook, a warning or
+        ``SaveHandle.wait``), once. A synchronous save raises its own
+        failure only.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, every_steps: int | None = None,
@@ -121,7 +146,9 @@ class CheckpointManager:
                  use_async: bool = False, smoke_tensors: int = 4, gc_grace_s: float = 3600.0,
                  preempt_signals: Sequence[int] = (signal.SIGTERM,),
                  options: SaveOptions | None = None, group: Any = None,
-                 storage: Storage | None = None, checksum_before_delete: bool = True):
+                 storage: Storage | None = None, checksum_before_delete: bool = True,
+                 on_save_error: Callable[[int | None, str, BaseException], Any] | None = None,
+                 timeout_s: float | None = None):
         if interval not in (None, "auto"):
             raise ValueError("interval must be None or 'auto'")
         if interval == "auto" and not mtbf_s:
@@ -135,8 +162,12 @@ class CheckpointManager:
         self.smoke_tensors = smoke_tensors
         self.gc_grace_s = gc_grace_s
         self.options = options or SaveOptions()
+        if timeout_s is not None:
+            self.options = replace(self.options, timeout_s=timeout_s)
+        self.timeout_s = self.options.timeout_s
         self.group = group
-        self.coll = get_collectives(group)
+        # the manager's own collectives (cadence votes, names) share the bound
+        self.coll = timed_collectives(group, self.timeout_s)
         self.costs: list[float] = []
         self.last_save_time = time.monotonic()
         self.should_stop = False
@@ -144,12 +175,17 @@ class CheckpointManager:
         self._pending: list[tuple[str, SaveHandle]] = []
         self._auto_logged: float | None = None
         self.checksum_before_delete = checksum_before_delete
+        self.on_save_error = on_save_error
+        self._failed: list[SaveHandle] = []  # failed background saves of this manager
         self.last_plan: RetentionPlan | None = None
+        #: attempts the last gc kept for their live lease: name -> seconds since renewed
+        self.last_in_progress: dict[str, float] = {}
         # lineage of this run: the HEAD id and the parent of the next save
         self._lineage: str | None = None
         self._parent: str | None = None
         self._last_committed: str | None = None
         self._joined = False
+        self._closing = False
         self.storage.makedirs(self.root)
         self._old_handlers: dict[int, Any] = {}
         if preempt_signals and threading.current_thread() is threading.main_thread():
@@ -167,8 +203,29 @@ class CheckpointManager:
         return self.storage.join(self.root, self._name(step))
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        log.warning("signal %d: a checkpoint will be saved at the next step boundary", signum)
-        self._preempt.set()
+        """A preemption signal: a save at the next step boundary, while the
+        training loop is alive. One that arrives while the process is raising
+        or unwinding an exception, closing the manager or exiting (no step
+        boundary will come) is not deferred: the handler that was there
+        before the manager runs (the default one ends the process), as it
+        would without reshard."""
+        why = ("exiting" if self._closing or sys.is_finalizing() or exiting()
+               or not threading.main_thread().is_alive()
+               else "unwinding an exception" if sys.exc_info()[1] is not None else None)
+        if why is None:
+            log.warning("signal %d: a checkpoint will be saved at the next step boundary", signum)
+            self._preempt.set()
+            return
+        old = self._old_handlers.get(signum, signal.SIG_DFL)
+        log.warning("signal %d while %s: no checkpoint is deferred to a step boundary that will "
+                    "not come; handled as without reshard", signum, why)
+        if callable(old):
+            old(signum, frame)
+            return
+        if old == signal.SIG_IGN:
+            return
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
     def request_preemption(self) -> None:
         """Same as receiving a preemption signal."""
@@ -206,14 +263,23 @@ class CheckpointManager:
     def maybe_save(self, step: int, state: Mapping[str, Any], *,
                    metric: float | None = None) -> SaveResult | SaveHandle | None:
         """Save if :meth:`should_save`. After a preemption request, the save is
-        synchronous and ``should_stop`` becomes True."""
+        synchronous and ``should_stop`` becomes True (also when it, or the
+        wait for the saves still in flight, raises).
+
+        Never raises an earlier background save's failure (see the class
+        docstring): a checkpoint step is always attempted.
+
+        Raises:
+            CheckpointError: this step's synchronous save failed."""
         self._process_finished()
         if not self.should_save(step):
             return None
         if self._preempt.is_set():
-            res = self.save(step, state, metric=metric, sync=True)
-            self.wait()
-            self.should_stop = True
+            try:
+                res = self.save(step, state, metric=metric, sync=True)
+                self.wait()
+            finally:
+                self.should_stop = True
             return res
         return self.save(step, state, metric=metric)
 
@@ -229,16 +295,29 @@ class CheckpointManager:
         (the checkpoint resumed from, then the previous save of this run) and
         this run's lineage (:mod:`reshard.lineage`).
 
+        Asynchronous (``use_async``): returns the handle once staged; its
+        failure is reported when it happens (see the class docstring). An
+        earlier save's failure never stops this one.
+
         Raises:
-            CheckpointError: as :func:`reshard.save` (or a previous
-                asynchronous save failed: raised once); StorageError when the
-                root cannot be listed to choose the name.
+            CheckpointError: as :func:`reshard.save` for a synchronous save
+                (its own failure only); StorageError when the root cannot be
+                listed to choose the name.
         """
         extra = dict(self.options.extra)
         if metric is not None:
             extra["metric"] = float(metric)
         if self._lineage is None and not self._joined:
             self._join_lineage()
+        if self.use_async and not sync and self.options.if_busy == "block":
+            # the oldest in-flight save commits (and retention runs) before the
+            # next is handed off: keep_last=K then holds at most K committed
+            # checkpoints plus the one being written (plus the resume source)
+            while len(self._pending) >= self.options.max_pending:
+                self._pending[0][1].committed.exception()
+                self._process_finished()
+        if self.coll.rank == 0:
+            self._make_room(step)
         name = self._agreed_name(step)
         opts = SaveOptions(**{**self.options.__dict__, "extra": extra, "parent": self._parent,
                               "lineage": self._lineage})
@@ -247,6 +326,7 @@ class CheckpointManager:
         self.last_save_time = time.monotonic()
         if self.use_async and not sync:
             h = async_save(state, path, step=step, group=self.group, options=opts, storage=self.storage)
+            h.committed.add_done_callback(functools.partial(self._on_done, h))
             self.costs.append(h.stall_s)
             self._pending.append((name, h))
             self._parent = name
@@ -256,6 +336,31 @@ class CheckpointManager:
         self._parent = self._last_committed = name
         self._after_commit(name)
         return res
+
+    def _make_room(self, step: int) -> None:
+        """Coordinator, before a save: when the store reports free space
+        (local: ``statvfs``) and it is less than the newest checkpoint's
+        size (the expected size of this one), apply retention first, so the
+        checkpoints it no longer keeps free their space (never the newest
+        verified one, the resume source or the lineage's newest: the
+        retention rules). Never raises: the save's own check (exact, from
+        its plan) fails it up front if it still does not fit."""
+        try:
+            free = self.storage.free_bytes(self.root)
+            if free is None:
+                return
+            entries = committed(self.storage, self.root)
+            if not entries or entries[-1].manifest is None:
+                return
+            need = entries[-1].manifest.total_bytes
+            if free >= need:
+                return
+            log.warning("%s: %d bytes free, the save of step %d needs about %d: applying "
+                        "retention first", self.root, free, step, need)
+            self._retention_after_commit()
+        except CheckpointError as e:
+            log.warning("%s: freeing space before the save of step %d failed (%s: %s)",
+                        self.root, step, type(e).__name__, e)
 
     def _join_lineage(self) -> None:
         """A manager that did not restore joins the root's current lineage
@@ -305,18 +410,42 @@ class CheckpointManager:
         log.info("%s is taken; saving step %d as %s.%d", base, step, base, i)
         return f"{base}.{i}"
 
+    def _on_done(self, h: SaveHandle, _f: Any = None) -> None:
+        """On the background thread, when a save ends: a failure goes to
+        ``on_save_error`` at once (which then counts as its report)."""
+        exc = h.committed.exception()
+        if exc is None or self.on_save_error is None:
+            return
+        h._reported = True
+        try:
+            self.on_save_error(h.step, h.path, exc)
+        except Exception as e:  # noqa: BLE001 - a hook's error must not end the save thread
+            log.warning("on_save_error raised for the save of step %s: %s: %s", h.step,
+                        type(e).__name__, e)
+
     def wait(self) -> None:
-        """Wait for in-flight saves, then verify and apply retention.
+        """Wait for every in-flight save, then verify and apply retention.
 
         Raises:
-            CheckpointError: a background save failed (raised once: the
-                failed save is then no longer pending).
+            CheckpointError: a background save of this manager failed and
+                was not yet reported (by ``on_save_error``, a later save's
+                warning or ``SaveHandle.wait``): the first such failure,
+                once, after every pending save finished.
         """
         try:
             for _, h in self._pending:
-                h.wait()
+                h.committed.exception()
         finally:
             self._process_finished()
+        fresh = [h for h in self._failed if not h._reported]
+        self._failed.clear()
+        for h in fresh:
+            h._reported = True
+        if fresh:
+            h = fresh[0]
+            more = f" ({len(fresh) - 1} more failed)" if len(fresh) > 1 else ""
+            raise CheckpointError(f"the asynchronous save of step {h.step} to {h.path} failed: "
+                                  f"{h.committed.exception()}{more}") from h.committed.exception()
 
     def _process_finished(self) -> None:
         done = [(n, h) for n, h in self._pending if h.done()]
@@ -325,9 +454,11 @@ class CheckpointManager:
             if h.exception() is None and not h.skipped:
                 self._last_committed = name
                 self._after_commit(name)
-            elif self._parent == name:  # never committed: the next save's parent is the last one that did
-                self._parent = self._last_committed
-            # a failed background save is raised by the next save (reshard.staging)
+            else:
+                if h.exception() is not None:
+                    self._failed.append(h)
+                if self._parent == name:  # never committed: the next save's parent is the last one that did
+                    self._parent = self._last_committed
 
     def _after_commit(self, name: str) -> None:
         """The coordinator's housekeeping after ``name`` committed: its
@@ -530,7 +661,9 @@ class CheckpointManager:
         (an overwrite's or a retention's interrupted deletion) and records'
         temporaries (``HEAD.tmp-*``: a write killed before its rename) older than
         ``grace_s`` seconds (never one of this manager's in-flight saves,
-        never a quarantined checkpoint). On a store without atomic rename
+        never an attempt whose lease is live, whatever ``grace_s``: those are
+        in :attr:`last_in_progress`; never a quarantined checkpoint), and
+        expired leases whose attempt is gone. On a store without atomic rename
         (S3): the attempts whose lease has expired, and their open multipart
         uploads (:func:`reshard.attempts.gc_root`); returns ``<checkpoint>/<attempt
         id>`` names."""
@@ -538,22 +671,39 @@ class CheckpointManager:
         if not self.storage.capabilities.atomic_rename:  # attempts live under the final prefix
             from .attempts import gc_root
 
-            return list(gc_root(self.storage, self.root, grace_s=grace, dry_run=dry_run).attempts)
+            got = gc_root(self.storage, self.root, grace_s=grace, dry_run=dry_run)
+            self.last_in_progress = dict(got.in_progress)
+            return list(got.attempts)
         now = time.time()
         inflight = set(self._pending_names())
+        live = self.attempts_in_progress(now)
+        self.last_in_progress = live
         out = []
         for e in scan(self.storage, self.root):
             if not e.abandoned or e.quarantined or (INCOMPLETE not in e.name
                                                     and RETIRED not in e.name):
                 continue
-            if e.name.split(INCOMPLETE, 1)[0] in inflight:
+            if e.name.split(INCOMPLETE, 1)[0] in inflight or e.name in live:
                 continue
             if e.mtime is not None and now - e.mtime < grace:
                 continue
             out.append(e.name)
             if not dry_run:
                 self.storage.delete_tree(e.path)
-        for child in self.storage.list_dir(self.root) if self.storage.exists(self.root) else ():
+                self.storage.delete_tree(local_lease_key(e.path))
+        names = self.storage.list_dir(self.root) if self.storage.exists(self.root) else []
+        for child in names:  # an expired lease whose attempt is gone (its coordinator died)
+            if INCOMPLETE not in child or not child.endswith(LEASE_SUFFIX):
+                continue
+            attempt = child[: -len(LEASE_SUFFIX)]
+            if attempt in live or attempt in names:
+                continue
+            p = self.storage.join(self.root, child)
+            if read_lease(self.storage, p, now) is None:
+                out.append(child)
+                if not dry_run:
+                    self.storage.delete_tree(p)
+        for child in names:
             if _TMP not in child:  # a record's temporary left by a SIGKILL (HEAD.tmp-..., ...)
                 continue
             p = self.storage.join(self.root, child)
@@ -563,6 +713,25 @@ class CheckpointManager:
             out.append(child)
             if not dry_run:
                 self.storage.delete_tree(p)
+        return out
+
+    def attempts_in_progress(self, now: float | None = None) -> dict[str, float]:
+        """Attempts under the root whose lease is live (a save is running):
+        name (``step-%08d.incomplete-<id>``, or ``<checkpoint>/<attempt id>``
+        where attempts share the final prefix) -> seconds since the lease was
+        renewed. gc and retention never delete these, whatever the grace."""
+        now = time.time() if now is None else now
+        if not self.storage.capabilities.atomic_rename:
+            from .attempts import gc_root
+
+            return dict(gc_root(self.storage, self.root, grace_s=math.inf, dry_run=True).in_progress)
+        names = self.storage.list_dir(self.root) if self.storage.exists(self.root) else []
+        out: dict[str, float] = {}
+        for child in names:
+            if INCOMPLETE in child and not child.endswith(LEASE_SUFFIX) and child + LEASE_SUFFIX in names:
+                age = read_lease(self.storage, self.storage.join(self.root, child + LEASE_SUFFIX), now)
+                if age is not None:
+                    out[child] = age
         return out
 
     def _pending_names(self) -> list[str]:
@@ -610,6 +779,12 @@ class CheckpointManager:
                 attempts exist (a silent fresh start would lose the run), or
                 ``step`` (``name``) is not committed.
         """
+        if self.timeout_s is not None:
+            from .options import LoadOptions
+
+            lo = load_kwargs.get("options") or LoadOptions()
+            if lo.timeout_s is None:
+                load_kwargs = {**load_kwargs, "options": replace(lo, timeout_s=self.timeout_s)}
         return restore_collective(self, state, step=step, name=name,
                                   allow_fresh_start=allow_fresh_start, load_kwargs=load_kwargs,
                                   record_head=record_head)
@@ -619,7 +794,11 @@ class CheckpointManager:
         self._last_committed = head.name
 
     def close(self) -> None:
-        """Wait for in-flight saves and restore the signal handlers replaced."""
+        """Wait for in-flight saves and restore the signal handlers replaced.
+
+        Raises:
+            CheckpointError: as :meth:`wait` (the handlers are restored first)."""
+        self._closing = True
         try:
             self.wait()
         finally:

@@ -6,6 +6,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def check_timeout(v: Any, name: str) -> None:
+    """None, or a finite number of seconds > 0.
+
+    Raises:
+        ValueError: anything else, naming the option."""
+    import math
+    import numbers
+
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a number of seconds > 0 (or None), got {v!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class SaveOptions:
     """How a save runs.
@@ -50,6 +64,14 @@ class SaveOptions:
         lineage: recorded as the manifest's ``lineage``: the id of the root's
             ``HEAD`` record the saving run continues from (set by
             ``CheckpointManager``; leave None otherwise).
+        timeout_s: seconds every collective of the save may wait for the
+            other ranks, independently of the training group's timeout: the
+            save's collectives then run on a checkpoint process group (gloo)
+            created once with this timeout (every rank of ``group`` must
+            save with the same value). A rank that does not arrive fails the
+            save on every other rank with a CheckpointError naming it and the
+            phase. None (default): the group's own timeout (the background
+            group of ``async_save`` takes the training group's).
     """
 
     checksums: bool = True
@@ -68,8 +90,10 @@ class SaveOptions:
     progress: bool | None = None
     parent: str | None = None
     lineage: str | None = None
+    timeout_s: float | None = None
 
     def __post_init__(self) -> None:
+        check_timeout(self.timeout_s, "SaveOptions.timeout_s")
         if self.max_pending < 1:
             raise ValueError("max_pending must be >= 1")
         if not 0 <= self.background_nice <= 19:
@@ -117,8 +141,13 @@ class LoadOptions:
             scratch buffers only. Needs ``checksums``; a needed chunk saved
             without checksums is refused (IntegrityError).
 
+        timeout_s: seconds every collective of the load may wait for the
+            other ranks (a checkpoint process group with this timeout, as
+            ``SaveOptions.timeout_s``); None: the group's own timeout.
+
     Raises:
-        ValueError: ``verify_first`` without ``checksums``, or ``threads < 1``.
+        ValueError: ``verify_first`` without ``checksums``, ``threads < 1``,
+            or a ``timeout_s`` that is not a positive number.
     """
 
     checksums: bool = True
@@ -128,8 +157,10 @@ class LoadOptions:
     hmac_key: bytes | None = None
     progress: bool | None = None
     verify_first: bool = False
+    timeout_s: float | None = None
 
     def __post_init__(self) -> None:
+        check_timeout(self.timeout_s, "LoadOptions.timeout_s")
         if self.verify_first and not self.checksums:
             raise ValueError("verify_first needs checksums=True (it verifies checksums)")
         if self.threads < 1:

@@ -10,6 +10,7 @@ failed before it starts. Keeping the registry apart keeps the arrows one way:
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 from .errors import CheckpointError
@@ -39,3 +40,28 @@ def raise_pending_error(group: Any = None, *, wait: bool = False) -> None:
         if h is not None:
             h._reported = True
         raise CheckpointError(f"a previous asynchronous save failed: {err}") from err
+
+
+def warn_pending_error(group: Any = None, *, wait: bool = False, step: int | None = None) -> None:
+    """Surface (once) the failure of an earlier background save of ``group``
+    as a ``RuntimeWarning``, without raising: the save that calls it (of
+    ``step``) goes ahead. A failure is reported when it happens (a log line
+    on the coordinator, the handle's ``committed`` future, the manager's
+    ``on_save_error`` hook) and never costs a later save. ``wait``: as
+    :func:`raise_pending_error`."""
+    s = SAVERS.get(group if group is not None else "default")
+    if s is None:
+        return
+    if wait:
+        for slot in list(s.pending):
+            slot.handle.committed.exception()
+    s.reclaim()
+    if s.error is None:
+        return
+    err, h, s.error, s.error_handle = s.error, s.error_handle, None, None
+    if h is None or h._reported:
+        return
+    h._reported = True
+    warnings.warn(f"the asynchronous save of step {h.step} to {h.path} failed earlier "
+                  f"({type(err).__name__}: {err}); the save of step {step} goes ahead",
+                  RuntimeWarning, stacklevel=3)

@@ -87,13 +87,26 @@ def check_and_record(storage: Storage, root: str, name: str, *, smoke_tensors: i
         problems.append(f"{type(e).__name__}: {e}")
     ok = not problems
     if record:
-        write_record(storage, record_path(storage, root, name),
-                     {"ok": ok, "time": time.time(), "problems": problems[:20],
-                      "how": how, "manifest_xxh3": digest,
-                      "files": files})
+        write_outcome(storage, root, name, ok=ok, problems=problems, how=how, digest=digest,
+                      files=files)
     if not ok:
         log.warning("checkpoint %s failed its %s check: %s", path, how, problems[:3])
     return ok
+
+
+def write_outcome(storage: Storage, root: str, name: str, *, ok: bool, problems: list[str],
+                  how: str, digest: str | None, files: dict[str, int]) -> None:
+    """Write the verification record of ``root/name``: the outcome (``ok``,
+    the first 20 ``problems``), ``how`` it was checked, the xxh3_64
+    ``digest`` of the manifest bytes checked and every file's size (the
+    binding :func:`record_holds` re-checks). A failing record makes the
+    checkpoint ``failed`` for ``reshard ls`` and unverified for retention.
+
+    Raises:
+        StorageError: the record could not be written."""
+    write_record(storage, record_path(storage, root, name),
+                 {"ok": ok, "time": time.time(), "problems": problems[:20], "how": how,
+                  "manifest_xxh3": digest, "files": files})
 
 
 def record_holds(storage: Storage, root: str, name: str, entry: Entry | None = None) -> bool:

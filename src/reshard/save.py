@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import xxhash
 
 from . import attempts, codec
-from .collectives import Collectives, drive, get_collectives, group_key
+from .collectives import (
+    Collectives,
+    drive,
+    get_collectives,
+    group_key,
+    timed_collectives,
+    timed_keys,
+)
 from .commit import (
     attempt_path,
     check_attempt,
@@ -44,6 +53,8 @@ from .shardfile import FileItem, block_digests, digest_of, tensor_bytes, write_s
 from .sharding import ShardedTensor, dtype_name
 from .storage import Storage, resolve
 from .tree import flatten
+
+log = logging.getLogger("reshard.save")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -318,16 +329,20 @@ def save(
         naming different checkpoints, a rank that cannot see the
         coordinator's attempt (node-local storage), an IntegrityError for a
         data file missing or short at publish); nothing is published, the
-        attempt is discarded and no older checkpoint is touched.
+        attempt is discarded and no older checkpoint is touched. Never an
+        earlier background save's failure: one nobody was told of is a
+        ``RuntimeWarning`` here, and this save goes ahead. StorageError
+        before any data is written when the store reports less free space
+        than the plan needs (the message names both).
     """
-    from .pending import raise_pending_error
+    from .pending import warn_pending_error
 
     step = check_step(step)
-    coll = get_collectives(group)
     opts = options or SaveOptions()
+    coll = timed_collectives(group, opts.timeout_s)
     if coll.rank != 0 and opts.progress is not False:  # one progress bar: rank 0's
         opts = dataclasses.replace(opts, progress=False)
-    raise_pending_error(group, wait=True)
+    warn_pending_error(group, wait=True, step=step)
     st, key = resolve(path, storage)
     t0 = time.perf_counter()
     snap = None
@@ -356,7 +371,12 @@ def run_save(
     gkey = group_key(coll)
 
     def check_location(info: dict[str, Any]) -> None:
-        check_attempt_location(coll.rank, st, key, info)
+        try:
+            check_attempt_location(coll.rank, st, key, info)
+        except Exception as e:
+            if coll.rank != 0:  # elsewhere an unseen attempt is node-local storage, not removal
+                raise
+            _raise_removed(st, info, e)
 
     def do_persist(info: dict[str, Any], assignment: Assignment) -> tuple[bytes, int]:
         assert snap is not None and lp is not None
@@ -369,8 +389,14 @@ def run_save(
             on_attempt(attempt)
         try:  # into the coordinator's attempt, which this rank has been shown to see
             return persist(st, attempt, snap, assignment, options)
-        except OSError as e:  # a backend that raised a bare OSError: the store failed
-            raise StorageError(f"{key}: writing rank {rank}'s files failed: {type(e).__name__}: {e}") from e
+        except Exception as e:
+            gone = removed_error(st, info, e)
+            if gone is not e:
+                raise gone from e
+            if isinstance(e, OSError):  # a backend that raised a bare OSError: the store failed
+                raise StorageError(f"{key}: writing rank {rank}'s files failed: "
+                                   f"{type(e).__name__}: {e}") from e
+            raise
 
     def do_publish(info: dict[str, Any], manifest: Manifest) -> None:
         if abort is not None and abort.is_set():
@@ -380,8 +406,11 @@ def run_save(
                 manifest, {n: attempts.data_name(info["attempt"], n) for n in manifest.files})
         if options.hmac_key is not None:
             manifest = sign_manifest(manifest, options.hmac_key)
-        publish(st, info["attempt_path"], info["target"], manifest, overwrite=options.overwrite,
-                durable=options.durable)
+        try:
+            publish(st, info["attempt_path"], info["target"], manifest, overwrite=options.overwrite,
+                    durable=options.durable)
+        except Exception as e:
+            _raise_removed(st, info, e)
         published.append(manifest)
 
     def manifest_args() -> dict[str, Any]:
@@ -402,15 +431,26 @@ def run_save(
             restored = cache is not None
 
     def write_plan(info: dict[str, Any], raw: bytes) -> None:
-        st.write_bytes(st.join(info["attempt_path"], PLAN_FILE), raw, durable=options.durable)
+        try:
+            st.write_bytes(st.join(info["attempt_path"], PLAN_FILE), raw, durable=options.durable)
+        except Exception as e:
+            _raise_removed(st, info, e)
 
     leases: list[attempts.AttemptLease] = []
 
     def begin() -> dict[str, Any]:
-        info = open_attempt(st, key, options)
-        if not st.capabilities.atomic_rename:  # held by the coordinator until publish or discard
-            leases.append(attempts.AttemptLease(st, info["target"], info["attempt"]).start())
-        return info
+        # the lease is held by the coordinator until publish (and rename) or
+        # discard; it is written before the attempt exists, so no gc ever
+        # sees the attempt without it
+        return open_attempt(st, key, options, leases=leases)
+
+    def check_space(info: dict[str, Any], needed: int) -> None:
+        free = st.free_bytes(info["attempt_path"])
+        if free is not None and needed > free:
+            raise StorageError(
+                f"{info['target']}: not enough space for the checkpoint of step {step}: it needs "
+                f"about {needed} bytes ({needed / 2**20:.1f} MiB), {free} bytes "
+                f"({free / 2**20:.1f} MiB) are free; nothing was written")
 
     ctx = RankSave(rank=rank, world_size=coll.world_size, plan=lp,
                    value_digests=snap.value_digests if snap is not None else {}, err=err,
@@ -418,12 +458,21 @@ def run_save(
                    check_location=check_location, persist=do_persist, publish=do_publish,
                    discard=lambda info: discard_attempt(coll, st, info["attempt_path"],
                                                         attempt_id=info["attempt"]),
-                   manifest_args=manifest_args, cache=cache,
+                   manifest_args=manifest_args, cache=cache, check_space=check_space,
                    # attempts share the final prefix without rename: no plan kept there
                    write_plan=write_plan if st.capabilities.atomic_rename else None)
+    watched = _Watched(coll, f"save of step {step}", lambda: ctx.phase)
     try:
-        out = drive(coll, save_steps(ctx))
+        out = drive(watched, save_steps(ctx))  # type: ignore[arg-type]
+    except CheckpointError as e:
+        lost = getattr(e, "lost_ranks", None)
+        if lost is None:  # not a collective that failed
+            raise
+        err = type(e)(f"{e} [save of step {step} to {key}, phase {ctx.phase}]", failures=e.failures)
+        err.lost_ranks = lost  # type: ignore[attr-defined]
+        raise err from e
     finally:
+        watched.stop()
         for lease in leases:
             lease.stop()
     if ctx.new_cache is not None:
@@ -436,19 +485,108 @@ def run_save(
                       manifest=published[0] if published else None)
 
 
+def wait_report_s() -> float:
+    """Seconds between the coordinator's lines about a collective still
+    waiting for other ranks: ``RESHARD_WAIT_REPORT_S`` if set, else 30."""
+    v = os.environ.get("RESHARD_WAIT_REPORT_S")
+    return float(v) if v else 30.0
+
+
+class _Watched:
+    """``coll`` as the save's protocol sees it, watched on the coordinator:
+    while one collective has waited longer than :func:`wait_report_s`, one
+    warning per period, ``save of step S: waiting N s for the other ranks in
+    phase P (collective C)``. A daemon thread, started at the first wait."""
+
+    def __init__(self, coll: Collectives, what: str, phase: Any):
+        self._coll, self._what, self._phase = coll, what, phase
+        self.rank, self.world_size = coll.rank, coll.world_size
+        self._waiting: tuple[str, float] | None = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._every = wait_report_s()
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._coll, name)
+        if not callable(fn) or self.rank != 0 or self.world_size == 1:
+            return fn
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._waiting = (name, time.monotonic())
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, daemon=True,
+                                                name="reshard-save-watch")
+                self._thread.start()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._waiting = None
+
+        return call
+
+    def _watch(self) -> None:
+        reported: tuple[str, float] | None = None
+        n = 0
+        while not self._done.wait(min(1.0, self._every / 4)):
+            w = self._waiting
+            if w is None:
+                continue
+            if w is not reported:
+                reported, n = w, 0
+            waited = time.monotonic() - w[1]
+            if waited >= (n + 1) * self._every:
+                n += 1
+                log.warning("%s: waiting %.0f s for the other ranks in phase %s (collective %s)",
+                            self._what, waited, self._phase(), w[0])
+
+    def stop(self) -> None:
+        self._done.set()
+
+
 def drop_plan_cache(group: Any = None) -> None:
     """Forget this process's cached save plan for ``group`` (default: the
     default group), as a restart does: the next save reuses the parent
     checkpoint's plan (``SaveOptions.parent``) when it fits, else plans."""
-    PLAN_CACHE.pop(group_key(get_collectives(group)), None)
+    for k in [group_key(get_collectives(group)), *timed_keys(group)]:
+        PLAN_CACHE.pop(k, None)
 
 
-def open_attempt(st: Storage, key: str, options: SaveOptions) -> dict[str, Any]:
+def _raise_removed(st: Storage, info: dict[str, Any], e: BaseException) -> NoReturn:
+    """Raise :func:`removed_error` of ``e`` (chained to it), or ``e`` itself."""
+    gone = removed_error(st, info, e)
+    if gone is e:
+        raise e
+    raise gone from e
+
+
+def removed_error(st: Storage, info: dict[str, Any], e: BaseException) -> BaseException:
+    """``e`` as a CheckpointError naming what happened when the attempt
+    directory no longer exists (removed under the running save: a ``reshard
+    gc`` of another version, a person, a script), else ``e`` itself."""
+    attempt = info["attempt_path"]
+    if isinstance(e, CheckpointError) and "was removed while the save ran" in str(e):
+        return e
+    try:
+        if not st.capabilities.atomic_rename or st.exists(attempt) or st.exists(
+                st.join(info["target"], MANIFEST_NAME)):
+            return e
+    except Exception:  # noqa: BLE001 - the original error is what matters then
+        return e
+    return CheckpointError(
+        f"{attempt}: the attempt directory was removed while the save ran (by a garbage "
+        f"collection that ignored its lease, or by a person or script); nothing was published "
+        f"and no older checkpoint was touched ({type(e).__name__}: {e})")
+
+
+def open_attempt(st: Storage, key: str, options: SaveOptions,
+                 leases: list[attempts.AttemptLease] | None = None) -> dict[str, Any]:
     """Coordinator, before any rank writes: decide where the checkpoint goes.
 
     ``key`` is made canonical (``Storage.canonical``: absolute, symbolic
     links resolved), checked (:func:`~reshard.commit.check_target`), and the
     attempt is created with a nonce in it (:func:`~reshard.commit.create_attempt`).
+    With ``leases``, the attempt's lease (:class:`reshard.attempts.AttemptLease`)
+    is started first and appended to it (the caller stops it).
     Returns what every rank needs (JSON-safe): ``target`` (the canonical
     checkpoint location), ``attempt`` (id), ``attempt_path`` and ``nonce``.
     """
@@ -458,6 +596,14 @@ def open_attempt(st: Storage, key: str, options: SaveOptions) -> dict[str, Any]:
     attempt_id = new_attempt_id()
     attempt = attempt_path(st, target, attempt_id)
     try:
+        if leases is not None:
+            if st.capabilities.atomic_rename:
+                st.makedirs(st.parent(attempt) or "/")
+                lease = attempts.AttemptLease(st, target, attempt_id,
+                                              key=attempts.local_lease_key(attempt))
+            else:
+                lease = attempts.AttemptLease(st, target, attempt_id)
+            leases.append(lease.start())
         nonce = create_attempt(st, attempt, attempt_id)
     except Exception:
         try:  # nothing was published: the attempt (or its objects under the prefix) goes

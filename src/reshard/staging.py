@@ -20,6 +20,7 @@ with the training step for the same cores, and the step should win.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import threading
@@ -28,16 +29,19 @@ import warnings
 from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .collectives import Collectives, SingleProcess, TorchCollectives, get_collectives
 from .options import SaveOptions
-from .pending import SAVERS, SAVERS_LOCK, raise_pending_error
+from .pending import SAVERS, SAVERS_LOCK, warn_pending_error
+from .pending import raise_pending_error as raise_pending_error  # re-exported
 from .save import SaveResult, Snapshot, check_step, collect, finish_digests, run_save
 from .storage import Storage, resolve
+
+log = logging.getLogger("reshard.staging")
 
 
 class BufferPool:
@@ -120,6 +124,7 @@ class _Slot:
     handle: SaveHandle
     buffers: list[torch.Tensor]
     thread: threading.Thread
+    started: float = field(default_factory=time.monotonic)
 
 
 class _Saver:
@@ -133,6 +138,7 @@ class _Saver:
         self.error: BaseException | None = None
         self.error_handle: SaveHandle | None = None
         self.lock = threading.Lock()
+        self.timed: dict[float, Collectives] = {}
         base = get_collectives(group)
         self.rank, self.world_size = base.rank, base.world_size
         if isinstance(base, SingleProcess):
@@ -144,6 +150,18 @@ class _Saver:
             # all ranks reach here on their first async_save, in the same order
             self.bg = TorchCollectives(new_checkpoint_group(group))
             self.ctl = TorchCollectives(new_checkpoint_group(group))
+
+    def bg_for(self, timeout_s: float | None) -> Collectives:
+        """The background group, or one created (once, by every rank, on the
+        caller's thread) with ``timeout_s`` (``SaveOptions.timeout_s``)."""
+        if timeout_s is None or isinstance(self.bg, SingleProcess):
+            return self.bg
+        got = self.timed.get(timeout_s)
+        if got is None:
+            from .collectives import new_checkpoint_group
+
+            got = self.timed[timeout_s] = TorchCollectives(new_checkpoint_group(self.group, timeout_s))
+        return got
 
     def reclaim(self) -> None:
         keep = []
@@ -186,15 +204,22 @@ def async_save(
     decision is agreed across ranks). Background collectives run on a
     separate gloo group, never the training group.
 
+    Failures: a background save that fails logs one warning on the
+    coordinator when it fails (step, path, cause) and sets the exception of
+    ``handle.committed`` (``handle.wait()`` raises it). It never costs a later
+    save: the next ``save``/``async_save`` of the group saves its own step
+    and surfaces an earlier failure that nobody waited for as a
+    ``RuntimeWarning`` (once).
+
     Raises:
-        CheckpointError: a previous background save of this group failed
-            (raised at the latest here), or staging failed on any rank.
+        CheckpointError: staging failed on any rank (then reported by the
+            handle: the background save fails on every rank).
     """
     t0 = time.perf_counter()
     step = check_step(step)
     opts = options or SaveOptions()
     saver = _saver(group)
-    raise_pending_error(group)
+    saver.reclaim()
     st, key = resolve(path, storage)
     busy = len(saver.pending) >= opts.max_pending
     if opts.if_busy == "skip":
@@ -209,8 +234,9 @@ def async_save(
     while len(saver.pending) >= opts.max_pending:
         saver.pending[0].handle.committed.exception()  # wait, errors surface below
         saver.reclaim()
-    raise_pending_error(group)
+    warn_pending_error(group, step=step)
     handle = SaveHandle(st.url(key), step)
+    bg = saver.bg_for(opts.timeout_s)
     buffers: list[torch.Tensor] = []
     cuda_stream = None
 
@@ -254,7 +280,7 @@ def async_save(
             t_sum = time.perf_counter() - t_sum
             if prev is not None:
                 prev.join()
-            res = run_save(saver.bg, st, key, snap, err, step=step, options=opts, t0=time.perf_counter(),
+            res = run_save(bg, st, key, snap, err, step=step, options=opts, t0=time.perf_counter(),
                            abort=handle._abort)
             # "stage": the caller's stall (copies into staging buffers); "checksum": background
             res.timings.update(stage=handle.stall_s, checksum=t_sum)
@@ -267,6 +293,9 @@ def async_save(
         # (SIGABRT). Once the outcome is set, this thread runs no torch code.
         snap = None
         if failure is not None:
+            if saver.rank == 0:  # reported when it happens: one line, on the coordinator
+                log.warning("asynchronous save of step %s to %s failed: %s: %s", step, key,
+                            type(failure).__name__, " ".join(str(failure).split())[:2000])
             handle.committed.set_exception(failure)
         else:
             handle.committed.set_result(res)
@@ -305,6 +334,12 @@ def wait_all(group: Any = None, timeout: float | None = None) -> None:
 
 
 _AT_EXIT_SEEN: set[int] = set()
+_EXITING = threading.Event()
+
+
+def exiting() -> bool:
+    """Whether the process's exit has begun (the exit wait for pending saves runs)."""
+    return _EXITING.is_set()
 
 
 def _at_exit() -> None:
@@ -321,10 +356,16 @@ def _at_exit() -> None:
     # it runs twice (the interpreter's thread shutdown, then atexit): the second
     # time only for saves started since (a save abandoned the first time, whose
     # thread outlived its 30 s join, is not waited for again without a limit)
+    _EXITING.set()
     slots = [slot for s in SAVERS.values() for slot in s.pending if id(slot) not in _AT_EXIT_SEEN]
     _AT_EXIT_SEEN.update(id(slot) for slot in slots)
     try:
         for slot in slots:
+            if not slot.handle.committed.done():
+                h = slot.handle
+                _exit_line(f"reshard: exit waits for the asynchronous save of step {h.step} to "
+                           f"{h.path} (in flight for {time.monotonic() - slot.started:.0f} s) to "
+                           "commit, as long as its collectives wait at most; Ctrl-C abandons it")
             slot.handle.committed.exception()
             slot.thread.join()
     except KeyboardInterrupt:
@@ -337,7 +378,7 @@ def _at_exit() -> None:
                 _exit_note(slot.handle, "was abandoned at exit (interrupted; nothing published)")
         return
     # a failure nobody will see otherwise: the program ended without waiting
-    # for the save, and no later save raises it (raise_pending_error)
+    # for the save, and no later save warned of it (warn_pending_error)
     for s in SAVERS.values():
         failed = [slot.handle for slot in s.pending if slot.handle.committed.exception() is not None]
         if s.error_handle is not None and s.error_handle not in failed:
@@ -349,11 +390,14 @@ def _at_exit() -> None:
 
 
 def _exit_note(h: SaveHandle, what: str) -> None:
-    """One line on stderr at exit about an asynchronous save (best effort:
-    stderr may already be closed)."""
+    """One line on stderr at exit about an asynchronous save."""
+    _exit_line(f"reshard: the asynchronous save of step {h.step} to {h.path} {' '.join(what.split())}")
+
+
+def _exit_line(line: str) -> None:
+    """One line on stderr at exit (best effort: stderr may already be closed)."""
     try:
-        sys.stderr.write(f"reshard: the asynchronous save of step {h.step} to {h.path} "
-                         f"{' '.join(what.split())}\n")
+        sys.stderr.write(line + "\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass

@@ -132,6 +132,12 @@ class Storage(ABC):
     def basename(path: str) -> str:
         return path.rstrip("/").rpartition("/")[2]
 
+    def free_bytes(self, path: str) -> int | None:
+        """Bytes free for writing under ``path`` (its nearest existing
+        ancestor), or None when the store does not say (object stores: a
+        save then skips its free-space check)."""
+        return None
+
     # -- writing
     @abstractmethod
     def makedirs(self, path: str) -> None: ...

@@ -180,6 +180,18 @@ class LocalStorage(Storage):
         except OSError as e:
             raise _storage_error("list", path, e) from e
 
+    def free_bytes(self, path: str) -> int | None:
+        """``statvfs`` of ``path``'s nearest existing ancestor: the blocks
+        available to an unprivileged writer (``f_bavail * f_frsize``)."""
+        p = os.path.abspath(path)
+        while p and not os.path.exists(p):
+            p = os.path.dirname(p)
+        try:
+            st = os.statvfs(p or "/")
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
+
     def modified_time(self, path: str) -> float | None:
         try:
             return os.stat(path).st_mtime

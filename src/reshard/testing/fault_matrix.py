@@ -92,6 +92,9 @@ class CellResult:
     after_gc: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    #: whether the next save after the fault committed on every rank (None:
+    #: not tried: a rank was killed or stalled, or the cell loads)
+    next_commits: bool | None = None
 
     @property
     def safe(self) -> bool:
@@ -102,7 +105,7 @@ class CellResult:
                 "ranks": {str(k): v for k, v in self.ranks.items()}, "latest": self.latest,
                 "previous_loads_bit_exact": self.previous_loads, "left_behind": self.left_behind,
                 "after_gc": self.after_gc, "problems": self.problems,
-                "seconds": round(self.seconds, 2)}
+                "next_save_commits": self.next_commits, "seconds": round(self.seconds, 2)}
 
 
 INTEGRITY = ("truncated-shard", "flipped-shard", "missing-manifest", "truncated-manifest",
@@ -283,6 +286,7 @@ def _rank_main(cell: Cell, rank: int, world: int, port: int, cdir: str) -> None:
         dist.barrier()
     fs = FaultStorage(LocalStorage(), _faults_for(cell, rank))
     err: BaseException | None = None
+    m2: CheckpointManager | None = None
     try:
         if cell.op == "save":
             m2 = CheckpointManager(root, keep_last=keep_last, use_async=cell.mode == "async",
@@ -313,6 +317,14 @@ def _rank_main(cell: Cell, rank: int, world: int, port: int, cdir: str) -> None:
                 result["wrong_data"] = True
     except BaseException as e:  # noqa: BLE001 - recorded for the parent
         err = e
+    if m2 is not None and cell.action not in ("kill", "delay"):
+        # liveness: the fault (fired once) has cleared; the next save must commit
+        try:
+            m2.save(3, _state(3, rank, world))
+            m2.wait()
+            result["next_save"] = "committed"
+        except BaseException as e:  # noqa: BLE001 - judged by the parent
+            result["next_save"] = f"{type(e).__name__}: {e}"[:300]
     _finish_rank(result, err, out)
 
 
@@ -505,6 +517,11 @@ def _judge(cell: Cell, res: CellResult, outs: dict[int, dict[str, Any]], procs: 
             if r != cell.rank and o["status"] == "error" and cell.rank not in named_lost(o["message"]):
                 res.problems.append(f"rank {r}'s error does not name the lost rank {cell.rank}: "
                                     f"{o['message'][:300]}")
+    nexts = {r: o["next_save"] for r, o in outs.items() if "next_save" in o}
+    if nexts:
+        res.next_commits = len(nexts) == world and all(v == "committed" for v in nexts.values())
+        if not res.next_commits:
+            res.problems.append(f"the next save after the fault did not commit: {nexts}")
     st = LocalStorage()
     listed = [e.path for e in committed(st, root)]
     res.latest = reshard.latest(root)
