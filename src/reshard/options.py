@@ -116,6 +116,14 @@ class LoadOptions:
             dominates, expect up to 2x (not measured). Extra memory: the
             scratch buffers only. Needs ``checksums``; a needed chunk saved
             without checksums is refused (IntegrityError).
+        read_once: a chunk range that several ranks of the group need is
+            read from storage by one of them and sent to the others (point
+            to point over the load's group); off: every rank reads all it
+            needs itself. On only when every rank passes it. Costs one
+            gather and one scatter of 32 bytes per needed range (to and from
+            the coordinator) and one all-reduce; memory: a range whose
+            destination is not one contiguous region (or that the sender read
+            with neighbours) travels through a buffer of its size.
 
     Raises:
         ValueError: ``verify_first`` without ``checksums``, or ``threads < 1``.
@@ -128,6 +136,7 @@ class LoadOptions:
     hmac_key: bytes | None = None
     progress: bool | None = None
     verify_first: bool = False
+    read_once: bool = True
 
     def __post_init__(self) -> None:
         if self.verify_first and not self.checksums:
