@@ -151,6 +151,18 @@ class Layout:
     struct_hashes: list[int] = field(default_factory=list)
     #: plan.bin's bytes and index, encoded once per layout (cached saves reuse them)
     encoded: tuple[bytes, PlanIndex] | None = None
+    #: per replica group, ``(kind (0 tensor, 1 object), fqn or key, chunk offset)``
+    replica_keys: list[tuple[int, str, tuple[int, ...]]] = field(default_factory=list)
+    #: per rank, the items it writes, in the order of its assignment's writes
+    #: (derived from ``plans``; a layout rebuilt from plan.bin holds only these)
+    written: list[list[LocalTensorItem | LocalObjectItem]] | None = None
+
+    def written_items(self, rank: int) -> list[LocalTensorItem | LocalObjectItem]:
+        """The items ``rank`` writes, in the order of its assignment's writes."""
+        if self.written is None:
+            self.written = [[lp.tensors[i] if kind == 0 else lp.objects[i] for kind, i, _ in a.writes]
+                            for lp, a in zip(self.plans, self.assignments, strict=True)]
+        return self.written[rank]
 
 
 def check_values(digests: Sequence[dict[str, str]]) -> None:
@@ -212,6 +224,7 @@ def coordinate(messages: Sequence[bytes], *, files_per_rank: int) -> tuple[list[
     checks: list[list[tuple[int, int]]] = [[] for _ in plans]
     replicas: list[list[tuple[int, int]]] = []
     names: list[str] = []
+    keys: list[tuple[int, str, tuple[int, ...]]] = []
     for kind, hs in plan.replicas:
         k = 0 if kind == "tensor" else 1
         group = []
@@ -222,7 +235,9 @@ def coordinate(messages: Sequence[bytes], *, files_per_rank: int) -> tuple[list[
         replicas.append(group)
         r, i = hs[0]
         it = plans[r].tensors[i] if kind == "tensor" else plans[r].objects[i]
-        names.append(f"{getattr(it, 'fqn', None) or getattr(it, 'key', '')} at {list(it.global_offset)}")
+        name = str(getattr(it, "fqn", None) or getattr(it, "key", ""))
+        names.append(f"{name} at {list(it.global_offset)}")
+        keys.append((k, name, tuple(it.global_offset)))
     assignments = []
     for p in plans:
         files = list(plan.files.get(p.rank, ()))
@@ -230,7 +245,8 @@ def coordinate(messages: Sequence[bytes], *, files_per_rank: int) -> tuple[list[
         writes = [(0 if w.kind == "tensor" else 1, w.index, index[w.file]) for w in plan.writes.get(p.rank, ())]
         assignments.append(Assignment(plan_id=plan_id, files=files, writes=writes, check=checks[p.rank]))
     layout = Layout(plan_id=plan_id, plans=plans, assignments=assignments, replicas=replicas,
-                    replica_names=names, aliases=aliases, struct_hashes=[sh for _, sh, _ in decoded])
+                    replica_names=names, aliases=aliases, struct_hashes=[sh for _, sh, _ in decoded],
+                    replica_keys=keys)
     return [_ENC.encode(a) for a in assignments], layout
 
 
@@ -263,25 +279,26 @@ def build_manifest(layout: Layout, reports: Sequence[bytes], *, attempt_id: str,
     tensors: dict[str, tuple[str, tuple[int, ...], list[Chunk]]] = {}
     objects: dict[str, tuple[tuple[int, ...], list[ObjectChunk]]] = {}
     files: dict[str, FileEntry] = {}
-    for lp, a, rep in zip(layout.plans, layout.assignments, reps, strict=True):
+    for r, (a, rep) in enumerate(zip(layout.assignments, reps, strict=True)):
         for name, (size, checksum, blocks) in zip(a.files, rep.files, strict=True):
             files[name] = FileEntry(size=size, checksum=checksum, blocks=blocks)
-        for (kind, i, fi), (off, length, root, bi) in zip(a.writes, rep.writes, strict=True):
+        for x, (kind, _, fi), (off, length, root, bi) in zip(layout.written_items(r), a.writes, rep.writes,
+                                                              strict=True):
             if kind == 0:
-                it = lp.tensors[i]
+                it: Any = x
                 e = tensors.get(it.fqn)
                 if e is None:
                     e = tensors[it.fqn] = (it.dtype, it.global_shape, [])
                 e[2].append(Chunk(it.global_offset, it.local_shape, a.files[fi], off, length, (),
                                   it.flattened_range, root, bi))
             else:
-                ob = lp.objects[i]
+                ob: Any = x
                 oe = objects.get(ob.key)
                 if oe is None:
                     oe = objects[ob.key] = (ob.global_shape, [])
                 oe[1].append(ObjectChunk(ob.global_offset, a.files[fi], off, length, (), root, bi))
     return Manifest(
-        attempt_id=attempt_id, created_at=round(time.time(), 3), world_size=len(layout.plans),
+        attempt_id=attempt_id, created_at=round(time.time(), 3), world_size=len(layout.assignments),
         checksum_block_bytes=checksum_block_bytes, schema_version=schema_version, step=step, mesh=mesh,
         tensors={k: TensorEntry(dtype=v[0], global_shape=v[1], chunks=tuple(
             sorted(v[2], key=lambda c: (c.global_offset, c.flattened_range or (0, 0)))))

@@ -138,6 +138,12 @@ def _restart_caches(out: dict[str, Any], n: int) -> dict[str, Any]:
     return {"caches": caches, "seconds": seconds, "read": read}
 
 
+def _modulo_time(m: Manifest) -> Manifest:
+    import msgspec
+
+    return msgspec.structs.replace(m, created_at=0.0, extra={})
+
+
 def _sample_ranks(lay: Layout, limit: int = 48) -> list[int]:
     picks = set()
     for pp in range(lay.pp):
@@ -178,6 +184,11 @@ def simulate_one(model: str, layout: Layout, target: Layout, *, optimizer: str =
     raw = out1["raw"]
     assert out2["raw"] and len(out2["raw"]) > 0 and cached_ok and out2["cached"] and not out1["cached"]
     assert restart_ok and all(c is not None for c in restart["caches"]), "restart cache"
+    # the manifest of the cached save after the restart (layout rebuilt from plan.bin) is the first one
+    from ..manifest import decode_manifest as _decode
+
+    restart_same = _modulo_time(_decode(out4["raw"])) == _modulo_time(_decode(raw))
+    assert restart_same, "the manifest rebuilt after a restart differs"
     del ctxs, ctxs2, ctxs3, caches
     gc.collect()
     t0 = time.process_time()
@@ -227,6 +238,8 @@ def simulate_one(model: str, layout: Layout, target: Layout, *, optimizer: str =
         "cached_max_rank_s": round(st2.max_other("seconds"), 4),
         "cached_max_rank_recv_bytes": int(st2.max_other("recv")),
         "plan_file_bytes": len(out1["plan"]),
+        "plan_file_vs_manifest": round(len(out1["plan"]) / len(raw), 3),
+        "restart_manifest_equal": restart_same,
         "restart_rebuild_coordinator_s": round(restart["seconds"][0], 3),
         "restart_rebuild_max_rank_s": round(max(restart["seconds"][1:], default=0.0), 5),
         "restart_max_rank_read_bytes": max(restart["read"][1:], default=0),
@@ -267,7 +280,7 @@ def scaling_exponent(rows: list[dict[str, Any]], key: str, lo: int = 1024, hi: i
 HEADER = (f"{'world':>6} {'coord s':>8} {'rank s':>7} {'rank recv':>10} {'coord recv':>11} "
           f"{'manifest':>10} {'parse s':>7} {'cached coord s':>14} {'cached rank s':>13} "
           f"{'cached recv':>11} {'restart coord s':>15} {'restart rank s':>14} {'restart recv':>12} "
-          f"{'load plan s':>11}")
+          f"{'load plan s':>11} {'plan.bin':>10}")
 
 
 def _mb(n: int) -> str:
@@ -281,7 +294,8 @@ def format_row(r: dict[str, Any]) -> str:
             f"{r['cached_coordinator_s']:>14.2f} {r['cached_max_rank_s']:>13.4f} "
             f"{_mb(r['cached_max_rank_recv_bytes']):>11} {r['cached_after_restart_coordinator_s']:>15.2f} "
             f"{r['cached_after_restart_max_rank_s']:>14.4f} "
-            f"{_mb(r['cached_after_restart_max_rank_recv_bytes']):>12} {r['load_plan_max_rank_s']:>11.3f}")
+            f"{_mb(r['cached_after_restart_max_rank_recv_bytes']):>12} {r['load_plan_max_rank_s']:>11.3f} "
+            f"{_mb(r['plan_file_bytes']):>10}")
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
