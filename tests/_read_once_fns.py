@@ -61,14 +61,14 @@ def _result(res: reshard.LoadResult, state: dict[str, Any], expect: dict[str, to
 def r_load_same(path: str, read_once: bool, transposed: bool = False) -> dict[str, Any]:
     """Into the saved layout (TP2 x DP2)."""
     tgt = _tp2_dp2(False, transposed)
-    res = reshard.load(tgt, path, options=LoadOptions(read_once=read_once))
+    res = reshard.load(tgt, path, options=LoadOptions(read_once=read_once, read_once_min_bytes=0))
     return _result(res, tgt, {k: v.data for k, v in _tp2_dp2(True).items()})
 
 
 def r_load_whole(path: str, read_once: bool) -> dict[str, Any]:
     """Every rank loads every tensor whole (a plain, replicated tensor)."""
     tgt = {name: torch.full(shape, -1.0) for name, shape in SHAPES.items()}
-    res = reshard.load(tgt, path, options=LoadOptions(read_once=read_once))
+    res = reshard.load(tgt, path, options=LoadOptions(read_once=read_once, read_once_min_bytes=0))
     return _result(res, tgt, {name: full(name) for name in SHAPES})
 
 
@@ -87,10 +87,17 @@ def r_load_transport_fails(path: str) -> dict[str, Any]:
         TorchCollectives.exchange = orig  # type: ignore[method-assign]
 
 
+def r_load_default_threshold(path: str) -> dict[str, Any]:
+    """Default LoadOptions: ranges under read_once_min_bytes are read by every rank."""
+    tgt = _tp2_dp2(False)
+    res = reshard.load(tgt, path)
+    return _result(res, tgt, {k: v.data for k, v in _tp2_dp2(True).items()})
+
+
 def r_load_corrupt(path: str) -> str:
     """A corrupt block: the rank that reads it fails, and every rank raises."""
     try:
-        reshard.load(_tp2_dp2(False), path)
+        reshard.load(_tp2_dp2(False), path, options=LoadOptions(read_once_min_bytes=0))
     except CheckpointError as e:
         return type(e).__name__ + ": " + str(e)
     return "no error"

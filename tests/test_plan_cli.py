@@ -49,7 +49,8 @@ def _run(*args: str) -> Any:
 def test_plan_reports_each_rank_of_a_tp_pp_dp_layout(tmp_path: Path) -> None:
     ck = _saved(tmp_path)
     out = tmp_path / "plan.json"
-    r = _run("plan", str(ck), "--layout", "dp2,tp2,pp2", "--read-rate", "100", "--json", str(out))
+    r = _run("plan", str(ck), "--layout", "dp2,tp2,pp2", "--read-rate", "100", "--read-once-min-bytes", "0",
+             "--json", str(out))
     assert r.exit_code == 0, r.output
     assert "into tp2,pp2,dp2 (8 ranks): covered" in r.output
     doc = json.loads(out.read_text())
@@ -121,6 +122,13 @@ def test_plan_usage_errors(tmp_path: Path) -> None:
 
 
 def test_dry_run_of_plain_dp_reads_each_chunk_once(tmp_path: Path) -> None:
-    lp = plan_layout(reshard.inspect(str(_saved(tmp_path))), parse_target_layout("dp3"))
+    m = reshard.inspect(str(_saved(tmp_path)))
+    lp = plan_layout(m, parse_target_layout("dp3"), read_once_min_bytes=0)
     assert all(r.needed_bytes == lp.ranks[0].needed_bytes for r in lp.ranks)
     assert sum(r.read_bytes for r in lp.ranks) == lp.total_read_bytes == lp.ranks[0].needed_bytes
+
+
+def test_dry_run_small_ranges_are_read_by_every_rank_by_default(tmp_path: Path) -> None:
+    m = reshard.inspect(str(_saved(tmp_path)))
+    lp = plan_layout(m, parse_target_layout("dp3"))  # every chunk here is under 64 KiB
+    assert all(r.read_bytes == r.needed_bytes and r.received == 0 for r in lp.ranks)

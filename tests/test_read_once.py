@@ -27,8 +27,15 @@ def test_dp_replicas_are_read_once_and_values_are_exact(pool: WorkerPool, tmp_pa
     assert sum(r["received"] for r in on) == sum(r["sent"] for r in on) == total
     assert all(r["note"] is None for r in on)
     # the dry run (reshard plan) predicts what each rank read
-    lp = plan_layout(reshard.inspect(ck), parse_target_layout("tp2,dp2"))
+    lp = plan_layout(reshard.inspect(ck), parse_target_layout("tp2,dp2"), read_once_min_bytes=0)
     assert [r.read_bytes for r in lp.ranks] == [r["chunk_bytes"] for r in on]
+    # by default ranges under read_once_min_bytes (the small tensors) are read by every rank
+    dflt = pool.run(4, fns.r_load_default_threshold, ck)
+    assert all(r["exact"] for r in dflt)
+    small = sum(r * c * 4 for n, (r, c) in fns.SHAPES.items() if n.startswith("small"))
+    assert sum(r["chunk_bytes"] for r in dflt) == total + small
+    lp = plan_layout(reshard.inspect(ck), parse_target_layout("tp2,dp2"))
+    assert [r.read_bytes for r in lp.ranks] == [r["chunk_bytes"] for r in dflt]
     off = pool.run(4, fns.r_load_same, ck, False)
     assert all(r["exact"] for r in off), off
     assert sum(r["chunk_bytes"] for r in off) == 2 * total  # every DP replica reads its own
@@ -51,7 +58,7 @@ def test_whole_tensors_on_every_rank_read_once_balanced(pool: WorkerPool, tmp_pa
     biggest = max(r * c * 4 for r, c in fns.SHAPES.values()) // 2  # one TP chunk
     assert max(r["chunk_bytes"] for r in on) <= total / 4 + biggest, on
     assert all(r["received"] == 4 * total // 4 - r["chunk_bytes"] for r in on), on
-    lp = plan_layout(reshard.inspect(ck), parse_target_layout("dp4"))
+    lp = plan_layout(reshard.inspect(ck), parse_target_layout("dp4"), read_once_min_bytes=0)
     assert [r.read_bytes for r in lp.ranks] == [r["chunk_bytes"] for r in on]
     off = pool.run(4, fns.r_load_whole, ck, False)
     assert all(r["exact"] for r in off)

@@ -51,9 +51,11 @@ def measure_read_rate(path: str, files: list[str], sample_bytes: int) -> tuple[f
               metavar="MB/S", help="The store's read rate per rank (MB/s) instead of measuring it.")
 @click.option("--sample", "sample_mib", type=click.IntRange(1, None), default=64, show_default=True,
               help="MiB of the checkpoint's files read to measure the store's read rate.")
+@click.option("--read-once-min-bytes", type=click.IntRange(0, None), default=64 << 10, show_default=True,
+              help="As LoadOptions.read_once_min_bytes: smaller ranges are read by every rank needing them.")
 @json_option
 def plan_cmd(ckpt: str, layout_text: str, read_rate: float | None, sample_mib: int,
-             json_path: str | None) -> None:
+             read_once_min_bytes: int, json_path: str | None) -> None:
     """Without loading anything: whether a load of CKPT into layout L is
     covered, and per target rank the bytes and files it reads (replicas read
     once: a range several ranks need is read by one), the largest rank, and
@@ -72,7 +74,7 @@ def plan_cmd(ckpt: str, layout_text: str, read_rate: float | None, sample_mib: i
         fail(USAGE, str(bad))
     m = _manifest(ckpt)
     try:
-        lp = plan_layout(m, layout)
+        lp = plan_layout(m, layout, read_once_min_bytes=read_once_min_bytes)
     except CoverageError as why:
         write_json(json_path, {"checkpoint": ckpt, "layout": str(layout), "world": layout.world,
                                "covered": False, "error": str(why)})

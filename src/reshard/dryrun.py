@@ -244,8 +244,9 @@ class LayoutPlan:
         layout: the target layout (text); world: its ranks.
         ranks: one :class:`RankReads` per rank.
         total_read_bytes: bytes all ranks read from storage together
-            (replicas read once: each distinct range once, whole checksum
-            blocks at its edges).
+            (each distinct range of at least ``read_once_min_bytes`` once,
+            smaller ones by each rank needing them; whole checksum blocks
+            at a range's edges).
         largest: the rank that reads the most (replicas read once).
     """
 
@@ -264,8 +265,10 @@ def _read_span(m: Manifest, c: Chunk, lo: int, hi: int) -> int:
     return min(-(-hi // b) * b, c.length) - lo // b * b
 
 
-def plan_layout(m: Manifest, layout: TargetLayout) -> LayoutPlan:
-    """Per target rank, what a load of ``m`` into ``layout`` reads.
+def plan_layout(m: Manifest, layout: TargetLayout, *, read_once_min_bytes: int = 64 << 10) -> LayoutPlan:
+    """Per target rank, what a load of ``m`` into ``layout`` reads (ranges of
+    at least ``read_once_min_bytes`` read once, as ``LoadOptions`` of the
+    same value would; smaller ones by every rank that needs them).
 
     Raises:
         CoverageError: a needed tensor's chunks do not tile it (a load
@@ -301,11 +304,13 @@ def plan_layout(m: Manifest, layout: TargetLayout) -> LayoutPlan:
                 c = m.tensors[f].chunks[ci]
                 spans[u] = (c.file, _read_span(m, c, lo, hi))
         units.append(us)
-    hand = assign_readers(units)
+    big = [[u for u in us if u[3] - u[2] >= read_once_min_bytes] for us in units]
+    hand = assign_readers(big)
     out: list[RankReads] = []
     for r, us in enumerate(units):
-        recv = hand[r].recv
-        mine = [u for i, u in enumerate(us) if i not in recv]
+        recv_units = {big[r][i] for i in hand[r].recv}
+        recv = recv_units
+        mine = [u for u in us if u not in recv_units]
         out.append(RankReads(rank=r, coords=layout.coords(r), needed_bytes=sum(u[3] - u[2] for u in us),
                              read_bytes=sum(spans[u][1] for u in mine),
                              read_bytes_alone=sum(spans[u][1] for u in us),
@@ -313,7 +318,7 @@ def plan_layout(m: Manifest, layout: TargetLayout) -> LayoutPlan:
                              ranges=len(us), received=len(recv)))
     largest = max(range(len(out)), key=lambda i: (out[i].read_bytes, -i)) if out else 0
     return LayoutPlan(layout=str(layout), world=layout.world, ranks=out,
-                      total_read_bytes=sum(b for _, b in spans.values()), largest=largest)
+                      total_read_bytes=sum(r.read_bytes for r in out), largest=largest)
 
 
 __all__: Sequence[str] = ("LayoutPlan", "RankReads", "TargetLayout", "first_missing", "layer_of",

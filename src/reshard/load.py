@@ -235,7 +235,7 @@ def load(
     hand: _Handover | None = None
     local = plan.groups
     if share:
-        hand = _plan_handover(coll, plan)
+        hand = _plan_handover(coll, plan, opts.read_once_min_bytes)
         local = {k: v for k, v in plan.groups.items() if k not in hand.recv}
     if opts.verify_first:  # every block this rank reads, before any target is written
         err = None
@@ -605,15 +605,25 @@ class _Handover:
     sent: int = 0
 
 
-def _plan_handover(coll: Collectives, plan: _Plan) -> _Handover:
-    """Every rank's chunk ranges to the coordinator, its own handover back
-    (one gather, one scatter)."""
+def _plan_handover(coll: Collectives, plan: _Plan, min_bytes: int) -> _Handover:
+    """Every rank's chunk ranges of at least ``min_bytes`` to the coordinator,
+    its own handover back (one gather, one scatter)."""
     index = {f: i for i, f in enumerate(sorted(plan.manifest.tensors))}
-    keys = list(plan.groups)
-    units = [(index[f], ci, *plan.reader.unit_range(plan.groups[(f, ci)])) for f, ci in keys]
+    keys, units = [], []
+    for f, ci in plan.groups:
+        lo, hi = plan.reader.unit_range(plan.groups[(f, ci)])
+        if hi - lo >= min_bytes:
+            keys.append((f, ci))
+            units.append((index[f], ci, lo, hi))
     h = read_once(coll, units)
     return _Handover(recv={keys[i]: v for i, v in h.recv.items()},
                      send={keys[i]: v for i, v in h.send.items()})
+
+
+#: handed-over ranges smaller than this (bytes) travel packed per pair of ranks
+PACK_BYTES = 1 << 20
+#: the tag of the packed message between a pair of ranks (above every range's tag)
+PACK_TAG = 1 << 30
 
 
 def _hand_over(coll: Collectives, plan: _Plan, hand: _Handover) -> str | None:
@@ -629,20 +639,47 @@ def _hand_over(coll: Collectives, plan: _Plan, hand: _Handover) -> str | None:
         sends: list[tuple[int, int, torch.Tensor]] = []
         recvs: list[tuple[int, int, torch.Tensor]] = []
         places: list[tuple[tuple[str, int], torch.Tensor]] = []
+        # ranges under PACK_BYTES travel packed: one message per (reader, receiver)
+        # pair, in tag order (a message per small range costs more than its bytes)
+        packs_out: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
+        packs_in: dict[int, list[tuple[int, tuple[str, int], torch.Tensor, bool]]] = defaultdict(list)
         for k, (dsts, tag) in hand.send.items():
             buf = rd.kept.pop(k) if k in rd.kept else rd.hand_buffer(plan.groups[k])[0]
-            sends.extend((d, tag, buf) for d in dsts)
+            for d in dsts:
+                if buf.numel() >= PACK_BYTES:
+                    sends.append((d, tag, buf))
+                else:
+                    packs_out[d].append((tag, buf))
             hand.sent += buf.numel() * len(dsts)
         for k, (src, tag) in hand.recv.items():
             items = plan.groups[k]
             buf, direct = rd.hand_buffer(items)
             if direct:
                 rd.mark_written(items[0][1].req.fqn)
-            else:
+            if buf.numel() < PACK_BYTES:
+                packs_in[src].append((tag, k, buf, direct))
+                continue
+            if not direct:
                 places.append((k, buf))
             recvs.append((src, tag, buf))
+        for d, parts in packs_out.items():
+            parts.sort(key=lambda p: p[0])
+            sends.append((d, PACK_TAG, torch.cat([b for _, b in parts]) if parts else torch.empty(0)))
+        unpack: list[tuple[torch.Tensor, list[tuple[int, tuple[str, int], torch.Tensor, bool]]]] = []
+        for src, ins in packs_in.items():
+            ins.sort(key=lambda p: p[0])
+            whole = torch.empty(sum(b.numel() for _, _, b, _ in ins), dtype=torch.uint8)
+            recvs.append((src, PACK_TAG, whole))
+            unpack.append((whole, ins))
         coll.exchange(sends, recvs)
         hand.received = sum(t.numel() for _, _, t in recvs)
+        for whole, ins in unpack:
+            at = 0
+            for _, k, buf, direct in ins:
+                buf.copy_(whole[at:at + buf.numel()])
+                at += buf.numel()
+                if not direct:
+                    places.append((k, buf))
         for (f, ci), buf in places:
             rd.place(f, ci, plan.groups[(f, ci)], buf)
     except Exception as e:  # noqa: BLE001 - every rank falls back below
