@@ -31,9 +31,11 @@ are callbacks of :class:`RankSave`.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import defaultdict
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -330,6 +332,22 @@ PLAN_CACHE: dict[Any, CacheEntry] = {}
 # ----------------------------------------------------------------------------- the protocol
 
 
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused (the coordinator's planning and
+    manifest building allocate many small containers, none of them cyclic: a
+    full collection triggered there scans the whole heap of a training
+    process, torch's objects included)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+
 @dataclass
 class RankSave:
     """One rank's inputs to :func:`save_steps`.
@@ -424,12 +442,13 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
             got = yield ("gather_bytes", encode_plan(ctx.plan, sh, ctx.value_digests))
             parts: list[bytes] | None = None
             if got is not None and err is None:
-                tc = time.process_time()
+                tc = time.thread_time()  # this thread's CPU (writer or gloo threads not counted)
                 try:
-                    parts, layout = coordinate(got, files_per_rank=ctx.files_per_rank)
+                    with paused_gc():
+                        parts, layout = coordinate(got, files_per_rank=ctx.files_per_rank)
                 except Exception as e:  # noqa: BLE001
                     err = e
-                ctx.timings["coordinate_cpu"] = time.process_time() - tc
+                ctx.timings["coordinate_cpu"] = time.thread_time() - tc
             yield from agree_steps(rank, "save", err)
             assignment = _DEC_ASSIGN.decode((yield ("scatter_bytes", parts)))
     except CheckpointError:
@@ -455,7 +474,7 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
     manifest = None
     totals = [0, 0]
     if reports is not None:
-        tm = time.process_time()
+        tm = time.thread_time()
         try:
             assert layout is not None
             pidx = None
@@ -465,9 +484,10 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
 
                     layout.encoded = encode_plan_file(layout, files_per_rank=ctx.files_per_rank)
                 pidx = layout.encoded[1]
-            manifest = build_manifest(layout, reports, attempt_id=str(info["attempt"]), plan=pidx,
-                                      **ctx.manifest_args())
-            ctx.timings["manifest_build_cpu"] = time.process_time() - tm
+            with paused_gc():
+                manifest = build_manifest(layout, reports, attempt_id=str(info["attempt"]), plan=pidx,
+                                          **ctx.manifest_args())
+            ctx.timings["manifest_build_cpu"] = time.thread_time() - tm
             if ctx.write_plan is not None:
                 assert layout.encoded is not None
                 ctx.write_plan(info, layout.encoded[0])

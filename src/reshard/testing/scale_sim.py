@@ -87,7 +87,22 @@ def _fake_report(plan: LocalPlan, a: Assignment) -> tuple[bytes, int]:
     return report_bytes(files, writes, digests), sum(per_file)
 
 
-def _save(plans: list[LocalPlan], caches: list[CacheEntry | None]) -> tuple[list[RankSave], Any, dict[str, Any]]:
+#: the checkpoint path of the simulated saves (its length is in the attempt's broadcast)
+SIM_TARGET = "/checkpoints/run/step-00000001"
+
+
+def _attempt_info(target: str) -> dict[str, Any]:
+    """What the coordinator broadcasts about a new attempt, shaped as a
+    real save's (:func:`reshard.save.open_attempt`: target, attempt id, path, nonce)."""
+    from ..commit import INCOMPLETE, new_attempt_id
+
+    aid = new_attempt_id()
+    return {"target": target, "attempt": aid, "attempt_path": f"{target}{INCOMPLETE}{aid}",
+            "nonce": os.urandom(16).hex()}
+
+
+def _save(plans: list[LocalPlan], caches: list[CacheEntry | None],
+          target: str = SIM_TARGET) -> tuple[list[RankSave], Any, dict[str, Any]]:
     n = len(plans)
     out: dict[str, Any] = {}
 
@@ -101,7 +116,7 @@ def _save(plans: list[LocalPlan], caches: list[CacheEntry | None]) -> tuple[list
 
     world = SimWorld(n)
     ctxs = [RankSave(rank=r, world_size=n, plan=plans[r], value_digests={"step": "1"}, err=None,
-                     files_per_rank=1, begin=lambda: {"attempt": "sim-attempt"},
+                     files_per_rank=1, begin=lambda: _attempt_info(target),
                      check_location=lambda info: None, persist=_fake_persist(plans[r], world),
                      publish=publish, discard=lambda a: None,
                      manifest_args=lambda: dict(step=1, checksum_block_bytes=BLOCK, schema_version=None,
@@ -141,7 +156,7 @@ def _restart_caches(out: dict[str, Any], n: int) -> dict[str, Any]:
 def _modulo_time(m: Manifest) -> Manifest:
     import msgspec
 
-    return msgspec.structs.replace(m, created_at=0.0, extra={})
+    return msgspec.structs.replace(m, created_at=0.0, extra={}, attempt_id="")
 
 
 def _sample_ranks(lay: Layout, limit: int = 48) -> list[int]:
@@ -158,26 +173,28 @@ def _sample_ranks(lay: Layout, limit: int = 48) -> list[int]:
 
 
 def simulate_one(model: str, layout: Layout, target: Layout, *, optimizer: str = "adam",
-                 zero_split: str = "flat", log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """One row of the table (see the module docstring for what each key measures)."""
+                 zero_split: str = "flat", log: Callable[[str], None] = lambda s: None,
+                 path: str = SIM_TARGET) -> dict[str, Any]:
+    """One row of the table (see the module docstring for what each key
+    measures); ``path``: the checkpoint path the simulated saves name."""
     n = layout.world
     plans = [rank_plan(model, layout, r, optimizer=optimizer, zero_split=zero_split) for r in range(n)]
     items = sum(len(p.tensors) for p in plans)
     gc.collect()
     gc.disable()
     try:
-        ctxs, st1, out1 = _save(plans, [None] * n)
+        ctxs, st1, out1 = _save(plans, [None] * n, path)
         t_plan0 = ctxs[0].timings.get("coordinate_cpu", 0.0)
         t_commit0 = ctxs[0].timings.get("manifest_build_cpu", 0.0)
         caches = [c.new_cache for c in ctxs]
         assert all(c is not None for c in caches)
         assignment0 = caches[1].assignment if n > 1 else caches[0].assignment  # type: ignore[union-attr]
-        ctxs2, st2, out2 = _save(plans, caches)
+        ctxs2, st2, out2 = _save(plans, caches, path)
         cached_ok = all(c.new_cache is not None for c in ctxs2)
         # a restart: every rank's cache rebuilt from the checkpoint's plan.bin (rank 0:
         # manifest + whole file, checked; others: three ranged reads of their own record)
         restart = _restart_caches(out1, n)
-        ctxs3, st4, out4 = _save(plans, restart["caches"])
+        ctxs3, st4, out4 = _save(plans, restart["caches"], path)
         restart_ok = out4["cached"] and all(c.new_cache is not None for c in ctxs3)
     finally:
         gc.enable()
