@@ -126,10 +126,11 @@ class LoadOptions:
             with neighbours) travels through a buffer of its size.
         read_once_min_bytes: ranges smaller than this (bytes) are read by
             every rank that needs them: reading them costs less than waiting
-            for another rank to hand them over (measured on 8 and 16 gloo
-            processes of 2 CPUs, a page-cache-warm state of KiB-sized
-            ranges: handing every range over made the load 1.2-4.6x slower
-            than each rank reading its own). 0: every shared range is read once.
+            for another rank to hand them over (measured on 16 and 32 gloo
+            processes sharing 2 CPUs, a page-cache-warm state of KiB-sized
+            ranges, ``benchmarks/bench_real_ranks.py``, best of 3: handing
+            every range over took 1.1-1.3x the time of each rank reading its
+            own). 0: every shared range is read once.
 
     Raises:
         ValueError: ``verify_first`` without ``checksums``, or ``threads < 1``.
