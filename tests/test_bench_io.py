@@ -106,7 +106,7 @@ def test_bench_io_smoke(tmp_path: Path) -> None:
     p = subprocess.run(
         [sys.executable, "-m", "reshard.cli", "bench", "io", "--model", "synthetic", "--synthetic-mib", "2",
          "--world", "2", "--reshard-to", "fsdp1", "--repeat", "1", "--settle", "0", "--steps", "1",
-         "--skip", "dcp-async-process,dcp-threads,torch-save", "--dir", str(tmp_path),
+         "--skip", "dcp-async-process,dcp-threads,torch-save,tc,tc+sync,tc-async", "--dir", str(tmp_path),
          "--json", str(out), "--plot", str(png), "--no-progress"],
         capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -455,3 +455,49 @@ def test_plot_without_matplotlib_is_refused_before_the_run(monkeypatch, tmp_path
     r = CliRunner().invoke(main, ["bench", "scale", "--model", "llama-8b", "--plot", str(tmp_path / "s.png")])
     assert r.exit_code == 2 and "--plot needs matplotlib" in r.output, r.output
 
+
+
+@pytest.mark.timeout(300)
+def test_bench_io_torch_checkpointing_peer_wiring(tmp_path: Path) -> None:
+    """torch_checkpointing as a peer on 1 rank at a tiny size (no timing checked):
+    its sync save (alone and with os.sync()), async save and load are measured,
+    the load gives back the saved state bit for bit, O_DIRECT is tried first
+    and what was used is reported, and the table has its column."""
+    pytest.importorskip("torch_checkpointing")
+    out = tmp_path / "io.json"
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run(
+        [sys.executable, "-m", "reshard.cli", "bench", "io", "--model", "synthetic", "--synthetic-mib", "1",
+         "--world", "1", "--repeat", "1", "--settle", "0", "--steps", "1",
+         "--skip", "train,rss,dcp,dcp-async,dcp-async-process,dcp-threads,torch-save,torch-load,safetensors,"
+                   "reshard-nocheck", "--dir", str(tmp_path), "--json", str(out), "--no-progress"],
+        capture_output=True, text=True, timeout=280, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "x TC" in p.stdout and "torch_checkpointing save+os.sync()" in p.stdout, p.stdout
+    doc = json.loads(out.read_text())
+    s = doc["summary"]["local/w1"]
+    assert {"tc", "tc+sync"} <= set(s["save"]) and "tc-async" in s["async"] and "tc" in s["load"]
+    assert s["load"]["tc"]["fingerprint_ok"]
+    assert s["async"]["tc-async"]["stall"]["median_s"] > 0 and "background" in s["async"]["tc-async"]
+    assert {"save_vs_tc", "stall_vs_tc", "load_vs_tc"} <= set(s["ratios"])
+    io = doc["meta"]["torch_checkpointing"]["io_by_world"]["1"]
+    assert isinstance(io["direct_io"], bool) and (io["direct_io"] or io["error"])
+    assert any("torch_checkpointing (w1)" in n for n in doc["notes"])
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["io.json"]
+
+
+def test_bench_io_without_torch_checkpointing_notes_it(monkeypatch) -> None:
+    from reshard.bench import io, ranks
+
+    monkeypatch.setattr(ranks, "tc_available", lambda: False)
+
+    class Fake:
+        cfg = {"skip": set()}
+        notes: list[str] = []
+        tc_io: dict = {}
+
+    assert io.Runner.tc_ready(Fake(), 1, "unused") is False  # type: ignore[arg-type]
+    assert Fake.notes and "torch_checkpointing not installed" in Fake.notes[0]
+    Fake.cfg = {"skip": {"tc", "tc+sync", "tc-async"}}
+    Fake.notes = []
+    assert io.Runner.tc_ready(Fake(), 1, "unused") is False and not Fake.notes  # type: ignore[arg-type]

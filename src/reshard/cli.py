@@ -619,6 +619,7 @@ def diff_cmd(a: str, b: str, json_path: str | None) -> None:
 from .cli_bench import advise_cmd, bench_group  # noqa: E402 - commands defined beside
 from .cli_demo import demo_cmd, smoke_cmd  # noqa: E402
 from .cli_faults import faults_cmd, fuzz_cmd  # noqa: E402
+from .cli_plan import plan_cmd  # noqa: E402
 
 main.add_command(demo_cmd)
 main.add_command(smoke_cmd)
@@ -626,6 +627,7 @@ main.add_command(bench_group)
 main.add_command(advise_cmd)
 main.add_command(fuzz_cmd)
 main.add_command(faults_cmd)
+main.add_command(plan_cmd)
 __all__ = ["human_bytes", "main"]
 
 

@@ -5,7 +5,9 @@ msgspec) or small int64 vectors, never pickle, so no ``*_object`` collective
 is used. Collectives are chosen by who needs the data (DESIGN.md section 1,
 "Coordination budget"): :meth:`Collectives.gather_bytes` to the coordinator,
 :meth:`Collectives.scatter_bytes` from it, :meth:`Collectives.broadcast_bytes`,
-and :meth:`Collectives.all_reduce_ints` of small flag/counter vectors.
+and :meth:`Collectives.all_reduce_ints` of small flag/counter vectors; the
+data a load hands between replica holders moves point to point
+(:meth:`Collectives.exchange`, uint8 tensors, no serialisation).
 ``agree`` is one all-reduce on success. Three implementations share one
 interface:
 
@@ -81,6 +83,24 @@ class Collectives(ABC):
 
     def barrier(self) -> None:
         self.all_reduce_ints([0])
+
+    def exchange(self, sends: Sequence[tuple[int, int, torch.Tensor]],
+                 recvs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+        """Point-to-point transfer of data buffers (the bytes a replica's
+        reader hands to the other ranks that need them; see
+        :mod:`reshard.coordination_load`): ``sends`` and ``recvs`` are
+        ``(peer rank in the group, tag, tensor)``; each send must be matched
+        by the peer's recv of the same tag and number of bytes. Tensors are
+        contiguous uint8 CPU tensors; a recv fills its tensor in place.
+        Returns once every transfer of this rank completed.
+
+        Raises:
+            NotImplementedError: the implementation moves no data (one rank,
+                the simulator).
+            CheckpointError: the transport failed (a lost peer, a timeout).
+        """
+        if sends or recvs:
+            raise NotImplementedError(f"{type(self).__name__} moves no data between ranks")
 
     def all_gather_json(self, obj: Any) -> list[Any]:
         """``all_gather_bytes`` of msgspec-JSON-encoded objects."""
@@ -452,18 +472,45 @@ class TorchCollectives(Collectives):
     def barrier(self) -> None:
         self._dist.barrier(group=self.group)
 
+    @_lost_rank_errors
+    def exchange(self, sends: Sequence[tuple[int, int, torch.Tensor]],
+                 recvs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+        """All receives are posted first, then all sends; every transfer is
+        one ``isend``/``irecv`` of its tensor as it is (no copy on a CPU
+        group). On a group whose device is CUDA (NCCL), each buffer is
+        staged through a device tensor of its size (not exercised by the
+        tests: no GPU)."""
+        dist, dev = self._dist, self._device
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        works = []
+        for peer, tag, t in recvs:
+            buf = t if dev.type == "cpu" else torch.empty(t.numel(), dtype=torch.uint8, device=dev)
+            if buf is not t:
+                staged.append((t, buf))
+            works.append(dist.irecv(buf, src=self._global[peer], group=self.group, tag=tag))
+        for peer, tag, t in sends:
+            buf = t if dev.type == "cpu" else t.to(dev)
+            works.append(dist.isend(buf, dst=self._global[peer], group=self.group, tag=tag))
+        for w in works:
+            w.wait()
+        for t, buf in staged:
+            t.copy_(buf)
+
 
 class Counting(Collectives):
     """Wraps another Collectives and counts the bytes this rank sends and
     receives per call (payloads plus the 8-byte length headers of the
     gather/scatter/broadcast protocols), in ``sent`` / ``recv`` (bytes) and
-    ``calls`` (op name -> count)."""
+    ``calls`` (op name -> count); data handed over by :meth:`exchange` in
+    ``data_sent`` / ``data_recv``."""
 
     def __init__(self, inner: Collectives):
         self.inner = inner
         self.rank, self.world_size = inner.rank, inner.world_size
         self.sent = 0
         self.recv = 0
+        self.data_sent = 0
+        self.data_recv = 0
         self.calls: dict[str, int] = {}
 
     def _count(self, op: str, sent: int, recv: int) -> None:
@@ -509,6 +556,15 @@ class Counting(Collectives):
     def barrier(self) -> None:
         self.inner.barrier()
         self._count("barrier", 0, 0)
+
+    def exchange(self, sends: Sequence[tuple[int, int, torch.Tensor]],
+                 recvs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+        """Counted apart from the coordination bytes: ``data_sent`` /
+        ``data_recv`` (bytes of the buffers)."""
+        self.inner.exchange(sends, recvs)
+        self.data_sent += sum(t.numel() for _, _, t in sends)
+        self.data_recv += sum(t.numel() for _, _, t in recvs)
+        self.calls["exchange"] = self.calls.get("exchange", 0) + 1
 
 
 def get_collectives(group: Any = None) -> Collectives:

@@ -31,9 +31,11 @@ are callbacks of :class:`RankSave`.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import defaultdict
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +153,18 @@ class Layout:
     struct_hashes: list[int] = field(default_factory=list)
     #: plan.bin's bytes and index, encoded once per layout (cached saves reuse them)
     encoded: tuple[bytes, PlanIndex] | None = None
+    #: per replica group, ``(kind (0 tensor, 1 object), fqn or key, chunk offset)``
+    replica_keys: list[tuple[int, str, tuple[int, ...]]] = field(default_factory=list)
+    #: per rank, the items it writes, in the order of its assignment's writes
+    #: (derived from ``plans``; a layout rebuilt from plan.bin holds only these)
+    written: list[list[LocalTensorItem | LocalObjectItem]] | None = None
+
+    def written_items(self, rank: int) -> list[LocalTensorItem | LocalObjectItem]:
+        """The items ``rank`` writes, in the order of its assignment's writes."""
+        if self.written is None:
+            self.written = [[lp.tensors[i] if kind == 0 else lp.objects[i] for kind, i, _ in a.writes]
+                            for lp, a in zip(self.plans, self.assignments, strict=True)]
+        return self.written[rank]
 
 
 def check_values(digests: Sequence[dict[str, str]]) -> None:
@@ -212,6 +226,7 @@ def coordinate(messages: Sequence[bytes], *, files_per_rank: int) -> tuple[list[
     checks: list[list[tuple[int, int]]] = [[] for _ in plans]
     replicas: list[list[tuple[int, int]]] = []
     names: list[str] = []
+    keys: list[tuple[int, str, tuple[int, ...]]] = []
     for kind, hs in plan.replicas:
         k = 0 if kind == "tensor" else 1
         group = []
@@ -222,7 +237,9 @@ def coordinate(messages: Sequence[bytes], *, files_per_rank: int) -> tuple[list[
         replicas.append(group)
         r, i = hs[0]
         it = plans[r].tensors[i] if kind == "tensor" else plans[r].objects[i]
-        names.append(f"{getattr(it, 'fqn', None) or getattr(it, 'key', '')} at {list(it.global_offset)}")
+        name = str(getattr(it, "fqn", None) or getattr(it, "key", ""))
+        names.append(f"{name} at {list(it.global_offset)}")
+        keys.append((k, name, tuple(it.global_offset)))
     assignments = []
     for p in plans:
         files = list(plan.files.get(p.rank, ()))
@@ -230,7 +247,8 @@ def coordinate(messages: Sequence[bytes], *, files_per_rank: int) -> tuple[list[
         writes = [(0 if w.kind == "tensor" else 1, w.index, index[w.file]) for w in plan.writes.get(p.rank, ())]
         assignments.append(Assignment(plan_id=plan_id, files=files, writes=writes, check=checks[p.rank]))
     layout = Layout(plan_id=plan_id, plans=plans, assignments=assignments, replicas=replicas,
-                    replica_names=names, aliases=aliases, struct_hashes=[sh for _, sh, _ in decoded])
+                    replica_names=names, aliases=aliases, struct_hashes=[sh for _, sh, _ in decoded],
+                    replica_keys=keys)
     return [_ENC.encode(a) for a in assignments], layout
 
 
@@ -264,25 +282,26 @@ def build_manifest(layout: Layout, reports: Sequence[bytes], *, attempt_id: str,
     tensors: dict[str, tuple[str, tuple[int, ...], list[Chunk]]] = {}
     objects: dict[str, tuple[tuple[int, ...], list[ObjectChunk]]] = {}
     files: dict[str, FileEntry] = {}
-    for lp, a, rep in zip(layout.plans, layout.assignments, reps, strict=True):
+    for r, (a, rep) in enumerate(zip(layout.assignments, reps, strict=True)):
         for name, (size, checksum, blocks) in zip(a.files, rep.files, strict=True):
             files[name] = FileEntry(size=size, checksum=checksum, blocks=blocks)
-        for (kind, i, fi), (off, length, root, bi) in zip(a.writes, rep.writes, strict=True):
+        for x, (kind, _, fi), (off, length, root, bi) in zip(layout.written_items(r), a.writes, rep.writes,
+                                                              strict=True):
             if kind == 0:
-                it = lp.tensors[i]
+                it: Any = x
                 e = tensors.get(it.fqn)
                 if e is None:
                     e = tensors[it.fqn] = (it.dtype, it.global_shape, [])
                 e[2].append(Chunk(it.global_offset, it.local_shape, a.files[fi], off, length, (),
                                   it.flattened_range, root, bi))
             else:
-                ob = lp.objects[i]
+                ob: Any = x
                 oe = objects.get(ob.key)
                 if oe is None:
                     oe = objects[ob.key] = (ob.global_shape, [])
                 oe[1].append(ObjectChunk(ob.global_offset, a.files[fi], off, length, (), root, bi))
     return Manifest(
-        attempt_id=attempt_id, created_at=round(time.time(), 3), world_size=len(layout.plans),
+        attempt_id=attempt_id, created_at=round(time.time(), 3), world_size=len(layout.assignments),
         checksum_block_bytes=checksum_block_bytes, schema_version=schema_version, step=step, mesh=mesh,
         tensors={k: TensorEntry(dtype=v[0], global_shape=v[1], chunks=tuple(
             sorted(v[2], key=lambda c: (c.global_offset, c.flattened_range or (0, 0)))))
@@ -312,6 +331,22 @@ PLAN_CACHE: dict[Any, CacheEntry] = {}
 
 
 # ----------------------------------------------------------------------------- the protocol
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused (the coordinator's planning and
+    manifest building allocate many small containers, none of them cyclic: a
+    full collection triggered there scans the whole heap of a training
+    process, torch's objects included)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
 
 
 @dataclass
@@ -439,14 +474,15 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
             got = yield ("gather_bytes", encode_plan(ctx.plan, sh, ctx.value_digests))
             parts: list[bytes] | None = None
             if got is not None and err is None:
-                tc = time.process_time()
+                tc = time.thread_time()  # this thread's CPU (writer or gloo threads not counted)
                 try:
-                    parts, layout = coordinate(got, files_per_rank=ctx.files_per_rank)
+                    with paused_gc():
+                        parts, layout = coordinate(got, files_per_rank=ctx.files_per_rank)
                 except Exception as e:  # noqa: BLE001
                     err = e
                 if err is None and layout is not None:
                     err = _check_space(ctx, info, layout)
-                ctx.timings["coordinate_cpu"] = time.process_time() - tc
+                ctx.timings["coordinate_cpu"] = time.thread_time() - tc
             yield from agree_steps(rank, "save", err)
             assignment = _DEC_ASSIGN.decode((yield ("scatter_bytes", parts)))
     except CheckpointError:
@@ -474,7 +510,7 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
     manifest = None
     totals = [0, 0]
     if reports is not None:
-        tm = time.process_time()
+        tm = time.thread_time()
         try:
             assert layout is not None
             pidx = None
@@ -484,9 +520,10 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
 
                     layout.encoded = encode_plan_file(layout, files_per_rank=ctx.files_per_rank)
                 pidx = layout.encoded[1]
-            manifest = build_manifest(layout, reports, attempt_id=str(info["attempt"]), plan=pidx,
-                                      **ctx.manifest_args())
-            ctx.timings["manifest_build_cpu"] = time.process_time() - tm
+            with paused_gc():
+                manifest = build_manifest(layout, reports, attempt_id=str(info["attempt"]), plan=pidx,
+                                          **ctx.manifest_args())
+            ctx.timings["manifest_build_cpu"] = time.thread_time() - tm
             if ctx.write_plan is not None:
                 assert layout.encoded is not None
                 ctx.write_plan(info, layout.encoded[0])

@@ -11,6 +11,13 @@
   saved keys (``ceil(keys / 8)`` bytes) to the coordinator only (gather); the
   coordinator ORs them and broadcasts the bitmap of unexpected keys
   (:func:`key_census`). Missing keys are each rank's own business.
+* Replicas are read once (:func:`read_once`): each rank sends the coordinator
+  the byte ranges of saved chunks it needs (four int64 per range: tensor
+  index, chunk index, first and end byte); the coordinator finds the ranges
+  several ranks need, names one reader per range (balancing the bytes each
+  rank reads from storage) and scatters to each rank only its own part: from
+  whom it receives each shared range, or to whom it hands it. The data then
+  moves point to point (:meth:`Collectives.exchange`).
 
 The steps are generators of collective requests (like
 :func:`reshard.coordination.save_steps`), driven by
@@ -19,8 +26,9 @@ The steps are generators of collective requests (like
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Generator, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .collectives import Collectives, Request, drive
@@ -158,3 +166,117 @@ def key_census(coll: Collectives, m: Manifest, requested: Iterable[str],
     saved = saved_keys(m)
     available = set(saved) | provided_by(transforms, m)
     return drive(coll, key_census_steps(coll.rank, saved, requested, available))
+
+
+#: a byte range of a saved chunk: (tensor index in the sorted manifest
+#: tensors, chunk index, first byte, end byte) (chunk-relative)
+Unit = tuple[int, int, int, int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Handover:
+    """One rank's part in reading replicas once (indices into the rank's own
+    list of units, in the order it sent them).
+
+    Attributes:
+        recv: unit index -> (the group rank that reads it and sends it here, tag).
+        send: unit index -> (the group ranks this rank sends it to after
+            reading it, tag).
+    """
+
+    recv: dict[int, tuple[int, int]] = field(default_factory=dict)
+    send: dict[int, tuple[tuple[int, ...], int]] = field(default_factory=dict)
+
+
+def assign_readers(units: Sequence[Sequence[Unit]]) -> list[Handover]:
+    """The coordinator's choice (pure): for every unit that several ranks
+    need, one reader among them; the others receive it from that reader.
+
+    ``units[r]``: rank ``r``'s units. Shared units are taken largest first
+    and each goes to the holder that so far reads the fewest bytes (its
+    unshared units counted first; ties to the lowest rank), so that storage
+    reads are balanced across replica holders. Each shared unit gets a tag
+    (its index among the shared units, from 0), the same on its reader and
+    its receivers.
+
+    Returns: one :class:`Handover` per rank.
+    """
+    holders: dict[Unit, list[tuple[int, int]]] = {}
+    for r, us in enumerate(units):
+        for i, u in enumerate(us):
+            holders.setdefault(u, []).append((r, i))
+    load = [0] * len(units)
+    shared: list[Unit] = []
+    for u, hs in holders.items():
+        if len(hs) == 1:
+            load[hs[0][0]] += u[3] - u[2]
+        else:
+            shared.append(u)
+    shared.sort(key=lambda u: (u[2] - u[3], u))
+    out = [Handover() for _ in units]
+    for tag, u in enumerate(shared):
+        hs = holders[u]
+        r0, i0 = min(hs, key=lambda h: (load[h[0]], h[0]))
+        load[r0] += u[3] - u[2]
+        out[r0].send[i0] = (tuple(r for r, _ in hs if r != r0), tag)
+        for r, i in hs:
+            if r != r0:
+                out[r].recv[i] = (r0, tag)
+    return out
+
+
+def _encode_units(us: Sequence[Unit]) -> bytes:
+    return array("q", [x for u in us for x in u]).tobytes()
+
+
+def _decode_units(raw: bytes) -> list[Unit]:
+    a = array("q")
+    a.frombytes(raw)
+    return [(a[k], a[k + 1], a[k + 2], a[k + 3]) for k in range(0, len(a), 4)]
+
+
+def _encode_handover(h: Handover) -> bytes:
+    """int64 records: ``[0, index, source, tag]`` per receive, ``[1, index,
+    tag, n, dst...]`` per send."""
+    a = array("q")
+    for i, (src, tag) in sorted(h.recv.items()):
+        a.extend((0, i, src, tag))
+    for i, (dsts, tag) in sorted(h.send.items()):
+        a.extend((1, i, tag, len(dsts), *dsts))
+    return a.tobytes()
+
+
+def _decode_handover(raw: bytes) -> Handover:
+    a = array("q")
+    a.frombytes(raw)
+    recv: dict[int, tuple[int, int]] = {}
+    send: dict[int, tuple[tuple[int, ...], int]] = {}
+    k = 0
+    while k < len(a):
+        if a[k] == 0:
+            recv[a[k + 1]] = (a[k + 2], a[k + 3])
+            k += 4
+        else:
+            n = a[k + 3]
+            send[a[k + 1]] = (tuple(a[k + 4:k + 4 + n]), a[k + 2])
+            k += 4 + n
+    return Handover(recv=recv, send=send)
+
+
+def read_once_steps(rank: int, units: Sequence[Unit]) -> Generator[Request, Any, Handover]:
+    """:func:`read_once` as protocol steps: one gather of every rank's units
+    (32 bytes per unit) to the coordinator, one scatter of each rank's own
+    :class:`Handover`."""
+    got = yield ("gather_bytes", _encode_units(units))
+    parts = None
+    if got is not None:
+        parts = [_encode_handover(h) for h in assign_readers([_decode_units(g) for g in got])]
+    mine = yield ("scatter_bytes", parts)
+    return _decode_handover(mine)
+
+
+def read_once(coll: Collectives, units: Sequence[Unit]) -> Handover:
+    """This rank's part in reading every range several ranks need from
+    storage once (see :func:`assign_readers`); every rank calls it with the
+    units it needs (each unit once)."""
+    return drive(coll, read_once_steps(coll.rank, units))

@@ -20,7 +20,7 @@ import xxhash
 from . import codec
 from .collectives import Collectives, timed_collectives
 from .commit import read_manifest
-from .coordination_load import KeyCensus, key_census, read_shared
+from .coordination_load import KeyCensus, key_census, read_once, read_shared
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -53,7 +53,16 @@ class LoadResult:
         initialized: missing keys filled by an ``allow_missing`` rule.
         values: common values by tree path, and object elements this rank
             requested by key.
-        bytes_read: bytes this rank read from storage.
+        bytes_read: bytes this rank read from storage (everything: chunks,
+            checksum tables, objects, the manifest on the coordinator).
+        chunk_bytes_read: the part of ``bytes_read`` that is saved tensor
+            chunks. With replicas read once, the sum over the ranks is the
+            bytes of the distinct chunk ranges the ranks need (each read by
+            one rank), plus the whole checksum blocks at the edges of a
+            range that starts or ends inside one.
+        bytes_received: chunk bytes this rank received from the ranks that
+            read them (replicas read once), instead of reading them.
+        bytes_sent: chunk bytes this rank read and sent to other ranks.
         duration_s: seconds the call took on this rank.
         manifest: the checkpoint's manifest.
         notes: what adapters report about the load (e.g. parameters of an
@@ -72,6 +81,9 @@ class LoadResult:
     initialized: tuple[str, ...] = ()
     values: dict[str, Any] = field(default_factory=dict)
     bytes_read: int = 0
+    chunk_bytes_read: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
     duration_s: float = 0.0
     manifest: Manifest | None = None
     notes: dict[str, Any] = field(default_factory=dict)
@@ -86,6 +98,11 @@ HANDLED = "reshard.handled_keys"
 #: ``LoadResult.notes`` entry of a checkpoint of an earlier format version
 #: whose names were migrated: ``{"from_format_version": 1, "renamed": {new: old}}``.
 MIGRATED = "reshard.format_migration"
+
+#: ``LoadResult.notes`` entry of a load whose replica handover failed:
+#: ``{"fallback": "<the failure>"}``; every rank then read what it was to
+#: receive from storage itself.
+READ_ONCE = "reshard.read_once"
 
 MissingRule = str | Callable[[str, torch.Tensor], None]
 
@@ -155,6 +172,17 @@ def load(
     the cost of a second read, so that bit rot too leaves targets unchanged.
     Stateful objects get ``load_state_dict`` only once every rank succeeded.
 
+    Replicas are read once (``LoadOptions.read_once``, on by default): a
+    chunk range that several ranks need (DP replicas, a TP shard every PP
+    stage or DP rank of a new layout wants) is read from storage by one of
+    them, the coordinator balancing the bytes each rank reads, and sent to
+    the others point to point over ``group`` (one gather of every rank's
+    ranges to the coordinator and one scatter of each rank's part, then the
+    transfers; DESIGN.md section 1's budget holds). The reader verifies the
+    checksums; the receivers place the bytes as they came. When a transfer
+    fails on any rank, every rank reads the ranges it was to receive from
+    storage itself and ``LoadResult.notes[READ_ONCE]`` names the failure.
+
     Raises:
         CheckpointNotFoundError: no committed checkpoint at ``path``.
         ManifestError, IntegrityError: the checkpoint is invalid or corrupt
@@ -191,8 +219,7 @@ def load(
     t_plan = time.perf_counter()
     census = key_census(coll, ctx["manifest"], ctx["requested"], transforms)
     # every check that needs no target write (files, coverage, shapes, dtypes,
-    # strictness, devices; checksums too with verify_first), agreed before any
-    # rank changes any target
+    # strictness, devices), agreed before any rank changes any target
     err = None
     plan: _Plan | None = None
     try:
@@ -200,17 +227,44 @@ def load(
                       [*allow_missing, *extra_allow_missing(transforms)], transforms)
     except Exception as e:  # noqa: BLE001
         err = e
-    coll.agree("load (checked before writing: every target is unchanged)", err)
+    # read_once rides along (max of "off"): on only when every rank asks for it
+    off = coll.agree("load (checked before writing: every target is unchanged)", err,
+                     values=[0 if opts.read_once else 1])
     assert plan is not None
+    share = coll.world_size > 1 and not off[0]
+    hand: _Handover | None = None
+    local = plan.groups
+    if share:
+        hand = _plan_handover(coll, plan, opts.read_once_min_bytes)
+        local = {k: v for k, v in plan.groups.items() if k not in hand.recv}
+    if opts.verify_first:  # every block this rank reads, before any target is written
+        err = None
+        try:
+            plan.reader.verify_only(local)
+        except Exception as e:  # noqa: BLE001
+            err = e
+        coll.agree("load (checked before writing: every target is unchanged)", err)
     t_read = time.perf_counter()
     err = None
     result: LoadResult | None = None
     try:
-        result = _apply(plan, ctx, st, key)
+        plan.reader.run(local, keep=hand.send if hand is not None else ())
+    except Exception as e:  # noqa: BLE001
+        err = e
+    _raise_after_writes(coll, err, plan.reader.written)
+    fallback = _hand_over(coll, plan, hand) if hand is not None else None
+    # finishing steps and allow_missing rules: only once every rank's reads succeeded
+    err = None
+    try:
+        if fallback is not None and hand is not None:  # every rank reads what it was to receive
+            plan.reader.run({k: plan.groups[k] for k in hand.recv})
+            ctx["notes"][READ_ONCE] = {"fallback": fallback}
+        result = _finish(plan, ctx, key)
     except Exception as e:  # noqa: BLE001
         err = e
     _raise_after_writes(coll, err, plan.reader.written)
     assert result is not None
+    result = dataclasses.replace(result, timings={"read": time.perf_counter() - t_read})
     # hand loaded plain values to Stateful objects, only once every rank succeeded
     err = None
     try:
@@ -231,6 +285,9 @@ def load(
     timings = {"manifest": t_plan - t0, "plan": t_read - t_plan, "read": result.timings["read"]}
     timings["place"] = total - sum(timings.values())
     return LoadResult(**{**result.__dict__, "path": base.url(key), "bytes_read": base.bytes_read - before,
+                         "chunk_bytes_read": plan.reader.chunk_bytes,
+                         "bytes_received": hand.received if hand is not None else 0,
+                         "bytes_sent": hand.sent if hand is not None else 0,
                          "duration_s": total, "timings": timings})
 
 
@@ -405,8 +462,9 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
     (strictness), target devices, shapes and dtypes (through the
     transforms), coverage, every needed file at once (presence, size, no
     symbolic link), objects (read and verified: they are small and go to
-    ``LoadResult.values``, not into targets) and values; with
-    ``verify_first``, the checksums of every needed block. Writes nothing."""
+    ``LoadResult.values``, not into targets) and values. Writes nothing (the
+    checksums of ``verify_first`` are checked by the caller, once it knows
+    which blocks this rank reads)."""
     m: Manifest = ctx["manifest"]
     leaves = ctx["leaves"]
     allow = _compile_allow(allow_missing)
@@ -504,8 +562,6 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
     for p, enc in (m.values or {}).items():
         values[p] = codec.from_json(enc)
     _check_hooks(leaves.statefuls, objects, ctx["notes"], values)
-    if opts.verify_first:
-        reader.verify_only(groups)
     return _Plan(manifest=m, reader=reader, groups=groups, rules=rules, finalize=finalize,
                  missing=tuple(missing), unexpected=tuple(unexpected), objects=objects,
                  values=values)
@@ -532,14 +588,10 @@ def _check_hooks(statefuls: Sequence[tuple[str, Any, Any]],
             notes[join(path, k)] = v
 
 
-def _apply(plan: _Plan, ctx: dict[str, Any], st: Storage, key: str) -> LoadResult:
-    """Write the targets of a checked plan: reads (recorded in
-    ``plan.reader.written``), transforms' finishing steps, then the
-    ``allow_missing`` rules; hand objects and values to the tree."""
+def _finish(plan: _Plan, ctx: dict[str, Any], key: str) -> LoadResult:
+    """What follows the reads of a checked plan: transforms' finishing steps,
+    then the ``allow_missing`` rules; hand objects and values to the tree."""
     m = plan.manifest
-    t0 = time.perf_counter()
-    plan.reader.run(plan.groups)
-    t_read = time.perf_counter() - t0
     for fn in plan.finalize:
         fn()
     initialized: list[str] = []
@@ -558,7 +610,106 @@ def _apply(plan: _Plan, ctx: dict[str, Any], st: Storage, key: str) -> LoadResul
             ctx["loaded_values"][p] = plan.values[p]
     return LoadResult(path=key, step=m.step, missing=plan.missing, unexpected=plan.unexpected,
                       initialized=tuple(initialized), values=plan.values, manifest=m,
-                      notes=dict(ctx["notes"]), timings={"read": t_read})
+                      notes=dict(ctx["notes"]))
+
+
+@dataclass(kw_only=True)
+class _Handover:
+    """This rank's part in reading replicas once, by group key (see
+    :func:`reshard.coordination_load.read_once`): groups it receives (from
+    rank, tag) and groups it reads and sends (to ranks, tag); bytes moved."""
+
+    recv: dict[tuple[str, int], tuple[int, int]]
+    send: dict[tuple[str, int], tuple[tuple[int, ...], int]]
+    received: int = 0
+    sent: int = 0
+
+
+def _plan_handover(coll: Collectives, plan: _Plan, min_bytes: int) -> _Handover:
+    """Every rank's chunk ranges of at least ``min_bytes`` to the coordinator,
+    its own handover back (one gather, one scatter)."""
+    index = {f: i for i, f in enumerate(sorted(plan.manifest.tensors))}
+    keys, units = [], []
+    for f, ci in plan.groups:
+        lo, hi = plan.reader.unit_range(plan.groups[(f, ci)])
+        if hi - lo >= min_bytes:
+            keys.append((f, ci))
+            units.append((index[f], ci, lo, hi))
+    h = read_once(coll, units)
+    return _Handover(recv={keys[i]: v for i, v in h.recv.items()},
+                     send={keys[i]: v for i, v in h.send.items()})
+
+
+#: handed-over ranges smaller than this (bytes) travel packed per pair of ranks
+PACK_BYTES = 1 << 20
+#: the tag of the packed message between a pair of ranks (above every range's tag)
+PACK_TAG = 1 << 30
+
+
+def _hand_over(coll: Collectives, plan: _Plan, hand: _Handover) -> str | None:
+    """Send the ranges this rank read to the ranks that need them and receive
+    its own (straight into a destination where the read would have been
+    direct, else into a buffer then placed). Every rank learns whether every
+    rank's handover completed (one all-reduce). Returns None when it did,
+    else the failure (this rank's own, or "on another rank"): the caller then
+    reads the received ranges from storage on every rank."""
+    rd = plan.reader
+    mine: str | None = None
+    try:
+        sends: list[tuple[int, int, torch.Tensor]] = []
+        recvs: list[tuple[int, int, torch.Tensor]] = []
+        places: list[tuple[tuple[str, int], torch.Tensor]] = []
+        # ranges under PACK_BYTES travel packed: one message per (reader, receiver)
+        # pair, in tag order (a message per small range costs more than its bytes)
+        packs_out: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
+        packs_in: dict[int, list[tuple[int, tuple[str, int], torch.Tensor, bool]]] = defaultdict(list)
+        for k, (dsts, tag) in hand.send.items():
+            buf = rd.kept.pop(k) if k in rd.kept else rd.hand_buffer(plan.groups[k])[0]
+            for d in dsts:
+                if buf.numel() >= PACK_BYTES:
+                    sends.append((d, tag, buf))
+                else:
+                    packs_out[d].append((tag, buf))
+            hand.sent += buf.numel() * len(dsts)
+        for k, (src, tag) in hand.recv.items():
+            items = plan.groups[k]
+            buf, direct = rd.hand_buffer(items)
+            if direct:
+                rd.mark_written(items[0][1].req.fqn)
+            if buf.numel() < PACK_BYTES:
+                packs_in[src].append((tag, k, buf, direct))
+                continue
+            if not direct:
+                places.append((k, buf))
+            recvs.append((src, tag, buf))
+        for d, parts in packs_out.items():
+            parts.sort(key=lambda p: p[0])
+            sends.append((d, PACK_TAG, torch.cat([b for _, b in parts]) if parts else torch.empty(0)))
+        unpack: list[tuple[torch.Tensor, list[tuple[int, tuple[str, int], torch.Tensor, bool]]]] = []
+        for src, ins in packs_in.items():
+            ins.sort(key=lambda p: p[0])
+            whole = torch.empty(sum(b.numel() for _, _, b, _ in ins), dtype=torch.uint8)
+            recvs.append((src, PACK_TAG, whole))
+            unpack.append((whole, ins))
+        coll.exchange(sends, recvs)
+        hand.received = sum(t.numel() for _, _, t in recvs)
+        for whole, ins in unpack:
+            at = 0
+            for _, k, buf, direct in ins:
+                buf.copy_(whole[at:at + buf.numel()])
+                at += buf.numel()
+                if not direct:
+                    places.append((k, buf))
+        for (f, ci), buf in places:
+            rd.place(f, ci, plan.groups[(f, ci)], buf)
+    except Exception as e:  # noqa: BLE001 - every rank falls back below
+        mine = f"{type(e).__name__}: {e}"[:500]
+    rd.kept.clear()
+    failed = coll.all_reduce_ints([1 if mine else 0], "max")[0]
+    if not failed:
+        return None
+    hand.received = 0
+    return mine or "the handover failed on another rank"
 
 
 def _raise_after_writes(coll: Collectives, mine: BaseException | None, written: Sequence[str]) -> None:

@@ -140,6 +140,21 @@ class LoadOptions:
             dominates, expect up to 2x (not measured). Extra memory: the
             scratch buffers only. Needs ``checksums``; a needed chunk saved
             without checksums is refused (IntegrityError).
+        read_once: a chunk range that several ranks of the group need is
+            read from storage by one of them and sent to the others (point
+            to point over the load's group); off: every rank reads all it
+            needs itself. On only when every rank passes it. Costs one
+            gather and one scatter of 32 bytes per needed range (to and from
+            the coordinator) and one all-reduce; memory: a range whose
+            destination is not one contiguous region (or that the sender read
+            with neighbours) travels through a buffer of its size.
+        read_once_min_bytes: ranges smaller than this (bytes) are read by
+            every rank that needs them: reading them costs less than waiting
+            for another rank to hand them over (measured on 16 and 32 gloo
+            processes sharing 2 CPUs, a page-cache-warm state of KiB-sized
+            ranges, ``benchmarks/bench_real_ranks.py``, best of 3: handing
+            every range over took 1.1-1.3x the time of each rank reading its
+            own). 0: every shared range is read once.
 
         timeout_s: seconds every collective of the load may wait for the
             other ranks (a checkpoint process group with this timeout, as
@@ -158,9 +173,13 @@ class LoadOptions:
     progress: bool | None = None
     verify_first: bool = False
     timeout_s: float | None = None
+    read_once: bool = True
+    read_once_min_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s, "LoadOptions.timeout_s")
+        if self.read_once_min_bytes < 0:
+            raise ValueError("read_once_min_bytes must be >= 0")
         if self.verify_first and not self.checksums:
             raise ValueError("verify_first needs checksums=True (it verifies checksums)")
         if self.threads < 1:

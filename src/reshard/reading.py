@@ -134,15 +134,26 @@ class Reader:
         written: fqns of the targets this reader has started to write (a
             direct read fills its destination before the block checksums are
             compared), in the order first written.
+        chunk_bytes: bytes of saved chunks read from storage (not counting
+            checksum tables, objects or the manifest).
+        kept: for the groups :meth:`run` was asked to keep that are not
+            direct reads, the unit's bytes (``unit_range``) of the span read,
+            to hand to other ranks.
     """
 
     def __init__(self, st: Storage, ckpt: str, m: Manifest, opts: LoadOptions):
         self.st, self.ckpt, self.m, self.opts = st, ckpt, m, opts
         self.written: list[str] = []
+        self.chunk_bytes = 0
+        self.kept: dict[tuple[str, int], torch.Tensor] = {}
         self.tables = BlockTables(st, ckpt, m)
         self._seen: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.chunk_bytes += n
 
     def mark_written(self, fqn: str) -> None:
         with self._lock:
@@ -224,6 +235,7 @@ class Reader:
                 n = min(seg, hi - a)
                 part = scratch[:n]
                 self.st.read_into(path, c.offset + a, memoryview(part.numpy().data))
+                self._count(n)
                 self.verify(fqn, c, a, part)
 
         self._execute([partial(check, *sp) for sp in spans])
@@ -286,18 +298,28 @@ class Reader:
             raise errs[0]  # type: ignore[misc]
         return [r for f in futs for r in f.result()]
 
-    def run(self, groups: Groups) -> None:
+    def run(self, groups: Groups, keep: Iterable[tuple[str, int]] = ()) -> None:
+        """Read every group into its targets. Groups named in ``keep`` are
+        handed to other ranks afterwards: a direct read leaves their bytes
+        in the destination (:meth:`hand_buffer`); any other is read on its
+        own (not coalesced) and its unit's bytes stay in ``kept``."""
+        keep = set(keep)
         per_file: dict[str, list[tuple[int, int, str, Chunk, list[tuple[ReadItem, Target]]]]] = (
             defaultdict(list))
         direct: list[tuple[str, Chunk, ReadItem, Target]] = []
+        jobs: list[Callable[[], None]] = []
         for (fqn, ci), items in groups.items():
             c = self.m.tensors[fqn].chunks[ci]
-            if len(items) == 1 and self._direct_ok(*items[0]):
+            if self.is_direct(items):
                 direct.append((fqn, c, *items[0]))
             else:
                 lo, hi = self.span(c, items)
-                per_file[c.file].append((c.offset + lo, c.offset + hi, fqn, c, items))
-        jobs: list[Callable[[], None]] = [partial(self._read_direct, *a) for a in direct]
+                r = (c.offset + lo, c.offset + hi, fqn, c, items)
+                if (fqn, ci) in keep:
+                    jobs.append(partial(self._read_span, c.file, [r], (fqn, ci)))
+                else:
+                    per_file[c.file].append(r)
+        jobs.extend(partial(self._read_direct, *a) for a in direct)
         for name, reads in per_file.items():
             reads.sort(key=lambda r: r[0])
             cur: list[Any] = []
@@ -316,6 +338,42 @@ class Reader:
                 pb.update(1)
 
             self._execute([partial(counted, j) for j in jobs])
+
+    def is_direct(self, items: list[tuple[ReadItem, Target]]) -> bool:
+        """A group read straight into its one destination (see :meth:`_direct_ok`)."""
+        return len(items) == 1 and self._direct_ok(*items[0])
+
+    @staticmethod
+    def unit_range(items: list[tuple[ReadItem, Target]]) -> tuple[int, int]:
+        """The chunk bytes [first, end) a group's targets need."""
+        return min(i.byte_start for i, _ in items), max(i.byte_stop for i, _ in items)
+
+    def hand_buffer(self, items: list[tuple[ReadItem, Target]]) -> tuple[torch.Tensor, bool]:
+        """A contiguous uint8 tensor of the group's unit bytes: the
+        destination region itself for a direct read (True), else a new
+        buffer (False) whose bytes :meth:`place` copies into the targets."""
+        if self.is_direct(items):
+            return self._region_u8(*items[0]), True
+        lo, hi = self.unit_range(items)
+        return torch.empty(hi - lo, dtype=torch.uint8), False
+
+    def place(self, fqn: str, ci: int, items: list[tuple[ReadItem, Target]], buf: torch.Tensor) -> None:
+        """Copy a group's unit bytes, received from the rank that read them
+        (and verified them there), into its targets."""
+        c = self.m.tensors[fqn].chunks[ci]
+        lo, _ = self.unit_range(items)
+        dtype = torch_dtype(self.m.tensors[fqn].dtype)
+        for item, t in items:
+            self.mark_written(t.req.fqn)
+            _copy(item, c, t, _view_u8(buf, item.byte_start - lo, item.byte_stop - lo, dtype))
+
+    def _region_u8(self, item: ReadItem, t: Target) -> torch.Tensor:
+        region = self._dst_region(item, t)
+        assert region is not None
+        flat = region.reshape(-1)
+        if flat.stride(0) != 1:  # one element with any stride counts as contiguous
+            flat = torch.as_strided(flat, (flat.numel(),), (1,))
+        return flat.view(torch.uint8)
 
     def _direct_ok(self, item: ReadItem, t: Target) -> bool:
         """The item's bytes go straight into its destination: they are the
@@ -347,12 +405,7 @@ class Reader:
         when the item starts or ends inside a block) is read whole into a
         scratch block, verified, and its part copied."""
         path = self.st.join(self.ckpt, c.file)
-        region = self._dst_region(item, t)
-        assert region is not None
-        flat = region.reshape(-1)
-        if flat.stride(0) != 1:  # one element with any stride counts as contiguous
-            flat = torch.as_strided(flat, (flat.numel(),), (1,))
-        u8 = flat.view(torch.uint8)
+        u8 = self._region_u8(item, t)
         mv = memoryview(u8.numpy().data)
         bs, be = item.byte_start, item.byte_stop
         seg = self._segment(c)
@@ -372,11 +425,13 @@ class Reader:
         with closing(self.st.read_parts(path, reads)) as parts:
             for i in parts:
                 a = starts[i]
+                self._count(min(a + seg, d1) - a)
                 self.verify(fqn, c, a, u8[a - bs:min(a + seg, d1) - bs])
         for e in edges:
             n = min(self.m.checksum_block_bytes, c.length - e)
             scratch = torch.empty(n, dtype=torch.uint8)
             self.st.read_into(path, c.offset + e, memoryview(scratch.numpy().data))
+            self._count(n)
             self.verify(fqn, c, e, scratch)
             a, z = max(e, bs), min(e + n, be)
             u8[a - bs:z - bs].copy_(scratch[a - e:z - e])
@@ -393,12 +448,14 @@ class Reader:
             return b * max(1, _VERIFY_SEGMENT_BYTES // b)
         return b * max(1, _SEGMENT_BYTES // b)
 
-    def _read_span(self, name: str, reads: list[tuple[int, int, str, Chunk, list[Any]]]) -> None:
+    def _read_span(self, name: str, reads: list[tuple[int, int, str, Chunk, list[Any]]],
+                   keep: tuple[str, int] | None = None) -> None:
         path = self.st.join(self.ckpt, name)
         start, stop = reads[0][0], max(r[1] for r in reads)
         buf = torch.empty(stop - start, dtype=torch.uint8)
         if stop > start:
             self.st.read_into(path, start, memoryview(buf.numpy().data))
+            self._count(stop - start)
         for a, b, fqn, c, items in reads:
             lo = a - c.offset
             data = buf[a - start:b - start]
@@ -408,3 +465,7 @@ class Reader:
                 src = _view_u8(buf, a - start + item.byte_start - lo, a - start + item.byte_stop - lo, dtype)
                 self.mark_written(t.req.fqn)
                 _copy(item, c, t, src)
+            if keep is not None:
+                ulo, uhi = self.unit_range(items)
+                with self._lock:
+                    self.kept[keep] = buf[a - start + ulo - lo:a - start + uhi - lo]

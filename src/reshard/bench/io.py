@@ -141,6 +141,7 @@ class Runner:
         self.cfg = cfg
         self.records: list[dict[str, Any]] = []
         self.notes: list[str] = []
+        self.tc_io: dict[int, dict[str, Any]] = {}
         self.pool = WorkerPool(pg_timeout=900.0, grace=60.0, max_groups=1)
         self.progress = progress
         self.bar: Any = None
@@ -260,7 +261,9 @@ class Runner:
         peers = backend == "local" and info[0]["peers"]  # DCP, torch.save, safetensors
         limits = backend in ("local", "s3")  # limit-write / limit-read on this storage
         base = self.url(backend, scratch, f"w{world}")
+        tc = peers and self.tc_ready(world, base)  # torch_checkpointing, when installed
         warm = ["reshard", "reshard-async"] + (["dcp", "dcp-async"] if peers else [])
+        warm += [m for m in ("tc", "tc-async") if tc]
         warm = [m for m in warm if m not in cfg["skip"]]
         self.run(world, ranks.warm, base + "-warm", warm)  # DCP's process: only around the async phase
         # peak RSS of the first save and of the first two async saves (the staging pool's growth)
@@ -281,7 +284,7 @@ class Runner:
         # saves
         methods = [m for m in ranks.SAVE_METHODS if (peers or m.startswith("reshard")
                                                       or (limits and m == "limit-write"))
-                   and m not in cfg["skip"]]
+                   and m not in cfg["skip"] and (tc or m not in ranks.TC_METHODS)]
         keep: dict[str, str] = {}
         if world in self.cold_root:
             keep["cold-manager"] = self.cold_root[world][0]  # removed with the others at the end
@@ -304,7 +307,8 @@ class Runner:
                 keep[m] = p
         # async saves
         amethods = [m for m in ranks.ASYNC_METHODS if (peers or m in ("memcpy", "reshard-async"))
-                    and m not in cfg["skip"] and "async" not in cfg["skip"]]
+                    and m not in cfg["skip"] and "async" not in cfg["skip"]
+                    and (tc or m not in ranks.TC_METHODS)]
         if "dcp-async-process" in amethods:  # its process (started untimed) lives for this phase only
             self.run(world, ranks.warm, base + "-warm-process", ["dcp-async-process"])
         for r in range(rep if amethods else 0):
@@ -349,14 +353,14 @@ class Runner:
         src = {"limit-read": keep.get("reshard"), "reshard": keep["reshard"],
                "reshard-nocheck": keep["reshard"], "dcp": keep.get("dcp"),
                "dcp-threads": keep.get("dcp"), "torch-load": keep.get("torch-save"),
-               "safetensors": keep.get("safetensors")}
+               "safetensors": keep.get("safetensors"), "tc": keep.get("tc") or keep.get("tc+sync")}
         src["reshard-verify-first"] = keep["reshard"] if cfg.get("verify_first") else None
         lm = [m for m in ranks.LOAD_METHODS if src.get(m) is not None and m not in cfg["skip"]
               and (peers or m.startswith("reshard") or (limits and m == "limit-read"))]
         for m in lm:
             self.tick(f"w{world} {backend}: load {m}")
             out = self.run(world, ranks.load, m, src[m], rep,
-                           fp if m.startswith("reshard") or m.startswith("dcp") else None)
+                           fp if m.startswith(("reshard", "dcp", "tc")) else None)
             self.record("load", m, world, backend, out)
         self.run(world, ranks.load, "reshard", keep["reshard"], 1, None)
         out = self.run(world, ranks.step_time)
@@ -372,6 +376,31 @@ class Runner:
                 continue
             self.reshard_to(world, backend, target, keep, fp)
         self._remove(keep, world)
+
+    def tc_ready(self, world: int, base: str) -> bool:
+        """Whether torch_checkpointing is measured in this world (installed and
+        not skipped); its default O_DIRECT writer is tried first on every rank
+        and, where it fails, its buffered writer is used (said in a note and in
+        ``meta["torch_checkpointing"]``)."""
+        from . import ranks
+
+        if all(m in self.cfg["skip"] for m in ranks.TC_METHODS):
+            return False
+        if not ranks.tc_available():
+            note = ("torch_checkpointing not installed: its columns are empty "
+                    "(pip install torch-checkpointing)")
+            if note not in self.notes:
+                self.notes.append(note)
+            return False
+        out = self.run(world, ranks.tc_probe, base)
+        direct = all(o["direct_io"] for o in out)
+        self.tc_io[world] = {"direct_io": direct, "error": next((o["error"] for o in out if o["error"]), None)}
+        if not direct:
+            self.notes.append(f"torch_checkpointing (w{world}): its default O_DIRECT writer failed here "
+                              f"({self.tc_io[world]['error']}); measured with its buffered writer")
+        else:
+            self.notes.append(f"torch_checkpointing (w{world}): measured with its default O_DIRECT writer")
+        return True
 
     def _remove(self, keep: dict[str, str], world: int = 1) -> None:
         """Delete the kept checkpoints (memory://: in the workers of ``world``,
@@ -534,6 +563,12 @@ def run(cfg: dict[str, Any], *, progress: bool, json_path: str | None = None,
     meta["wall_s"] = time.perf_counter() - t0
     cfg["skip"] = sorted(cfg["skip"])
     summary = report.summarise(runner.records, cfg)
+    if runner.tc_io:
+        import importlib.metadata
+
+        meta["torch_checkpointing"] = {"version": importlib.metadata.version("torch-checkpointing"),
+                                       "io_by_world": {str(k): v for k, v in runner.tc_io.items()},
+                                       "durable": "its save never fsyncs: tc+sync is its save then os.sync()"}
     return {"config": cfg, "meta": meta, "notes": runner.notes, "summary": summary,
             "records": runner.records}
 

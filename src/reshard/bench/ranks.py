@@ -29,10 +29,13 @@ from .models import GridWorkload, LayoutSpec, Workload, build, parse_layout
 
 _W: dict[str, Any] = {}
 
-SAVE_METHODS = ("limit-write", "reshard", "reshard-nocheck", "dcp", "torch-save", "safetensors")
-ASYNC_METHODS = ("memcpy", "reshard-async", "dcp-async", "dcp-async-process")
+SAVE_METHODS = ("limit-write", "reshard", "reshard-nocheck", "dcp", "tc", "tc+sync", "torch-save",
+                "safetensors")
+ASYNC_METHODS = ("memcpy", "reshard-async", "dcp-async", "dcp-async-process", "tc-async")
 LOAD_METHODS = ("limit-read", "reshard", "reshard-nocheck", "reshard-verify-first", "dcp", "dcp-threads",
-                "torch-load", "safetensors")
+                "tc", "torch-load", "safetensors")
+#: the methods of torch_checkpointing (meta-pytorch's ``torch-checkpointing``, an optional peer)
+TC_METHODS = ("tc", "tc+sync", "tc-async")
 
 
 def _w() -> Workload:
@@ -70,6 +73,107 @@ def _timed(fn: Callable[[], Any], profile: str | None = None) -> tuple[Any, floa
 
 def _nbytes(ts: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
+
+
+# ------------------------------------------------------------------ torch_checkpointing
+def tc_available() -> bool:
+    """Whether torch_checkpointing (PyPI ``torch-checkpointing``) is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("torch_checkpointing") is not None
+
+
+def _tc_checkpoint(state: dict[str, Any]) -> Any:
+    """``state`` (the DCP-style state dict) as torch_checkpointing's
+    ``CheckpointBase``: one item, written with its default layout
+    (``torch.save`` of this rank's part, ``state_<rank>.pt``)."""
+    import torch_checkpointing as tc
+
+    class State(tc.CheckpointBase):
+        def get_items(self) -> dict[str, Any]:
+            return {"state": tc.CheckpointItem(value=state)}
+
+        def load_state_dict(self, state_dict: Any) -> None:  # tensors are filled in place
+            pass
+
+    return State()
+
+
+def _tc_storage() -> Any:
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    return LocalFileSystemStorageConfig(use_direct_io=_W.get("tc_direct_io", True))
+
+
+def tc_probe(base: str) -> dict[str, Any]:
+    """torch_checkpointing's default writer (O_DIRECT) tried first on a small
+    state; when it fails (EINVAL on file systems without O_DIRECT), its
+    buffered writer is used for every measurement after (``direct_io``
+    False, ``error`` the failure)."""
+    import torch_checkpointing as tc
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    d = f"{base}-tc-probe-r{_rank()}"
+    os.makedirs(d, exist_ok=True)
+    err = None
+    saver = tc.make_sync_checkpoint_saver(storage_config=LocalFileSystemStorageConfig(use_direct_io=True),
+                                          rank_info=tc.RankInfo(global_world_size=1, global_rank=0,
+                                                                role_rank=0, role_world_size=1))
+    try:
+        saver.save(os.path.join(d, "ck"), _tc_checkpoint({"w": torch.ones(1 << 16)}))
+    except OSError as e:
+        err = f"{type(e).__name__}: {e}"
+    finally:
+        saver.close()
+        shutil.rmtree(d, ignore_errors=True)
+    _W["tc_direct_io"] = err is None
+    dist.barrier()
+    return {"rank": _rank(), "direct_io": err is None, "error": err}
+
+
+def _tc_sync_saver() -> Any:
+    if "tc_sync" not in _W:
+        import torch_checkpointing as tc
+
+        _W["tc_sync"] = tc.make_sync_checkpoint_saver(storage_config=_tc_storage())
+    return _W["tc_sync"]
+
+
+def _tc_async_saver() -> Any:
+    """Its asynchronous saver (staging into its reused shared-memory buffers,
+    writing from its checkpoint process); made once per workload."""
+    if "tc_async" not in _W:
+        import multiprocessing
+
+        import torch_checkpointing as tc
+
+        # it starts its checkpoint process; a pool worker is daemonic, which
+        # multiprocessing forbids to have children (as for DCP's process mode)
+        multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
+        _W["tc_async"] = tc.make_async_checkpoint_saver(storage_config=_tc_storage())
+    return _W["tc_async"]
+
+
+def end_tc() -> None:
+    """Close torch_checkpointing's savers (its checkpoint process and buffers)."""
+    for k in ("tc_async", "tc_sync"):
+        saver = _W.pop(k, None)
+        if saver is not None:
+            saver.close()
+    gc.collect()
+
+
+def _tc_load(path: str) -> None:
+    import torch_checkpointing as tc
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    w = _w()
+    if "tc_loader" not in _W:
+        reader = tc.CheckpointReader(rank_info=tc.builder._get_default_rank_info(), storage_config=_tc_storage())
+        _W["tc_loader"] = tc.CheckpointLoader(reader=reader)
+    sd = w.dcp_state()
+    _W["tc_loader"].load(path, _tc_checkpoint(sd))
+    set_state_dict(w.model, w.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
 # ------------------------------------------------------------------------------- setup
@@ -134,6 +238,9 @@ def trim() -> None:
     staging.wait_all()
     for saver in staging.SAVERS.values():
         saver.pool.trim(set())
+    tca = _W.pop("tc_async", None)  # torch_checkpointing's process and shared-memory buffers
+    if tca is not None:
+        tca.close()
     _W.pop("copy_dst", None)
     _W.pop("stager", None)
     from torch.distributed.checkpoint import _async_process_executor as ape
@@ -149,6 +256,7 @@ def trim() -> None:
 def release() -> None:
     """Free this rank's workload, buffers and async staging pools (between world sizes)."""
     trim()
+    end_tc()
     _W.clear()
     gc.collect()
 
@@ -266,6 +374,18 @@ def save(method: str, path: str, limit_bytes: list[int]) -> dict[str, Any]:
         state = w.dcp_state()
         _, own, total = _timed(lambda: dcp.save(state, checkpoint_id=path))
         res.update(bytes=os.path.getsize(os.path.join(path, f"__{rank}_0.distcp")))
+    elif method in ("tc", "tc+sync"):  # torch_checkpointing: never fsyncs; "+sync" adds os.sync()
+        saver = _tc_sync_saver()
+        ck = _tc_checkpoint(w.dcp_state())
+
+        def tc_save() -> None:
+            saver.save(path, ck)
+            if method == "tc+sync":
+                os.sync()
+
+        _, own, total = _timed(tc_save)
+        mine = os.path.join(path, f"state_{rank}.pt")
+        res.update(bytes=os.path.getsize(mine) if os.path.exists(mine) else 0)
     elif method in ("torch-save", "safetensors"):
         d = _local_dir(path)
         owned = _owned()
@@ -338,6 +458,13 @@ def start_async(method: str, path: str, state: Any = None) -> tuple[float, Any]:
         t0 = time.perf_counter()
         h = reshard.async_save(state, path, step=1)
         return time.perf_counter() - t0, h
+    if method == "tc-async":  # stall: until its staging future is done (the caller may mutate)
+        saver = _tc_async_saver()
+        ck = _tc_checkpoint(w.dcp_state() if state is None else state)
+        t0 = time.perf_counter()
+        staged, written = saver.save(path, ck)
+        staged.result()
+        return time.perf_counter() - t0, written
     import torch.distributed.checkpoint as dcp
 
     state = w.dcp_state() if state is None else state
@@ -518,6 +645,8 @@ def load(method: str, path: str, repeat: int, verify_fp: str | None = None, warm
             sd = w.dcp_state()
             dcp.load(sd, checkpoint_id=path)
             set_state_dict(w.model, w.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    elif method == "tc":
+        fn = lambda: _tc_load(path)  # noqa: E731
     elif method in ("torch-load", "safetensors"):
         owned = _owned()
         f = os.path.join(path, f"r{rank:05d}." + ("pt" if method == "torch-load" else "safetensors"))
@@ -614,4 +743,20 @@ def warm(base: str, methods: list[str]) -> None:
             _wait(dcp.async_save(small, checkpoint_id=p, process_group=_W["bg_pg"]))
         elif m == "dcp-async-process":  # starts DCP's checkpoint process
             _wait(start_async(m, p, small)[1])
+        elif m == "tc":
+            _tc_load_small(p)
+        elif m == "tc-async":  # starts its checkpoint process
+            _wait(start_async(m, p, small)[1])
         drop(p)
+
+
+def _tc_load_small(p: str) -> None:
+    """torch_checkpointing's loader made and used once on a tiny state."""
+    import torch_checkpointing as tc
+
+    _tc_sync_saver().save(p, _tc_checkpoint({"w": torch.ones(4, 4)}))
+    dist.barrier()  # its coordinator renames the checkpoint into place after the others returned
+    if "tc_loader" not in _W:
+        reader = tc.CheckpointReader(rank_info=tc.builder._get_default_rank_info(), storage_config=_tc_storage())
+        _W["tc_loader"] = tc.CheckpointLoader(reader=reader)
+    _W["tc_loader"].load(p, _tc_checkpoint({"w": torch.zeros(4, 4)}))

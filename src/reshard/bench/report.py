@@ -23,12 +23,14 @@ NAMES = {
     "safetensors": "safetensors save_file+fsync", "memcpy": "limit: memcpy, preallocated",
     "reshard-async": "reshard.async_save", "dcp-async": "DCP async_save (thread)",
     "dcp-async-process": "DCP async_save (process, DefaultStager)",
+    "tc": "torch_checkpointing save (no fsync)", "tc+sync": "torch_checkpointing save+os.sync()",
+    "tc-async": "torch_checkpointing async save (process)",
 }
 LOAD_NAMES = {
     "limit-read": "limit: preadv page cache, 1 thread", "memcpy": "limit: memcpy, preallocated",
     "reshard": "reshard.load (checksums)", "reshard-nocheck": "reshard.load, no checksums",
     "reshard-verify-first": "reshard.load, verify_first",
-    "dcp": "DCP load, 1 thread", "dcp-threads": "DCP load, all cores",
+    "dcp": "DCP load, 1 thread", "dcp-threads": "DCP load, all cores", "tc": "torch_checkpointing load",
     "torch-load": "torch.load(weights_only)+copy", "safetensors": "safetensors load_file+copy",
     "first-step": "first training step after load",
 }
@@ -41,7 +43,10 @@ S3_NAMES = {"limit-write": "limit: boto3 PUT/multipart, 1 object/rank",
 TARGETS = {
     "save_vs_limit": 0.95, "save_vs_dcp": 1.2, "stall_vs_memcpy": 1.3, "stall_vs_dcp": 0.5,
     "step_slowdown": 1.05, "load_vs_limit": 0.75, "load_vs_dcp": 3.0, "load_nocheck_vs_limit": 0.9,
+    "save_vs_tc": 2.0, "stall_vs_tc": 0.8, "load_vs_tc": 2.0,
 }
+#: ratios that are time ratios (below 1 is better)
+_TIME_RATIOS = ("stall_vs_memcpy", "stall_vs_dcp", "stall_vs_tc", "step_slowdown")
 
 
 def _med(xs: list[float]) -> float:
@@ -151,7 +156,12 @@ def _ratios(s: dict[str, Any]) -> dict[str, Any]:
         r["save_vs_limit"] = lim / sv
     if sv and dcp:
         r["save_vs_dcp"] = dcp / sv
+    tcs = _t(s, "save", "tc+sync")  # durable, as reshard's save is
+    if sv and tcs:
+        r["save_vs_tc"] = tcs / sv
     a = s["async"]
+    if "reshard-async" in a and "tc-async" in a:
+        r["stall_vs_tc"] = a["reshard-async"]["stall"]["median_s"] / a["tc-async"]["stall"]["median_s"]
     if "reshard-async" in a and "memcpy" in a:
         r["stall_vs_memcpy"] = a["reshard-async"]["stall"]["median_s"] / a["memcpy"]["stall"]["median_s"]
     if "reshard-async" in a and "dcp-async" in a:
@@ -167,6 +177,9 @@ def _ratios(s: dict[str, Any]) -> dict[str, Any]:
         r["load_nocheck_vs_limit"] = lr / nc
     if ld and dl:
         r["load_vs_dcp"] = min(dl) / ld
+    tl = _t(s, "load", "tc")
+    if ld and tl:
+        r["load_vs_tc"] = tl / ld
     if sv and _t(s, "save", "reshard-nocheck"):
         r["checksum_cost_save"] = sv / _t(s, "save", "reshard-nocheck")  # type: ignore[operator]
     if ld and nc:
@@ -207,11 +220,11 @@ def table(doc: dict[str, Any]) -> str:
                      f"{min(s['loadavg']):.1f}-{max(s['loadavg']):.1f}")
         rows: list[tuple[str, ...]] = []
         sv = s["save"]
-        lim, dcp = _t(s, "save", "limit-write"), _t(s, "save", "dcp")
+        lim, dcp, tcs = _t(s, "save", "limit-write"), _t(s, "save", "dcp"), _t(s, "save", "tc+sync")
         if sv:
             rows.append(("save (durable)" if s3 else "save (in memory)" if key.startswith("memory/") else
                          "save (fsync)", "min s", "med s", "GB/s", "x limit",
-                         "x DCP", ""))
+                         "x DCP", "x TC", ""))
         for m, e in sv.items():
             extra = []
             if e.get("stored_bytes"):
@@ -221,29 +234,32 @@ def table(doc: dict[str, Any]) -> str:
             extra.append(f"slowest writer r{e['slowest_writer']}")
             rows.append((f"  {names.get(m, m)}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
                          f"{e['gb_per_s']:.2f}", _ratio(lim, e["median_s"]), _ratio(dcp, e["median_s"]),
-                         "; ".join(extra)))
+                         _ratio(tcs, e["median_s"]), "; ".join(extra)))
         a = s["async"]
         if a:
             mc = a.get("memcpy", {}).get("stall", {}).get("median_s")
             dc = a.get("dcp-async", {}).get("stall", {}).get("median_s")
-            rows.append(("async: stall", "min s", "med s", "bg s", "x memcpy", "x DCP", "(time ratios)"))
+            tca = a.get("tc-async", {}).get("stall", {}).get("median_s")
+            rows.append(("async: stall", "min s", "med s", "bg s", "x memcpy", "x DCP", "x TC", "(time ratios)"))
             for m, e in a.items():
                 bg = e.get("background", {}).get("median_s")
                 ph = e.get("phases_s")
                 rows.append((f"  {NAMES.get(m, m)}", _fmt_s(e["stall"]["min_s"]), _fmt_s(e["stall"]["median_s"]),
                              _fmt_s(bg), _ratio(e["stall"]["median_s"], mc, inv=True),
                              _ratio(e["stall"]["median_s"], dc, inv=True),
+                             _ratio(e["stall"]["median_s"], tca, inv=True),
                              "" if not ph else "background checksum/plan/write/commit " +
                              "/".join(f"{ph[k]:.2f}" for k in ("checksum", "plan", "write", "commit"))))
         ld = s["load"]
         if ld:
             lr = _t(s, "load", "limit-read")
             dl = min([x for x in (_t(s, "load", "dcp"), _t(s, "load", "dcp-threads")) if x] or [float("nan")])
-            rows.append(("load" if s3 else "warm load", "min s", "med s", "GB/s", "x limit", "x DCP", ""))
+            tl = _t(s, "load", "tc")
+            rows.append(("load" if s3 else "warm load", "min s", "med s", "GB/s", "x limit", "x DCP", "x TC", ""))
             if "memcpy" in a:  # the limit of a load from memory: the memcpy of the async phase
                 e = a["memcpy"]["stall"]
                 rows.append((f"  {lnames['memcpy']}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
-                             f"{s['logical_bytes'] / GB / e['median_s']:.2f}", _ratio(lr, e["median_s"]), "",
+                             f"{s['logical_bytes'] / GB / e['median_s']:.2f}", _ratio(lr, e["median_s"]), "", "",
                              "(the async phase's copy)"))
             for m, e in ld.items():
                 ph = e.get("phases_s")
@@ -253,11 +269,12 @@ def table(doc: dict[str, Any]) -> str:
                 rows.append((f"  {lnames.get(m, m)}", _fmt_s(e["min_s"]), _fmt_s(e["median_s"]),
                              f"{e['gb_per_s']:.2f}" if "gb_per_s" in e else "",
                              "" if m == "first-step" else _ratio(lr, e["median_s"]),
-                             "" if m == "first-step" else _ratio(dl, e["median_s"]), note))
+                             "" if m == "first-step" else _ratio(dl, e["median_s"]),
+                             "" if m == "first-step" else _ratio(tl, e["median_s"]), note))
         for m, e in s["reshard"].items():
             name, _, tgt = m.partition("@")
             rows.append((f"  reshard {tgt}: {lnames.get(name, name)}", _fmt_s(e["min_s"]),
-                         _fmt_s(e["median_s"]), f"{e['gb_per_s']:.2f}" if "gb_per_s" in e else "", "", "",
+                         _fmt_s(e["median_s"]), f"{e['gb_per_s']:.2f}" if "gb_per_s" in e else "", "", "", "",
                          ("state equal" if e["fingerprint_ok"] else "STATE DIFFERS") if name != "first-step" else ""))
         lines.extend(_grid(rows))
         if s.get("cold"):
@@ -305,7 +322,7 @@ def _target(k: str, v: Any) -> str:
     t = TARGETS.get(k)
     if t is None:
         return f"{k} {v:.2f}"
-    ok = v <= t if k in ("stall_vs_memcpy", "stall_vs_dcp", "step_slowdown") else v >= t
+    ok = v <= t if k in _TIME_RATIOS else v >= t
     return f"{k} {v:.2f} ({'<=' if k.startswith(('stall', 'step')) else '>='} {t}: {'met' if ok else 'MISSED'})"
 
 
@@ -318,11 +335,11 @@ def _ratio(ref: float | None, t: float | None, inv: bool = False) -> str:
 def _grid(rows: list[tuple[str, ...]]) -> list[str]:
     if not rows:
         return []
-    w = [max(len(r[i]) for r in rows) for i in range(6)]
+    w = [max(len(r[i]) for r in rows) for i in range(7)]
     out = []
     for r in rows:
-        out.append(f"{r[0]:{w[0]}}  " + "  ".join(f"{c:>{w[i]}}" for i, c in enumerate(r[1:6], 1))
-                   + (f"  {r[6]}" if r[6] else ""))
+        out.append(f"{r[0]:{w[0]}}  " + "  ".join(f"{c:>{w[i]}}" for i, c in enumerate(r[1:7], 1))
+                   + (f"  {r[7]}" if r[7] else ""))
     return out
 
 

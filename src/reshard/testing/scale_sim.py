@@ -87,7 +87,22 @@ def _fake_report(plan: LocalPlan, a: Assignment) -> tuple[bytes, int]:
     return report_bytes(files, writes, digests), sum(per_file)
 
 
-def _save(plans: list[LocalPlan], caches: list[CacheEntry | None]) -> tuple[list[RankSave], Any, dict[str, Any]]:
+#: the checkpoint path of the simulated saves (its length is in the attempt's broadcast)
+SIM_TARGET = "/checkpoints/run/step-00000001"
+
+
+def _attempt_info(target: str) -> dict[str, Any]:
+    """What the coordinator broadcasts about a new attempt, shaped as a
+    real save's (:func:`reshard.save.open_attempt`: target, attempt id, path, nonce)."""
+    from ..commit import INCOMPLETE, new_attempt_id
+
+    aid = new_attempt_id()
+    return {"target": target, "attempt": aid, "attempt_path": f"{target}{INCOMPLETE}{aid}",
+            "nonce": os.urandom(16).hex()}
+
+
+def _save(plans: list[LocalPlan], caches: list[CacheEntry | None],
+          target: str = SIM_TARGET) -> tuple[list[RankSave], Any, dict[str, Any]]:
     n = len(plans)
     out: dict[str, Any] = {}
 
@@ -101,7 +116,7 @@ def _save(plans: list[LocalPlan], caches: list[CacheEntry | None]) -> tuple[list
 
     world = SimWorld(n)
     ctxs = [RankSave(rank=r, world_size=n, plan=plans[r], value_digests={"step": "1"}, err=None,
-                     files_per_rank=1, begin=lambda: {"attempt": "sim-attempt"},
+                     files_per_rank=1, begin=lambda: _attempt_info(target),
                      check_location=lambda info: None, persist=_fake_persist(plans[r], world),
                      publish=publish, discard=lambda a: None,
                      manifest_args=lambda: dict(step=1, checksum_block_bytes=BLOCK, schema_version=None,
@@ -138,6 +153,12 @@ def _restart_caches(out: dict[str, Any], n: int) -> dict[str, Any]:
     return {"caches": caches, "seconds": seconds, "read": read}
 
 
+def _modulo_time(m: Manifest) -> Manifest:
+    import msgspec
+
+    return msgspec.structs.replace(m, created_at=0.0, extra={}, attempt_id="")
+
+
 def _sample_ranks(lay: Layout, limit: int = 48) -> list[int]:
     picks = set()
     for pp in range(lay.pp):
@@ -152,32 +173,39 @@ def _sample_ranks(lay: Layout, limit: int = 48) -> list[int]:
 
 
 def simulate_one(model: str, layout: Layout, target: Layout, *, optimizer: str = "adam",
-                 zero_split: str = "flat", log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """One row of the table (see the module docstring for what each key measures)."""
+                 zero_split: str = "flat", log: Callable[[str], None] = lambda s: None,
+                 path: str = SIM_TARGET) -> dict[str, Any]:
+    """One row of the table (see the module docstring for what each key
+    measures); ``path``: the checkpoint path the simulated saves name."""
     n = layout.world
     plans = [rank_plan(model, layout, r, optimizer=optimizer, zero_split=zero_split) for r in range(n)]
     items = sum(len(p.tensors) for p in plans)
     gc.collect()
     gc.disable()
     try:
-        ctxs, st1, out1 = _save(plans, [None] * n)
+        ctxs, st1, out1 = _save(plans, [None] * n, path)
         t_plan0 = ctxs[0].timings.get("coordinate_cpu", 0.0)
         t_commit0 = ctxs[0].timings.get("manifest_build_cpu", 0.0)
         caches = [c.new_cache for c in ctxs]
         assert all(c is not None for c in caches)
         assignment0 = caches[1].assignment if n > 1 else caches[0].assignment  # type: ignore[union-attr]
-        ctxs2, st2, out2 = _save(plans, caches)
+        ctxs2, st2, out2 = _save(plans, caches, path)
         cached_ok = all(c.new_cache is not None for c in ctxs2)
         # a restart: every rank's cache rebuilt from the checkpoint's plan.bin (rank 0:
         # manifest + whole file, checked; others: three ranged reads of their own record)
         restart = _restart_caches(out1, n)
-        ctxs3, st4, out4 = _save(plans, restart["caches"])
+        ctxs3, st4, out4 = _save(plans, restart["caches"], path)
         restart_ok = out4["cached"] and all(c.new_cache is not None for c in ctxs3)
     finally:
         gc.enable()
     raw = out1["raw"]
     assert out2["raw"] and len(out2["raw"]) > 0 and cached_ok and out2["cached"] and not out1["cached"]
     assert restart_ok and all(c is not None for c in restart["caches"]), "restart cache"
+    # the manifest of the cached save after the restart (layout rebuilt from plan.bin) is the first one
+    from ..manifest import decode_manifest as _decode
+
+    restart_same = _modulo_time(_decode(out4["raw"])) == _modulo_time(_decode(raw))
+    assert restart_same, "the manifest rebuilt after a restart differs"
     del ctxs, ctxs2, ctxs3, caches
     gc.collect()
     t0 = time.process_time()
@@ -227,6 +255,8 @@ def simulate_one(model: str, layout: Layout, target: Layout, *, optimizer: str =
         "cached_max_rank_s": round(st2.max_other("seconds"), 4),
         "cached_max_rank_recv_bytes": int(st2.max_other("recv")),
         "plan_file_bytes": len(out1["plan"]),
+        "plan_file_vs_manifest": round(len(out1["plan"]) / len(raw), 3),
+        "restart_manifest_equal": restart_same,
         "restart_rebuild_coordinator_s": round(restart["seconds"][0], 3),
         "restart_rebuild_max_rank_s": round(max(restart["seconds"][1:], default=0.0), 5),
         "restart_max_rank_read_bytes": max(restart["read"][1:], default=0),
@@ -267,7 +297,7 @@ def scaling_exponent(rows: list[dict[str, Any]], key: str, lo: int = 1024, hi: i
 HEADER = (f"{'world':>6} {'coord s':>8} {'rank s':>7} {'rank recv':>10} {'coord recv':>11} "
           f"{'manifest':>10} {'parse s':>7} {'cached coord s':>14} {'cached rank s':>13} "
           f"{'cached recv':>11} {'restart coord s':>15} {'restart rank s':>14} {'restart recv':>12} "
-          f"{'load plan s':>11}")
+          f"{'load plan s':>11} {'plan.bin':>10}")
 
 
 def _mb(n: int) -> str:
@@ -281,7 +311,8 @@ def format_row(r: dict[str, Any]) -> str:
             f"{r['cached_coordinator_s']:>14.2f} {r['cached_max_rank_s']:>13.4f} "
             f"{_mb(r['cached_max_rank_recv_bytes']):>11} {r['cached_after_restart_coordinator_s']:>15.2f} "
             f"{r['cached_after_restart_max_rank_s']:>14.4f} "
-            f"{_mb(r['cached_after_restart_max_rank_recv_bytes']):>12} {r['load_plan_max_rank_s']:>11.3f}")
+            f"{_mb(r['cached_after_restart_max_rank_recv_bytes']):>12} {r['load_plan_max_rank_s']:>11.3f} "
+            f"{_mb(r['plan_file_bytes']):>10}")
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
