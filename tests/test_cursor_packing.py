@@ -186,3 +186,27 @@ def test_one_global_list_is_not_given_to_every_rank(pool: WorkerPool, tmp_path: 
     empty = str(tmp_path / "empty")
     reshard.save({"data": reshard.DataCursor(fns.LEN, 8, seed=fns.SEED, pending_scope="global")}, empty)
     assert all("error" not in r for r in pool.run(2, fns.r_run, empty, "rank", 1, True))
+
+
+@pytest.mark.parametrize(("n", "g", "steps", "g2"), [(40, 12, 1, 8), (48, 8, 5, 12), (30, 6, 2, 9)])
+def test_batch_change_drops_only_the_new_last_incomplete_batch(tmp_path: Path, n: int, g: int,
+                                                               steps: int, g2: int) -> None:
+    """After a global batch change mid-epoch, the rest of the epoch's order is
+    trained in batches of the new size, each sample once, and what is left
+    unread is exactly the epoch's last incomplete batch of the new size
+    ((n - consumed) mod g2 samples), as drop-last does in every epoch."""
+    c = reshard.DataCursor(n, g, seed=3)
+    seen = [s for _ in range(steps) for s in c.next_global_batch()]
+    reshard.save({"data": c}, tmp_path / "ck", step=steps)
+    c2 = reshard.DataCursor(n, g2, seed=3, on_batch_change="continue")
+    reshard.load({"data": c2}, tmp_path / "ck")
+    rest: list[int] = []
+    while c2.epoch == 0:
+        b = c2.next_global_batch()
+        assert len(b) == g2
+        rest.extend(b)
+    ref = reshard.DataCursor(n, 1, seed=3)
+    order = [ref.next_global_batch()[0] for _ in range(n)]  # epoch 0's order, sample by sample
+    assert seen + rest == order[:len(seen) + len(rest)]
+    assert len(set(seen + rest)) == len(seen) + len(rest)
+    assert n - len(seen) - len(rest) == (n - len(seen)) % g2

@@ -51,8 +51,10 @@ consumed, a sequence-packing buffer). Where they live is declared by
 ``on_batch_change="continue"``; then, as Megatron's ``consumed_samples``, the
 run continues from the consumed-sample position: batch ``b`` after the resume
 is ``order[consumed + b*G' : consumed + (b+1)*G']`` of the same epoch order
-with the new size ``G'`` (no sample of the epoch repeated or skipped; the
-epoch ends when fewer than ``G'`` samples remain, as always). A changed
+with the new size ``G'`` (no sample of the epoch repeated; the epoch ends
+when fewer than ``G'`` samples remain, as always: those
+``(dataset_len - consumed) mod G'`` samples are the dropped last batch,
+as with Megatron's drop-last sampler). A changed
 dataset length continues only from an epoch boundary (``consumed == 0``: the
 next epoch is a permutation of the new dataset); mid-epoch it is refused
 with the exact numbers, since the epoch's order is a permutation of the
