@@ -396,3 +396,22 @@ def test_sigterm_saves_and_stops(tmp_path: Path) -> None:
     r = _mgr(tmp_path).restore(state)
     assert r is not None
     _assert_is(state, r, 1)
+
+
+def test_retention_keeps_the_target_of_a_link_in_the_root(tmp_path: Path) -> None:
+    """An operator's ``best -> step-00000002`` alias pins that checkpoint:
+    retention (keep_last=1) keeps it while the link exists, so the link never
+    dangles, and deletes it once the link is gone."""
+    root = tmp_path / "ckpts"
+    mgr = _mgr(root, keep_last=1)
+    mgr.save(1, _state(1))
+    mgr.save(2, _state(2))
+    (root / "best").symlink_to("step-00000002")
+    for step in (3, 4):
+        mgr.save(step, _state(step))
+    assert _steps(root) == [2, 4]
+    assert (root / "best").resolve().name == "step-00000002"
+    assert "link" in mgr.apply_retention(dry_run=True).keep["step-00000002"]
+    (root / "best").unlink()
+    mgr.save(5, _state(5))
+    assert _steps(root) == [5]

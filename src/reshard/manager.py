@@ -41,6 +41,7 @@ from .commit import (
     Entry,
     committed,
     delete_checkpoint,
+    linked_children,
     read_head,
     read_record,
     scan,
@@ -573,13 +574,23 @@ class CheckpointManager:
                 out.add(base)
         return out
 
+    def _linked(self, names: set[str]) -> set[str]:
+        """The checkpoints a symbolic link in the root points at (an operator's
+        ``best -> step-00000300``): retention keeps them, as it keeps a leased
+        one, so the link never dangles."""
+        st = self.storage
+        where = {st.canonical(st.join(self.root, n)): n for n in names}
+        return {where[t] for link in linked_children(st, self.root)
+                if (t := st.canonical(st.join(self.root, link))) in where}
+
     # ------------------------------------------------------------ retention
     def candidates(self, entries: list[Entry] | None = None) -> list[Candidate]:
         """Retention's view of the committed checkpoints (lineage from HEAD,
-        verification records re-checked, leases and in-flight saves)."""
+        verification records re-checked, leases, in-flight saves and the
+        targets of symbolic links in the root)."""
         entries = committed(self.storage, self.root) if entries is None else entries
         lin = lineage_of(entries, Head.from_record(read_head(self.storage, self.root)))
-        leased = self._leased({e.name for e in entries})
+        leased = self._leased({e.name for e in entries}) | self._linked({e.name for e in entries})
         inflight = {n for n, _ in self._pending}
         out = []
         for e in entries:

@@ -12,8 +12,9 @@ Rules (the seed article's retention section, following the lineage of
 * keep a checkpoint of another lineage (the abandoned branch of a rollback)
   until the current lineage has a verified checkpoint of a greater step; then
   the rules above apply to it (``keep_last`` counts the current lineage only);
-* never delete an in-flight checkpoint, the target of a save, or one held by
-  a lease (a reader: export, conversion, tier copy, evaluation).
+* never delete an in-flight checkpoint, the target of a save, one held by
+  a lease (a reader: export, conversion, tier copy, evaluation), or one a
+  symbolic link in the root points at (an operator's ``best`` alias).
 
 Orders are by (step, commit time), never by name.
 """
@@ -38,7 +39,7 @@ class Candidate:
     step: int
     verified: bool
     metric: float | None = None
-    protected: bool = False  # leased, in flight, or the current target
+    protected: bool = False  # leased, in flight, the current target, or a link's target
     current: bool = True
     resume_source: bool = False
     created_at: float = 0.0
@@ -81,7 +82,7 @@ def decide(cands: Sequence[Candidate], policy: Policy) -> Decision:
         if c.resume_source:
             keep.setdefault(c.name, "resume source of the current run")
         if c.protected:
-            keep.setdefault(c.name, "leased or in flight")
+            keep.setdefault(c.name, "leased, in flight, or the target of a link in the root")
         if c.current and (newest_verified is None or _key(c) >= _key(newest_verified)):
             keep.setdefault(c.name, "no newer verified checkpoint")
         if not c.current and (newest_verified is None or c.step >= newest_verified.step):
