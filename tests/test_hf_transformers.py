@@ -132,3 +132,28 @@ def test_save_pretrained_imports_strictly_and_training_resumes(pool: Any, tmp_pa
         assert abs(r["loss"] - want_loss) < 1e-5, layout  # FSDP2 reduces gradients across ranks
     for n, p in ref.named_parameters():
         torch.testing.assert_close(two[0]["after"][n], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_convert_from_hf_keeps_the_config_tie(tmp_path: Path, kind: str) -> None:
+    """``reshard convert --from hf`` of a tied ``save_pretrained`` directory
+    (sharded; lm_head left out, the tie only in config.json) takes the tie as
+    ``import_hf`` does: exit 0, the tie recorded as a manifest alias, and a
+    strict load into a fresh tied model gives the saved model's logits."""
+    import reshard
+    from reshard.commit import read_manifest
+    from reshard.storage import resolve
+    from reshard.transforms import Rename
+
+    hf, out = tmp_path / "hf", tmp_path / "ck"
+    fns.save_pretrained(kind, True, str(hf))
+    res = CliRunner().invoke(main, ["convert", "--from", "hf", str(hf), str(out)])
+    assert res.exit_code == 0, res.output
+    m = read_manifest(*resolve(str(out)))
+    emb = "transformer.wte.weight" if kind == "gpt2" else "model.embed_tokens.weight"
+    assert m.aliases == {"lm_head.weight": emb} and "lm_head.weight" not in m.tensors
+    fresh = fns.build(kind, True, seed=3)
+    got = reshard.load({"model": reshard.ModelState(fresh)}, str(out), transforms=[Rename(r"^", "model.")])
+    assert not got.missing and not got.unexpected
+    assert fresh.get_input_embeddings().weight is fresh.lm_head.weight
+    assert torch.equal(_logits(fresh.eval()), _logits(fns.build(kind, True).eval()))
