@@ -157,3 +157,23 @@ def test_convert_from_hf_keeps_the_config_tie(tmp_path: Path, kind: str) -> None
     assert not got.missing and not got.unexpected
     assert fresh.get_input_embeddings().weight is fresh.lm_head.weight
     assert torch.equal(_logits(fresh.eval()), _logits(fns.build(kind, True).eval()))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("gpt2", True)], ids=["llama-untied", "gpt2-tied"])
+def test_export_of_a_wrapped_models_state_dict_uses_the_models_own_names(pool: Any, tmp_path: Path, kind: str,
+                                                                         tied: bool) -> None:
+    """A plain ``state_dict()`` of a DDP-wrapped, ``torch.compile``d (or both)
+    model, saved as ``{"model": sd}``: the default export writes the unwrapped
+    model's names (no ``module.`` / ``_orig_mod.``), and ``from_pretrained``
+    loads it with no missing or unexpected key, logits bitwise equal."""
+    pool.run(1, fns.save_wrapped, kind, tied, str(tmp_path), timeout=120)
+    want = _logits(fns.build(kind, tied).eval())
+    for w in fns.WRAPPERS:
+        out = tmp_path / f"{w}-hf"
+        res = CliRunner().invoke(main, ["export", str(tmp_path / w), str(out), "--copy",
+                                        str(tmp_path / "config" / "config.json")])
+        assert res.exit_code == 0, (w, res.output)
+        got, info = fns.model_class(kind).from_pretrained(str(out), output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], (w, info)
+        assert torch.equal(_logits(got.eval()), want), w

@@ -39,6 +39,7 @@ from typing import Any
 import msgspec
 import torch
 
+from ..adapters.names import unwrapped_names
 from ..collectives import SingleProcess
 from ..commit import read_manifest
 from ..manifest import Manifest, TensorEntry
@@ -276,6 +277,14 @@ def _subtree(m: Manifest, subtree: str | None, key: str) -> Manifest:
         raise ValueError(f"export_hf: {key}: no tensor under {sub!r} (saved e.g. "
                          f"{sorted(m.tensors)[:3]}; pass subtree='' for every tensor)")
     aliases = {a[cut:]: t[cut:] for a, t in m.aliases.items() if keep(a) and keep(t)}
+    # the names the unwrapped model has: a saved ddp.state_dict() (module.), torch.compile's
+    # (_orig_mod.), FSDP1's and activation checkpointing's components left out
+    try:
+        own = unwrapped_names(dict.fromkeys([*tensors, *aliases, *aliases.values()]))
+    except ValueError as e:
+        raise ValueError(f"export_hf: {key}: under {sub!r}: {e}; pass subtree='' for the names as saved") from None
+    tensors = {own[k]: te for k, te in tensors.items()}
+    aliases = {own[a]: own[t] for a, t in aliases.items()}
     return msgspec.structs.replace(m, tensors=tensors, aliases=aliases, objects={}, values=None)
 
 
