@@ -177,3 +177,31 @@ def test_export_of_a_wrapped_models_state_dict_uses_the_models_own_names(pool: A
         got, info = fns.model_class(kind).from_pretrained(str(out), output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], (w, info)
         assert torch.equal(_logits(got.eval()), want), w
+
+
+@pytest.mark.parametrize("app", [False, True], ids=["model-optim", "appstate"])
+def test_export_reads_a_dcp_folder(tmp_path: Path, app: bool) -> None:
+    """``reshard export`` of a PyTorch DCP folder (``dcp.save`` of
+    ``get_state_dict`` after an AdamW step; as ``{"model", "optim"}`` or under
+    an ``"app"`` key): exit 0, no optimizer state written, the shared prefix
+    stripped; ``from_pretrained`` loads it with no missing or unexpected key,
+    logits bitwise equal to the saved model's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = fns.build("llama", False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fns.train_step(model, opt, 0)
+    if app:  # the DCP tutorial's AppState
+        dcp.save({"app": fns.AppState(model, opt)}, checkpoint_id=str(tmp_path / "dcp"))
+    else:
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dcp"))
+    model.config.save_pretrained(str(tmp_path / "config"))
+    out = tmp_path / "hf"
+    res = CliRunner().invoke(main, ["export", str(tmp_path / "dcp"), str(out), "--copy",
+                                    str(tmp_path / "config" / "config.json")])
+    assert res.exit_code == 0, res.output
+    got, info = fns.model_class("llama").from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert torch.equal(_logits(got.eval()), _logits(model.eval()))

@@ -439,7 +439,7 @@ def _record_verification(st: Any, key: str, raw: bytes, rep: Any, how: str) -> N
 def export_cmd(ckpt: str, out: str, fmt: str, dtype: str | None, max_shard_size: str,
                copies: tuple[str, ...], includes: tuple[str, ...], subtree: str | None,
                overwrite: bool, json_path: str | None) -> None:
-    """Export the model tensors of checkpoint CKPT to the directory OUT
+    """Export the model tensors of checkpoint CKPT (or a DCP folder) to the directory OUT
     (streaming, one tensor in memory at a time) under the model's own
     parameter names; optimizer, RNG and data state and objects are never
     written. With --dtype, a copied config.json names the new dtype."""
