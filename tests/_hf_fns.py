@@ -162,3 +162,24 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+#: how a user holds the model when calling ``state_dict()`` (see ``save_wrapped``)
+WRAPPERS = ("ddp", "compile", "compile_ddp")
+
+
+def save_wrapped(kind: str, tied: bool, root: str) -> None:
+    """The seed-0 model's ``state_dict()`` taken through each wrapper of
+    ``WRAPPERS`` (DDP's ``module.``, torch.compile's ``_orig_mod.``, both),
+    saved by reshard as ``{"model": sd}`` under ``root/<wrapper>``; its config
+    under ``root/config``."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = build(kind, tied)
+    for w in WRAPPERS:
+        held = {"ddp": lambda: DDP(model), "compile": lambda: torch.compile(model),
+                "compile_ddp": lambda: torch.compile(DDP(model))}[w]()
+        reshard.save({"model": held.state_dict()}, os.path.join(root, w), step=1)
+    if dist.get_rank() == 0:
+        model.config.save_pretrained(os.path.join(root, "config"))
+    dist.barrier()

@@ -384,3 +384,18 @@ def test_cli_export(ckpt: Path, tmp_path: Path) -> None:
     assert r.exit_code == 2
     r = CliRunner().invoke(main, ["export", str(ckpt), str(tmp_path / "o3"), "--dtype", "int3"])
     assert r.exit_code == 2
+
+
+def test_unwrapped_names_leave_out_wrapper_components_only() -> None:
+    """The name-level rule export uses for a saved wrapped state_dict: wrapper-only
+    components anywhere, DDP's leading ``module`` only when every name has it."""
+    from reshard.adapters.names import unwrapped_names
+
+    assert unwrapped_names(["_orig_mod.module.a.w", "_orig_mod.module.b"]) == {
+        "_orig_mod.module.a.w": "a.w", "_orig_mod.module.b": "b"}
+    assert unwrapped_names(["h._checkpoint_wrapped_module.w", "_fsdp_wrapped_module.x.w"]) == {
+        "h._checkpoint_wrapped_module.w": "h.w", "_fsdp_wrapped_module.x.w": "x.w"}
+    own = ["module.proj.weight", "head.weight"]  # a model's own submodule named "module"
+    assert unwrapped_names(own) == {n: n for n in own}
+    with pytest.raises(ValueError, match=r"'_orig_mod.w'.*both name 'w'|'w'.*both name 'w'"):
+        unwrapped_names(["w", "_orig_mod.w"])

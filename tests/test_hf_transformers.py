@@ -132,3 +132,76 @@ def test_save_pretrained_imports_strictly_and_training_resumes(pool: Any, tmp_pa
         assert abs(r["loss"] - want_loss) < 1e-5, layout  # FSDP2 reduces gradients across ranks
     for n, p in ref.named_parameters():
         torch.testing.assert_close(two[0]["after"][n], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_convert_from_hf_keeps_the_config_tie(tmp_path: Path, kind: str) -> None:
+    """``reshard convert --from hf`` of a tied ``save_pretrained`` directory
+    (sharded; lm_head left out, the tie only in config.json) takes the tie as
+    ``import_hf`` does: exit 0, the tie recorded as a manifest alias, and a
+    strict load into a fresh tied model gives the saved model's logits."""
+    import reshard
+    from reshard.commit import read_manifest
+    from reshard.storage import resolve
+    from reshard.transforms import Rename
+
+    hf, out = tmp_path / "hf", tmp_path / "ck"
+    fns.save_pretrained(kind, True, str(hf))
+    res = CliRunner().invoke(main, ["convert", "--from", "hf", str(hf), str(out)])
+    assert res.exit_code == 0, res.output
+    m = read_manifest(*resolve(str(out)))
+    emb = "transformer.wte.weight" if kind == "gpt2" else "model.embed_tokens.weight"
+    assert m.aliases == {"lm_head.weight": emb} and "lm_head.weight" not in m.tensors
+    fresh = fns.build(kind, True, seed=3)
+    got = reshard.load({"model": reshard.ModelState(fresh)}, str(out), transforms=[Rename(r"^", "model.")])
+    assert not got.missing and not got.unexpected
+    assert fresh.get_input_embeddings().weight is fresh.lm_head.weight
+    assert torch.equal(_logits(fresh.eval()), _logits(fns.build(kind, True).eval()))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("gpt2", True)], ids=["llama-untied", "gpt2-tied"])
+def test_export_of_a_wrapped_models_state_dict_uses_the_models_own_names(pool: Any, tmp_path: Path, kind: str,
+                                                                         tied: bool) -> None:
+    """A plain ``state_dict()`` of a DDP-wrapped, ``torch.compile``d (or both)
+    model, saved as ``{"model": sd}``: the default export writes the unwrapped
+    model's names (no ``module.`` / ``_orig_mod.``), and ``from_pretrained``
+    loads it with no missing or unexpected key, logits bitwise equal."""
+    pool.run(1, fns.save_wrapped, kind, tied, str(tmp_path), timeout=120)
+    want = _logits(fns.build(kind, tied).eval())
+    for w in fns.WRAPPERS:
+        out = tmp_path / f"{w}-hf"
+        res = CliRunner().invoke(main, ["export", str(tmp_path / w), str(out), "--copy",
+                                        str(tmp_path / "config" / "config.json")])
+        assert res.exit_code == 0, (w, res.output)
+        got, info = fns.model_class(kind).from_pretrained(str(out), output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], (w, info)
+        assert torch.equal(_logits(got.eval()), want), w
+
+
+@pytest.mark.parametrize("app", [False, True], ids=["model-optim", "appstate"])
+def test_export_reads_a_dcp_folder(tmp_path: Path, app: bool) -> None:
+    """``reshard export`` of a PyTorch DCP folder (``dcp.save`` of
+    ``get_state_dict`` after an AdamW step; as ``{"model", "optim"}`` or under
+    an ``"app"`` key): exit 0, no optimizer state written, the shared prefix
+    stripped; ``from_pretrained`` loads it with no missing or unexpected key,
+    logits bitwise equal to the saved model's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = fns.build("llama", False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fns.train_step(model, opt, 0)
+    if app:  # the DCP tutorial's AppState
+        dcp.save({"app": fns.AppState(model, opt)}, checkpoint_id=str(tmp_path / "dcp"))
+    else:
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dcp"))
+    model.config.save_pretrained(str(tmp_path / "config"))
+    out = tmp_path / "hf"
+    res = CliRunner().invoke(main, ["export", str(tmp_path / "dcp"), str(out), "--copy",
+                                    str(tmp_path / "config" / "config.json")])
+    assert res.exit_code == 0, res.output
+    got, info = fns.model_class("llama").from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert torch.equal(_logits(got.eval()), _logits(model.eval()))

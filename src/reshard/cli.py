@@ -439,7 +439,7 @@ def _record_verification(st: Any, key: str, raw: bytes, rep: Any, how: str) -> N
 def export_cmd(ckpt: str, out: str, fmt: str, dtype: str | None, max_shard_size: str,
                copies: tuple[str, ...], includes: tuple[str, ...], subtree: str | None,
                overwrite: bool, json_path: str | None) -> None:
-    """Export the model tensors of checkpoint CKPT to the directory OUT
+    """Export the model tensors of checkpoint CKPT (or a DCP folder) to the directory OUT
     (streaming, one tensor in memory at a time) under the model's own
     parameter names; optimizer, RNG and data state and objects are never
     written. With --dtype, a copied config.json names the new dtype."""
@@ -554,10 +554,19 @@ def _convert_hf(src: str, dst: str, step: int | None, opts: Any) -> Any:
     from .sharding import ShardedTensor, torch_dtype
 
     _, _, m = hf_manifest(src)
-    state = {f"t{i}": ShardedTensor(fqn, torch.empty(tuple(te.global_shape), dtype=torch_dtype(te.dtype)),
-                                    global_shape=tuple(te.global_shape),
-                                    global_offset=(0,) * len(te.global_shape))
-             for i, (fqn, te) in enumerate(m.tensors.items())}
+    state: dict[str, Any] = {}
+    for i, (fqn, te) in enumerate(m.tensors.items()):
+        state[f"t{i:09d}"] = ShardedTensor(fqn, torch.empty(tuple(te.global_shape), dtype=torch_dtype(te.dtype)),
+                                           global_shape=tuple(te.global_shape),
+                                           global_offset=(0,) * len(te.global_shape))
+    # the ties hf_manifest found (an export's record, or config.json's tie_word_embeddings for a
+    # save_pretrained directory): each alias is requested as its target's own memory, so the load
+    # fills it and the save records the tie (manifest.aliases) as a model with tied weights would
+    by_fqn = {st.fqn: st for st in state.values()}
+    for i, (alias, target) in enumerate(m.aliases.items()):
+        t = by_fqn[target]
+        state[f"~tied{i:09d}"] = ShardedTensor(alias, t.data, global_shape=t.global_shape,
+                                               global_offset=t.global_offset)
     from .options import LoadOptions
 
     import_hf(state, src, group=SingleProcess(), options=LoadOptions(progress=opts.progress))

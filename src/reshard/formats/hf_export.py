@@ -39,8 +39,9 @@ from typing import Any
 import msgspec
 import torch
 
+from ..adapters.names import unwrapped_names
 from ..collectives import SingleProcess
-from ..commit import read_manifest
+from ..load import _read_or_dcp
 from ..manifest import Manifest, TensorEntry
 from ..options import LoadOptions
 from ..progress import bar, wanted
@@ -276,6 +277,14 @@ def _subtree(m: Manifest, subtree: str | None, key: str) -> Manifest:
         raise ValueError(f"export_hf: {key}: no tensor under {sub!r} (saved e.g. "
                          f"{sorted(m.tensors)[:3]}; pass subtree='' for every tensor)")
     aliases = {a[cut:]: t[cut:] for a, t in m.aliases.items() if keep(a) and keep(t)}
+    # the names the unwrapped model has: a saved ddp.state_dict() (module.), torch.compile's
+    # (_orig_mod.), FSDP1's and activation checkpointing's components left out
+    try:
+        own = unwrapped_names(dict.fromkeys([*tensors, *aliases, *aliases.values()]))
+    except ValueError as e:
+        raise ValueError(f"export_hf: {key}: under {sub!r}: {e}; pass subtree='' for the names as saved") from None
+    tensors = {own[k]: te for k, te in tensors.items()}
+    aliases = {own[a]: own[t] for a, t in aliases.items()}
     return msgspec.structs.replace(m, tensors=tensors, aliases=aliases, objects={}, values=None)
 
 
@@ -357,7 +366,9 @@ def export_hf(
     storage: Storage | None = None,
     progress: bool | None = None,
 ) -> ExportResult:
-    """Write the model tensors of the checkpoint ``ckpt`` as a Hugging Face
+    """Write the model tensors of the checkpoint ``ckpt`` (a reshard
+    checkpoint, or a PyTorch DCP folder, read as :func:`reshard.load` reads
+    it through :func:`~reshard.formats.dcp.open_dcp`) as a Hugging Face
     safetensors directory ``out_dir`` (a local path, or an ``s3://`` /
     ``memory://`` prefix: then each shard streams into a multipart upload,
     see :mod:`reshard.formats.hf_store`), one tensor (or one block of at most
@@ -422,7 +433,8 @@ def export_hf(
     into place; the index is written last.
 
     Raises:
-        CheckpointNotFoundError, ManifestError, IntegrityError: as ``load``.
+        CheckpointNotFoundError, ManifestError, IntegrityError: as ``load``
+            (a DCP folder with an HMAC key given: IntegrityError).
         FileExistsError: model files already in ``out_dir`` (no ``overwrite``).
         AmbiguousModelError: (a ValueError) ``subtree`` None and the
             checkpoint holds no model or more than one (the candidates named).
@@ -435,7 +447,10 @@ def export_hf(
     limit = parse_size(max_shard_bytes)
     st, key = resolve(ckpt, storage)
     read0 = st.bytes_read
-    m = _subtree(read_manifest(st, key, hmac_key=opts.hmac_key), subtree, key)
+    # a PyTorch DCP folder (no manifest.json, a .metadata) is read as load, inspect and verify
+    # read it: through open_dcp's storage and manifest (no record of adapters: see model_candidates)
+    rst, saved = _read_or_dcp(st, key, opts)
+    m = _subtree(saved, subtree, key)
     keep = _include_fn(include)
     names, alias_names = _output_names(m, transforms)
     kept = set(names.values())
@@ -493,7 +508,7 @@ def export_hf(
             raise ValueError(f"export_hf: {out_dir} is inside the checkpoint {key} (a committed "
                              "checkpoint is never modified)")
         written, wmap, copied = write_shards(
-            st, key, m, out_st, out_key, files, shards, opts=opts, validate=validate,
+            rst, key, m, out_st, out_key, files, shards, opts=opts, validate=validate,
             overwrite=overwrite, copies=copies, index=index_body, tied=tied,
             payload=lambda c: copy_payload(c, out_dtype))
         return ExportResult(out_dir=out_st.url(out_key), files=tuple(files),
@@ -520,7 +535,7 @@ def export_hf(
         for fname, shard in zip(files, shards, strict=True):
             tmp = os.path.join(out, f".{fname}.partial")
             tmps.append(tmp)
-            written += _write_shard(st, key, m, tmp, shard, opts, one, validate, pb, tied)
+            written += _write_shard(rst, key, m, tmp, shard, opts, one, validate, pb, tied)
             for it in shard:
                 weight_map[it.out] = fname
         for tmp, fname in zip(tmps, files, strict=True):
