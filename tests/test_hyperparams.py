@@ -331,6 +331,28 @@ def test_cyclic_current_without_split_continues_with_the_new_peak(tmp_path: Path
     assert max(got) == pytest.approx(5e-4, rel=1e-12)
     assert got == pytest.approx([x[0] for x in _run_groups(5e-4, "cyclic", N + 8, split=False)[N:]], rel=1e-12)
 
+    def cyc(o: torch.optim.Optimizer) -> Any:  # the same base, only a lower peak
+        return torch.optim.lr_scheduler.CyclicLR(o, base_lr=1e-4, max_lr=5e-4, step_size_up=4,
+                                                 cycle_momentum=False)
+    ref = Net()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    s = cyc(opt)
+    want = []
+    for _ in range(N + 3):
+        _step(ref, opt)
+        s.step()
+        want.append(opt.param_groups[0]["lr"])
+    dst = Net(1)
+    opt = torch.optim.AdamW(dst.parameters(), lr=1e-3)
+    s = cyc(opt)
+    reshard.load(_state("optim", dst, opt, "current", sched=s), tmp_path / "ck")
+    got = [opt.param_groups[0]["lr"]]  # the lr at the restored position too
+    for _ in range(3):
+        _step(dst, opt)
+        s.step()
+        got.append(opt.param_groups[0]["lr"])
+    assert got == pytest.approx(want[N - 1:], rel=1e-12)
+
 
 def test_scheduler_list_the_groups_cannot_tell_apart_raises(tmp_path: Path) -> None:
     """Saved with decay / no-decay groups at one base lr but CyclicLR peaks of

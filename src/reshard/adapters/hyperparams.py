@@ -45,6 +45,7 @@ disagree raises even with ``"saved"``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -438,10 +439,12 @@ def fit_schedulers(optimizer: torch.optim.Optimizer, peers: Sequence[Any], rule:
             and the ways out (the saved partition, ``hyperparams='current'``,
             or a scheduler created after the load).
     """
+    from torch.optim.lr_scheduler import CyclicLR
+
     done = rebase_schedulers(optimizer, peers, where=where) if rule == "current" else []
     groups = optimizer.param_groups
     n = len(groups)
-    for _s, xs in _schedulers_of(optimizer, peers):
+    for top, xs in _schedulers_of(optimizer, peers):
         for x in xs:
             changed = []
             saved_base = list(getattr(x, "base_lrs", None) or ())
@@ -477,6 +480,15 @@ def fit_schedulers(optimizer: torch.optim.Optimizer, peers: Sequence[Any], rule:
                 x.lr_lambdas = fns[:1] * n
             if changed:
                 done.append(f"{type(x).__name__}: " + "; ".join(changed))
+        if rule == "current" and isinstance(top, CyclicLR):
+            # not proportional to its base (base + (max - base) * x): the lr at the restored
+            # position from the fitted lists, as its next step() computes it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                lrs = [float(x) for x in top.get_lr()]
+            for g, lr in zip(groups, lrs, strict=True):
+                g["lr"] = lr
+            top._last_lr = list(lrs)
     return done
 
 
