@@ -243,3 +243,157 @@ def test_dcp_checkpoint_split_raises_before_writing(tmp_path: Path, adapter: str
     reshard.load(_dcp_target(adapter, dst, opt, "saved"), str(tmp_path / "dcp"))
     assert [wd for _, wd in _groups(opt, dst)] == [0.01, 0.01]
     assert torch.equal(dst.fc.weight, src.fc.weight)
+
+
+def _sched2(kind: str, opt: torch.optim.Optimizer) -> Any:
+    """Schedulers with per-group lists beside ``base_lrs``, built from the groups' lr."""
+    L = torch.optim.lr_scheduler
+    lrs = [g["lr"] for g in opt.param_groups]
+    if kind == "warm_restarts":
+        return L.CosineAnnealingWarmRestarts(opt, T_0=3)
+    if kind == "cyclic":  # max_lrs: a list the groups do not hold
+        return L.CyclicLR(opt, base_lr=[x / 10 for x in lrs], max_lr=lrs, step_size_up=4,
+                          cycle_momentum=False)
+    if kind == "onecycle":
+        return L.OneCycleLR(opt, max_lr=lrs, total_steps=20)
+    return _sched(kind, opt)
+
+
+def _run_groups(lr: float, kind: str, steps: int, split: bool) -> list[list[float]]:
+    m = Net()
+    opt = torch.optim.AdamW(_decay_split(m) if split else m.parameters(), lr=lr)
+    s = _sched2(kind, opt)
+    lrs = []
+    for _ in range(steps):
+        _step(m, opt)
+        s.step()
+        lrs.append([g["lr"] for g in opt.param_groups])
+    return lrs
+
+
+@pytest.mark.parametrize("kind", ["lambda", "warm_restarts", "cyclic", "onecycle", "sequential"])
+@pytest.mark.parametrize("adapter", ["optim", "torch"])
+def test_schedulers_follow_a_partition_change(tmp_path: Path, kind: str, adapter: str) -> None:
+    """Saved with one AdamW group (lr 1e-3) after N steps of a schedule;
+    resumed with decay / no-decay groups at lr 5e-4. Every per-group list of
+    the restored scheduler has one entry per group and it steps on: under
+    "saved" each group continues the saved schedule, under "current" each
+    follows an uninterrupted run of the new groups (CyclicLR's new peak too)."""
+    src = Net()
+    opt = torch.optim.AdamW(src.parameters(), lr=1e-3)
+    s = _sched2(kind, opt)
+    for _ in range(N):
+        _step(src, opt)
+        s.step()
+    reshard.save(_state(adapter, src, opt, sched=s), tmp_path / "ck")
+    for rule in ("saved", "current"):
+        dst = Net(1)
+        opt = torch.optim.AdamW(_decay_split(dst), lr=5e-4)
+        s = _sched2(kind, opt)
+        reshard.load(_state(adapter, dst, opt, rule, sched=s), tmp_path / "ck")
+        assert len(opt.param_groups) == 2
+        for x in [s, *getattr(s, "_schedulers", [])]:
+            for a in ("base_lrs", "_last_lr", "max_lrs", "lr_lambdas"):
+                if isinstance(getattr(x, a, None), list):
+                    assert len(getattr(x, a)) == 2, (rule, type(x).__name__, a)
+        got = [[g["lr"] for g in opt.param_groups]]
+        for _ in range(3):
+            _step(dst, opt)
+            s.step()
+            got.append([g["lr"] for g in opt.param_groups])
+        if rule == "saved":
+            want = [[x[0]] * 2 for x in _run_groups(1e-3, kind, N + 3, split=False)[N - 1:]]
+        else:
+            want = _run_groups(5e-4, kind, N + 3, split=True)[N - 1:]
+        assert sum(got, []) == pytest.approx(sum(want, []), rel=1e-12), rule
+
+
+def test_cyclic_current_without_split_continues_with_the_new_peak(tmp_path: Path) -> None:
+    """One group saved and resumed, CyclicLR constructed at half the saved
+    rates: under "current" the restored cycle peaks at the constructed max_lr."""
+    src = Net()
+    opt = torch.optim.AdamW(src.parameters(), lr=1e-3)
+    s = _sched2("cyclic", opt)
+    for _ in range(N):
+        _step(src, opt)
+        s.step()
+    reshard.save(_state("optim", src, opt, sched=s), tmp_path / "ck")
+    dst = Net(1)
+    opt = torch.optim.AdamW(dst.parameters(), lr=5e-4)
+    s = _sched2("cyclic", opt)
+    reshard.load(_state("optim", dst, opt, "current", sched=s), tmp_path / "ck")
+    assert s.max_lrs == [5e-4] and s.base_lrs == [5e-5]
+    got = []
+    for _ in range(8):
+        _step(dst, opt)
+        s.step()
+        got.append(opt.param_groups[0]["lr"])
+    assert max(got) == pytest.approx(5e-4, rel=1e-12)
+    assert got == pytest.approx([x[0] for x in _run_groups(5e-4, "cyclic", N + 8, split=False)[N:]], rel=1e-12)
+
+    def cyc(o: torch.optim.Optimizer) -> Any:  # the same base, only a lower peak
+        return torch.optim.lr_scheduler.CyclicLR(o, base_lr=1e-4, max_lr=5e-4, step_size_up=4,
+                                                 cycle_momentum=False)
+    ref = Net()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    s = cyc(opt)
+    want = []
+    for _ in range(N + 3):
+        _step(ref, opt)
+        s.step()
+        want.append(opt.param_groups[0]["lr"])
+    dst = Net(1)
+    opt = torch.optim.AdamW(dst.parameters(), lr=1e-3)
+    s = cyc(opt)
+    reshard.load(_state("optim", dst, opt, "current", sched=s), tmp_path / "ck")
+    got = [opt.param_groups[0]["lr"]]  # the lr at the restored position too
+    for _ in range(3):
+        _step(dst, opt)
+        s.step()
+        got.append(opt.param_groups[0]["lr"])
+    assert got == pytest.approx(want[N - 1:], rel=1e-12)
+
+
+def test_scheduler_list_the_groups_cannot_tell_apart_raises(tmp_path: Path) -> None:
+    """Saved with decay / no-decay groups at one base lr but CyclicLR peaks of
+    their own; resumed with the decay group split in two under "saved": which
+    saved peak a new group had is unknown, and the load says so (naming the
+    scheduler, the list and the ways out) instead of guessing."""
+    src = Net()
+    opt = torch.optim.AdamW(_decay_split(src), lr=1e-3)
+    s = torch.optim.lr_scheduler.CyclicLR(opt, base_lr=1e-4, max_lr=[1e-3, 2e-3], step_size_up=4,
+                                          cycle_momentum=False)
+    for _ in range(N):
+        _step(src, opt)
+        s.step()
+    reshard.save(_state("optim", src, opt, sched=s), tmp_path / "ck")
+    dst = Net(1)
+    decay, no = _decay_split(dst)
+    opt = torch.optim.AdamW([{**decay, "params": decay["params"][:1]}, {**decay, "params": decay["params"][1:]},
+                             no], lr=1e-3)
+    s = torch.optim.lr_scheduler.CyclicLR(opt, base_lr=1e-4, max_lr=1e-3, step_size_up=4, cycle_momentum=False)
+    with pytest.raises(reshard.CheckpointError, match=r"CyclicLR was saved with max_lrs=.*hyperparams='current'"):
+        reshard.load(_state("optim", dst, opt, "saved", sched=s), tmp_path / "ck")
+
+
+def test_saved_split_of_a_merged_group_keeps_a_scheduler_built_before(tmp_path: Path) -> None:
+    """Saved with decay / no-decay groups, resumed with one group and a
+    LambdaLR built before the load under "saved": the group is split in two
+    and the scheduler follows (one lambda, one base per group), continuing
+    the saved schedule."""
+    src = Net()
+    opt = torch.optim.AdamW(_decay_split(src), lr=1e-3)
+    s = _sched("lambda", opt)
+    for _ in range(N):
+        _step(src, opt)
+        s.step()
+    reshard.save(_state("optim", src, opt, sched=s), tmp_path / "ck")
+    dst = Net(1)
+    opt = torch.optim.AdamW(dst.parameters(), lr=5e-4)
+    s = _sched("lambda", opt)
+    reshard.load(_state("optim", dst, opt, "saved", sched=s), tmp_path / "ck")
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
+    assert len(s.lr_lambdas) == len(s.base_lrs) == 2
+    _step(dst, opt)
+    s.step()
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([1e-3 * _lambda(N + 1)] * 2, rel=1e-12)

@@ -88,6 +88,33 @@ def test_failing_list_is_storage_error_never_none(s3e, monkeypatch) -> None:
         mgr.restore({"x": torch.zeros(4)})
 
 
+def test_probe_failing_for_another_reason_is_never_a_capability_error(s3e) -> None:
+    """A request the store refuses whatever its headers (no such bucket, access
+    denied) is raised as what it is, naming the bucket, and never as a store
+    that ignores conditional requests (with advice to trust it)."""
+    from reshard.errors import StoreCapabilityError
+    from reshard.storage.s3 import TRUST_ENV
+
+    state = {"x": torch.ones(4)}
+    with pytest.raises(reshard.StorageError) as ei:
+        reshard.save(state, "s3://reshard-no-such-bucket/run/step-00000001", step=1)
+    assert not isinstance(ei.value, StoreCapabilityError)
+    assert "bucket 'reshard-no-such-bucket' does not exist" in str(ei.value)
+    assert "NoSuchBucket" in str(ei.value) and TRUST_ENV not in str(ei.value)
+    s3e.server.create_bucket("reshard-denied")  # a bucket of its own: the probe is cached per bucket
+    s3e.proxy.add(Fault(method="PUT", path=r"^/reshard-denied/", status=403, code="AccessDenied"))
+    with pytest.raises(reshard.StorageError) as ei:
+        reshard.save(state, "s3://reshard-denied/run/step-00000001", step=1)
+    assert not isinstance(ei.value, StoreCapabilityError)
+    assert "AccessDenied" in str(ei.value) and TRUST_ENV not in str(ei.value)
+    assert "not about conditional requests" in str(ei.value)
+    s3e.proxy.clear()  # the same bucket, now writable: probed again (a failure is not cached), published
+    reshard.save(state, "s3://reshard-denied/run/step-00000001", step=1)
+    got = {"x": torch.zeros(4)}
+    reshard.load(got, "s3://reshard-denied/run/step-00000001")
+    assert torch.equal(got["x"], torch.ones(4))
+
+
 def test_two_concurrent_writers_exactly_one_publishes(s3e) -> None:
     url = s3e.url("ckpt") + "/step-00000005"
     # hold both manifest PUTs so that both writers are past their checks when they publish

@@ -269,11 +269,17 @@ def load(
     err = None
     try:
         statefuls = ctx["leaves"].statefuls
+        peers = [obj for _path, obj, _ in statefuls]
+        # a Stateful with reshard_before_load(peers) sees every other one as constructed
+        # (OptimizerState notes its LR schedulers' constructed per-group lists)
+        for _path, obj, _ in statefuls:
+            hook = getattr(obj, "reshard_before_load", None)
+            if callable(hook):
+                hook(peers)
         for _path, obj, rebuild in statefuls:
             obj.load_state_dict(rebuild())
         # then a Stateful with reshard_finish_load(peers) sees every other one loaded
         # (OptimizerState(hyperparams="current") rebases the LR schedulers of its optimizer)
-        peers = [obj for _path, obj, _ in statefuls]
         for _path, obj, _ in statefuls:
             hook = getattr(obj, "reshard_finish_load", None)
             if callable(hook):

@@ -23,9 +23,10 @@ one group, as far as anyone can tell):
   ``initial_lr`` is saved and unchanged: that is an LR scheduler's progress).
 * ``"saved"``: every parameter gets exactly its saved values, for every
   partition: a group whose parameters disagree is split, in place, into one
-  group per distinct set of values (``optimizer.param_groups`` grows; create
-  LR schedulers after the load, since a scheduler built before holds one base
-  value per old group); groups split at this run all take the saved values.
+  group per distinct set of values (``optimizer.param_groups`` grows); groups
+  split at this run all take the saved values. An LR scheduler restored in the
+  same load gets one entry per current group in each of its per-group lists,
+  from each group's restored values (:func:`fit_schedulers`).
   Reported in the notes as above (a split as ``{"split_into": n}``).
 * ``"current"``: hyperparameters are not restored at all; every group keeps
   the values the optimizer was constructed with, for every partition. An LR
@@ -33,7 +34,8 @@ one group, as far as anyone can tell):
   its next ``step()`` (its saved ``base_lrs`` win); so the schedulers of the
   optimizer found in the same state are rebased on the constructed rates
   (:func:`rebase_schedulers`): the restored position continues with the new
-  base, as Megatron's ``override_opt_param_scheduler`` does.
+  base, as Megatron's ``override_opt_param_scheduler`` does; its other
+  per-group lists (CyclicLR's ``max_lrs``...) are the constructed ones.
 
 Parameters without saved values (new parameters) follow their group. A
 parameter that cannot be split from others (a ZeRO flat buffer holding
@@ -43,6 +45,7 @@ disagree raises even with ``"saved"``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -319,7 +322,7 @@ def rebase_schedulers(optimizer: torch.optim.Optimizer, peers: Sequence[Any], *,
     CosineAnnealingLR with ``eta_min=0``, warmup-decay lambdas), as Megatron's
     ``override_opt_param_scheduler`` recomputes the rate from the new values at
     the saved step. ``ReduceLROnPlateau`` (no base) keeps the constructed
-    ``lr``. Called by the adapters' ``reshard_finish_load`` after every
+    ``lr``. Called by :func:`fit_schedulers` (the adapters' ``reshard_finish_load``) after every
     Stateful of the state was loaded.
 
     Returns:
@@ -368,3 +371,139 @@ def rebase_schedulers(optimizer: torch.optim.Optimizer, peers: Sequence[Any], *,
                 x._last_lr = list(lrs)
         done.append(f"{type(s).__name__}: base_lrs {list(base)} -> {new}, lr {last} -> {lrs}")
     return done
+
+
+#: the per-group lists of PyTorch's LR schedulers besides ``base_lrs`` / ``_last_lr``
+#: (CyclicLR's ``max_lrs`` and momenta, ReduceLROnPlateau's ``min_lrs``), with the
+#: param-group key where the scheduler also keeps the value, if any
+_PER_GROUP: dict[str, str | None] = {"max_lrs": None, "base_momentums": "base_momentum",
+                                     "max_momentums": "max_momentum", "min_lrs": None}
+
+
+def _schedulers_of(optimizer: torch.optim.Optimizer, peers: Sequence[Any]) -> list[tuple[Any, list[Any]]]:
+    """The LR schedulers among ``peers`` that drive ``optimizer``, each with
+    itself and the schedulers it holds (``SequentialLR`` / ``ChainedScheduler``)."""
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    out = []
+    for s in peers:
+        if not isinstance(s, LRScheduler | ReduceLROnPlateau) or getattr(s, "optimizer", None) is not optimizer:
+            continue
+        out.append((s, [s, *getattr(s, "_schedulers", ())]))
+    return out
+
+
+def snapshot_schedulers(optimizer: torch.optim.Optimizer, peers: Sequence[Any]) -> dict[int, dict[str, list[Any]]]:
+    """The per-group lists (:data:`_PER_GROUP`) of the schedulers of
+    ``optimizer`` among ``peers`` as constructed, before their state is
+    loaded: ``id(scheduler) -> {attribute: list}``, for :func:`fit_schedulers`."""
+    out: dict[int, dict[str, list[Any]]] = {}
+    for _s, xs in _schedulers_of(optimizer, peers):
+        for x in xs:
+            got = {a: list(v) for a in _PER_GROUP if isinstance(v := getattr(x, a, None), list)}
+            if got:
+                out[id(x)] = got
+    return out
+
+
+def fit_schedulers(optimizer: torch.optim.Optimizer, peers: Sequence[Any], rule: str,
+                   constructed: Mapping[int, Mapping[str, list[Any]]], *, where: str) -> list[str]:
+    """After a load: every per-group list of the LR schedulers of ``optimizer``
+    among ``peers`` (and of those a ``SequentialLR`` / ``ChainedScheduler``
+    holds) has one entry per current param group, so that the next
+    ``step()`` runs, whatever partition the checkpoint had.
+
+    Under ``"current"`` the schedulers are first rebased on the constructed
+    rates (:func:`rebase_schedulers`) and every other per-group list
+    (CyclicLR's ``max_lrs``, ``base_momentums``, ``max_momentums``,
+    ReduceLROnPlateau's ``min_lrs``) is the one the scheduler was constructed
+    with (``constructed``, from :func:`snapshot_schedulers`): the restored
+    position continues with the new values, peak included. Under ``"saved"``
+    and ``"error"``, a list whose length is not the number of groups (the
+    groups were partitioned otherwise than the checkpoint's) is rebuilt per
+    current group from that group's restored values: ``base_lrs`` from its
+    ``initial_lr`` (``lr`` without one), ``_last_lr`` from its ``lr``, the
+    momenta from its ``base_momentum`` / ``max_momentum``, and a list the
+    groups do not hold (``max_lrs``, ``min_lrs``) from the saved entry of the
+    saved group whose ``base_lrs`` entry is the group's ``initial_lr`` (every
+    entry when they are all equal, e.g. one saved group). OneCycleLR keeps its
+    values in the groups and needs no rebuild.
+
+    Returns:
+        One line per scheduler changed, for logs.
+
+    Raises:
+        ShardingError: a list the groups do not hold cannot be matched to
+            the current groups (no saved group with that base lr, or several
+            with different values); the message names the scheduler, the list
+            and the ways out (the saved partition, ``hyperparams='current'``,
+            or a scheduler created after the load).
+    """
+    from torch.optim.lr_scheduler import CyclicLR
+
+    done = rebase_schedulers(optimizer, peers, where=where) if rule == "current" else []
+    groups = optimizer.param_groups
+    n = len(groups)
+    for top, xs in _schedulers_of(optimizer, peers):
+        for x in xs:
+            changed = []
+            saved_base = list(getattr(x, "base_lrs", None) or ())
+            if rule == "current":
+                for a, want in constructed.get(id(x), {}).items():
+                    if getattr(x, a, None) != want:
+                        changed.append(f"{a} {getattr(x, a, None)} -> {want} (constructed)")
+                        setattr(x, a, list(want))
+            for a in ("base_lrs", "_last_lr", *_PER_GROUP):
+                v = getattr(x, a, None)
+                if not isinstance(v, list) or len(v) == n:
+                    continue
+                key = _PER_GROUP.get(a)
+                new: list[Any]
+                if a == "base_lrs":
+                    new = [g.get("initial_lr", g["lr"]) for g in groups]
+                elif a == "_last_lr":
+                    new = [g["lr"] for g in groups]
+                elif key is not None and all(key in g for g in groups):
+                    new = [g[key] for g in groups]
+                else:
+                    new = [_saved_entry(x, a, v, saved_base, g, n, where) for g in groups]
+                changed.append(f"{a} {v} -> {new} ({len(v)} saved groups, {n} now)")
+                setattr(x, a, new)
+            fns = getattr(x, "lr_lambdas", None)  # LambdaLR / MultiplicativeLR, built for the constructed groups
+            if isinstance(fns, list) and fns and len(fns) != n:
+                if len({id(f) for f in fns}) != 1:
+                    raise ShardingError(
+                        f"{where}: {type(x).__name__} was built with {len(fns)} different lr_lambdas and "
+                        f"the optimizer now has {n} param groups (a group was split at this load): "
+                        "build the groups as saved, or create the scheduler after the load")
+                changed.append(f"lr_lambdas: {len(fns)} -> {n} (one function)")
+                x.lr_lambdas = fns[:1] * n
+            if changed:
+                done.append(f"{type(x).__name__}: " + "; ".join(changed))
+        if rule == "current" and isinstance(top, CyclicLR):
+            # not proportional to its base (base + (max - base) * x): the lr at the restored
+            # position from the fitted lists, as its next step() computes it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                lrs = [float(x) for x in top.get_lr()]
+            for g, lr in zip(groups, lrs, strict=True):
+                g["lr"] = lr
+            top._last_lr = list(lrs)
+    return done
+
+
+def _saved_entry(x: Any, a: str, v: list[Any], saved_base: list[Any], g: Mapping[str, Any], n: int,
+                 where: str) -> Any:
+    """The saved entry of list ``a`` for current group ``g`` (see :func:`fit_schedulers`)."""
+    if len({_canon(e) for e in v}) == 1:
+        return v[0]
+    base = g.get("initial_lr", g["lr"])
+    hits = {_canon(e): e for e, b in zip(v, saved_base, strict=False) if b == base}
+    if len(hits) == 1:
+        return next(iter(hits.values()))
+    raise ShardingError(
+        f"{where}: {type(x).__name__} was saved with {a}={v} for {len(v)} param groups (base_lrs "
+        f"{saved_base}); the optimizer now has {n} groups and a group with "
+        f"initial_lr {base!r} matches {'no' if not hits else 'several'} saved groups, so its {a} "
+        "is unknown: build the optimizer's groups as saved, pass hyperparams='current' (the "
+        "constructed values), or create the scheduler after the load (not restored)")

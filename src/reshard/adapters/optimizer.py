@@ -58,11 +58,12 @@ from .hyperparams import (
     HyperparamRule,
     check_rule,
     dcp_param_groups_saved,
+    fit_schedulers,
     group_hyperparams,
     hyperparams_from_dcp,
     model_only,
-    rebase_schedulers,
     restore_hyperparams,
+    snapshot_schedulers,
 )
 from .model import ModelState
 
@@ -406,12 +407,18 @@ class OptimizerState:
         return restore_hyperparams(self.optimizer, self._param_names(), hparams, self.hyperparams,
                                    where="OptimizerState", check_only=True)
 
+    def reshard_before_load(self, peers: list[Any]) -> None:
+        """Before any Stateful's ``load_state_dict``: note the constructed
+        per-group lists of this optimizer's LR schedulers among ``peers``."""
+        self._sched_constructed = snapshot_schedulers(self.optimizer, peers)
+
     def reshard_finish_load(self, peers: list[Any]) -> None:
-        """After every Stateful of the load: under ``hyperparams="current"``,
-        the LR schedulers of this optimizer among ``peers`` continue from the
-        constructed rates (:func:`~reshard.adapters.hyperparams.rebase_schedulers`)."""
-        if self.hyperparams == "current":
-            rebase_schedulers(self.optimizer, peers, where="OptimizerState")
+        """After every Stateful of the load: the LR schedulers of this
+        optimizer among ``peers`` hold one entry per current param group
+        (:func:`~reshard.adapters.hyperparams.fit_schedulers`); under
+        ``hyperparams="current"`` they continue from the constructed rates."""
+        got, self._sched_constructed = getattr(self, "_sched_constructed", {}), {}
+        fit_schedulers(self.optimizer, peers, self.hyperparams, got, where="OptimizerState")
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self._loading = False

@@ -33,11 +33,12 @@ from .hyperparams import (
     HyperparamRule,
     check_rule,
     dcp_param_groups_saved,
+    fit_schedulers,
     group_hyperparams,
     hyperparams_from_dcp,
     model_only,
-    rebase_schedulers,
     restore_hyperparams,
+    snapshot_schedulers,
 )
 from .names import canonical_names
 
@@ -185,13 +186,21 @@ class TorchState:
             hparams.update(hyperparams_from_dcp(optim["param_groups"], where="TorchState"))
         return self._restore_hyperparams(hparams, check_only=True)
 
+    def reshard_before_load(self, peers: list[Any]) -> None:
+        """Before any Stateful's ``load_state_dict``: note the constructed
+        per-group lists of these optimizers' LR schedulers among ``peers``."""
+        self._sched_constructed: list[dict[int, dict[str, list[Any]]]] = [
+            snapshot_schedulers(o, peers) for o in self.optimizers]
+
     def reshard_finish_load(self, peers: list[Any]) -> None:
-        """After every Stateful of the load: under ``hyperparams="current"``,
-        the LR schedulers of these optimizers among ``peers`` continue from
-        the constructed rates."""
-        if self.hyperparams == "current":
-            for o in self.optimizers:
-                rebase_schedulers(o, peers, where="TorchState")
+        """After every Stateful of the load: the LR schedulers of these
+        optimizers among ``peers`` hold one entry per current param group
+        (:func:`~reshard.adapters.hyperparams.fit_schedulers`); under
+        ``hyperparams="current"`` they continue from the constructed rates."""
+        got = getattr(self, "_sched_constructed", None) or [{} for _ in self.optimizers]
+        self._sched_constructed = []
+        for o, c in zip(self.optimizers, got, strict=False):
+            fit_schedulers(o, peers, self.hyperparams, c, where="TorchState")
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict

@@ -446,10 +446,17 @@ class S3Storage(Storage):
         (``<parent of path>/.reshard-probe-<random>``, deleted after): put it
         with ``If-None-Match: *`` (accepted), again (must be refused: 412),
         with ``If-Match`` a wrong ETag (must be refused), with its own ETag
-        (must be accepted). Five requests.
+        (must be accepted). Five requests. When the first conditional put is
+        not accepted, the same put without the header tells why: refused too,
+        the request fails for another reason than the header (no such bucket,
+        access denied, an endpoint that does not answer) and that reason is
+        raised; accepted, the store does not honour the header.
 
         Raises:
-            StorageError: a request of the probe failed otherwise."""
+            StorageError: a request of the probe failed for another reason than
+                the conditional headers: ``NoSuchBucket`` (the message names
+                the bucket and the endpoint), ``AccessDenied``, an endpoint down
+                past the retries...; nothing is cached, a later call probes again."""
         b, k = _split(path)
         ident = self._endpoint(b)
         with _CLIENTS_LOCK:
@@ -477,6 +484,7 @@ class S3Storage(Storage):
             cp, cr, why = True, True, []
             first = put(b"reshard capability probe 1", IfNoneMatch="*")
             if first != "ok":
+                self._control_put(scratch, first)
                 cp = cr = False
                 why.append(f"PutObject with If-None-Match: * of a new key was {first}")
             else:
@@ -506,6 +514,37 @@ class S3Storage(Storage):
         with _CLIENTS_LOCK:
             _PROBES[ident] = out
         return out
+
+    def _control_put(self, scratch: str, first: str) -> None:
+        """After the probe's first ``If-None-Match: *`` put was ``first`` (not
+        accepted): put the same new key without any condition. Accepted, the
+        header alone was the matter (return). Refused too, the request fails for
+        another reason, raised as StorageError naming it (never advice about
+        conditional requests)."""
+        b, k = _split(scratch)
+        endpoint, bucket = self._endpoint(b)
+        where = f"the store at {endpoint or 'AWS'} (bucket {bucket})"
+        try:
+            self._call("capability probe", scratch,
+                       lambda: self._put(b, k, b"reshard capability probe 1 (unconditional)"))
+        except FileNotFoundError as e:
+            _, code = _status(e.__cause__) if e.__cause__ is not None else (0, "")
+            if code == "NoSuchBucket":
+                raise StorageError(f"s3://{scratch}: bucket {bucket!r} does not exist at "
+                                   f"{endpoint or 'AWS'} "
+                                   "(NoSuchBucket): create it, or check the URL and the endpoint "
+                                   "(AWS_ENDPOINT_URL)") from e
+            raise StorageError(f"s3://{scratch}: {where} answered {code or '404 Not Found'} to a "
+                               f"plain PutObject of a new key (and {first} to the same with "
+                               "If-None-Match: *): check the URL and the endpoint") from e
+        except FileExistsError as e:
+            raise StorageError(f"s3://{scratch}: {where} refused a plain PutObject of a new key "
+                               f"with 412 Precondition Failed (and {first} to the same with "
+                               "If-None-Match: *)") from e
+        except StorageError as e:
+            raise StorageError(f"{e} (the capability probe's first write; it fails without "
+                               "conditional headers too, so this is not about conditional "
+                               "requests: check the bucket, the credentials and the endpoint)") from e
 
     def check_publish(self, path: str) -> None:
         """Refuse to publish at ``path`` on a store that does not honour
