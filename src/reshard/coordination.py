@@ -46,6 +46,7 @@ from .collectives import Request, agree_steps
 from .errors import CheckpointError, IntegrityError, ShardingError
 from .manifest import Chunk, FileEntry, Manifest, ObjectChunk, ObjectEntry, PlanIndex, TensorEntry
 from .planning import LocalObjectItem, LocalPlan, LocalTensorItem, plan_save
+from .sharding import itemsize, numel
 
 _MASK = (1 << 62) - 1
 
@@ -403,11 +404,20 @@ def planned_bytes(layout: Layout) -> int:
     plus a bound on the shard files' headers and block tables (4 KiB per
     file and 16 bytes per MiB of data). Known before anything is written."""
     data = files = 0
-    for plan, a in zip(layout.plans, layout.assignments, strict=True):
+    for r, a in enumerate(layout.assignments):
         files += len(a.files)
-        for kind, i, _ in a.writes:
-            data += plan.tensors[i].nbytes if kind == 0 else plan.objects[i].nbytes
+        data += sum(_item_bytes(it) for it in layout.written_items(r))
     return data + 4096 * files + 16 * (data >> 20)
+
+
+def _item_bytes(it: LocalTensorItem | LocalObjectItem) -> int:
+    """An item's bytes; a layout rebuilt from plan.bin keeps no sizes, so a
+    tensor's come from its dtype and shape (or flattened range), an object's
+    encoded size is then unknown (counted 0: small beside the tensors)."""
+    if it.nbytes or isinstance(it, LocalObjectItem):
+        return it.nbytes
+    n = it.flattened_range[1] - it.flattened_range[0] if it.flattened_range else numel(it.local_shape)
+    return n * itemsize(it.dtype)
 
 
 def _check_space(ctx: RankSave, info: dict[str, Any], layout: Layout) -> BaseException | None:
