@@ -183,3 +183,25 @@ def test_tie_from_config_json(tmp_path: Path) -> None:
     res = import_hf({"model.embed_tokens.weight": torch.zeros(V, D), "model.norm.weight": torch.zeros(D),
                      "lm_head.weight": lm}, tmp_path)
     assert not res.missing and torch.equal(lm, emb)
+
+
+def test_base_model_config_implies_no_tie(tmp_path: Path) -> None:
+    """A base model's directory (config.json architectures ``BertModel``, the
+    sentence-transformers layout: no LM head, tie_word_embeddings left at its
+    default) implies no lm_head tie: a strict import into the base model
+    succeeds (an implied ``lm_head.weight`` made it 'unexpected'), while the
+    same weights named by an LM-head class are tied."""
+    from safetensors.torch import save_file
+
+    from reshard.formats.hf_import import hf_manifest
+
+    emb = torch.randn(V, D)
+    save_file({"embeddings.word_embeddings.weight": emb, "pooler.dense.bias": torch.ones(D)},
+              str(tmp_path / SINGLE_NAME))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"], "model_type": "bert"}))
+    assert hf_manifest(tmp_path)[2].aliases == {}
+    dst = {"embeddings.word_embeddings.weight": torch.zeros(V, D), "pooler.dense.bias": torch.zeros(D)}
+    res = import_hf(dst, tmp_path)
+    assert not res.missing and not res.unexpected and torch.equal(dst["embeddings.word_embeddings.weight"], emb)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert hf_manifest(tmp_path)[2].aliases == {"lm_head.weight": "embeddings.word_embeddings.weight"}

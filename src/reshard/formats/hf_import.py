@@ -209,6 +209,11 @@ _INPUT_EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weigh
                      "embed_in.weight", "shared.weight")
 
 
+#: endings of transformers class names that have output embeddings (an LM head) to tie
+_HEAD_CLASSES = ("LMHeadModel", "ForCausalLM", "ForMaskedLM", "ForConditionalGeneration",
+                 "ForPreTraining", "WithLMHead", "ForSeq2SeqLM")
+
+
 def config_ties(st: Storage, key: str, tensors: Mapping[str, TensorEntry]) -> dict[str, str]:
     """The tie ``save_pretrained`` left out, from the directory's
     ``config.json``: with ``tie_word_embeddings`` true (transformers'
@@ -217,7 +222,10 @@ def config_ties(st: Storage, key: str, tensors: Mapping[str, TensorEntry]) -> di
     name ends in ``embed_tokens.weight``, ``wte.weight``,
     ``word_embeddings.weight``...): ``{"lm_head.weight": <it>}``. Nothing
     without a config.json, with ``tie_word_embeddings`` false, with
-    ``lm_head.weight`` stored, or without exactly one such tensor.
+    ``lm_head.weight`` stored, or without exactly one such tensor; nothing
+    either when ``architectures`` names only classes without an LM head
+    (``BertModel``: a base model has no output embedding to tie, as in
+    transformers, whose tie follows the class).
 
     Raises:
         ManifestError: a config.json that is not a JSON object."""
@@ -236,6 +244,10 @@ def config_ties(st: Storage, key: str, tensors: Mapping[str, TensorEntry]) -> di
         tie = text["tie_word_embeddings"]
     if tie is not True:
         return {}
+    archs = cfg.get("architectures")
+    if isinstance(archs, list) and archs and not any(
+            isinstance(a, str) and a.endswith(_HEAD_CLASSES) for a in archs):
+        return {}  # a base model (BertModel): transformers ties only a class with an LM head
     cands = [n for n in tensors if n.endswith(_INPUT_EMBEDDINGS) and len(tensors[n].global_shape) == 2]
     return {OUTPUT_EMBEDDING: cands[0]} if len(cands) == 1 else {}
 
