@@ -122,6 +122,9 @@ def read_lease(storage: Storage, key: str, now: float | None = None) -> float | 
         return None if mtime is None or now - mtime >= lease_ttl_s() else max(0.0, now - mtime)
     if rec.get("host") == socket.gethostname() and not _pid_alive(rec.get("pid")):
         return None  # its holder, on this host, is gone (killed): the lease ended with it
+    if rec.get("pid") == os.getpid() and rec.get("host") == socket.gethostname() \
+            and rec.get("attempt") in _ENDED:
+        return None  # this process ended it, but deleting it failed (EIO): collectable
     return max(0.0, now - renewed) if expires > now else None
 
 
@@ -139,6 +142,11 @@ def _pid_alive(pid: Any) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
     except (OSError, IndexError):
         return True
+
+
+#: attempt ids of this process's leases that ended but whose deletion failed
+#: (a full disk, EIO): :func:`read_lease` reports them over, so gc collects them
+_ENDED: set[str] = set()
 
 
 class AttemptLease:
@@ -189,6 +197,7 @@ class AttemptLease:
             try:
                 self.storage.delete_tree(self.key)
             except Exception as e:  # noqa: BLE001 - an expired lease is harmless
+                _ENDED.add(self.attempt_id)  # over now: the next gc deletes it
                 log.warning("deleting the lease %s failed: %s", self.key, e)
 
 
