@@ -20,26 +20,36 @@ SAVERS: dict[Any, Any] = {}
 SAVERS_LOCK = threading.Lock()
 
 
+def _take_error(group: Any, wait: bool) -> tuple[BaseException, Any] | None:
+    """The failure (and its handle, None if unknown) of an earlier background
+    save of ``group`` that no one was told of yet, taken so it is reported
+    once; None without one. ``wait``: first wait for every in-flight save."""
+    s = SAVERS.get(group if group is not None else "default")
+    if s is None:
+        return None
+    if wait:
+        for slot in list(s.pending):
+            slot.handle.committed.exception()
+    s.reclaim()
+    if s.error is None:
+        return None
+    err, h, s.error, s.error_handle = s.error, s.error_handle, None, None
+    if h is not None and h._reported:  # already raised by its handle's wait()
+        return None
+    if h is not None:
+        h._reported = True
+    return err, h
+
+
 def raise_pending_error(group: Any = None, *, wait: bool = False) -> None:
     """Raise (once) the error of a failed background save of ``group``.
 
     With ``wait``, first wait for every in-flight save of the group, so that
     all ranks decide on the same outcome (a background failure is agreed
     across ranks, but may surface on one rank slightly before another)."""
-    s = SAVERS.get(group if group is not None else "default")
-    if s is None:
-        return
-    if wait:
-        for slot in list(s.pending):
-            slot.handle.committed.exception()
-    s.reclaim()
-    if s.error is not None:
-        err, h, s.error, s.error_handle = s.error, s.error_handle, None, None
-        if h is not None and h._reported:  # already raised by its handle's wait()
-            return
-        if h is not None:
-            h._reported = True
-        raise CheckpointError(f"a previous asynchronous save failed: {err}") from err
+    got = _take_error(group, wait)
+    if got is not None:
+        raise CheckpointError(f"a previous asynchronous save failed: {got[0]}") from got[0]
 
 
 def warn_pending_error(group: Any = None, *, wait: bool = False, step: int | None = None) -> None:
@@ -49,19 +59,10 @@ def warn_pending_error(group: Any = None, *, wait: bool = False, step: int | Non
     on the coordinator, the handle's ``committed`` future, the manager's
     ``on_save_error`` hook) and never costs a later save. ``wait``: as
     :func:`raise_pending_error`."""
-    s = SAVERS.get(group if group is not None else "default")
-    if s is None:
+    got = _take_error(group, wait)
+    if got is None or got[1] is None:
         return
-    if wait:
-        for slot in list(s.pending):
-            slot.handle.committed.exception()
-    s.reclaim()
-    if s.error is None:
-        return
-    err, h, s.error, s.error_handle = s.error, s.error_handle, None, None
-    if h is None or h._reported:
-        return
-    h._reported = True
+    err, h = got
     warnings.warn(f"the asynchronous save of step {h.step} to {h.path} failed earlier "
                   f"({type(err).__name__}: {err}); the save of step {step} goes ahead",
                   RuntimeWarning, stacklevel=3)
