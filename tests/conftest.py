@@ -32,17 +32,17 @@ def pool() -> Iterator[WorkerPool]:
 
 
 class S3Endpoint:
-    """The session's S3 endpoint: moto's server on loopback behind the fault
-    proxy; ``env`` holds the standard AWS variables pointing at the proxy
-    (also set in this process's environment for the session)."""
+    """A session S3 endpoint: a real server on loopback (moto's by default,
+    ``kind="s3rver"`` for the npm one) behind its own fault proxy; ``env``
+    holds the standard AWS variables pointing at the proxy."""
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str = "moto") -> None:
         from reshard.testing.s3proxy import FaultProxy
-        from reshard.testing.s3server import S3Server
+        from reshard.testing.s3server import S3rverServer, S3Server
 
-        self.server = S3Server(min_part_bytes=64 << 10)
+        self.server = S3Server(min_part_bytes=64 << 10) if kind == "moto" else S3rverServer()
         self.proxy = FaultProxy(self.server.url)
-        self.bucket = "reshard-test"
+        self.bucket = "reshard-test" if kind == "moto" else "reshard-s3rver"
         self.server.create_bucket(self.bucket)
         self.env = {**self.server.env(self.proxy.url), "RESHARD_S3_PART_BYTES": str(256 << 10),
                     "RESHARD_S3_RANGE_BYTES": str(256 << 10), "RESHARD_S3_DEADLINE_S": "4"}
@@ -86,42 +86,15 @@ def s3e(s3: S3Endpoint) -> Iterator[S3Endpoint]:
         s3.proxy.clear()
 
 
-class S3rverEndpoint:
-    """s3rver (npm), a second S3 implementation, on loopback behind its own
-    fault proxy; ``env`` holds the AWS variables pointing at the proxy. The
-    ``s3r`` fixture sets them for one test (monkeypatched), so the session's
-    moto variables are back after it."""
-
-    def __init__(self) -> None:
-        from reshard.testing.s3proxy import FaultProxy
-        from reshard.testing.s3server import S3rverServer
-
-        self.server = S3rverServer()
-        self.proxy = FaultProxy(self.server.url)
-        self.bucket = "reshard-s3rver"
-        self.server.create_bucket(self.bucket)
-        self.env = {**self.server.env(self.proxy.url), "RESHARD_S3_PART_BYTES": str(256 << 10),
-                    "RESHARD_S3_RANGE_BYTES": str(256 << 10), "RESHARD_S3_DEADLINE_S": "4"}
-        self._n = 0
-
-    def url(self, name: str) -> str:
-        self._n += 1
-        return f"s3://{self.bucket}/{name}-{self._n}"
-
-    def close(self) -> None:
-        self.proxy.close()
-        self.server.close()
-
-
 @pytest.fixture(scope="session")
-def s3rver_session() -> Iterator[S3rverEndpoint]:
-    """s3rver for the session; skipped where node or s3rver is not installed."""
+def s3rver_session() -> Iterator[S3Endpoint]:
+    """s3rver (npm), a second S3 implementation, for the session; skipped where node or s3rver is not installed."""
     from reshard.testing.s3server import S3RVER_VERSION, find_s3rver
 
     if find_s3rver() is None:
         pytest.skip(f"s3rver not installed (node and `npm install --prefix <venv>/s3rver "
                     f"s3rver@{S3RVER_VERSION}`; `make setup` does it)")
-    ep = S3rverEndpoint()
+    ep = S3Endpoint("s3rver")
     try:
         yield ep
     finally:
@@ -129,7 +102,7 @@ def s3rver_session() -> Iterator[S3rverEndpoint]:
 
 
 @pytest.fixture
-def s3r(s3rver_session: S3rverEndpoint, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3rverEndpoint]:
+def s3r(s3rver_session: S3Endpoint, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Endpoint]:
     """The s3rver endpoint for one test: its AWS variables set, no faults."""
     for k, v in s3rver_session.env.items():
         monkeypatch.setenv(k, v)

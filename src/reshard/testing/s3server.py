@@ -21,6 +21,7 @@ import tempfile
 import time
 import urllib.request
 from types import TracebackType
+from typing import Self
 
 
 def free_port() -> int:
@@ -29,52 +30,59 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class S3Server:
-    """moto's S3 server on ``127.0.0.1:<free port>``.
+class _LocalS3:
+    """A real S3 server in a subprocess on ``127.0.0.1:<free port>``; the
+    subclasses say how to start it (:meth:`_command`), how to tell that it
+    answers (:meth:`_answers`) and its credentials (:attr:`KEY`)."""
 
-    Args:
-        min_part_bytes: smallest non-last multipart part the server accepts.
-        start_timeout_s: seconds to wait for the server to answer.
-    """
+    KEY = "testing"
+    NAME = "S3 server"
+    port: int
+    url: str
+    _proc: subprocess.Popen[bytes]
 
-    def __init__(self, *, min_part_bytes: int = 64 << 10, start_timeout_s: float = 60.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "S3_UPLOAD_PART_MIN_SIZE": str(min_part_bytes),
-               "MOTO_PORT": str(self.port)}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def _start(self, cmd: list[str], env: dict[str, str], start_timeout_s: float) -> None:
+        self._proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + start_timeout_s
         while True:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"moto server exited with {self._proc.returncode}")
+                self._cleanup()
+                raise RuntimeError(f"{self.NAME} exited with {self._proc.returncode}")
             try:
-                urllib.request.urlopen(self.url + "/moto-api/", timeout=2).read()
-                break
+                self._answers()
+                return
             except OSError:
                 if time.monotonic() > deadline:
                     self.close()
-                    raise RuntimeError(f"moto server did not answer on {self.url}") from None
+                    raise RuntimeError(f"{self.NAME} did not answer on {self.url}") from None
                 time.sleep(0.1)
+
+    def _answers(self) -> None:
+        """Raises OSError until the server accepts requests."""
+        raise NotImplementedError
+
+    def _cleanup(self) -> None:
+        """Removes what the server kept on disk (nothing by default)."""
 
     def env(self, endpoint: str | None = None) -> dict[str, str]:
         """The standard AWS variables pointing at this server (or at
         ``endpoint``, e.g. a fault-injecting proxy in front of it)."""
-        return {"AWS_ENDPOINT_URL": endpoint or self.url, "AWS_ACCESS_KEY_ID": "testing",
-                "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+        return {"AWS_ENDPOINT_URL": endpoint or self.url, "AWS_ACCESS_KEY_ID": self.KEY,
+                "AWS_SECRET_ACCESS_KEY": self.KEY, "AWS_DEFAULT_REGION": "us-east-1"}
 
     def client(self) -> object:
         """A boto3 client talking to the server directly (bucket setup, checks)."""
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.url, aws_access_key_id="testing",
-                            aws_secret_access_key="testing", region_name="us-east-1")
+        return boto3.client("s3", endpoint_url=self.url, aws_access_key_id=self.KEY,
+                            aws_secret_access_key=self.KEY, region_name="us-east-1")
 
     def create_bucket(self, name: str) -> None:
         self.client().create_bucket(Bucket=name)  # type: ignore[attr-defined]
 
     def close(self) -> None:
+        """Stops the server (SIGTERM, then SIGKILL after 10 s) and removes its data."""
         if self._proc.poll() is None:
             self._proc.terminate()
             try:
@@ -82,13 +90,39 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+        self._cleanup()
 
-    def __enter__(self) -> S3Server:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, t: type[BaseException] | None, v: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+class S3Server(_LocalS3):
+    """moto's S3 server on ``127.0.0.1:<free port>``.
+
+    Args:
+        min_part_bytes: smallest non-last multipart part the server accepts.
+        start_timeout_s: seconds to wait for the server to answer.
+
+    Raises:
+        RuntimeError: the server exited or did not answer within ``start_timeout_s``.
+    """
+
+    NAME = "moto server"
+
+    def __init__(self, *, min_part_bytes: int = 64 << 10, start_timeout_s: float = 60.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "S3_UPLOAD_PART_MIN_SIZE": str(min_part_bytes),
+               "MOTO_PORT": str(self.port)}
+        self._start([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                    env, start_timeout_s)
+
+    def _answers(self) -> None:
+        urllib.request.urlopen(self.url + "/moto-api/", timeout=2).read()
 
 
 #: s3rver's version the dev setup installs (``make setup``: ``npm install --prefix .venv/s3rver``)
@@ -111,7 +145,7 @@ def find_s3rver() -> tuple[str, str] | None:
     return None
 
 
-class S3rverServer:
+class S3rverServer(_LocalS3):
     """s3rver on ``127.0.0.1:<free port>``, data in a temporary directory: a
     second S3 implementation beside moto. It ignores ``If-None-Match`` and
     ``If-Match`` on PutObject (answers 200 and overwrites) and answers
@@ -128,6 +162,7 @@ class S3rverServer:
     """
 
     KEY = "S3RVER"  # s3rver's built-in credentials
+    NAME = "s3rver"
 
     def __init__(self, *, start_timeout_s: float = 60.0):
         found = find_s3rver()
@@ -139,50 +174,13 @@ class S3rverServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self._dir = tempfile.mkdtemp(prefix="s3rver-")
         env = {**os.environ, "NODE_OPTIONS": "--openssl-legacy-provider"}
-        self._proc = subprocess.Popen(
-            [node, script, "-d", self._dir, "-a", "127.0.0.1", "-p", str(self.port), "--silent",
-             "--allow-mismatched-signatures", "--no-vhost-buckets"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            if self._proc.poll() is not None:
-                shutil.rmtree(self._dir, ignore_errors=True)
-                raise RuntimeError(f"s3rver exited with {self._proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    self.close()
-                    raise RuntimeError(f"s3rver did not answer on {self.url}") from None
-                time.sleep(0.1)
+        self._start([node, script, "-d", self._dir, "-a", "127.0.0.1", "-p", str(self.port),
+                     "--silent", "--allow-mismatched-signatures", "--no-vhost-buckets"],
+                    env, start_timeout_s)
 
-    def env(self, endpoint: str | None = None) -> dict[str, str]:
-        return {"AWS_ENDPOINT_URL": endpoint or self.url, "AWS_ACCESS_KEY_ID": self.KEY,
-                "AWS_SECRET_ACCESS_KEY": self.KEY, "AWS_DEFAULT_REGION": "us-east-1"}
+    def _answers(self) -> None:
+        with socket.create_connection(("127.0.0.1", self.port), timeout=2):
+            pass
 
-    def client(self) -> object:
-        import boto3
-
-        return boto3.client("s3", endpoint_url=self.url, aws_access_key_id=self.KEY,
-                            aws_secret_access_key=self.KEY, region_name="us-east-1")
-
-    def create_bucket(self, name: str) -> None:
-        self.client().create_bucket(Bucket=name)  # type: ignore[attr-defined]
-
-    def close(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+    def _cleanup(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
-
-    def __enter__(self) -> S3rverServer:
-        return self
-
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
