@@ -9,6 +9,7 @@ from .adapters.data import DataCursor
 from .adapters.model import ModelState
 from .adapters.optimizer import OptimizerState
 from .adapters.rng import RNGState
+from .adapters.torch_native import TorchState
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -52,6 +53,7 @@ __all__ = [
     "ShardedTensor",
     "ShardingError",
     "StorageError",
+    "TorchState",
     "VerifyReport",
     "async_save",
     "inspect",
