@@ -34,6 +34,16 @@ def _step(m: Net, opt: torch.optim.Optimizer) -> None:
     opt.step()
 
 
+def _train(m: Net, opt: torch.optim.Optimizer, sched: Any, steps: int) -> list[list[float]]:
+    """``steps`` optimizer + scheduler steps; the group lrs after each."""
+    lrs = []
+    for _ in range(steps):
+        _step(m, opt)
+        sched.step()
+        lrs.append([g["lr"] for g in opt.param_groups])
+    return lrs
+
+
 def _state(adapter: str, m: Net, opt: torch.optim.Optimizer, rule: str | None = None,
            **extra: Any) -> dict[str, Any]:
     kw = {} if rule is None else {"hyperparams": rule}
@@ -165,13 +175,7 @@ def _sched(kind: str, opt: torch.optim.Optimizer) -> Any:
 def _run(lr: float, kind: str, steps: int) -> list[float]:
     m = Net()
     opt = torch.optim.AdamW(m.parameters(), lr=lr)
-    s = _sched(kind, opt)
-    lrs = []
-    for _ in range(steps):
-        _step(m, opt)
-        s.step()
-        lrs.append(opt.param_groups[0]["lr"])
-    return lrs
+    return [x[0] for x in _train(m, opt, _sched(kind, opt), steps)]
 
 
 @pytest.mark.parametrize("kind", ["lambda", "step", "sequential"])
@@ -185,9 +189,7 @@ def test_current_rebases_a_restored_scheduler_on_the_constructed_lr(tmp_path: Pa
     src = Net()
     opt = torch.optim.AdamW(src.parameters(), lr=1e-3)
     s = _sched(kind, opt)
-    for _ in range(N):
-        _step(src, opt)
-        s.step()
+    _train(src, opt, s, N)
     reshard.save(_state(adapter, src, opt, sched=s), tmp_path / "ck")
     for rule, lr in (("current", 2e-3), ("current", 5e-4), ("saved", 2e-3), (None, 1e-3)):
         dst = Net(1)
@@ -195,10 +197,7 @@ def test_current_rebases_a_restored_scheduler_on_the_constructed_lr(tmp_path: Pa
         s = _sched(kind, opt)
         reshard.load(_state(adapter, dst, opt, rule, sched=s), tmp_path / "ck")
         got = [opt.param_groups[0]["lr"]]
-        for _ in range(3):
-            _step(dst, opt)
-            s.step()
-            got.append(opt.param_groups[0]["lr"])
+        got += [lr[0] for lr in _train(dst, opt, s, 3)]
         want = _run(lr if rule == "current" else 1e-3, kind, N + 3)[N - 1:]
         assert got == pytest.approx(want, rel=1e-12), (rule, lr)
         for x in [s, *getattr(s, "_schedulers", [])]:
@@ -262,13 +261,7 @@ def _sched2(kind: str, opt: torch.optim.Optimizer) -> Any:
 def _run_groups(lr: float, kind: str, steps: int, split: bool) -> list[list[float]]:
     m = Net()
     opt = torch.optim.AdamW(_decay_split(m) if split else m.parameters(), lr=lr)
-    s = _sched2(kind, opt)
-    lrs = []
-    for _ in range(steps):
-        _step(m, opt)
-        s.step()
-        lrs.append([g["lr"] for g in opt.param_groups])
-    return lrs
+    return _train(m, opt, _sched2(kind, opt), steps)
 
 
 @pytest.mark.parametrize("kind", ["lambda", "warm_restarts", "cyclic", "onecycle", "sequential"])
@@ -282,9 +275,7 @@ def test_schedulers_follow_a_partition_change(tmp_path: Path, kind: str, adapter
     src = Net()
     opt = torch.optim.AdamW(src.parameters(), lr=1e-3)
     s = _sched2(kind, opt)
-    for _ in range(N):
-        _step(src, opt)
-        s.step()
+    _train(src, opt, s, N)
     reshard.save(_state(adapter, src, opt, sched=s), tmp_path / "ck")
     for rule in ("saved", "current"):
         dst = Net(1)
@@ -297,10 +288,7 @@ def test_schedulers_follow_a_partition_change(tmp_path: Path, kind: str, adapter
                 if isinstance(getattr(x, a, None), list):
                     assert len(getattr(x, a)) == 2, (rule, type(x).__name__, a)
         got = [[g["lr"] for g in opt.param_groups]]
-        for _ in range(3):
-            _step(dst, opt)
-            s.step()
-            got.append([g["lr"] for g in opt.param_groups])
+        got += _train(dst, opt, s, 3)
         if rule == "saved":
             want = [[x[0]] * 2 for x in _run_groups(1e-3, kind, N + 3, split=False)[N - 1:]]
         else:
@@ -314,20 +302,14 @@ def test_cyclic_current_without_split_continues_with_the_new_peak(tmp_path: Path
     src = Net()
     opt = torch.optim.AdamW(src.parameters(), lr=1e-3)
     s = _sched2("cyclic", opt)
-    for _ in range(N):
-        _step(src, opt)
-        s.step()
+    _train(src, opt, s, N)
     reshard.save(_state("optim", src, opt, sched=s), tmp_path / "ck")
     dst = Net(1)
     opt = torch.optim.AdamW(dst.parameters(), lr=5e-4)
     s = _sched2("cyclic", opt)
     reshard.load(_state("optim", dst, opt, "current", sched=s), tmp_path / "ck")
     assert s.max_lrs == [5e-4] and s.base_lrs == [5e-5]
-    got = []
-    for _ in range(8):
-        _step(dst, opt)
-        s.step()
-        got.append(opt.param_groups[0]["lr"])
+    got = [lr[0] for lr in _train(dst, opt, s, 8)]
     assert max(got) == pytest.approx(5e-4, rel=1e-12)
     assert got == pytest.approx([x[0] for x in _run_groups(5e-4, "cyclic", N + 8, split=False)[N:]], rel=1e-12)
 
@@ -337,20 +319,13 @@ def test_cyclic_current_without_split_continues_with_the_new_peak(tmp_path: Path
     ref = Net()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     s = cyc(opt)
-    want = []
-    for _ in range(N + 3):
-        _step(ref, opt)
-        s.step()
-        want.append(opt.param_groups[0]["lr"])
+    want = [lr[0] for lr in _train(ref, opt, s, N + 3)]
     dst = Net(1)
     opt = torch.optim.AdamW(dst.parameters(), lr=1e-3)
     s = cyc(opt)
     reshard.load(_state("optim", dst, opt, "current", sched=s), tmp_path / "ck")
     got = [opt.param_groups[0]["lr"]]  # the lr at the restored position too
-    for _ in range(3):
-        _step(dst, opt)
-        s.step()
-        got.append(opt.param_groups[0]["lr"])
+    got += [lr[0] for lr in _train(dst, opt, s, 3)]
     assert got == pytest.approx(want[N - 1:], rel=1e-12)
 
 
@@ -363,9 +338,7 @@ def test_scheduler_list_the_groups_cannot_tell_apart_raises(tmp_path: Path) -> N
     opt = torch.optim.AdamW(_decay_split(src), lr=1e-3)
     s = torch.optim.lr_scheduler.CyclicLR(opt, base_lr=1e-4, max_lr=[1e-3, 2e-3], step_size_up=4,
                                           cycle_momentum=False)
-    for _ in range(N):
-        _step(src, opt)
-        s.step()
+    _train(src, opt, s, N)
     reshard.save(_state("optim", src, opt, sched=s), tmp_path / "ck")
     dst = Net(1)
     decay, no = _decay_split(dst)
@@ -384,9 +357,7 @@ def test_saved_split_of_a_merged_group_keeps_a_scheduler_built_before(tmp_path: 
     src = Net()
     opt = torch.optim.AdamW(_decay_split(src), lr=1e-3)
     s = _sched("lambda", opt)
-    for _ in range(N):
-        _step(src, opt)
-        s.step()
+    _train(src, opt, s, N)
     reshard.save(_state("optim", src, opt, sched=s), tmp_path / "ck")
     dst = Net(1)
     opt = torch.optim.AdamW(dst.parameters(), lr=5e-4)
