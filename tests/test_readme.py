@@ -249,6 +249,45 @@ def test_commands_are_judged_by_their_exit(tmp_path: Path) -> None:
         commands(other)
 
 
+def slugs(path: Path) -> set[str]:
+    """The anchors GitHub gives the headings of ``path`` (code blocks skipped)."""
+    text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.M | re.S)
+    seen: dict[str, int] = {}
+    out = set()
+    for h in re.findall(r"^#{1,6} (.+)$", text, flags=re.M):
+        s = re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        n = seen.get(s, 0)
+        seen[s] = n + 1
+        out.add(s if n == 0 else f"{s}-{n}")
+    return out
+
+
+def test_links_between_the_pages_resolve() -> None:
+    """Every relative link of README and docs names a file that exists and,
+    with ``#anchor``, a heading of it."""
+    bad = []
+    n = 0
+    for doc in doc_files():
+        text = re.sub(r"^```.*?^```", "", doc.read_text(), flags=re.M | re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+://", target):
+                continue
+            n += 1
+            file, _, frag = target.partition("#")
+            dest = (doc.parent / file).resolve() if file else doc
+            if not dest.exists():
+                bad.append(f"{doc.name}: {target}: no file {dest}")
+            elif frag and dest.suffix == ".md" and frag not in slugs(dest):
+                bad.append(f"{doc.name}: {target}: no heading #{frag} in {dest.name}")
+    assert n > 10 and not bad, "\n".join(bad)
+
+
+def test_readme_stays_a_landing_page() -> None:
+    """The reference lives in docs/: the README stays short."""
+    lines = README.read_text().count("\n")
+    assert lines <= 250, f"README.md has {lines} lines: move reference text into docs/"
+
+
 def test_cli_reference_lists_every_command_and_option() -> None:
     from _cli_doc import CLI_DOC, options
     from _cli_doc import commands as cli_commands
