@@ -13,7 +13,7 @@ A block is exempt only under an explicit tag on the line before it:
 it runs are run by that test file) or ``<!-- snippet: NAME -->`` (run by the
 test of that name below, with its own checks: the quick start runs twice,
 fresh then resuming; the one-process load runs on rank 0 alone inside a gloo
-group). Every block that is not exempt must have run and succeeded.
+group; the two-rank resharding runs on 2 gloo ranks of the pool). Every block that is not exempt must have run and succeeded.
 
 The python blocks and the commands run in one subprocess
 (tests/_doc_runner.py) so that torch is imported once.
@@ -44,7 +44,7 @@ README = ROOT / "README.md"
 CODE = {"python", "bash"}
 NOT_CODE = {"text", "mermaid", "json", "toml"}
 TAGS = {"not-run", "tested-in", "snippet"}
-SNIPPETS = {"quick-start", "one-process-load"}  # the names the tests below claim
+SNIPPETS = {"quick-start", "one-process-load", "reshard-two-ranks"}  # the names the tests below claim
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -335,3 +335,21 @@ def test_one_process_load_inside_a_group(pool: WorkerPool, tmp_path: Path) -> No
     pool.run(2, r_save_two_ranks, path)
     assert pool.run(2, r_load_on_rank0_alone, path, named("one-process-load").code,
                     timeout=60.0) == [True, None]
+
+
+def r_run_in(directory: str, code: str) -> bool:
+    """Run the documented code on this rank with ``directory`` as the current one."""
+    here = os.getcwd()
+    os.chdir(directory)
+    try:
+        exec(compile(code, "reshard-two-ranks", "exec"), {"__name__": "__main__"})  # noqa: S102
+    finally:
+        os.chdir(here)
+    return True
+
+
+def test_resharding_snippet_on_two_ranks(pool: WorkerPool, tmp_path: Path) -> None:
+    code = named("reshard-two-ranks").code
+    assert pool.run(2, r_run_in, str(tmp_path), code, timeout=60.0) == [True, True]
+    m = reshard.inspect(tmp_path / "split" / "step-00000001")
+    assert m.world_size == 2 and len(m.tensors["layer.weight"].chunks) == 2  # saved as two row slabs
