@@ -18,8 +18,9 @@ import torch
 import xxhash
 
 from . import codec
+from .adapters.model import ModelState
 from .collectives import Collectives, timed_collectives
-from .commit import read_manifest
+from .committed import read_manifest
 from .coordination_load import KeyCensus, key_census, read_once, read_shared
 from .errors import (
     CheckpointError,
@@ -36,7 +37,7 @@ from .sharding import ShardedObject, ShardedTensor
 from .storage import Storage, resolve
 from .transforms import consumed_by, extra_allow_missing, manifest_view, provided_by
 from .transforms import resolve as resolve_target
-from .tree import flatten, join, positions, scoped_manifest, v1_rules
+from .tree import HANDLED, flatten, join, positions, scoped_manifest, v1_rules
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,11 +90,6 @@ class LoadResult:
     notes: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
 
-
-#: a ``reshard_prepare_load`` hook returns ``{HANDLED: [keys]}`` for saved keys
-#: it consumes by a rule of its own (e.g. RNG streams re-derived for another
-#: grid), so they are not reported as unexpected.
-HANDLED = "reshard.handled_keys"
 
 #: ``LoadResult.notes`` entry of a checkpoint of an earlier format version
 #: whose names were migrated: ``{"from_format_version": 1, "renamed": {new: old}}``.
@@ -340,7 +336,8 @@ def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
     _prepare_hooks(state, m, notes)
     loaded_values: dict[str, Any] = {}
     loaded_objects: dict[tuple[str, tuple[int, ...]], Any] = {}
-    leaves = flatten(state, loaded_values=loaded_values, loaded_objects=loaded_objects)
+    leaves = flatten(state, loaded_values=loaded_values, loaded_objects=loaded_objects,
+                     module_adapter=ModelState)
     if m.format_version < FORMAT_VERSION:
         version = m.format_version
         m, moved = _migrate_v1(m, leaves.legacy)

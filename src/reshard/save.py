@@ -16,6 +16,7 @@ import msgspec
 import xxhash
 
 from . import attempts, codec
+from .adapters.model import ModelState
 from .collectives import (
     Collectives,
     drive,
@@ -31,16 +32,10 @@ from .commit import (
     create_attempt,
     new_attempt_id,
     publish,
-    sign_manifest,
 )
-from .coordination import (
-    PLAN_CACHE,
-    Assignment,
-    RankSave,
-    integrity_check_assignment,
-    report_bytes,
-    save_steps,
-)
+from .committed import sign_manifest
+from .coordination import PLAN_CACHE, Assignment
+from .coordination_save import RankSave, integrity_check_assignment, report_bytes, save_steps
 from .errors import CheckpointError, ShardingError, StorageError, outcome, raise_agreed
 from .manifest import (
     MANIFEST_NAME,
@@ -131,7 +126,7 @@ def collect(
     """
     from .adapters.dtensor import dtensor_shards
 
-    leaves = flatten(state)
+    leaves = flatten(state, module_adapter=ModelState)
     sts: list[ShardedTensor] = list(leaves.tensors)
     for path, t in leaves.plain.items():
         sts.append(ShardedTensor(path, t, global_shape=tuple(t.shape), global_offset=(0,) * t.dim(),

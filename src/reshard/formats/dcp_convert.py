@@ -66,7 +66,8 @@ def convert_dcp(
     """
     from .. import attempts
     from ..collectives import get_collectives
-    from ..commit import publish, sign_manifest
+    from ..commit import publish
+    from ..committed import sign_manifest
     from ..errors import outcome, raise_agreed
     from ..manifest import MANIFEST_NAME
     from ..options import SaveOptions
