@@ -71,8 +71,8 @@ def convert_dcp(
     from ..errors import outcome, raise_agreed
     from ..manifest import MANIFEST_NAME
     from ..options import SaveOptions
-    from ..save import (
-        SaveResult,
+    from ..save import SaveResult
+    from ..save_attempt import (
         agree_attempt_location,
         agree_or_discard,
         discard_attempt,
