@@ -97,7 +97,8 @@ def _fn(method: str, path: str, files: list[str]) -> Any:
     import torch
 
     import reshard
-    from reshard.bench.ranks import _nbytes, _read_limit, _w
+    from reshard.bench.ranks import _read_limit
+    from reshard.bench.ranks_base import _nbytes, _w
 
     w = _w()
     if method == "limit":

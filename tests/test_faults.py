@@ -198,7 +198,7 @@ def test_interrupted_retention_never_lists_a_half_deleted_checkpoint(tmp_path):
     deleted a checkpoint file by file, so a kill in the middle left a
     directory whose valid manifest named missing files, listed as committed.
     Retention now renames it out of the committed namespace first."""
-    from reshard.commit import committed
+    from reshard.listing import committed
 
     root = str(tmp_path)
 

@@ -12,8 +12,9 @@ import torch
 
 import reshard
 from reshard import resume
-from reshard.commit import HEAD_NAME, read_head, read_head_tagged, write_head
+from reshard.committed import HEAD_NAME
 from reshard.errors import CheckpointError
+from reshard.listing import read_head, read_head_tagged, write_head
 from reshard.storage import resolve
 
 

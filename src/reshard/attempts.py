@@ -250,7 +250,7 @@ def _published_attempts(storage: Storage, path: str) -> set[str] | None:
     """Attempt ids the manifest at ``path`` relies on (its own and those its
     files carry); empty without a manifest; None if it is unreadable (then
     everything is kept for a person to look at)."""
-    from .commit import read_manifest
+    from .committed import read_manifest
     from .errors import CheckpointError
 
     if not storage.exists(storage.join(path, MANIFEST_NAME)):

@@ -65,7 +65,7 @@ def plan_cmd(ckpt: str, layout_text: str, read_rate: float | None, sample_mib: i
     Exits 0 when covered, 1 when the layout needs a region no saved chunk
     holds (the first one is named), 2 on a usage error.
     """
-    from .cli import _manifest
+    from .cli_support import _manifest
     from .dryrun import parse_target_layout, plan_layout
 
     try:

@@ -16,12 +16,15 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import click
 
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointNotFoundError
+from .manifest import Manifest
+from .storage import resolve
 
 CHECK_FAILED = 1
 USAGE = 2
@@ -160,3 +163,45 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, right: Seque
     for r in cells:
         parts = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
         click.echo((indent + "  ".join(parts)).rstrip())
+
+
+def _when(t: float | None) -> str:
+    if t is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _shape(s: Sequence[int]) -> str:
+    return "[" + ",".join(map(str, s)) + "]"
+
+
+def _fail(code: int, msg: str) -> NoReturn:
+    fail(code, msg)
+
+
+def _manifest(path: str) -> Manifest:
+    """The validated manifest at ``path``; exits 2 if none or unreadable."""
+    from .verify import inspect
+
+    try:
+        return inspect(path)  # a DCP checkpoint too
+    except CheckpointNotFoundError as e:
+        _fail(USAGE, str(e))
+    except ValueError as e:  # unsupported URL scheme
+        _fail(USAGE, str(e))
+    except CheckpointError as e:
+        _fail(USAGE, f"{type(e).__name__}: {e}")
+    raise AssertionError("unreachable")
+
+
+def _url(path: str) -> str:
+    """``path`` as :func:`reshard.storage.resolve` reads it, in the caller's form
+    (``s3://``, ``memory://``, ``file://`` kept; a local path made absolute)."""
+    st, key = resolve(path)
+    return st.url(key)
+
+
+def _progress() -> bool:
+    from .progress import interactive
+
+    return interactive()

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .collectives import Collectives, Request, drive
-from .commit import check_signature
+from .committed import check_signature
 from .errors import CheckpointError
 from .manifest import MANIFEST_NAME, Manifest, decode_manifest
 from .storage import Storage

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .commit import Entry, order_key
+from .listing import Entry, order_key
 
 
 @dataclass(frozen=True, kw_only=True)

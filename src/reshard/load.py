@@ -4,39 +4,32 @@ read exact byte ranges -> place into targets -> all ranks agree -> return."""
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import os
-import re
 import time
-from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import torch
-import xxhash
 
-from . import codec
+from .adapters.model import ModelState
 from .collectives import Collectives, timed_collectives
-from .commit import read_manifest
-from .coordination_load import KeyCensus, key_census, read_once, read_shared
+from .committed import read_manifest
+from .coordination_load import key_census, read_shared
 from .errors import (
-    CheckpointError,
     CheckpointNotFoundError,
     IntegrityError,
     ShardingError,
 )
-from .manifest import FORMAT_VERSION, Manifest, ObjectChunk, TensorEntry
+from .load_check import _check, _Plan
+from .load_handover import _hand_over, _Handover, _plan_handover, _raise_after_writes
+from .manifest import FORMAT_VERSION, Manifest
 from .options import LoadOptions
-from .planning import Request, check_entry_coverage, plan_reads
-from .reading import Groups, Reader, Target
-from .shardfile import BlockTables
-from .sharding import ShardedObject, ShardedTensor
+from .sharding import ShardedTensor
 from .storage import Storage, resolve
-from .transforms import consumed_by, extra_allow_missing, manifest_view, provided_by
-from .transforms import resolve as resolve_target
-from .tree import flatten, join, positions, scoped_manifest, v1_rules
+from .transforms import consumed_by, extra_allow_missing, manifest_view
+from .tree import HANDLED, flatten, join, positions, scoped_manifest, v1_rules
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,11 +83,6 @@ class LoadResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-#: a ``reshard_prepare_load`` hook returns ``{HANDLED: [keys]}`` for saved keys
-#: it consumes by a rule of its own (e.g. RNG streams re-derived for another
-#: grid), so they are not reported as unexpected.
-HANDLED = "reshard.handled_keys"
-
 #: ``LoadResult.notes`` entry of a checkpoint of an earlier format version
 #: whose names were migrated: ``{"from_format_version": 1, "renamed": {new: old}}``.
 MIGRATED = "reshard.format_migration"
@@ -105,26 +93,6 @@ MIGRATED = "reshard.format_migration"
 READ_ONCE = "reshard.read_once"
 
 MissingRule = str | Callable[[str, torch.Tensor], None]
-
-
-def _compile_allow(allow: Sequence[Any]) -> list[tuple[Callable[[str], bool], Any]]:
-    """``allow_missing`` entries: a glob pattern (str), a compiled regex, or a
-    ``(pattern, rule)`` pair where rule is "keep", "zeros" or a callable
-    ``(fqn, tensor) -> None`` filling the tensor in place."""
-    out: list[tuple[Callable[[str], bool], Any]] = []
-    for a in allow:
-        pat, rule = (a if isinstance(a, tuple) else (a, "keep"))
-        if isinstance(pat, re.Pattern):
-            def by_regex(k: str, p: re.Pattern[str] = pat) -> bool:
-                return p.fullmatch(k) is not None
-
-            out.append((by_regex, rule))
-        else:
-            def by_glob(k: str, p: str = str(pat)) -> bool:
-                return fnmatch.fnmatchcase(k, p)
-
-            out.append((by_glob, rule))
-    return out
 
 
 def load(
@@ -340,7 +308,8 @@ def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
     _prepare_hooks(state, m, notes)
     loaded_values: dict[str, Any] = {}
     loaded_objects: dict[tuple[str, tuple[int, ...]], Any] = {}
-    leaves = flatten(state, loaded_values=loaded_values, loaded_objects=loaded_objects)
+    leaves = flatten(state, loaded_values=loaded_values, loaded_objects=loaded_objects,
+                     module_adapter=ModelState)
     if m.format_version < FORMAT_VERSION:
         version = m.format_version
         m, moved = _migrate_v1(m, leaves.legacy)
@@ -422,178 +391,6 @@ def _migrate_v1(m: Manifest, legacy: dict[str, str]) -> tuple[Manifest, dict[str
                                    objects=move(m.objects), aliases=aliases), moved
 
 
-@dataclass(frozen=True, kw_only=True)
-class _Plan:
-    """What :func:`_check` found, for :func:`_apply` to write: read groups by
-    (saved fqn, chunk index), ``allow_missing`` rules to run, transforms'
-    finishing steps, and the already read and verified objects and values."""
-
-    manifest: Manifest
-    reader: Reader
-    groups: Groups
-    rules: list[tuple[str, Any, torch.Tensor]]
-    finalize: list[Callable[[], None]]
-    missing: tuple[str, ...]
-    unexpected: tuple[str, ...]
-    objects: dict[tuple[str, tuple[int, ...]], Any]
-    values: dict[str, Any]
-
-
-def _unplaceable(t: torch.Tensor) -> bool:
-    """A tensor whose elements have no memory to fill: on device ``meta``, or a
-    fake tensor (``torch._subclasses.FakeTensor``) standing in for one."""
-    if t.is_meta:
-        return True
-    try:
-        from torch._subclasses.fake_tensor import is_fake
-    except ImportError:  # pragma: no cover - older torch
-        return False
-    return bool(is_fake(t))
-
-
-def _check_devices(sts: Sequence[ShardedTensor], key: str) -> None:
-    bad = [(s.fqn, str(s.data.device)) for s in sts if _unplaceable(s.data)]
-    if bad:
-        names = ", ".join(f"{f!r} on device {d!r}" for f, d in bad[:5])
-        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
-        raise ShardingError(f"{key}: cannot load into {names}{more}: the target has no memory to "
-                            "fill; materialise with `to_empty()` first (e.g. "
-                            "model.to_empty(device='cpu'))")
-
-
-def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
-           opts: LoadOptions, strict: bool, allow_missing: Sequence[Any],
-           transforms: Sequence[Any]) -> _Plan:
-    """Everything that can be checked before any target is written: keys
-    (strictness), target devices, shapes and dtypes (through the
-    transforms), coverage, every needed file at once (presence, size, no
-    symbolic link), objects (read and verified: they are small and go to
-    ``LoadResult.values``, not into targets) and values. Writes nothing (the
-    checksums of ``verify_first`` are checked by the caller, once it knows
-    which blocks this rank reads)."""
-    m: Manifest = ctx["manifest"]
-    leaves = ctx["leaves"]
-    allow = _compile_allow(allow_missing)
-    saved = set(m.tensors) | set(m.aliases) | set(m.objects) | set((m.values or {}).keys())
-    # names a Split/Merge fills are available, but are not saved keys: one that no
-    # rank requests is not "unexpected" (its source is reported if nothing reads it)
-    available = saved | provided_by(transforms, m)
-    requested: dict[str, str] = ctx["requested"]
-    missing = sorted(k for k in requested if k not in available)
-    unexpected = list(census.unexpected)
-    if census.any_requested and not census.any_matched:
-        raise ShardingError(
-            f"{key}: no requested key matches the checkpoint (requested e.g. "
-            f"{sorted(requested)[:3]}, saved e.g. {sorted(saved)[:3]}); "
-            "check prefixes or pass a rename transform"
-        )
-    refused = m.extra.get("dcp_skipped_values") or {}
-    def refused_as(k: str) -> str | None:  # k, or the DCP value group holding it, was refused
-        parts = k.split(".")
-        return next((p for p in (".".join(parts[:i]) for i in range(len(parts), 0, -1))
-                     if p in refused), None) if refused else None
-
-    unsafe = sorted({g for g in map(refused_as, requested) if g is not None})
-    if unsafe:  # present in the source, but only an unrestricted unpickler could read them
-        raise IntegrityError(f"{key}: value(s) {unsafe[:5]} need more than torch.load(weights_only="
-                             f"True) and are refused: {[refused[k] for k in unsafe[:2]]}")
-    not_allowed = [k for k in missing if not any(match(k) for match, _ in allow)]
-    if strict and (not_allowed or unexpected):
-        parts = []
-        if not_allowed:
-            parts.append(f"missing from the checkpoint: {not_allowed[:20]}")
-        if unexpected:
-            parts.append(f"unexpected (saved but not requested): {unexpected[:20]}")
-        raise ShardingError(f"{key}: strict load: " + "; ".join(parts))
-    _check_devices(ctx["sts"], key)
-    # plan tensor reads (through the transforms)
-    groups: Groups = defaultdict(list)
-    rules: list[tuple[str, Any, torch.Tensor]] = []
-    finalize: list[Callable[[], None]] = []
-    missing_set = set(missing)
-    covered: set[str] = set()
-    files: set[str] = set()
-    for s in ctx["sts"]:
-        res = None if s.fqn in missing_set else resolve_target(s, m, transforms)
-        if res is None:
-            rule = next((r for match, r in allow if match(s.fqn)), "keep")
-            if rule != "keep":
-                rules.append((s.fqn, rule, s.data))
-            continue
-        finalize.extend(res.finalize)
-        for pc in res.pieces:
-            entry: TensorEntry = m.tensors[pc.saved]
-            if pc.saved not in covered:
-                check_entry_coverage(pc.saved, entry)
-                covered.add(pc.saved)
-            req = Request(fqn=s.fqn, global_offset=pc.offset, local_shape=pc.shape,
-                          flattened_range=pc.flattened_range)
-            tgt = Target(req=req, dst=pc.dst, saved=pc.saved)
-            for item in plan_reads(entry, req):
-                groups[(pc.saved, item.chunk_index)].append((item, tgt))
-                files.add(entry.chunks[item.chunk_index].file)
-    # objects: grid checks, then (below) read and verified before any target is written
-    wanted: list[tuple[ShardedObject, ObjectChunk]] = []
-    for ob in leaves.objects:
-        if ob.key in missing_set:
-            continue
-        oe = m.objects.get(ob.key)
-        if oe is None:
-            raise ShardingError(f"{ob.key}: saved as a tensor or value, requested as an object")
-        if tuple(oe.global_shape) != tuple(ob.global_shape):
-            raise ShardingError(
-                f"object {ob.key}: saved as a grid of shape {list(oe.global_shape)}, requested in a grid "
-                f"of shape {list(ob.global_shape)}; per-rank state cannot be resharded without a rule"
-            )
-        oc = next((c for c in oe.chunks if tuple(c.global_offset) == tuple(ob.global_offset)), None)
-        if oc is None:
-            raise ShardingError(f"object {ob.key}: element {list(ob.global_offset)} is not saved")
-        wanted.append((ob, oc))
-        files.add(oc.file)
-    reader = Reader(st, key, m, opts)
-    reader.check_files(files)
-    objects: dict[tuple[str, tuple[int, ...]], Any] = {}
-    values: dict[str, Any] = {}
-    for ob, oc in wanted:
-        raw = st.read_bytes(st.join(key, oc.file), oc.offset, oc.length)
-        if opts.checksums and BlockTables.has(oc):
-            b = m.checksum_block_bytes
-            for k, digest in enumerate(reader.tables.sums(oc)):
-                if xxhash.xxh3_64_hexdigest(raw[k * b:(k + 1) * b]) != digest:
-                    raise IntegrityError(f"{st.join(key, oc.file)}: checksum mismatch in object "
-                                         f"{ob.key!r} element {list(ob.global_offset)}")
-        v = codec.decode(raw)
-        objects[(ob.key, tuple(ob.global_offset))] = v
-        values[ob.key] = v
-    for p, enc in (m.values or {}).items():
-        values[p] = codec.from_json(enc)
-    _check_hooks(leaves.statefuls, objects, ctx["notes"], values)
-    return _Plan(manifest=m, reader=reader, groups=groups, rules=rules, finalize=finalize,
-                 missing=tuple(missing), unexpected=tuple(unexpected), objects=objects,
-                 values=values)
-
-
-def _check_hooks(statefuls: Sequence[tuple[str, Any, Any]],
-                 objects: Mapping[tuple[str, tuple[int, ...]], Any], notes: dict[str, Any],
-                 values: Mapping[str, Any] | None = None) -> None:
-    """Before any target is written, a Stateful with ``reshard_check_load(objects)``
-    (e.g. an OptimizerState that must refuse saved hyperparameters its param
-    groups cannot hold) sees the objects loaded for it (and the common values
-    below it: a DCP checkpoint's ``param_groups``), by key relative to its
-    position in the tree, and may raise; a mapping it returns is merged into
-    ``notes`` under its path (as ``reshard_prepare_load``'s)."""
-    for path, obj, _ in statefuls:
-        hook = getattr(obj, "reshard_check_load", None)
-        if not callable(hook):
-            continue
-        pre = f"{path}." if path else ""
-        mine = {k[len(pre):]: v for k, v in (values or {}).items() if k.startswith(pre)}
-        mine.update({k[len(pre):]: v for (k, _off), v in objects.items() if k.startswith(pre)})
-        got = hook(mine)
-        for k, v in (got or {}).items():
-            notes[join(path, k)] = v
-
-
 def _finish(plan: _Plan, ctx: dict[str, Any], key: str) -> LoadResult:
     """What follows the reads of a checked plan: transforms' finishing steps,
     then the ``allow_missing`` rules; hand objects and values to the tree."""
@@ -619,117 +416,3 @@ def _finish(plan: _Plan, ctx: dict[str, Any], key: str) -> LoadResult:
                       notes=dict(ctx["notes"]))
 
 
-@dataclass(kw_only=True)
-class _Handover:
-    """This rank's part in reading replicas once, by group key (see
-    :func:`reshard.coordination_load.read_once`): groups it receives (from
-    rank, tag) and groups it reads and sends (to ranks, tag); bytes moved."""
-
-    recv: dict[tuple[str, int], tuple[int, int]]
-    send: dict[tuple[str, int], tuple[tuple[int, ...], int]]
-    received: int = 0
-    sent: int = 0
-
-
-def _plan_handover(coll: Collectives, plan: _Plan, min_bytes: int) -> _Handover:
-    """Every rank's chunk ranges of at least ``min_bytes`` to the coordinator,
-    its own handover back (one gather, one scatter)."""
-    index = {f: i for i, f in enumerate(sorted(plan.manifest.tensors))}
-    keys, units = [], []
-    for f, ci in plan.groups:
-        lo, hi = plan.reader.unit_range(plan.groups[(f, ci)])
-        if hi - lo >= min_bytes:
-            keys.append((f, ci))
-            units.append((index[f], ci, lo, hi))
-    h = read_once(coll, units)
-    return _Handover(recv={keys[i]: v for i, v in h.recv.items()},
-                     send={keys[i]: v for i, v in h.send.items()})
-
-
-#: handed-over ranges smaller than this (bytes) travel packed per pair of ranks
-PACK_BYTES = 1 << 20
-#: the tag of the packed message between a pair of ranks (above every range's tag)
-PACK_TAG = 1 << 30
-
-
-def _hand_over(coll: Collectives, plan: _Plan, hand: _Handover) -> str | None:
-    """Send the ranges this rank read to the ranks that need them and receive
-    its own (straight into a destination where the read would have been
-    direct, else into a buffer then placed). Every rank learns whether every
-    rank's handover completed (one all-reduce). Returns None when it did,
-    else the failure (this rank's own, or "on another rank"): the caller then
-    reads the received ranges from storage on every rank."""
-    rd = plan.reader
-    mine: str | None = None
-    try:
-        sends: list[tuple[int, int, torch.Tensor]] = []
-        recvs: list[tuple[int, int, torch.Tensor]] = []
-        places: list[tuple[tuple[str, int], torch.Tensor]] = []
-        # ranges under PACK_BYTES travel packed: one message per (reader, receiver)
-        # pair, in tag order (a message per small range costs more than its bytes)
-        packs_out: dict[int, list[tuple[int, torch.Tensor]]] = defaultdict(list)
-        packs_in: dict[int, list[tuple[int, tuple[str, int], torch.Tensor, bool]]] = defaultdict(list)
-        for k, (dsts, tag) in hand.send.items():
-            buf = rd.kept.pop(k) if k in rd.kept else rd.hand_buffer(plan.groups[k])[0]
-            for d in dsts:
-                if buf.numel() >= PACK_BYTES:
-                    sends.append((d, tag, buf))
-                else:
-                    packs_out[d].append((tag, buf))
-            hand.sent += buf.numel() * len(dsts)
-        for k, (src, tag) in hand.recv.items():
-            items = plan.groups[k]
-            buf, direct = rd.hand_buffer(items)
-            if direct:
-                rd.mark_written(items[0][1].req.fqn)
-            if buf.numel() < PACK_BYTES:
-                packs_in[src].append((tag, k, buf, direct))
-                continue
-            if not direct:
-                places.append((k, buf))
-            recvs.append((src, tag, buf))
-        for d, parts in packs_out.items():
-            parts.sort(key=lambda p: p[0])
-            sends.append((d, PACK_TAG, torch.cat([b for _, b in parts]) if parts else torch.empty(0)))
-        unpack: list[tuple[torch.Tensor, list[tuple[int, tuple[str, int], torch.Tensor, bool]]]] = []
-        for src, ins in packs_in.items():
-            ins.sort(key=lambda p: p[0])
-            whole = torch.empty(sum(b.numel() for _, _, b, _ in ins), dtype=torch.uint8)
-            recvs.append((src, PACK_TAG, whole))
-            unpack.append((whole, ins))
-        coll.exchange(sends, recvs)
-        hand.received = sum(t.numel() for _, _, t in recvs)
-        for whole, ins in unpack:
-            at = 0
-            for _, k, buf, direct in ins:
-                buf.copy_(whole[at:at + buf.numel()])
-                at += buf.numel()
-                if not direct:
-                    places.append((k, buf))
-        for (f, ci), buf in places:
-            rd.place(f, ci, plan.groups[(f, ci)], buf)
-    except Exception as e:  # noqa: BLE001 - every rank falls back below
-        mine = f"{type(e).__name__}: {e}"[:500]
-    rd.kept.clear()
-    failed = coll.all_reduce_ints([1 if mine else 0], "max")[0]
-    if not failed:
-        return None
-    hand.received = 0
-    return mine or "the handover failed on another rank"
-
-
-def _raise_after_writes(coll: Collectives, mine: BaseException | None, written: Sequence[str]) -> None:
-    """Raise the agreed failure of the writing phase (when any rank failed),
-    naming the targets this rank had already written: they hold a mix of
-    checkpoint and earlier values and must be reloaded."""
-    try:
-        coll.agree("load", mine)
-    except CheckpointError as e:
-        rank = coll.rank
-        if written:
-            note = (f"\nrank {rank} had already written {len(written)} target(s), which must be "
-                    f"reloaded (they may mix checkpoint and earlier values): {list(written[:20])}"
-                    + (f" and {len(written) - 20} more" if len(written) > 20 else ""))
-        else:
-            note = f"\nrank {rank} had written no target (every target of this rank is unchanged)"
-        raise type(e)(str(e) + note, failures=e.failures) from mine

@@ -204,7 +204,7 @@ def read_coordinator_entry(st: Storage, checkpoint: str, world_size: int, *, fil
     the plan id, and every rank's record must agree with the layout (plan
     id, number of written items, replica check indices). None when anything
     does not hold (never raises)."""
-    from .commit import read_manifest
+    from .committed import read_manifest
 
     try:
         m: Manifest = read_manifest(st, checkpoint, hmac_key=hmac_key)

@@ -19,15 +19,9 @@ import time
 import torch
 
 from .collectives import SingleProcess
-from .commit import (
-    Entry,
-    manifest_digest,
-    read_manifest_bytes,
-    read_record,
-    torn_files,
-    write_record,
-)
+from .committed import manifest_digest, read_manifest_bytes, read_record, torn_files, write_record
 from .errors import CheckpointError, StorageError
+from .listing import Entry
 from .load import load
 from .manifest import MANIFEST_NAME, Manifest, decode_manifest
 from .options import LoadOptions

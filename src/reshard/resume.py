@@ -34,20 +34,11 @@ import os
 import time
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .commit import (
-    HEAD_NAME,
-    check_signature,
-    committed,
-    quarantine,
-    read_head_tagged,
-    read_manifest,
-    read_manifest_bytes,
-    scan,
-    torn_files,
-    write_head,
-)
+from .collectives import Collectives
+from .commit import quarantine
+from .committed import HEAD_NAME, check_signature, read_manifest, read_manifest_bytes, torn_files
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -57,16 +48,35 @@ from .errors import (
     rank_ranges,
 )
 from .lineage import Head, lineage_of, resume_order
+from .listing import committed, read_head_tagged, scan, write_head
 from .load import LoadResult, load
 from .manifest import FORMAT, FORMAT_VERSION, KNOWN_FEATURES, MANIFEST_NAME
 from .records import record_path
+from .storage import Storage
 from .verify import verify
 
-if TYPE_CHECKING:
-    from .manager import CheckpointManager
+
+class Managed(Protocol):
+    """What the resume reads of its :class:`reshard.CheckpointManager` (a protocol, so the
+    resume sits below the manager it serves): the root, the group and the manager's
+    record of the lineage it resumed."""
+
+    @property
+    def storage(self) -> Storage: ...
+
+    @property
+    def root(self) -> str: ...
+
+    @property
+    def coll(self) -> Collectives: ...
+
+    @property
+    def group(self) -> Any: ...
+
+    def _resumed(self, head: Head) -> None: ...
 
 
-def _probe(mgr: CheckpointManager, path: str,
+def _probe(mgr: Managed, path: str,
            hmac_key: bytes | None = None) -> tuple[str, str, BaseException | None]:
     """This rank's structural check of one checkpoint (no checksums): every
     rank reads the manifest (as its load would); the coordinator alone stats
@@ -93,7 +103,7 @@ def _probe(mgr: CheckpointManager, path: str,
     return "ok", "", None
 
 
-def _plan(mgr: CheckpointManager, step: int | None, name: str | None) -> dict[str, Any]:
+def _plan(mgr: Managed, step: int | None, name: str | None) -> dict[str, Any]:
     """Coordinator: quarantine damaged manifests, list the committed
     checkpoints and order them (:func:`resume_order`), keeping those of
     ``step`` / ``name``."""
@@ -116,14 +126,14 @@ def _plan(mgr: CheckpointManager, step: int | None, name: str | None) -> dict[st
             "step": {e.name: e.step for e in order}}
 
 
-def _rest(mgr: CheckpointManager) -> dict[str, Any]:
+def _rest(mgr: Managed) -> dict[str, Any]:
     """Coordinator: what is left under the root when nothing loaded."""
     es = scan(mgr.storage, mgr.root)
     return {"quarantined": [q.name for q in es if q.quarantined],
             "abandoned": [a.name for a in es if a.abandoned]}
 
 
-def _coordinated(mgr: CheckpointManager, what: str, fn: Any, *args: Any) -> Any:
+def _coordinated(mgr: Managed, what: str, fn: Any, *args: Any) -> Any:
     """``fn(*args)`` on the coordinator, its JSON result on every rank (its
     failure raised on every rank)."""
     coll = mgr.coll
@@ -167,7 +177,7 @@ def _unloadable(coll: Any, path: str, status: str, detail: str,
     return coll.broadcast_bytes(msg.encode() if msg is not None else None).decode()
 
 
-def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step: int | None,
+def restore_collective(mgr: Managed, state: Mapping[str, Any], *, step: int | None,
                        name: str | None, allow_fresh_start: bool,
                        load_kwargs: dict[str, Any], record_head: bool = True) -> LoadResult | None:
     coll, st, root = mgr.coll, mgr.storage, mgr.root
@@ -254,14 +264,14 @@ def restore_collective(mgr: CheckpointManager, state: Mapping[str, Any], *, step
     return None
 
 
-def _damaged(mgr: CheckpointManager, path: str) -> bool:
+def _damaged(mgr: Managed, path: str) -> bool:
     """Coordinator: whether its own view of ``path`` is damaged
     (:func:`reshard.verify` with every checksum; run only when other ranks
     alone failed to load it)."""
     return not verify(path, storage=mgr.storage).ok
 
 
-def _quarantine_invalid(mgr: CheckpointManager) -> tuple[list[str], list[dict[str, Any]]]:
+def _quarantine_invalid(mgr: Managed) -> tuple[list[str], list[dict[str, Any]]]:
     """Coordinator: quarantine the checkpoints whose manifest is present but
     invalid (unparsable, failing the schema or its own consistency checks:
     ``ManifestError`` / ``IntegrityError``), which can never load. A manifest
@@ -296,7 +306,7 @@ def _quarantine_invalid(mgr: CheckpointManager) -> tuple[list[str], list[dict[st
     return out, aside
 
 
-def _quarantine(mgr: CheckpointManager, name: str, attempt_id: str | None, reason: str) -> str:
+def _quarantine(mgr: Managed, name: str, attempt_id: str | None, reason: str) -> str:
     """Coordinator: set ``name`` aside; every rank learns the outcome."""
     coll, st = mgr.coll, mgr.storage
     note = ""
@@ -310,7 +320,7 @@ def _quarantine(mgr: CheckpointManager, name: str, attempt_id: str | None, reaso
     return coll.broadcast_bytes(note.encode() if coll.rank == 0 else None).decode()
 
 
-def _write_head(mgr: CheckpointManager, name: str, attempt_id: str | None,
+def _write_head(mgr: Managed, name: str, attempt_id: str | None,
                 step: int | None, listed_at: float, expect: str | None) -> None:
     """Coordinator writes HEAD naming ``name``; every rank adopts it, or
     every rank raises the lost race (compare-and-swap on the HEAD the plan

@@ -33,16 +33,10 @@ from typing import Any
 
 from . import attempts
 from .collectives import get_collectives
-from .commit import (
-    attempt_path,
-    check_target,
-    committed,
-    new_attempt_id,
-    publish,
-    read_manifest,
-    sign_manifest,
-)
+from .commit import attempt_path, check_target, new_attempt_id, publish
+from .committed import read_manifest, sign_manifest
 from .errors import CheckpointError, IntegrityError, StorageError
+from .listing import committed
 from .load import LoadResult
 from .manager import CheckpointManager
 from .manifest import Manifest

@@ -184,12 +184,10 @@ def _tree(parts: tuple[str, ...]) -> str:
 _VALUE = "\x00value"
 
 
-def _as_stateful(x: Any) -> Any:
-    if isinstance(x, torch.nn.Module):
-        from .adapters.model import ModelState
-
-        return ModelState(x)
-    return x
+#: a ``reshard_prepare_load`` hook returns ``{HANDLED: [keys]}`` for saved keys
+#: it consumes by a rule of its own (e.g. RNG streams re-derived for another
+#: grid), so they are not reported as unexpected.
+HANDLED = "reshard.handled_keys"
 
 
 #: kinds in :attr:`Leaves.adapters` whose subtree is not model weights
@@ -227,6 +225,7 @@ def flatten(
     *,
     loaded_values: dict[str, Any] | None = None,
     loaded_objects: dict[tuple[str, tuple[int, ...]], Any] | None = None,
+    module_adapter: Callable[[torch.nn.Module], Any],
 ) -> Leaves:
     """Flatten ``state`` into leaves named by checkpoint key.
 
@@ -234,6 +233,8 @@ def flatten(
     global_offset) -> value), at load, each Stateful gets a closure that
     rebuilds its state dict with the loaded plain values and objects in place
     of its own (tensors are filled in place), ready for ``load_state_dict``.
+    ``module_adapter`` presents an ``nn.Module`` leaf as a Stateful
+    (:class:`reshard.ModelState`; passed in, so the walk knows no adapter).
 
     Raises:
         ShardingError: a key that is not a str or int, or is empty; two leaves
@@ -316,7 +317,8 @@ def flatten(
         if isinstance(x, (ShardedTensor, ShardedObject)):
             sharded(x, cpath, tree, rules)
             return
-        x = _as_stateful(x)
+        if isinstance(x, torch.nn.Module):
+            x = module_adapter(x)
         if isinstance(x, (list, tuple)) and x and _all_sharded(x):
             for i, v in enumerate(x):
                 sharded(v, cpath, (*tree, f"[{i}]"), rules)

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import codec
-from .commit import Entry, committed, read_head, read_manifest, torn_files
+from .committed import read_manifest, torn_files
 from .errors import CheckpointError, CheckpointNotFoundError, IntegrityError, ShardingError
+from .listing import Entry, committed, read_head
 from .manifest import Manifest
 from .planning import _check_coverage
 from .shardfile import BlockTables, block_digests, file_checksum

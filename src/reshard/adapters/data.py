@@ -294,7 +294,7 @@ class DataCursor:
         if saved == (self.dp_size,):
             return notes or None
         if all(c.length == len(_EMPTY) for c in oe.chunks):  # no leftovers anywhere: nothing to move
-            from ..load import HANDLED
+            from ..tree import HANDLED
 
             self._load_pending = "empty"
             return {**notes, HANDLED: ["pending"]}

@@ -122,7 +122,7 @@ class RNGState:
             f"{self.world_size}: re-deriving every stream of rank {self.rank} from (base_seed, step "
             f"{self._rederive}, coords {self.coords}) instead of reusing another rank's stream",
             RuntimeWarning, stacklevel=2)
-        from ..load import HANDLED
+        from ..tree import HANDLED
 
         return {"rederived": True, HANDLED: ["streams"]}
 

@@ -77,10 +77,11 @@ def local_chunks(state: Any) -> dict[str, tuple[int, int]]:
     """``{chunk id: (sum, bytes)}`` of this rank's chunks of ``state`` (a
     chunk id is ``key|offset|shape|flat range``)."""
     from ..adapters.dtensor import dtensor_shards
+    from ..adapters.model import ModelState
     from ..sharding import ShardedTensor
     from ..tree import flatten
 
-    leaves = flatten(state)
+    leaves = flatten(state, module_adapter=ModelState)
     sts: list[ShardedTensor] = list(leaves.tensors)
     for path, t in leaves.plain.items():
         sts.append(ShardedTensor(path, t, global_shape=tuple(t.shape), global_offset=(0,) * t.dim()))

@@ -52,7 +52,7 @@ class Endpoint:
                    "AWS_DEFAULT_REGION": os.environ.get("AWS_DEFAULT_REGION", "us-east-1")}
             self.url = url
         os.environ.update(env)
-        from ..storage.s3 import _client
+        from ..storage.s3_client import _client
 
         c = _client()
         try:
@@ -78,7 +78,7 @@ class Endpoint:
         except Exception:  # noqa: BLE001 - best effort on the way out
             pass
         if self.created:  # the run's own bucket: not left behind on the user's endpoint
-            from ..storage.s3 import _client
+            from ..storage.s3_client import _client
 
             try:
                 c = _client()
@@ -110,7 +110,7 @@ def _split(url: str) -> tuple[str, str]:
 
 def objects(url: str) -> list[tuple[str, int]]:
     """``(key, size)`` of every object under the ``s3://`` prefix ``url``."""
-    from ..storage.s3 import _client
+    from ..storage.s3_client import _client
 
     c = _client()
     bucket, key = _split(url)
@@ -127,7 +127,7 @@ def objects(url: str) -> list[tuple[str, int]]:
 def put_limit(url: str, views: list[memoryview], nbytes: int) -> int:
     """Upload ``nbytes`` of ``views`` (wrapping around them, as the local
     limit does) as the object ``url`` with raw boto3 calls; the bytes uploaded."""
-    from ..storage.s3 import S3Config, _client
+    from ..storage.s3_client import S3Config, _client
 
     cfg = S3Config.from_env()
     c = _client()
@@ -168,7 +168,7 @@ def put_limit(url: str, views: list[memoryview], nbytes: int) -> int:
 def get_limit(url: str, buf: memoryview) -> None:
     """Fill ``buf`` with ranged GETs of the data objects under ``url`` (its
     ``.json`` objects left out), one after another, wrapping around them."""
-    from ..storage.s3 import S3Config, _client
+    from ..storage.s3_client import S3Config, _client
 
     cfg = S3Config.from_env()
     c = _client()

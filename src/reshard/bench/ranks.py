@@ -25,9 +25,27 @@ from ..formats.hf_write import _fsync_file
 from ..testing.memory import PeakRSS
 from . import digest
 from .limits import _read_limit, _write_fsync
-from .models import GridWorkload, LayoutSpec, Workload, build, parse_layout
-
-_W: dict[str, Any] = {}
+from .models import GridWorkload, LayoutSpec, build, parse_layout
+from .ranks_base import (
+    _W,
+    _local_dir,
+    _malloc_trim,
+    _nbytes,
+    _owned,
+    _rank,
+    _reshard_load,
+    _timed,
+    _views,
+    _w,
+)
+from .ranks_tc import (
+    _tc_async_saver,
+    _tc_checkpoint,
+    _tc_load,
+    _tc_load_small,
+    _tc_sync_saver,
+    end_tc,
+)
 
 SAVE_METHODS = ("limit-write", "reshard", "reshard-nocheck", "dcp", "tc", "tc+sync", "torch-save",
                 "safetensors")
@@ -38,71 +56,12 @@ LOAD_METHODS = ("limit-read", "reshard", "reshard-nocheck", "reshard-verify-firs
 TC_METHODS = ("tc", "tc+sync", "tc-async")
 
 
-def _w() -> Workload:
-    w: Workload = _W["w"]
-    return w
-
-
-def _rank() -> int:
-    return dist.get_rank()
-
-
-def _timed(fn: Callable[[], Any], profile: str | None = None) -> tuple[Any, float, float]:
-    """``(result, own seconds, barrier-to-barrier seconds)``; with ``profile``
-    (a name) and a profile directory set, the call runs under pyinstrument and
-    its text report is written there."""
-    prof = None
-    if profile is not None and _W.get("profile_dir"):
-        from pyinstrument import Profiler
-
-        prof = Profiler(interval=0.0005)
-    dist.barrier()
-    if prof is not None:
-        prof.start()
-    t0 = time.perf_counter()
-    out = fn()
-    own = time.perf_counter() - t0
-    if prof is not None:
-        prof.stop()
-        name = f"{profile}-w{dist.get_world_size()}-r{_rank()}"
-        with open(os.path.join(_W["profile_dir"], name + ".txt"), "w") as f:
-            f.write(prof.output_text(unicode=False, color=False, show_all=False))
-    dist.barrier()
-    return out, own, time.perf_counter() - t0
-
-
-def _nbytes(ts: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
-
-
 # ------------------------------------------------------------------ torch_checkpointing
 def tc_available() -> bool:
     """Whether torch_checkpointing (PyPI ``torch-checkpointing``) is installed."""
     import importlib.util
 
     return importlib.util.find_spec("torch_checkpointing") is not None
-
-
-def _tc_checkpoint(state: dict[str, Any]) -> Any:
-    """``state`` (the DCP-style state dict) as torch_checkpointing's
-    ``CheckpointBase``: one item, written with its default layout
-    (``torch.save`` of this rank's part, ``state_<rank>.pt``)."""
-    import torch_checkpointing as tc
-
-    class State(tc.CheckpointBase):
-        def get_items(self) -> dict[str, Any]:
-            return {"state": tc.CheckpointItem(value=state)}
-
-        def load_state_dict(self, state_dict: Any) -> None:  # tensors are filled in place
-            pass
-
-    return State()
-
-
-def _tc_storage() -> Any:
-    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
-
-    return LocalFileSystemStorageConfig(use_direct_io=_W.get("tc_direct_io", True))
 
 
 def tc_probe(base: str) -> dict[str, Any]:
@@ -131,51 +90,6 @@ def tc_probe(base: str) -> dict[str, Any]:
     return {"rank": _rank(), "direct_io": err is None, "error": err}
 
 
-def _tc_sync_saver() -> Any:
-    if "tc_sync" not in _W:
-        import torch_checkpointing as tc
-
-        _W["tc_sync"] = tc.make_sync_checkpoint_saver(storage_config=_tc_storage())
-    return _W["tc_sync"]
-
-
-def _tc_async_saver() -> Any:
-    """Its asynchronous saver (staging into its reused shared-memory buffers,
-    writing from its checkpoint process); made once per workload."""
-    if "tc_async" not in _W:
-        import multiprocessing
-
-        import torch_checkpointing as tc
-
-        # it starts its checkpoint process; a pool worker is daemonic, which
-        # multiprocessing forbids to have children (as for DCP's process mode)
-        multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
-        _W["tc_async"] = tc.make_async_checkpoint_saver(storage_config=_tc_storage())
-    return _W["tc_async"]
-
-
-def end_tc() -> None:
-    """Close torch_checkpointing's savers (its checkpoint process and buffers)."""
-    for k in ("tc_async", "tc_sync"):
-        saver = _W.pop(k, None)
-        if saver is not None:
-            saver.close()
-    gc.collect()
-
-
-def _tc_load(path: str) -> None:
-    import torch_checkpointing as tc
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    w = _w()
-    if "tc_loader" not in _W:
-        reader = tc.CheckpointReader(rank_info=tc.builder._get_default_rank_info(), storage_config=_tc_storage())
-        _W["tc_loader"] = tc.CheckpointLoader(reader=reader)
-    sd = w.dcp_state()
-    _W["tc_loader"].load(path, _tc_checkpoint(sd))
-    set_state_dict(w.model, w.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-
-
 # ------------------------------------------------------------------------------- setup
 def setup(model: str, layout: str, synthetic_mib: float, seq_len: int,
           profile_dir: str | None = None, synthetic_width: int | None = None) -> dict[str, Any]:
@@ -202,31 +116,6 @@ def setup(model: str, layout: str, synthetic_mib: float, seq_len: int,
             "params": params, "build_s": build_s, "layout": str(spec), "peers": w.peers,
             "fingerprint": d["digest"], "digest_tensors": d["tensors"],
             "replicas_differ": d["replicas_differ"]}
-
-
-def _flat_tensors(x: Any) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    if isinstance(x, torch.Tensor):
-        out.append(x)
-    elif isinstance(x, dict):
-        for v in x.values():
-            out.extend(_flat_tensors(v))
-    elif isinstance(x, (list, tuple)):
-        for v in x:
-            out.extend(_flat_tensors(v))
-    return out
-
-
-def _malloc_trim() -> None:
-    """Give freed heap memory back to the OS (glibc): the state-sized copies of
-    the peers (tensors under glibc's 32 MiB mmap threshold come from the heap)
-    otherwise stay resident after they are freed and add up over the phases."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def trim() -> None:
@@ -285,60 +174,6 @@ def fingerprint() -> str:
     """The bit-exact, layout-independent digest of the state's tensors
     (:func:`reshard.bench.digest.state_digest`; a collective)."""
     return str(digest.state_digest(_w().reshard_state())["digest"])
-
-
-def _reshard_load(path: str, opts: reshard.LoadOptions | None = None) -> reshard.LoadResult:
-    w = _w()
-    res = reshard.load(w.reshard_state(), path, options=opts)
-    w.after_load()
-    return res
-
-
-def _owned() -> dict[str, torch.Tensor]:
-    """The tensors this rank writes in the torch.save / safetensors baselines:
-    its local shards (FSDP), or a byte-balanced share of the replicated state
-    (each tensor once, tied tensors once)."""
-    w = _w()
-    names: list[tuple[str, torch.Tensor]] = []
-    seen: set[int] = set()
-
-    def walk(x: Any, path: str) -> None:
-        if isinstance(x, torch.Tensor):
-            t = (x.to_local() if hasattr(x, "to_local") else x).detach()
-            if t.numel() and t.untyped_storage().data_ptr() in seen:
-                return
-            if t.numel():
-                seen.add(t.untyped_storage().data_ptr())
-            names.append((path, t.contiguous()))
-        elif isinstance(x, dict):
-            for k, v in x.items():
-                walk(v, f"{path}.{k}" if path else str(k))
-
-    walk(w.dcp_state(), "")
-    fsdp = any(hasattr(t, "to_local") for t in _flat_tensors(w.dcp_state()))
-    if fsdp:
-        return dict(names)
-    world, rank = dist.get_world_size(), _rank()
-    load = [0] * world
-    out = {}
-    for name, t in sorted(names, key=lambda nt: -nt[1].nbytes):
-        r = min(range(world), key=lambda i: load[i])
-        load[r] += t.nbytes
-        if r == rank:
-            out[name] = t
-    return out
-
-
-# ----------------------------------------------------------------------- writes / reads
-def _views() -> list[memoryview]:
-    from ..shardfile import tensor_bytes
-
-    return [tensor_bytes(t) for t in _w().tensors() if t.numel()]
-
-
-def _local_dir(path: str) -> str:
-    os.makedirs(path, exist_ok=True)
-    return path
 
 
 # --------------------------------------------------------------------------------- saves
@@ -750,13 +585,3 @@ def warm(base: str, methods: list[str]) -> None:
         drop(p)
 
 
-def _tc_load_small(p: str) -> None:
-    """torch_checkpointing's loader made and used once on a tiny state."""
-    import torch_checkpointing as tc
-
-    _tc_sync_saver().save(p, _tc_checkpoint({"w": torch.ones(4, 4)}))
-    dist.barrier()  # its coordinator renames the checkpoint into place after the others returned
-    if "tc_loader" not in _W:
-        reader = tc.CheckpointReader(rank_info=tc.builder._get_default_rank_info(), storage_config=_tc_storage())
-        _W["tc_loader"] = tc.CheckpointLoader(reader=reader)
-    _W["tc_loader"].load(p, _tc_checkpoint({"w": torch.zeros(4, 4)}))

@@ -66,12 +66,13 @@ def convert_dcp(
     """
     from .. import attempts
     from ..collectives import get_collectives
-    from ..commit import publish, sign_manifest
+    from ..commit import publish
+    from ..committed import sign_manifest
     from ..errors import outcome, raise_agreed
     from ..manifest import MANIFEST_NAME
     from ..options import SaveOptions
-    from ..save import (
-        SaveResult,
+    from ..save import SaveResult
+    from ..save_attempt import (
         agree_attempt_location,
         agree_or_discard,
         discard_attempt,

@@ -50,11 +50,9 @@ from ..sharding import (
     torch_dtype,
 )
 from ..storage import LocalStorage, Storage, local_path, resolve
+from .hf_store import _SHARD_RX, INDEX_NAME, SINGLE_NAME, write_shards
 from .hf_write import TIED_KEY, _fsync_dir, _fsync_file, _Item, _write_shard
 
-SINGLE_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
-_SHARD_RX = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 #: the safetensors format's own cap on a header (bytes)
 MAX_HEADER_BYTES = 100_000_000
 #: an index larger than this is refused before it is read (bytes)
@@ -502,8 +500,6 @@ def export_hf(
 
     out_st, out_key = resolve(out_dir)
     if not isinstance(out_st, LocalStorage):
-        from .hf_store import write_shards
-
         if type(out_st) is type(st) and (out_key == key or out_key.startswith(key.rstrip("/") + "/")):
             raise ValueError(f"export_hf: {out_dir} is inside the checkpoint {key} (a committed "
                              "checkpoint is never modified)")

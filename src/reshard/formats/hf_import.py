@@ -24,7 +24,8 @@ from ..sharding import (
 )
 from ..storage import Storage, resolve
 from ..storage.local import LocalStorage
-from .hf_export import INDEX_NAME, MAX_HEADER_BYTES, MAX_INDEX_BYTES, SINGLE_NAME
+from .hf_export import MAX_HEADER_BYTES, MAX_INDEX_BYTES
+from .hf_store import INDEX_NAME, SINGLE_NAME
 from .hf_write import TIED_KEY
 
 # ----------------------------------------------------------------------------- hub snapshots

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,6 +26,11 @@ from ..manifest import Manifest
 from ..options import LoadOptions
 from ..sharding import safetensors_code
 from ..storage import Storage
+
+#: the file names of a Hugging Face safetensors directory (one file, or shards and an index)
+SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_SHARD_RX = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 _VALIDATE_BLOCK = 4 << 20
 
@@ -47,8 +53,6 @@ def write_shards(st: Storage, key: str, m: Manifest, out_st: Storage, out: str,
         FileExistsError: model files already there and not ``overwrite``.
         ManifestError: a shard reads back differently from what was written.
     """
-    from .hf_export import _SHARD_RX, INDEX_NAME, SINGLE_NAME
-
     try:
         present = out_st.list_dir(out)
     except (FileNotFoundError, NotADirectoryError):

@@ -46,26 +46,29 @@ import hashlib
 import os
 import random
 import re
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
 from ..errors import IntegrityError, StorageError
 from .base import Capabilities, Storage, WriteStream
+from .s3_client import (
+    _CLIENTS_LOCK,
+    S3Config,
+    _BodyMismatch,
+    _client,
+    _pool,
+    _retryable,
+    _split,
+    _status,
+    permanent,
+)
+from .s3_write import _S3Write
 
 T = TypeVar("T")
 
-_RETRY_CODES = {"BadDigest", "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
-                "ServiceUnavailable", "RequestTimeTooSkewed", "ConditionalRequestConflict"}
-_CLIENTS: dict[tuple[Any, ...], Any] = {}
-_CLIENTS_LOCK = threading.Lock()
-#: answers that are permanent even though their status is 5xx: never retried
-_PERMANENT_CODES = {"NotImplemented", "MethodNotAllowed", "NotSupported"}
-_PERMANENT_STATUS = {501, 505}
 #: (endpoint, bucket) -> the probe's answer (:class:`Probe`)
 _PROBES: dict[tuple[str, str], Probe] = {}
 #: the environment variable that skips the probe (a store known to honour conditional requests)
@@ -91,212 +94,6 @@ class Probe:
     @property
     def ok(self) -> bool:
         return self.conditional_put and self.conditional_replace
-
-
-def permanent(e: BaseException) -> bool:
-    """An answer no retry can change: 501 NotImplemented and the like."""
-    status, code = _status(e)
-    return status in _PERMANENT_STATUS or code in _PERMANENT_CODES
-
-
-def _env_float(name: str, default: float) -> float:
-    v = os.environ.get(name)
-    return float(v) if v else default
-
-
-@dataclass(frozen=True, kw_only=True)
-class S3Config:
-    """Tuning of :class:`S3Storage` (defaults from ``RESHARD_S3_*`` variables).
-
-    Attributes:
-        part_bytes: multipart part size in bytes (S3 needs >= 5 MiB except the
-            last part; ``RESHARD_S3_PART_BYTES``).
-        range_bytes: reads larger than this are split into parallel ranged GETs
-            of this many bytes (``RESHARD_S3_RANGE_BYTES``).
-        max_workers: threads uploading parts / fetching ranges (per storage).
-        inflight_parts: parts of one object buffered or in flight at once
-            (bounds memory to ``inflight_parts * part_bytes`` per stream).
-        deadline_s: seconds after the first try of a request past which it
-            is not retried again (``RESHARD_S3_DEADLINE_S``); one try is
-            itself bounded by the client's 10 s connect and 60 s read timeouts.
-        backoff_s, backoff_cap_s: first and largest backoff, seconds.
-    """
-
-    part_bytes: int = 8 << 20
-    range_bytes: int = 8 << 20
-    max_workers: int = 16
-    inflight_parts: int = 4
-    deadline_s: float = 60.0
-    backoff_s: float = 0.05
-    backoff_cap_s: float = 2.0
-
-    @classmethod
-    def from_env(cls) -> S3Config:
-        return cls(part_bytes=int(_env_float("RESHARD_S3_PART_BYTES", 8 << 20)),
-                   range_bytes=int(_env_float("RESHARD_S3_RANGE_BYTES", 8 << 20)),
-                   deadline_s=_env_float("RESHARD_S3_DEADLINE_S", 60.0))
-
-
-def _client() -> Any:
-    """One thread-safe boto3 client per (profile, endpoint, region, key id)."""
-    import boto3
-    from botocore.config import Config
-
-    ident = (os.environ.get("AWS_PROFILE"), os.environ.get("AWS_ENDPOINT_URL"),
-             os.environ.get("AWS_ENDPOINT_URL_S3"), os.environ.get("AWS_DEFAULT_REGION"),
-             os.environ.get("AWS_ACCESS_KEY_ID"))
-    with _CLIENTS_LOCK:
-        c = _CLIENTS.get(ident)
-        if c is None:
-            session = boto3.session.Session(profile_name=ident[0])
-            style = "path" if (ident[1] or ident[2]) else "auto"
-            c = session.client("s3", config=Config(
-                retries={"max_attempts": 1, "mode": "standard"}, max_pool_connections=64,
-                connect_timeout=10, read_timeout=60, s3={"addressing_style": style},
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required"))
-            _CLIENTS[ident] = c
-        return c
-
-
-_POOLS: dict[tuple[str, int], ThreadPoolExecutor] = {}
-
-
-def _pool(name: str, workers: int) -> ThreadPoolExecutor:
-    """Process-wide thread pools (part uploads and range GETs never share one,
-    so a read never waits behind a write)."""
-    with _CLIENTS_LOCK:
-        p = _POOLS.get((name, workers))
-        if p is None:
-            p = _POOLS[(name, workers)] = ThreadPoolExecutor(max_workers=workers,
-                                                             thread_name_prefix=name)
-        return p
-
-
-def _split(path: str) -> tuple[str, str]:
-    bucket, _, key = path.lstrip("/").partition("/")
-    if not bucket:
-        raise ValueError(f"s3 path {path!r} names no bucket")
-    return bucket, key
-
-
-def _status(e: BaseException) -> tuple[int, str]:
-    resp = getattr(e, "response", None) or {}
-    return (int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0),
-            str(resp.get("Error", {}).get("Code", "")))
-
-
-class _BodyMismatch(Exception):
-    """A PUT answered 200 with the ETag of other bytes than those sent."""
-
-    def __init__(self, msg: str, etag: str):
-        super().__init__(msg)
-        self.etag = etag
-
-
-def _retryable(e: BaseException) -> bool:
-    from botocore.exceptions import ClientError, HTTPClientError, IncompleteReadError
-
-    if isinstance(e, ClientError):
-        if permanent(e):
-            return False
-        status, code = _status(e)
-        return status >= 500 or status == 429 or code in _RETRY_CODES
-    # connection refused/reset/closed, timeouts, a body cut short; never a bad parameter
-    if isinstance(e, HTTPClientError | IncompleteReadError | ConnectionError | TimeoutError
-                  | _BodyMismatch):
-        return True
-    name = type(e).__name__  # urllib3's ProtocolError / IncompleteRead from a reset stream
-    return name in ("ProtocolError", "IncompleteRead", "ReadTimeoutError", "SSLError")
-
-
-class _S3Write(WriteStream):
-    """A multipart upload of ``part_bytes`` parts uploaded in parallel (a
-    single PUT when the object fits one part)."""
-
-    def __init__(self, store: S3Storage, path: str):
-        self._s, self._path = store, path
-        self._bucket, self._key = _split(path)
-        self._buf = bytearray()
-        self._upload_id: str | None = None
-        self._parts: list[tuple[int, Future[str]]] = []
-        self._closed = False
-
-    def _check_failed(self) -> None:
-        for _, f in self._parts:
-            if f.done() and f.exception() is not None:
-                self.abort()
-                raise f.exception()  # type: ignore[misc]
-
-    def _submit_part(self, data: bytes) -> None:
-        s = self._s
-        if self._upload_id is None:
-            r = s._call("create multipart upload", self._path, lambda: s.client.create_multipart_upload(
-                Bucket=self._bucket, Key=self._key))
-            self._upload_id = r["UploadId"]
-            s._note_upload(self._path, self._upload_id, True)
-        n = len(self._parts) + 1
-        uid = self._upload_id
-
-        def up() -> str:
-            r = s._call(f"upload part {n}", self._path, lambda: s.client.upload_part(
-                Bucket=self._bucket, Key=self._key, UploadId=uid, PartNumber=n, Body=data))
-            return str(r["ETag"])
-
-        self._parts.append((n, s._pool.submit(up)))
-        # bound memory: at most `inflight_parts` parts buffered or in flight
-        while sum(1 for _, f in self._parts if not f.done()) >= s.config.inflight_parts:
-            next(f for _, f in self._parts if not f.done()).exception()
-        self._check_failed()
-
-    def write(self, data: bytes | memoryview) -> None:
-        mv = memoryview(data).cast("B")
-        ps = self._s.config.part_bytes
-        while mv:
-            take = min(len(mv), ps - len(self._buf))
-            self._buf += mv[:take]
-            mv = mv[take:]
-            if len(self._buf) >= ps:
-                part, self._buf = bytes(self._buf), bytearray()
-                self._submit_part(part)
-        self._s._count_write(len(data) if not isinstance(data, memoryview) else data.nbytes)
-
-    def close(self) -> None:
-        s = self._s
-        if self._closed:
-            return
-        if self._upload_id is None:
-            body = bytes(self._buf)
-            s._call("put", self._path, lambda: s._put(self._bucket, self._key, body))
-            self._closed = True
-            return
-        try:
-            if self._buf or not self._parts:
-                self._submit_part(bytes(self._buf))
-                self._buf = bytearray()
-            parts = [{"PartNumber": n, "ETag": f.result()} for n, f in self._parts]
-            uid = self._upload_id
-            s._call("complete multipart upload", self._path, lambda: s.client.complete_multipart_upload(
-                Bucket=self._bucket, Key=self._key, UploadId=uid, MultipartUpload={"Parts": parts}))
-        except BaseException:
-            self.abort()
-            raise
-        s._note_upload(self._path, self._upload_id, False)
-        self._closed = True
-
-    def abort(self) -> None:
-        """Cancel queued parts, wait for running ones, abort the upload."""
-        if self._closed:
-            return
-        self._closed = True
-        for _, f in self._parts:
-            f.cancel()
-        for _, f in self._parts:
-            if not f.cancelled():
-                f.exception()
-        if self._upload_id is not None:
-            self._s.abort_upload(self._path, self._upload_id)
-            self._s._note_upload(self._path, self._upload_id, False)
 
 
 class S3Storage(Storage):

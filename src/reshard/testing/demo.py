@@ -330,7 +330,7 @@ def run_demo(cfg: DemoConfig) -> int:
                     f"({sv['bytes'] / max(sv['seconds'], 1e-9) / 2**20:.0f} MiB/s)")
         rep.check(killed, f"rank 1 killed by SIGKILL in the middle of the save of step {cfg.kill_at}")
         st = LocalStorage()
-        from ..commit import scan
+        from ..listing import scan
 
         entries = scan(st, str(root))
         abandoned = [e.name for e in entries if e.abandoned]

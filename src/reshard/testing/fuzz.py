@@ -37,7 +37,8 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from .fuzz_cases import (  # noqa: F401 - re-exported for tests and the CLI
+from .fuzz_cases import _hf_file, generate  # noqa: F401 - re-exported for tests and the CLI
+from .fuzz_corpus import (  # noqa: F401 - re-exported for tests and the CLI
     DCP_META,
     HF_FILE,
     MANIFEST,
@@ -46,10 +47,8 @@ from .fuzz_cases import (  # noqa: F401 - re-exported for tests and the CLI
     FileSpec,
     _dumps,
     _expected,
-    _hf_file,
     _paths,
     _set,
-    generate,
     target_state,
 )
 

@@ -37,8 +37,9 @@ from typing import Any
 
 import xxhash
 
-from ..coordination import Assignment, CacheEntry, RankSave, report_bytes, save_steps
+from ..coordination import Assignment, CacheEntry
 from ..coordination_load import key_census_steps, saved_keys
+from ..coordination_save import RankSave, report_bytes, save_steps
 from ..manifest import Manifest, decode_manifest, encode_sealed
 from ..plan_store import restart_entry
 from ..planning import LocalPlan, Request, plan_reads
@@ -94,7 +95,8 @@ SIM_TARGET = "/checkpoints/run/step-00000001"
 def _attempt_info(target: str) -> dict[str, Any]:
     """What the coordinator broadcasts about a new attempt, shaped as a
     real save's (:func:`reshard.save.open_attempt`: target, attempt id, path, nonce)."""
-    from ..commit import INCOMPLETE, new_attempt_id
+    from ..commit import new_attempt_id
+    from ..committed import INCOMPLETE
 
     aid = new_attempt_id()
     return {"target": target, "attempt": aid, "attempt_path": f"{target}{INCOMPLETE}{aid}",

@@ -53,7 +53,8 @@ import reshard
 
 from ..adapters.rng import derive_seed
 from ..sharding import ShardedTensor
-from .model import TP, MicroBatch, ModelConfig, Stage
+from .model import MicroBatch, ModelConfig, Stage
+from .model_tp import TP
 
 # ----------------------------------------------------------------------------- layout and groups
 
