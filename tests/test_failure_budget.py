@@ -268,8 +268,11 @@ def test_hung_peer_is_named_within_the_checkpoint_timeout(tmp_path: Path, what: 
     assert msg.startswith("CheckpointError: "), out
     assert "rank 1 was lost" in msg, msg
     if what == "save":
-        assert "phase write" in msg, msg
-        assert re.search(r"save of step 2: waiting \d+ s for the other ranks in phase write", err), err
+        assert "(save of step 2, phase write)" in msg, msg
+        assert re.search(r"save of step 2: waiting \d+ s for ranks \[1\] in phase write", err), err
+    else:
+        assert "phase manifest" in msg, msg
+        assert re.search(r"load of .*ok: waiting \d+ s for ranks \[1\] in phase manifest", err), err
     for bad in ("0", "-1", "x", "nan"):
         with pytest.raises(ValueError, match="SaveOptions.timeout_s must be a number of seconds > 0"):
             import reshard
