@@ -246,7 +246,8 @@ os._exit(0)
 def test_hung_peer_is_named_within_the_checkpoint_timeout(tmp_path: Path, what: str) -> None:
     """One rank SIGSTOPped inside a save (load) with timeout_s=3 while the
     training group waits 300 s: the other rank fails within the bound,
-    naming the stopped rank (and, for a save, the phase)."""
+    naming the stopped rank and the phase; while it waits, the coordinator's
+    progress line names the rank that has not arrived."""
     import socket
 
     with socket.socket() as s:
