@@ -24,234 +24,126 @@ The coordinator is rank 0 of the group.
 from __future__ import annotations
 
 import functools
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Generator, Sequence
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
-import msgspec
 import torch
 
-from .errors import CheckpointError, RankFailure, agreed_error, rank_ranges, summarize_failures
+from .collectives_base import (
+    MAX_SHIPPED_FAILURES,
+    MAX_SHIPPED_TRACEBACK,
+    OPS,
+    Collectives,
+    Counting,
+    Deferred,
+    Request,
+    SingleProcess,
+    agree_steps,
+    drive,
+)
+from .errors import CheckpointError, rank_ranges
 
-T = TypeVar("T")
-
-#: ops of :meth:`Collectives.all_reduce_ints`
-OPS = ("sum", "max", "min")
-#: at most this many failures (with tracebacks) travel to non-coordinator ranks
-MAX_SHIPPED_FAILURES = 8
-#: and each failure's traceback text is cut to this many characters there
-MAX_SHIPPED_TRACEBACK = 4000
-
-
-class Collectives(ABC):
-    """Collective operations of one group; rank 0 is the coordinator.
-
-    Every rank of the group must call the same methods in the same order.
-    Byte counts below are payload bytes (the 8-byte length headers some
-    implementations add are counted by :class:`Counting`).
-    """
-
-    rank: int
-    world_size: int
-
-    @abstractmethod
-    def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:
-        """Every rank sends ``data``; rank ``dst`` receives all of them in rank
-        order (returns the list), the others receive nothing (return None)."""
-
-    @abstractmethod
-    def scatter_bytes(self, parts: Sequence[bytes] | None, src: int = 0) -> bytes:
-        """Rank ``src`` passes one payload per rank (``world_size`` of them);
-        every rank receives only its own. Others pass None."""
-
-    @abstractmethod
-    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
-        """``data`` of rank ``src`` (others pass anything, e.g. None) on every rank."""
-
-    @abstractmethod
-    def all_reduce_ints(self, values: Sequence[int], op: str = "sum") -> list[int]:
-        """Element-wise ``op`` ("sum", "max" or "min") of int64 vectors of equal
-        length over every rank; every rank receives the result. For small
-        vectors (flags, counters, hashes): it moves ``8 * len(values)`` bytes."""
-
-    @abstractmethod
-    def all_gather_bytes(self, data: bytes) -> list[bytes]:
-        """Every rank contributes ``data``; every rank receives all, in rank
-        order. O(world) bytes into every rank: only for small payloads of small
-        groups (kept for callers outside the save/load path)."""
-
-    def barrier(self) -> None:
-        self.all_reduce_ints([0])
-
-    def exchange(self, sends: Sequence[tuple[int, int, torch.Tensor]],
-                 recvs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
-        """Point-to-point transfer of data buffers (the bytes a replica's
-        reader hands to the other ranks that need them; see
-        :mod:`reshard.coordination_load`): ``sends`` and ``recvs`` are
-        ``(peer rank in the group, tag, tensor)``; each send must be matched
-        by the peer's recv of the same tag and number of bytes. Tensors are
-        contiguous uint8 CPU tensors; a recv fills its tensor in place.
-        Returns once every transfer of this rank completed.
-
-        Raises:
-            NotImplementedError: the implementation moves no data (one rank,
-                the simulator).
-            CheckpointError: the transport failed (a lost peer, a timeout).
-        """
-        if sends or recvs:
-            raise NotImplementedError(f"{type(self).__name__} moves no data between ranks")
-
-    def all_gather_json(self, obj: Any) -> list[Any]:
-        """``all_gather_bytes`` of msgspec-JSON-encoded objects."""
-        return [msgspec.json.decode(b) for b in self.all_gather_bytes(msgspec.json.encode(obj))]
-
-    def agree(self, what: str, exc: BaseException | None,
-              values: Sequence[int] = ()) -> list[int]:
-        """All ranks report success or their exception in one all-reduce (with
-        ``values``, reduced by max, riding along: returns them reduced).
-
-        When some rank failed, the failures (type, message, traceback as text)
-        are gathered to the coordinator only, which sends every rank a bounded
-        summary (failures deduplicated by type and message, with rank ranges and
-        the first few tracebacks); every rank then raises the same
-        :class:`~reshard.errors.CheckpointError` (or the common subclass).
-        The coordinator's error keeps every rank's failure in ``failures``; the
-        others' keep at most ``MAX_SHIPPED_FAILURES``.
-
-        Raises:
-            CheckpointError: on every rank when any rank passed an exception.
-        """
-        return drive(self, agree_steps(self.rank, what, exc, values))
-
-
-#: a collective request of a protocol written as a generator: the name of a
-#: :class:`Collectives` method and its positional arguments
-Request = tuple[Any, ...]
-
-
-def drive(coll: Collectives, steps: Generator[Request, Any, T]) -> T:
-    """Run a protocol generator over ``coll``: each yielded ``(method, *args)``
-    is called on ``coll`` and its result sent back; returns the generator's
-    return value (exceptions propagate). The scale simulator runs the same
-    generators of N ranks in lockstep instead."""
-    try:
-        req = next(steps)
-        while True:
-            req = steps.send(getattr(coll, req[0])(*req[1:]))
-    except StopIteration as stop:
-        return stop.value
-
-
-def agree_steps(rank: int, what: str, exc: BaseException | None,
-                values: Sequence[int] = ()) -> Generator[Request, Any, list[int]]:
-    """:meth:`Collectives.agree` as protocol steps."""
-    red = yield ("all_reduce_ints", [1 if exc is not None else 0, *values], "max")
-    if not red[0]:
-        return list(red[1:])
-    mine = b"" if exc is None else msgspec.json.encode(RankFailure.from_exception(rank, exc).to_json())
-    got = yield ("gather_bytes", mine)
-    failures: dict[int, RankFailure] = {}
-    shipped = b""
-    if got is not None:
-        failures = {r: RankFailure.from_json(msgspec.json.decode(b)) for r, b in enumerate(got) if b}
-        shipped = msgspec.json.encode({"n": len(failures), "groups": summarize_failures(failures),
-                                       "failures": [f.to_json() for f in _representatives(failures)]})
-    raw = yield ("broadcast_bytes", shipped if got is not None else None)
-    if got is None:
-        rep = msgspec.json.decode(raw)
-        failures = {int(f["rank"]): RankFailure.from_json(f) for f in rep["failures"]}
-        err = agreed_error(what, failures, groups=rep["groups"], total=int(rep["n"]))
-    else:
-        err = agreed_error(what, failures, world_size=len(got))
-    if exc is not None:
-        raise err from exc
-    raise err
-
-
-def _representatives(failures: dict[int, RankFailure]) -> list[RankFailure]:
-    """The first rank of each distinct (type, message), up to MAX_SHIPPED_FAILURES,
-    tracebacks cut to MAX_SHIPPED_TRACEBACK characters."""
-    seen: set[tuple[str, str]] = set()
-    out: list[RankFailure] = []
-    for r in sorted(failures):
-        f = failures[r]
-        if (f.type_name, f.message) in seen:
-            continue
-        seen.add((f.type_name, f.message))
-        tb = f.traceback if len(f.traceback) <= MAX_SHIPPED_TRACEBACK else (
-            f.traceback[:MAX_SHIPPED_TRACEBACK // 2] + "\n...\n" + f.traceback[-MAX_SHIPPED_TRACEBACK // 2:])
-        out.append(RankFailure(rank=f.rank, type_name=f.type_name, message=f.message[:2000],
-                               traceback=tb))
-        if len(out) >= MAX_SHIPPED_FAILURES:
-            break
-    return out
-
-
-def _reduce(vectors: Sequence[Sequence[int]], op: str) -> list[int]:
-    if op not in OPS:
-        raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    cols = list(zip(*vectors, strict=True))
-    if op == "sum":
-        return [int(sum(c)) for c in cols]
-    return [int(max(c) if op == "max" else min(c)) for c in cols]
-
-
-class SingleProcess(Collectives):
-    """World of one rank: gathers return ``[data]``."""
-
-    rank = 0
-    world_size = 1
-
-    def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:
-        return [bytes(data)]
-
-    def scatter_bytes(self, parts: Sequence[bytes] | None, src: int = 0) -> bytes:
-        assert parts is not None and len(parts) == 1
-        return bytes(parts[0])
-
-    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
-        return bytes(data or b"")
-
-    def all_reduce_ints(self, values: Sequence[int], op: str = "sum") -> list[int]:
-        return _reduce([values], op)
-
-    def all_gather_bytes(self, data: bytes) -> list[bytes]:
-        return [bytes(data)]
-
-    def barrier(self) -> None:
-        pass
+__all__ = ["MAX_SHIPPED_FAILURES", "MAX_SHIPPED_TRACEBACK", "OPS", "Collectives", "Counting", "Deferred",
+           "Request", "SingleProcess", "TorchCollectives", "agree_steps", "drive",
+           "checkpoint_timeout_s", "get_collectives", "group_key", "group_timeout_s", "new_checkpoint_group",
+           "is_broken", "timed_collectives", "timed_keys", "wait_report_s", "watch"]
 
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+log = logging.getLogger("reshard.collectives")
+
+#: seconds one wait of a checkpoint collective blocks before it looks for
+#: news in the job's store: a failure another rank of the group published (a
+#: lost peer, a timeout: the wait then ends within about this long), its own
+#: arrival mark, and on the coordinator the progress line. A wait that ends
+#: sooner costs nothing more than the collective.
+WAIT_SLICE_S = 1.0
+#: seconds between the coordinator's lines about a collective still waiting
+#: for other ranks ("save of step S: waiting N s for ranks [2] in phase P");
+#: the environment variable ``RESHARD_WAIT_REPORT_S`` overrides it
+WAIT_REPORT_S = 30.0
+
+
+def wait_report_s() -> float:
+    """:data:`WAIT_REPORT_S`, or ``RESHARD_WAIT_REPORT_S`` (seconds) if set."""
+    v = os.environ.get("RESHARD_WAIT_REPORT_S")
+    return float(v) if v else WAIT_REPORT_S
+
+
+class PeerFailed(RuntimeError):
+    """Another rank of the checkpoint group published the failure of one of
+    its collectives (a lost peer, a timeout) while this rank waited, or the
+    job's store became unreachable: the group is unusable."""
+
+
+#: group name -> why it is unusable (a collective of it failed or was
+#: abandoned); later collectives on it raise at once
+_BROKEN: dict[str, tuple[str, tuple[int, ...]]] = {}
+#: collectives issued per group name (the same sequence on every rank)
+_SEQ: dict[str, int] = {}
+#: abandoned gloo work (and its group), kept alive on purpose: destroying the
+#: group joins gloo's worker thread, which stays in the abandoned collective
+#: until the group's timeout, so the process could not exit before it
+_ABANDONED: list[Any] = []
+
+
+def _keep_forever(obj: Any) -> None:
+    """Never free ``obj``, not even at interpreter exit (one reference more
+    than anyone holds: module dictionaries are cleared at exit)."""
+    import ctypes
+
+    _ABANDONED.append(obj)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
 
 def _lost_rank_errors(fn: F) -> F:
     """A collective of the backend that fails (gloo's "Connection closed by
-    peer", a timeout: RuntimeErrors) raises CheckpointError on this rank,
-    naming the cause and, where :func:`_lost_ranks` can tell, the lost
+    peer", a timeout: RuntimeErrors), or whose wait learns that another rank
+    of the group failed (:class:`PeerFailed`), raises CheckpointError on this
+    rank, naming the cause, what the group was doing (``activity``: the save
+    or load and its phase) and, where :func:`_lost_ranks` can tell, the lost
     rank(s) (also in the error's ``lost_ranks``), with the backend's error as
-    its ``__cause__``."""
+    its ``__cause__``. The failure is first published in the job's store, so
+    the other ranks' waits on the group end within :data:`WAIT_SLICE_S`; the
+    group is unusable afterwards (later calls raise at once)."""
 
     @functools.wraps(fn)
     def wrapper(self: TorchCollectives, *args: Any, **kwargs: Any) -> Any:
+        broken = _BROKEN.get(self.name)
+        if broken is not None:  # the first failure of the group, again
+            err = CheckpointError(f"{broken[0]} (then {fn.__name__} was refused: the group is "
+                                  "unusable)")
+            err.lost_ranks = broken[1]  # type: ignore[attr-defined]
+            raise err
+        _SEQ[self.name] = _SEQ.get(self.name, 0) + 1
         try:
             return fn(self, *args, **kwargs)
         except RuntimeError as e:  # DistBackendError and gloo/NCCL failures are RuntimeErrors
             msg = (str(e).strip().splitlines() or [""])[0][:300]
+            _BROKEN.setdefault(self.name, (f"{fn.__name__} failed on rank {self.rank} ({msg[:120]})", ()))
+            if not isinstance(e, PeerFailed):
+                self._publish_failure(f"{fn.__name__} failed on rank {self.rank}: {msg[:200]}")
             lost, why = _lost_ranks(self)
             err = CheckpointError(
                 f"{fn.__name__} over the {self.world_size} ranks of the checkpoint group failed on "
-                f"rank {self.rank}: {why} ({type(e).__name__}: {msg})")
+                f"rank {self.rank}{self._doing()}: {why} ({type(e).__name__}: {msg})")
             err.lost_ranks = tuple(lost)  # type: ignore[attr-defined]
+            _BROKEN[self.name] = (str(err), tuple(lost))
             raise err from e
 
     return wrapper  # type: ignore[return-value]
 
 
 #: at most this long (seconds; the group's timeout when shorter) the survivors
-#: of a failed collective wait for one another's reports (see _lost_ranks)
-LOST_RANK_WAIT_S = 30.0
+#: of a failed collective wait for one another's reports (see _lost_ranks);
+#: the failure is published first, so every survivor waiting on the group
+#: reports within WAIT_SLICE_S of it
+LOST_RANK_WAIT_S = 2.0
 
 
 def _rank_names(coll: TorchCollectives, ranks: Sequence[int]) -> str:
@@ -271,9 +163,12 @@ def _lost_ranks(coll: TorchCollectives) -> tuple[list[int], str]:
     (``LOST_RANK_WAIT_S`` or the group's timeout, whichever is shorter) for
     the others' keys, names the ranks whose key did not come (killed, or
     stalled past the timeout) and publishes that verdict; the others wait up
-    to 2W + 1 seconds for it (and count themselves as having read it, so a
-    coordinator hosting the store stays up to W seconds for them), and name
-    the coordinator when it never comes.
+    to W + 1.5 seconds for it (and count themselves as having read it, so a
+    coordinator hosting the store stays up to 1.5 s for them), and name the
+    coordinator when it never comes. The failure was published before (see
+    :func:`_lost_rank_errors`), so every survivor waiting on the group comes
+    here within ``WAIT_SLICE_S``; a survivor busy elsewhere (writing its
+    files) for longer than W is named among the ranks that did not report.
     When the store itself cannot be reached, the process hosting it is
     gone: global rank 0's (``tcp://`` and ``env://`` initialisation start
     the store there) unless torchrun's agent hosts it. Keys older than 2W
@@ -312,12 +207,12 @@ def _lost_ranks(coll: TorchCollectives) -> tuple[list[int], str]:
             vid = os.urandom(6).hex()
             store.set(f"{prefix}verdict", _json.dumps({"t": now, "lost": lost, "id": vid}))
             # the store may live in this process: stay until the survivors have read it
-            deadline, poll, alive = time.monotonic() + wait, 0.01, coll.world_size - 1 - len(lost)
+            deadline, poll, alive = time.monotonic() + min(wait, 1.5), 0.01, coll.world_size - 1 - len(lost)
             while alive and store.add(f"{prefix}read/{vid}", 0) < alive and time.monotonic() < deadline:
                 time.sleep(poll)
                 poll = min(poll * 2, 0.1)
         else:
-            deadline, poll, verdict = time.monotonic() + 2 * wait + 1, 0.01, None
+            deadline, poll, verdict = time.monotonic() + wait + 1.5, 0.01, None
             while time.monotonic() < deadline:
                 if store.check([f"{prefix}verdict"]):
                     v = _json.loads(store.get(f"{prefix}verdict"))
@@ -329,7 +224,7 @@ def _lost_ranks(coll: TorchCollectives) -> tuple[list[int], str]:
                 poll = min(poll * 2, 0.1)
             if verdict is None:
                 return [0], (f"{_rank_names(coll, [0])} (the coordinator) was lost: it did not "
-                             f"report within {2 * wait + 1:.0f} s of the failure (killed, or "
+                             f"report within {wait + 1.5:.0f} s of the failure (killed, or "
                              "stalled past the group's timeout)")
             lost = [int(r) for r in verdict["lost"] if int(r) != coll.rank]
     except Exception:  # noqa: BLE001 - the store is gone with the process that hosted it
@@ -360,6 +255,13 @@ class TorchCollectives(Collectives):
     int64 (one per rank, coordinator only), then the payloads point to point
     between the coordinator and each rank (``isend``/``irecv``), so a
     non-coordinator rank never receives another rank's bytes.
+
+    Waits: every collective (not the point-to-point transfers, whose waits
+    cannot be cut without closing gloo's connections) is waited for in
+    slices of :data:`WAIT_SLICE_S` (see :meth:`_wait`): a failure on any
+    rank of the group ends every other rank's wait within about a second,
+    and the coordinator names the ranks that have not arrived. Each wait is
+    bounded by the group's timeout (``SaveOptions.timeout_s``).
     """
 
     def __init__(self, group: Any = None):
@@ -377,6 +279,98 @@ class TorchCollectives(Collectives):
         )
         self._global = (list(range(self.world_size)) if group is None
                         else [dist.get_global_rank(group, r) for r in range(self.world_size)])
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        self._pg = pg
+        #: the process group's name: the same on every rank, unique per group
+        self.name = str(getattr(pg, "group_name", "") or repr(self._global))
+        self._prefix = f"reshard/group/{self.name}/"
+        #: what the group is doing, for progress lines and errors: a callable
+        #: returning (what, phase), e.g. ("save of step 2", "write"); see watch()
+        self.activity: Callable[[], tuple[str, str]] | None = None
+        self._store_obj: Any = None
+        self._sliced = backend == "gloo"
+
+    def _store(self) -> Any:
+        if self._store_obj is None:
+            self._store_obj = self._dist.distributed_c10d._get_default_store()
+        return self._store_obj
+
+    def _doing(self) -> str:
+        """`` (save of step 2, phase write)`` from ``activity``, or ""."""
+        if self.activity is None:
+            return ""
+        try:
+            what, phase = self.activity()
+        except Exception:  # noqa: BLE001 - a label must never fail a collective
+            return ""
+        return f" ({what}, phase {phase})"
+
+    def _publish_failure(self, why: str) -> None:
+        """Tell the other ranks of the group (through the job's store) that a
+        collective of it failed here; best effort (the store may be gone)."""
+        try:
+            self._store().set(self._prefix + "failed", why)
+        except Exception:  # noqa: BLE001 - the store host is gone: the others see it too
+            pass
+
+    def _abandon(self, work: Any, why: str) -> None:
+        _BROKEN.setdefault(self.name, (why, ()))
+        _keep_forever(work)
+        if self._pg not in _ABANDONED:
+            _keep_forever(self._pg)
+
+    def _wait(self, work: Any) -> None:
+        """Wait for ``work`` in slices of :data:`WAIT_SLICE_S`; between
+        slices, mark this rank's arrival in the store, end the wait when
+        another rank published a failure of the group (:class:`PeerFailed`,
+        the work is then abandoned: see :data:`_ABANDONED`), and on the
+        coordinator log one line per :func:`wait_report_s` naming the ranks
+        that have not arrived and the phase. The collective's own failure
+        (the group's timeout, a lost peer) is raised as it is. Gloo groups
+        only (the checkpoint groups are): other backends wait as they do."""
+        if not self._sliced:  # NCCL: a wait with a timeout aborts the communicator
+            work.wait()
+            return
+        seq = _SEQ.get(self.name, 0)
+        t0, every, reported, marked = time.monotonic(), wait_report_s(), 0, False
+        while True:
+            try:
+                work.wait(timeout=timedelta(seconds=WAIT_SLICE_S))
+                return
+            except RuntimeError:
+                if work.is_completed():
+                    raise
+            store = self._store()
+            try:
+                if not marked:
+                    store.set(f"{self._prefix}at/{self.rank}", str(seq))
+                    marked = True
+                failed = store.get(self._prefix + "failed").decode() if store.check(
+                    [self._prefix + "failed"]) else None
+            except Exception as e:  # noqa: BLE001 - the process hosting the store is gone
+                failed = f"the job's store is unreachable ({type(e).__name__}: {str(e)[:120]})"
+            if failed is not None:
+                self._abandon(work, failed)
+                raise PeerFailed(f"the wait ended: {failed}")
+            waited = time.monotonic() - t0
+            if self.rank == 0 and waited >= (reported + 1) * every:
+                reported = int(waited // every)
+                self._report(seq, waited)
+
+    def _report(self, seq: int, waited: float) -> None:
+        """The coordinator's progress line for a collective waiting ``waited`` s."""
+        try:
+            store, missing = self._store(), []
+            for r in range(1, self.world_size):
+                k = f"{self._prefix}at/{r}"
+                if not store.check([k]) or int(store.get(k)) < seq:
+                    missing.append(r)
+        except Exception:  # noqa: BLE001 - the line says what is known
+            missing = []
+        who = (f"ranks {missing}" if 0 < len(missing) <= 16 else
+               f"{len(missing)} ranks ({rank_ranges(missing)})" if missing else "the other ranks")
+        what, phase = ("a checkpoint collective", "?") if self.activity is None else self.activity()
+        log.warning("%s: waiting %.0f s for %s in phase %s", what, waited, who, phase)
 
     def _u8(self, data: bytes) -> torch.Tensor:
         if not data:
@@ -392,7 +386,7 @@ class TorchCollectives(Collectives):
         dist, dev, n = self._dist, self._device, self.world_size
         size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
         sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)] if self.rank == dst else None
-        dist.gather(size, sizes, dst=self._global[dst], group=self.group)
+        self._wait(dist.gather(size, sizes, dst=self._global[dst], group=self.group, async_op=True))
         if self.rank != dst:
             if data:
                 dist.send(self._u8(data), dst=self._global[dst], group=self.group)
@@ -415,13 +409,13 @@ class TorchCollectives(Collectives):
             if parts is None or len(parts) != n:
                 raise ValueError(f"scatter_bytes: the source passes {n} parts")
             sizes = [torch.tensor([len(p)], dtype=torch.int64, device=dev) for p in parts]
-            dist.scatter(mine, sizes, src=self._global[src], group=self.group)
+            self._wait(dist.scatter(mine, sizes, src=self._global[src], group=self.group, async_op=True))
             works = [dist.isend(self._u8(parts[r]), dst=self._global[r], group=self.group)
                      for r in range(n) if r != src and parts[r]]
             for w in works:
                 w.wait()
             return bytes(parts[src])
-        dist.scatter(mine, None, src=self._global[src], group=self.group)
+        self._wait(dist.scatter(mine, None, src=self._global[src], group=self.group, async_op=True))
         k = int(mine.item())
         if not k:
             return b""
@@ -434,12 +428,12 @@ class TorchCollectives(Collectives):
         dist, dev = self._dist, self._device
         payload = (data or b"") if self.rank == src else b""
         size = torch.tensor([len(payload)], dtype=torch.int64, device=dev)
-        dist.broadcast(size, src=self._global[src], group=self.group)
+        self._wait(dist.broadcast(size, src=self._global[src], group=self.group, async_op=True))
         k = int(size.item())
         if not k:
             return b""
         buf = self._u8(payload) if self.rank == src else torch.empty(k, dtype=torch.uint8, device=dev)
-        dist.broadcast(buf, src=self._global[src], group=self.group)
+        self._wait(dist.broadcast(buf, src=self._global[src], group=self.group, async_op=True))
         return bytes(payload) if self.rank == src else self._bytes(buf)
 
     @_lost_rank_errors
@@ -450,7 +444,7 @@ class TorchCollectives(Collectives):
         t = torch.tensor(list(values), dtype=torch.int64, device=self._device)
         if t.numel():
             rop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-            dist.all_reduce(t, op=rop, group=self.group)
+            self._wait(dist.all_reduce(t, op=rop, group=self.group, async_op=True))
         return [int(v) for v in t.cpu().tolist()]
 
     @_lost_rank_errors
@@ -458,19 +452,19 @@ class TorchCollectives(Collectives):
         dist, dev, n = self._dist, self._device, self.world_size
         size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
         sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)]
-        dist.all_gather(sizes, size, group=self.group)
+        self._wait(dist.all_gather(sizes, size, group=self.group, async_op=True))
         lens = [int(s.item()) for s in sizes]
         width = max(max(lens), 1)
         buf = torch.zeros(width, dtype=torch.uint8, device=dev)
         if data:
             buf[: len(data)] = self._u8(data)
         outs = [torch.empty(width, dtype=torch.uint8, device=dev) for _ in range(n)]
-        dist.all_gather(outs, buf, group=self.group)
+        self._wait(dist.all_gather(outs, buf, group=self.group, async_op=True))
         return [self._bytes(o[:k]) for o, k in zip(outs, lens, strict=True)]
 
     @_lost_rank_errors
     def barrier(self) -> None:
-        self._dist.barrier(group=self.group)
+        self._wait(self._dist.barrier(group=self.group, async_op=True))
 
     @_lost_rank_errors
     def exchange(self, sends: Sequence[tuple[int, int, torch.Tensor]],
@@ -495,76 +489,6 @@ class TorchCollectives(Collectives):
             w.wait()
         for t, buf in staged:
             t.copy_(buf)
-
-
-class Counting(Collectives):
-    """Wraps another Collectives and counts the bytes this rank sends and
-    receives per call (payloads plus the 8-byte length headers of the
-    gather/scatter/broadcast protocols), in ``sent`` / ``recv`` (bytes) and
-    ``calls`` (op name -> count); data handed over by :meth:`exchange` in
-    ``data_sent`` / ``data_recv``."""
-
-    def __init__(self, inner: Collectives):
-        self.inner = inner
-        self.rank, self.world_size = inner.rank, inner.world_size
-        self.sent = 0
-        self.recv = 0
-        self.data_sent = 0
-        self.data_recv = 0
-        self.calls: dict[str, int] = {}
-
-    def _count(self, op: str, sent: int, recv: int) -> None:
-        self.sent += sent
-        self.recv += recv
-        self.calls[op] = self.calls.get(op, 0) + 1
-
-    def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:
-        out = self.inner.gather_bytes(data, dst)
-        if out is None:
-            self._count("gather", len(data) + 8, 0)
-        else:
-            self._count("gather", 0, sum(len(b) + 8 for r, b in enumerate(out) if r != self.rank))
-        return out
-
-    def scatter_bytes(self, parts: Sequence[bytes] | None, src: int = 0) -> bytes:
-        out = self.inner.scatter_bytes(parts, src)
-        if self.rank == src:
-            assert parts is not None
-            self._count("scatter", sum(len(p) + 8 for r, p in enumerate(parts) if r != src), 0)
-        else:
-            self._count("scatter", 0, len(out) + 8)
-        return out
-
-    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
-        out = self.inner.broadcast_bytes(data, src)
-        if self.rank == src:
-            self._count("broadcast", len(out) + 8, 0)
-        else:
-            self._count("broadcast", 0, len(out) + 8)
-        return out
-
-    def all_reduce_ints(self, values: Sequence[int], op: str = "sum") -> list[int]:
-        out = self.inner.all_reduce_ints(values, op)
-        self._count("all_reduce", 8 * len(values), 8 * len(values))
-        return out
-
-    def all_gather_bytes(self, data: bytes) -> list[bytes]:
-        out = self.inner.all_gather_bytes(data)
-        self._count("all_gather", len(data), sum(len(b) for r, b in enumerate(out) if r != self.rank))
-        return out
-
-    def barrier(self) -> None:
-        self.inner.barrier()
-        self._count("barrier", 0, 0)
-
-    def exchange(self, sends: Sequence[tuple[int, int, torch.Tensor]],
-                 recvs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
-        """Counted apart from the coordination bytes: ``data_sent`` /
-        ``data_recv`` (bytes of the buffers)."""
-        self.inner.exchange(sends, recvs)
-        self.data_sent += sum(t.numel() for _, _, t in sends)
-        self.data_recv += sum(t.numel() for _, _, t in recvs)
-        self.calls["exchange"] = self.calls.get("exchange", 0) + 1
 
 
 def get_collectives(group: Any = None) -> Collectives:
@@ -608,26 +532,59 @@ def new_checkpoint_group(group: Any = None, timeout_s: float | None = None) -> A
 _TIMED_GROUPS: dict[tuple[Any, float], Any] = {}
 
 
+def watch(coll: Collectives, activity: Callable[[], tuple[str, str]]) -> None:
+    """Label what ``coll``'s collectives do from now on: ``activity()``
+    returns (what, phase), e.g. ("save of step 2", "write"), read when a wait
+    is reported and when a collective fails. A no-op for collectives that are
+    not over a process group."""
+    inner = coll.inner if isinstance(coll, Counting) else coll
+    if isinstance(inner, TorchCollectives):
+        inner.activity = activity
+
+
+def is_broken(coll: Collectives) -> bool:
+    """Whether a collective of ``coll``'s group failed or was abandoned (the
+    group is unusable: make a new one)."""
+    inner = coll.inner if isinstance(coll, Counting) else coll
+    return isinstance(inner, TorchCollectives) and inner.name in _BROKEN
+
+
 def timed_collectives(group: Any, timeout_s: float | None) -> Collectives:
     """Collectives for a save or load of ``group`` bounded by ``timeout_s``
     seconds: over a gloo checkpoint group created (once per group and
     timeout, every rank of ``group`` calling) with that timeout, so neither
     the training group's timeout nor its traffic governs the checkpoint's
-    collectives. Plain :func:`get_collectives` when ``timeout_s`` is None or
-    there is no process group (a single process)."""
+    collectives. A group made unusable by a failure (a lost peer, a
+    timeout) is replaced by a new one at the next call, so a failed save
+    never costs the next. Plain :func:`get_collectives` when ``timeout_s`` is
+    None or there is no process group (a single process)."""
     base = get_collectives(group)
     if timeout_s is None or not isinstance(base, TorchCollectives) or base.world_size == 1:
         return base
+    timeout_s = checkpoint_timeout_s(group, timeout_s)
+    assert timeout_s is not None
     import torch.distributed as dist
 
     key = (group if group is not None else "default", float(timeout_s))
     pg = _TIMED_GROUPS.get(key)
-    if pg is None:
+    if pg is None or str(getattr(pg, "group_name", "")) in _BROKEN:  # (again, after a failure)
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         pg = _TIMED_GROUPS[key] = dist.new_group(
             ranks=ranks, backend="gloo", timeout=timedelta(seconds=float(timeout_s)),
             use_local_synchronization=group is not None)
     return TorchCollectives(pg)
+
+
+def checkpoint_timeout_s(group: Any, timeout_s: float | None) -> float | None:
+    """The timeout (seconds) of the checkpoint group for ``timeout_s``: the
+    value as given, except the default (:data:`reshard.options.DEFAULT_TIMEOUT_S`,
+    600 s), which is capped at ``group``'s own timeout when that is shorter."""
+    from .options import DefaultSeconds
+
+    if not isinstance(timeout_s, DefaultSeconds):
+        return timeout_s
+    own = group_timeout_s(group)
+    return float(timeout_s) if own is None else min(float(timeout_s), own)
 
 
 def timed_keys(group: Any = None) -> list[tuple[Any, ...]]:

@@ -14,7 +14,7 @@ import msgspec
 import torch
 
 from .adapters.model import ModelState
-from .collectives import Collectives, timed_collectives
+from .collectives import Collectives, timed_collectives, watch
 from .committed import read_manifest
 from .coordination_load import key_census, read_shared
 from .errors import (
@@ -163,6 +163,9 @@ def load(
     """
     opts = options or LoadOptions()
     coll = timed_collectives(group, opts.timeout_s)
+    # progress lines and collective failures name the load and its phase
+    doing = {"what": f"load of {path}", "phase": "manifest"}
+    watch(coll, lambda: (doing["what"], doing["phase"]))
     if coll.rank != 0 and opts.progress is not False:  # one progress bar: rank 0's
         opts = dataclasses.replace(opts, progress=False)
     t0 = time.perf_counter()
@@ -184,6 +187,7 @@ def load(
     # agree on the manifest (one all-reduce); the coordinator finds the keys no
     # rank requested from every rank's key bitmap (gather, then one broadcast)
     coll.agree("load", err)
+    doing.update(what=f"load of step {ctx['manifest'].step}", phase="plan")
     t_plan = time.perf_counter()
     census = key_census(coll, ctx["manifest"], ctx["requested"], transforms)
     # every check that needs no target write (files, coverage, shapes, dtypes,
@@ -213,6 +217,7 @@ def load(
             err = e
         coll.agree("load (checked before writing: every target is unchanged)", err)
     t_read = time.perf_counter()
+    doing["phase"] = "read"
     err = None
     result: LoadResult | None = None
     try:
@@ -234,6 +239,7 @@ def load(
     assert result is not None
     result = dataclasses.replace(result, timings={"read": time.perf_counter() - t_read})
     # hand loaded plain values to Stateful objects, only once every rank succeeded
+    doing["phase"] = "load_state_dict"
     err = None
     try:
         statefuls = ctx["leaves"].statefuls

@@ -6,6 +6,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class DefaultSeconds(float):
+    """A number of seconds that is a default, not the caller's choice: the
+    checkpoint timeout's default is capped at the process group's own
+    timeout when that is shorter; a value the caller passes is used as it is."""
+
+
+#: seconds one collective of a save or load waits for the other ranks by
+#: default (``SaveOptions.timeout_s``, ``LoadOptions.timeout_s``): ten
+#: minutes, as Orbax's ``AsyncOptions.timeout_secs`` and NCCL's default
+#: process-group timeout, or the group's own timeout when that is shorter (a
+#: job that set a short training timeout keeps it for its checkpoints). A
+#: save whose slowest rank finishes writing more than this after the fastest
+#: needs a larger value.
+DEFAULT_TIMEOUT_S: float = DefaultSeconds(600.0)
+
+
 def check_timeout(v: Any, name: str) -> None:
     """None, or a finite number of seconds > 0.
 
@@ -68,10 +84,17 @@ class SaveOptions:
             other ranks, independently of the training group's timeout: the
             save's collectives then run on a checkpoint process group (gloo)
             created once with this timeout (every rank of ``group`` must
-            save with the same value). A rank that does not arrive fails the
-            save on every other rank with a CheckpointError naming it and the
-            phase. None (default): the group's own timeout (the background
-            group of ``async_save`` takes the training group's).
+            save with the same value; the group is made once per group and
+            value, and again after a failure made it unusable). A rank that
+            does not arrive fails the save on every other rank with a
+            CheckpointError naming it and the phase; a rank lost while the
+            others wait (killed: its connections close) fails it within
+            seconds. While a collective waits longer than 30 s, the
+            coordinator logs one line per 30 s naming the ranks that have
+            not arrived and the phase. Default :data:`DEFAULT_TIMEOUT_S`
+            (600 s, or the group's own timeout when that is shorter); None:
+            the group's own timeout (the background group of ``async_save``
+            takes the training group's).
     """
 
     checksums: bool = True
@@ -90,7 +113,7 @@ class SaveOptions:
     progress: bool | None = None
     parent: str | None = None
     lineage: str | None = None
-    timeout_s: float | None = None
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s, "SaveOptions.timeout_s")
@@ -158,7 +181,10 @@ class LoadOptions:
 
         timeout_s: seconds every collective of the load may wait for the
             other ranks (a checkpoint process group with this timeout, as
-            ``SaveOptions.timeout_s``); None: the group's own timeout.
+            ``SaveOptions.timeout_s``; the error and the progress lines name
+            the load's phase: manifest, plan, read, load_state_dict).
+            Default :data:`DEFAULT_TIMEOUT_S` (600 s, or the group's own
+            timeout when shorter); None: the group's own timeout.
 
     Raises:
         ValueError: ``verify_first`` without ``checksums``, ``threads < 1``,
@@ -172,7 +198,7 @@ class LoadOptions:
     hmac_key: bytes | None = None
     progress: bool | None = None
     verify_first: bool = False
-    timeout_s: float | None = None
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
     read_once: bool = True
     read_once_min_bytes: int = 64 << 10
 

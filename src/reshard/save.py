@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ from .collectives import (
     group_key,
     timed_collectives,
     timed_keys,
+    watch,
 )
 from .commit import (
     publish,
@@ -457,18 +457,11 @@ def run_save(
                    manifest_args=manifest_args, cache=cache, check_space=check_space,
                    # attempts share the final prefix without rename: no plan kept there
                    write_plan=write_plan if st.capabilities.atomic_rename else None)
-    watched = _Watched(coll, f"save of step {step}", lambda: ctx.phase)
+    # progress lines and collective failures name the save and its phase
+    watch(coll, lambda: (f"save of step {step}", ctx.phase))
     try:
-        out = drive(watched, save_steps(ctx))  # type: ignore[arg-type]
-    except CheckpointError as e:
-        lost = getattr(e, "lost_ranks", None)
-        if lost is None:  # not a collective that failed
-            raise
-        err = type(e)(f"{e} [save of step {step} to {key}, phase {ctx.phase}]", failures=e.failures)
-        err.lost_ranks = lost  # type: ignore[attr-defined]
-        raise err from e
+        out = drive(coll, save_steps(ctx))
     finally:
-        watched.stop()
         for lease in leases:
             lease.stop()
     if ctx.new_cache is not None:
@@ -479,64 +472,6 @@ def run_save(
     return SaveResult(path=st.url(key), step=step, attempt_id=out.attempt_id, bytes_written=out.bytes_written,
                       total_bytes=out.total_bytes, num_files=out.num_files, timings=timings,
                       manifest=published[0] if published else None)
-
-
-def wait_report_s() -> float:
-    """Seconds between the coordinator's lines about a collective still
-    waiting for other ranks: ``RESHARD_WAIT_REPORT_S`` if set, else 30."""
-    v = os.environ.get("RESHARD_WAIT_REPORT_S")
-    return float(v) if v else 30.0
-
-
-class _Watched:
-    """``coll`` as the save's protocol sees it, watched on the coordinator:
-    while one collective has waited longer than :func:`wait_report_s`, one
-    warning per period, ``save of step S: waiting N s for the other ranks in
-    phase P (collective C)``. A daemon thread, started at the first wait."""
-
-    def __init__(self, coll: Collectives, what: str, phase: Any):
-        self._coll, self._what, self._phase = coll, what, phase
-        self.rank, self.world_size = coll.rank, coll.world_size
-        self._waiting: tuple[str, float] | None = None
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._every = wait_report_s()
-
-    def __getattr__(self, name: str) -> Any:
-        fn = getattr(self._coll, name)
-        if not callable(fn) or self.rank != 0 or self.world_size == 1:
-            return fn
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            self._waiting = (name, time.monotonic())
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._watch, daemon=True,
-                                                name="reshard-save-watch")
-                self._thread.start()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._waiting = None
-
-        return call
-
-    def _watch(self) -> None:
-        reported: tuple[str, float] | None = None
-        n = 0
-        while not self._done.wait(min(1.0, self._every / 4)):
-            w = self._waiting
-            if w is None:
-                continue
-            if w is not reported:
-                reported, n = w, 0
-            waited = time.monotonic() - w[1]
-            if waited >= (n + 1) * self._every:
-                n += 1
-                log.warning("%s: waiting %.0f s for the other ranks in phase %s (collective %s)",
-                            self._what, waited, self._phase(), w[0])
-
-    def stop(self) -> None:
-        self._done.set()
 
 
 def drop_plan_cache(group: Any = None) -> None:

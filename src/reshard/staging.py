@@ -34,7 +34,15 @@ from typing import Any
 
 import torch
 
-from .collectives import Collectives, SingleProcess, TorchCollectives, get_collectives
+from .collectives import (
+    Collectives,
+    SingleProcess,
+    TorchCollectives,
+    checkpoint_timeout_s,
+    get_collectives,
+    group_timeout_s,
+    is_broken,
+)
 from .options import SaveOptions
 from .pending import SAVERS, SAVERS_LOCK, warn_pending_error
 from .pending import raise_pending_error as raise_pending_error  # re-exported
@@ -125,6 +133,9 @@ class _Slot:
     buffers: list[torch.Tensor]
     thread: threading.Thread
     started: float = field(default_factory=time.monotonic)
+    #: the longest one collective of the save waits (s; None: unknown) and its ranks
+    timeout_s: float | None = None
+    world_size: int = 1
 
 
 class _Saver:
@@ -138,26 +149,28 @@ class _Saver:
         self.error: BaseException | None = None
         self.error_handle: SaveHandle | None = None
         self.lock = threading.Lock()
-        self.timed: dict[float, Collectives] = {}
+        self.timed: dict[float | None, Collectives] = {}
         base = get_collectives(group)
         self.rank, self.world_size = base.rank, base.world_size
-        if isinstance(base, SingleProcess):
-            self.bg: Collectives = base
+        self.single = isinstance(base, SingleProcess)
+        if self.single:
             self.ctl: Collectives = base
         else:
             from .collectives import new_checkpoint_group
 
             # all ranks reach here on their first async_save, in the same order
-            self.bg = TorchCollectives(new_checkpoint_group(group))
             self.ctl = TorchCollectives(new_checkpoint_group(group))
 
     def bg_for(self, timeout_s: float | None) -> Collectives:
-        """The background group, or one created (once, by every rank, on the
-        caller's thread) with ``timeout_s`` (``SaveOptions.timeout_s``)."""
-        if timeout_s is None or isinstance(self.bg, SingleProcess):
-            return self.bg
+        """The background group of saves with ``timeout_s``
+        (``SaveOptions.timeout_s``; None: the training group's timeout),
+        created once by every rank on the caller's thread, and again after
+        a failure made it unusable (a lost peer, a timeout)."""
+        if self.single:
+            return self.ctl
+        timeout_s = checkpoint_timeout_s(self.group, timeout_s)
         got = self.timed.get(timeout_s)
-        if got is None:
+        if got is None or is_broken(got):
             from .collectives import new_checkpoint_group
 
             got = self.timed[timeout_s] = TorchCollectives(new_checkpoint_group(self.group, timeout_s))
@@ -305,7 +318,9 @@ def async_save(
     # interleave between saves (concurrent ones mismatch across ranks)
     prev = saver.pending[-1].thread if saver.pending else None
     th = threading.Thread(target=work, name=f"reshard-async-save-{step}", daemon=True)
-    saver.pending.append(_Slot(handle=handle, buffers=buffers, thread=th))
+    saver.pending.append(_Slot(handle=handle, buffers=buffers, thread=th, world_size=bg.world_size,
+                               timeout_s=group_timeout_s(bg.group) if isinstance(bg, TorchCollectives)
+                               else None))
     th.start()
     return handle
 
@@ -363,9 +378,15 @@ def _at_exit() -> None:
         for slot in slots:
             if not slot.handle.committed.done():
                 h = slot.handle
+                bound = ("" if slot.world_size == 1 else
+                         f"; each of its collectives waits at most {slot.timeout_s:.0f} s for the "
+                         f"other ranks (ranks 0-{slot.world_size - 1}), a lost rank ends it within "
+                         "seconds" if slot.timeout_s is not None else
+                         f"; its collectives wait for ranks 0-{slot.world_size - 1} as long as "
+                         "their group's timeout")
                 _exit_line(f"reshard: exit waits for the asynchronous save of step {h.step} to "
-                           f"{h.path} (in flight for {time.monotonic() - slot.started:.0f} s) to "
-                           "commit, as long as its collectives wait at most; Ctrl-C abandons it")
+                           f"{h.path} to commit (in flight for {time.monotonic() - slot.started:.0f}"
+                           f" s{bound}); Ctrl-C abandons it")
             slot.handle.committed.exception()
             slot.thread.join()
     except KeyboardInterrupt:

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..collectives import Request, _reduce
+from ..collectives_base import Request, _reduce
 
 
 @dataclass

@@ -1,0 +1,323 @@
+"""The collectives interface and its pure parts: the :class:`Collectives`
+interface, the protocol driver (:func:`drive`), the agreement protocol
+(:func:`agree_steps`), :class:`SingleProcess` (world size 1) and
+:class:`Counting` (a wrapper that counts bytes), :class:`Deferred` (a
+checkpoint group made at its first collective). Nothing here calls
+torch.distributed: the implementation over process groups is
+:class:`reshard.collectives.TorchCollectives` (the only module that does),
+which re-exports every name below.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Generator, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+import torch
+
+from .errors import RankFailure, agreed_error, summarize_failures
+
+T = TypeVar("T")
+
+#: ops of :meth:`Collectives.all_reduce_ints`
+OPS = ("sum", "max", "min")
+#: at most this many failures (with tracebacks) travel to non-coordinator ranks
+MAX_SHIPPED_FAILURES = 8
+#: and each failure's traceback text is cut to this many characters there
+MAX_SHIPPED_TRACEBACK = 4000
+
+
+class Collectives(ABC):
+    """Collective operations of one group; rank 0 is the coordinator.
+
+    Every rank of the group must call the same methods in the same order.
+    Byte counts below are payload bytes (the 8-byte length headers some
+    implementations add are counted by :class:`Counting`).
+    """
+
+    rank: int
+    world_size: int
+
+    @abstractmethod
+    def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:
+        """Every rank sends ``data``; rank ``dst`` receives all of them in rank
+        order (returns the list), the others receive nothing (return None)."""
+
+    @abstractmethod
+    def scatter_bytes(self, parts: Sequence[bytes] | None, src: int = 0) -> bytes:
+        """Rank ``src`` passes one payload per rank (``world_size`` of them);
+        every rank receives only its own. Others pass None."""
+
+    @abstractmethod
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        """``data`` of rank ``src`` (others pass anything, e.g. None) on every rank."""
+
+    @abstractmethod
+    def all_reduce_ints(self, values: Sequence[int], op: str = "sum") -> list[int]:
+        """Element-wise ``op`` ("sum", "max" or "min") of int64 vectors of equal
+        length over every rank; every rank receives the result. For small
+        vectors (flags, counters, hashes): it moves ``8 * len(values)`` bytes."""
+
+    @abstractmethod
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank contributes ``data``; every rank receives all, in rank
+        order. O(world) bytes into every rank: only for small payloads of small
+        groups (kept for callers outside the save/load path)."""
+
+    def barrier(self) -> None:
+        self.all_reduce_ints([0])
+
+    def exchange(self, sends: Sequence[tuple[int, int, torch.Tensor]],
+                 recvs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+        """Point-to-point transfer of data buffers (the bytes a replica's
+        reader hands to the other ranks that need them; see
+        :mod:`reshard.coordination_load`): ``sends`` and ``recvs`` are
+        ``(peer rank in the group, tag, tensor)``; each send must be matched
+        by the peer's recv of the same tag and number of bytes. Tensors are
+        contiguous uint8 CPU tensors; a recv fills its tensor in place.
+        Returns once every transfer of this rank completed.
+
+        Raises:
+            NotImplementedError: the implementation moves no data (one rank,
+                the simulator).
+            CheckpointError: the transport failed (a lost peer, a timeout).
+        """
+        if sends or recvs:
+            raise NotImplementedError(f"{type(self).__name__} moves no data between ranks")
+
+    def all_gather_json(self, obj: Any) -> list[Any]:
+        """``all_gather_bytes`` of msgspec-JSON-encoded objects."""
+        return [msgspec.json.decode(b) for b in self.all_gather_bytes(msgspec.json.encode(obj))]
+
+    def agree(self, what: str, exc: BaseException | None,
+              values: Sequence[int] = ()) -> list[int]:
+        """All ranks report success or their exception in one all-reduce (with
+        ``values``, reduced by max, riding along: returns them reduced).
+
+        When some rank failed, the failures (type, message, traceback as text)
+        are gathered to the coordinator only, which sends every rank a bounded
+        summary (failures deduplicated by type and message, with rank ranges and
+        the first few tracebacks); every rank then raises the same
+        :class:`~reshard.errors.CheckpointError` (or the common subclass).
+        The coordinator's error keeps every rank's failure in ``failures``; the
+        others' keep at most ``MAX_SHIPPED_FAILURES``.
+
+        Raises:
+            CheckpointError: on every rank when any rank passed an exception.
+        """
+        return drive(self, agree_steps(self.rank, what, exc, values))
+
+
+#: a collective request of a protocol written as a generator: the name of a
+#: :class:`Collectives` method and its positional arguments
+Request = tuple[Any, ...]
+
+
+def drive(coll: Collectives, steps: Generator[Request, Any, T]) -> T:
+    """Run a protocol generator over ``coll``: each yielded ``(method, *args)``
+    is called on ``coll`` and its result sent back; returns the generator's
+    return value (exceptions propagate). The scale simulator runs the same
+    generators of N ranks in lockstep instead."""
+    try:
+        req = next(steps)
+        while True:
+            req = steps.send(getattr(coll, req[0])(*req[1:]))
+    except StopIteration as stop:
+        return stop.value
+
+
+def agree_steps(rank: int, what: str, exc: BaseException | None,
+                values: Sequence[int] = ()) -> Generator[Request, Any, list[int]]:
+    """:meth:`Collectives.agree` as protocol steps."""
+    red = yield ("all_reduce_ints", [1 if exc is not None else 0, *values], "max")
+    if not red[0]:
+        return list(red[1:])
+    mine = b"" if exc is None else msgspec.json.encode(RankFailure.from_exception(rank, exc).to_json())
+    got = yield ("gather_bytes", mine)
+    failures: dict[int, RankFailure] = {}
+    shipped = b""
+    if got is not None:
+        failures = {r: RankFailure.from_json(msgspec.json.decode(b)) for r, b in enumerate(got) if b}
+        shipped = msgspec.json.encode({"n": len(failures), "groups": summarize_failures(failures),
+                                       "failures": [f.to_json() for f in _representatives(failures)]})
+    raw = yield ("broadcast_bytes", shipped if got is not None else None)
+    if got is None:
+        rep = msgspec.json.decode(raw)
+        failures = {int(f["rank"]): RankFailure.from_json(f) for f in rep["failures"]}
+        err = agreed_error(what, failures, groups=rep["groups"], total=int(rep["n"]))
+    else:
+        err = agreed_error(what, failures, world_size=len(got))
+    if exc is not None:
+        raise err from exc
+    raise err
+
+
+def _representatives(failures: dict[int, RankFailure]) -> list[RankFailure]:
+    """The first rank of each distinct (type, message), up to MAX_SHIPPED_FAILURES,
+    tracebacks cut to MAX_SHIPPED_TRACEBACK characters."""
+    seen: set[tuple[str, str]] = set()
+    out: list[RankFailure] = []
+    for r in sorted(failures):
+        f = failures[r]
+        if (f.type_name, f.message) in seen:
+            continue
+        seen.add((f.type_name, f.message))
+        tb = f.traceback if len(f.traceback) <= MAX_SHIPPED_TRACEBACK else (
+            f.traceback[:MAX_SHIPPED_TRACEBACK // 2] + "\n...\n" + f.traceback[-MAX_SHIPPED_TRACEBACK // 2:])
+        out.append(RankFailure(rank=f.rank, type_name=f.type_name, message=f.message[:2000],
+                               traceback=tb))
+        if len(out) >= MAX_SHIPPED_FAILURES:
+            break
+    return out
+
+
+def _reduce(vectors: Sequence[Sequence[int]], op: str) -> list[int]:
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    cols = list(zip(*vectors, strict=True))
+    if op == "sum":
+        return [int(sum(c)) for c in cols]
+    return [int(max(c) if op == "max" else min(c)) for c in cols]
+
+
+class SingleProcess(Collectives):
+    """World of one rank: gathers return ``[data]``."""
+
+    rank = 0
+    world_size = 1
+
+    def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:
+        return [bytes(data)]
+
+    def scatter_bytes(self, parts: Sequence[bytes] | None, src: int = 0) -> bytes:
+        assert parts is not None and len(parts) == 1
+        return bytes(parts[0])
+
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        return bytes(data or b"")
+
+    def all_reduce_ints(self, values: Sequence[int], op: str = "sum") -> list[int]:
+        return _reduce([values], op)
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        return [bytes(data)]
+
+    def barrier(self) -> None:
+        pass
+
+
+class Counting(Collectives):
+    """Wraps another Collectives and counts the bytes this rank sends and
+    receives per call (payloads plus the 8-byte length headers of the
+    gather/scatter/broadcast protocols), in ``sent`` / ``recv`` (bytes) and
+    ``calls`` (op name -> count); data handed over by :meth:`exchange` in
+    ``data_sent`` / ``data_recv``."""
+
+    def __init__(self, inner: Collectives):
+        self.inner = inner
+        self.rank, self.world_size = inner.rank, inner.world_size
+        self.sent = 0
+        self.recv = 0
+        self.data_sent = 0
+        self.data_recv = 0
+        self.calls: dict[str, int] = {}
+
+    def _count(self, op: str, sent: int, recv: int) -> None:
+        self.sent += sent
+        self.recv += recv
+        self.calls[op] = self.calls.get(op, 0) + 1
+
+    def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:
+        out = self.inner.gather_bytes(data, dst)
+        if out is None:
+            self._count("gather", len(data) + 8, 0)
+        else:
+            self._count("gather", 0, sum(len(b) + 8 for r, b in enumerate(out) if r != self.rank))
+        return out
+
+    def scatter_bytes(self, parts: Sequence[bytes] | None, src: int = 0) -> bytes:
+        out = self.inner.scatter_bytes(parts, src)
+        if self.rank == src:
+            assert parts is not None
+            self._count("scatter", sum(len(p) + 8 for r, p in enumerate(parts) if r != src), 0)
+        else:
+            self._count("scatter", 0, len(out) + 8)
+        return out
+
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        out = self.inner.broadcast_bytes(data, src)
+        if self.rank == src:
+            self._count("broadcast", len(out) + 8, 0)
+        else:
+            self._count("broadcast", 0, len(out) + 8)
+        return out
+
+    def all_reduce_ints(self, values: Sequence[int], op: str = "sum") -> list[int]:
+        out = self.inner.all_reduce_ints(values, op)
+        self._count("all_reduce", 8 * len(values), 8 * len(values))
+        return out
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        out = self.inner.all_gather_bytes(data)
+        self._count("all_gather", len(data), sum(len(b) for r, b in enumerate(out) if r != self.rank))
+        return out
+
+    def barrier(self) -> None:
+        self.inner.barrier()
+        self._count("barrier", 0, 0)
+
+    def exchange(self, sends: Sequence[tuple[int, int, torch.Tensor]],
+                 recvs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+        """Counted apart from the coordination bytes: ``data_sent`` /
+        ``data_recv`` (bytes of the buffers)."""
+        self.inner.exchange(sends, recvs)
+        self.data_sent += sum(t.numel() for _, _, t in sends)
+        self.data_recv += sum(t.numel() for _, _, t in recvs)
+        self.calls["exchange"] = self.calls.get("exchange", 0) + 1
+
+
+class Deferred(Collectives):
+    """:func:`reshard.collectives.timed_collectives` of ``group`` and ``timeout_s``, made at the
+    first collective, not before: ``rank`` and ``world_size`` need none, so a
+    manager constructed on one rank only (to list or collect a root) creates
+    no process group. Made again when a failure left it unusable."""
+
+    def __init__(self, group: Any, timeout_s: float | None):
+        from .collectives import get_collectives
+
+        base = get_collectives(group)
+        self.rank, self.world_size = base.rank, base.world_size
+        self._group, self._timeout_s = group, timeout_s
+        self._inner: Collectives | None = (base if timeout_s is None or base.world_size == 1
+                                           else None)
+
+    def _get(self) -> Collectives:
+        from .collectives import is_broken, timed_collectives
+
+        if self._inner is None or is_broken(self._inner):
+            self._inner = timed_collectives(self._group, self._timeout_s)
+        return self._inner
+
+    def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:
+        return self._get().gather_bytes(data, dst)
+
+    def scatter_bytes(self, parts: Sequence[bytes] | None, src: int = 0) -> bytes:
+        return self._get().scatter_bytes(parts, src)
+
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        return self._get().broadcast_bytes(data, src)
+
+    def all_reduce_ints(self, values: Sequence[int], op: str = "sum") -> list[int]:
+        return self._get().all_reduce_ints(values, op)
+
+    def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        return self._get().all_gather_bytes(data)
+
+    def barrier(self) -> None:
+        self._get().barrier()
+
+    def exchange(self, sends: Sequence[tuple[int, int, torch.Tensor]],
+                 recvs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+        self._get().exchange(sends, recvs)
