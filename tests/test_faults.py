@@ -264,3 +264,40 @@ def test_cli_faults(tmp_path):
     assert res["exit_s"] is not None and res["bytes_before"] > 0 and res["stray_bytes"] == 0
     assert CliRunner().invoke(main, ["faults", "--only", "no such cell"]).exit_code == 2
     assert CliRunner().invoke(main, ["faults", "--backend", "gcs"]).exit_code == 2
+
+
+def test_fault_storage_stop_and_on_fire_and_free_bytes(tmp_path):
+    """The matrix's hooks into FaultStorage: ``on_fire`` is told of a fault
+    before it acts, "stop" SIGSTOPs the process (here: a child, resumed),
+    and the wrapped store's free space is what the space check sees."""
+    import signal
+    import time
+
+    seen = []
+    fs = FaultStorage(LocalStorage(), [Fault(op="write", action="eio")],
+                      on_fire=lambda op, path, action: seen.append((op, os.path.basename(path), action)))
+    with pytest.raises(StorageError):
+        fs.write_bytes(str(tmp_path / "a"), b"x")
+    assert seen == [("write", "a", "eio")]
+    assert fs.free_bytes(str(tmp_path)) == LocalStorage().free_bytes(str(tmp_path)) is not None
+    with pytest.raises(ValueError):
+        Fault(op="write", action="pause")
+    pid = os.fork()
+    if pid == 0:  # the child stops itself at its write, then finishes once resumed
+        try:
+            FaultStorage(LocalStorage(), [Fault(op="write", action="stop")]).write_bytes(
+                str(tmp_path / "b"), b"resumed")
+        finally:
+            os._exit(0)
+    deadline = time.monotonic() + 30
+    while True:
+        _, status = os.waitpid(pid, os.WUNTRACED | os.WNOHANG)
+        if status and os.WIFSTOPPED(status):
+            break
+        assert time.monotonic() < deadline, "the child never stopped"
+        time.sleep(0.02)
+    b = tmp_path / "b"
+    assert not b.exists() or b.read_bytes() == b""  # stopped before the write
+    os.kill(pid, signal.SIGCONT)
+    os.waitpid(pid, 0)
+    assert (tmp_path / "b").read_bytes() == b"resumed"

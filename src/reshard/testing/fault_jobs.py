@@ -43,7 +43,7 @@ def exit_rank(cell: Cell, rank: int, world: int, port: int, cdir: str, spec: dic
     0's shard file waits for a gate never opened), the training step raises,
     and the ``finally`` block takes its time: the parent's SIGTERM must end
     the process as it would without reshard."""
-    init_group(cell, rank, world, port, spec)
+    init_group(cell, rank, world, port, spec, cdir)
     from ..manager import CheckpointManager
     from .faults import Fault, FaultStorage
 

@@ -47,9 +47,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import socket
 import time
 from typing import Any
+from unittest import mock
 
 from .fault_model import (
     AFTER_DETECTION_S,
@@ -152,7 +154,7 @@ class _Proc:
             pass
 
     def kill(self) -> None:
-        self.signal(9)
+        self.signal(signal.SIGKILL)
         self.join(5)
 
     def join(self, timeout: float | None = None) -> None:
@@ -210,18 +212,12 @@ def run_cell(cell: Cell, workdir: str, *, world: int = WORLD, backend: Any = Non
     spec["root"] = root = be.root(cdir, cell)
     if be.name == "local":
         os.makedirs(root, exist_ok=True)
-    old = {k: os.environ.get(k) for k in be.env}
-    os.environ.update(be.env)  # the judge talks to the same store
     try:
-        _run(cell, res, be, cdir, spec, world)
+        with mock.patch.dict(os.environ, be.env):  # the judge talks to the same store
+            _run(cell, res, be, cdir, spec, world)
     except Exception as e:  # noqa: BLE001 - a judge that cannot look is an unsafe cell
         res.problems.append(f"judging failed: {type(e).__name__}: {e}")
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         if cell.on_tmpfs:
             from .fault_jobs import umount
 
@@ -310,6 +306,11 @@ def _restart_target() -> Any:
 def _stop(cell: Cell, res: CellResult, procs: list[_Proc], what: str = "rank") -> None:
     """End the job: kill the processes still alive (a hang: not live, unless
     it is the cell's stalled or stopped rank) and join every one."""
+    hung = [p for p in procs if p.alive()]
+    for p in hung:  # where do they hang (stacks<r>.txt)?
+        p.signal(signal.SIGUSR1)
+    if hung:
+        time.sleep(0.5)
     for r, p in enumerate(procs):
         if p.alive():
             p.kill()

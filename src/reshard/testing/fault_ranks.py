@@ -173,7 +173,16 @@ def finish(result: dict[str, Any], err: BaseException | None, out: str) -> None:
     os._exit(0)
 
 
-def init_group(cell: Cell, rank: int, world: int, port: int, spec: dict[str, Any]) -> None:
+def init_group(cell: Cell, rank: int, world: int, port: int, spec: dict[str, Any],
+               cdir: str | None = None) -> None:
+    """Join the cell's gloo group (and, with ``cdir``, dump every thread's
+    stack to ``stacks<r>.txt`` on SIGUSR1: the runner asks a hung rank where
+    it hangs before it kills it)."""
+    if cdir is not None:
+        import faulthandler
+
+        faulthandler.register(signal.SIGUSR1, file=open(os.path.join(cdir, f"stacks{rank}.txt"), "w"),  # noqa: SIM115
+                              all_threads=True)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.update(spec.get("env", {}))
     import torch
@@ -206,7 +215,7 @@ def wait_armed(cdir: str, rank: int) -> None:
 def rank_main(cell: Cell, rank: int, world: int, port: int, cdir: str, spec: dict[str, Any]) -> None:
     """One rank of a cell (runs in a child process); ``spec``: ``backend``,
     ``root``, ``rows``, ``env``, ``disk`` (the tmpfs, where the cell has one)."""
-    init_group(cell, rank, world, port, spec)
+    init_group(cell, rank, world, port, spec, cdir)
     import torch.distributed as dist
 
     import reshard
