@@ -105,9 +105,10 @@ _QUICK_EXTRA = ("sigkill-save/save-async/data/kill/rank1", "sigkill-save/save-sy
                 "enospc-clears/save-async/data/enospc/rank0",
                 "sigstop-save/save-sync/data/stop/rank1/timeout3s")
 #: classes the quick matrix leaves to the full one (a stop cell waits out its
-#: timeout twice: one runs, above; the SIGTERM cell starts two interpreters,
-#: and tests/test_failure_budget.py covers it on one)
-_QUICK_SKIP = ("sigstop-save", "sigstop-load", "sigterm-unwinding")
+#: timeout twice: one runs, above; the SIGTERM and exit cells start two
+#: interpreters each, and tests/test_failure_budget.py and
+#: tests/test_async_exit.py cover them on one)
+_QUICK_SKIP = ("sigstop-save", "sigstop-load", "sigterm-unwinding", "sigkill-exit")
 
 
 # --------------------------------------------------------------------------- processes
@@ -266,6 +267,7 @@ def _run(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[str, Any], 
         res.problems.append("the proxy's fault never fired (the cell tested nothing)")
     t_fault = _fault_time(cdir, t_armed)
     res.bytes_after, res.stray_bytes = be.usage(st, root)
+    res.left_behind = be.stray(st, root, res)  # what the faulted job left (before any restart)
     _judge_safe(cell, res, outs, procs, be, st, root, cdir, world, victims)
     op.judge(procs)
     _judge_timing(cell, res, outs, procs, cdir, world, victims, t_fault)
@@ -287,7 +289,6 @@ def _run(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[str, Any], 
     if res.space_back == "NO" and not res.skipped:
         res.liveness.append(f"{res.stray_bytes} bytes of the failed attempt are still on disk after the "
                             f"job went on ({stray_after} after the restart)")
-    res.left_behind = be.stray(st, root, res)
     be.before_gc(st, root)
     from ..manager import CheckpointManager
 
