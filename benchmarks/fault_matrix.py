@@ -24,6 +24,10 @@ import tempfile
 import time
 
 
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one cell per fault class (and a few more)")
@@ -49,8 +53,8 @@ def main() -> int:
         verdict = ("safe  " if r.safe else "UNSAFE") + (" live " if r.live else " STUCK")
         print(f"{verdict} {r.seconds:5.1f}s {r.cell.backend + ':' + r.cell.name:61s} {ranks:42s} "
               f"latest={os.path.basename(r.latest) if r.latest else '-'} "
-              f"prev_bit_exact={r.previous_loads} detect_s={r.detect_s} next={r.next_commits} "
-              f"exit_s={r.exit_s} space_back={r.space_back} left={','.join(r.left_behind) or '-'}", flush=True)
+              f"prev_bit_exact={r.previous_loads} detect_s={_s(r.detect_s)} next={r.next_commits} "
+              f"exit_s={_s(r.exit_s)} space_back={r.space_back} left={','.join(r.left_behind) or '-'}", flush=True)
         for p in r.problems + r.liveness:
             print(f"        {p[:300]}")
 
