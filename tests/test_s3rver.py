@@ -162,12 +162,11 @@ def test_s3_fault_cells_on_s3rver(s3rver_session: Any, tmp_path: Any) -> None:
     safe, and gc removes what the kill left although s3rver
     cannot list multipart uploads. The cells are single writers, so they run
     with the documented RESHARD_S3_TRUST_CONDITIONAL=1."""
-    from reshard.testing.fault_matrix import cells
-    from reshard.testing.fault_matrix_s3 import run_matrix
+    from reshard.testing.fault_matrix import cells, run_matrix
 
     chosen = [c for c in cells(quick=True, backend="s3") if c.fault_class in ("sigkill-save",)]
     assert len(chosen) == 1
-    results = run_matrix(chosen, workdir=str(tmp_path / "m"), server="s3rver")
+    results = run_matrix(chosen, workdir=str(tmp_path / "m"), s3_server="s3rver")
     unsafe = [r for r in results if not r.safe]
     assert not unsafe, "\n".join(f"{r.cell.name}: {r.problems}" for r in unsafe)
     killed = next(r for r in results if r.cell.fault_class == "sigkill-save")

@@ -73,6 +73,21 @@ def fuzz_cmd(count: int, seed: int, workdir: str | None, timeout_s: float, jobs:
     sys.exit(0 if rep.ok else 1)
 
 
+def fault_row(r: Any) -> list[Any]:
+    """One row of the ``reshard faults`` table."""
+    def sec(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    if r.skipped:
+        return [f"{r.cell.backend}:{r.cell.name}", "skipped", r.skipped[:40], "-", "-", "-", "-", "-", "-", "-"]
+    errs = sorted({v.split(":", 1)[0] for v in r.ranks.values()})
+    verdict = ("safe" if r.safe else "UNSAFE") + ("" if r.live else ", NOT LIVE")
+    return [f"{r.cell.backend}:{r.cell.name}", verdict, "/".join(errs),
+            os.path.basename(r.latest) if r.latest else "-", "yes" if r.previous_loads else "NO",
+            sec(r.detect_s), "-" if r.next_commits is None else "yes" if r.next_commits else "NO",
+            sec(r.exit_s), r.space_back or "-", ",".join(r.left_behind)[:60] or "-"]
+
+
 @click.command("faults")
 @click.option("--quick", is_flag=True, help="One cell per fault class (a few minutes).")
 @click.option("--backend", default="local", show_default=True,
@@ -86,14 +101,21 @@ def faults_cmd(quick: bool, backend: str, json_path: str | None, only: str | Non
                workdir: str | None) -> None:
     """Run the fault matrix: every fault x phase x mode on 2 real gloo ranks
     (storage errors, SIGKILL at each phase of a save and during a load, a rank
-    that never arrives, corrupted committed checkpoints) and judge each cell.
-    --backend s3 runs the S3 rows on a moto server started on 127.0.0.1
-    behind a fault-injecting proxy (HTTP 500/503, resets, bodies cut short).
+    that never arrives or is SIGSTOPped, corrupted committed checkpoints, a
+    real full disk, gc beside the saves, SIGTERM while unwinding) and judge
+    each cell. --backend s3 runs the S3 rows on a moto server started on
+    127.0.0.1 behind a fault-injecting proxy (HTTP 500/503, resets, bodies
+    cut short).
 
     A cell is safe when nothing half-written is listed as committed or loaded,
     every surviving rank raised a CheckpointError, the previous checkpoint
-    still loads bit-exact and gc leaves no stray attempt. Exits 0 when every
-    cell is safe, 1 otherwise, 2 on a usage error.
+    still loads bit-exact and gc leaves no stray attempt; live when the next
+    save commits (a restarted job's, where a rank was lost), every rank saw
+    the fault within its bound ("detect s": seconds after the fault), every
+    process exited within 5 s of that ("exit s") and the failed attempt's
+    space came back ("space back": yes, or after the restart). Cells that
+    need a tmpfs are skipped where mount is refused. Exits 0 when every cell
+    run is safe and live, 1 otherwise, 2 on a usage error.
     """
     from .testing.fault_matrix import cells, run_matrix
 
@@ -118,36 +140,37 @@ def faults_cmd(quick: bool, backend: str, json_path: str | None, only: str | Non
     t0 = time.perf_counter()
 
     def progress(r: Any) -> None:
-        click.echo(f"  {'safe  ' if r.safe else 'UNSAFE'} {r.seconds:5.1f}s {r.cell.backend}:{r.cell.name}",
-                   err=True)
+        v = "skip  " if r.skipped else ("safe  " if r.safe else "UNSAFE") + (" live" if r.live else " STUCK")
+        click.echo(f"  {v} {r.seconds:5.1f}s {r.cell.backend}:{r.cell.name}", err=True)
 
     try:
         results = run_matrix(chosen, workdir=workdir, progress=progress)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    rows = []
-    for r in results:
-        errs = sorted({v.split(":", 1)[0] for v in r.ranks.values()})
-        rows.append([f"{r.cell.backend}:{r.cell.name}", "safe" if r.safe else "UNSAFE", "/".join(errs),
-                     os.path.basename(r.latest) if r.latest else "-",
-                     "yes" if r.previous_loads else "NO",
-                     "-" if r.next_commits is None else "yes" if r.next_commits else "NO",
-                     ",".join(r.left_behind) or "-"])
-    table(["cell", "verdict", "rank outcomes", "latest", "prev bit-exact", "next save commits",
-           "left behind (gc'd)"], rows)
+    rows = [fault_row(r) for r in results]
+    table(["cell", "verdict", "rank outcomes", "latest", "prev bit-exact", "detect s", "next save commits",
+           "exit s", "space back", "left behind (gc'd)"], rows, right=[5, 7])
     unsafe = [r for r in results if not r.safe]
-    for r in unsafe:
-        click.echo(f"UNSAFE {r.cell.backend}:{r.cell.name}:")
-        for p in r.problems:
+    stuck = [r for r in results if r.safe and not r.live and not r.skipped]
+    skipped = [r for r in results if r.skipped]
+    for r in unsafe + stuck:
+        click.echo(f"{'UNSAFE' if not r.safe else 'NOT LIVE'} {r.cell.backend}:{r.cell.name}:")
+        for p in r.problems + r.liveness:
             click.echo(f"    {p[:300]}")
-    click.echo(f"faults: {len(results)} cells run, {len(results) - len(unsafe)} safe, {len(unsafe)} "
-               f"unsafe ({time.perf_counter() - t0:.0f} s)")
+    for r in skipped:
+        click.echo(f"skipped {r.cell.backend}:{r.cell.name}: {r.skipped}")
+    ran = len(results) - len(skipped)
+    click.echo(f"faults: {ran} cells run, {ran - len(unsafe)} safe, {len(unsafe)} unsafe, "
+               f"{ran - len(unsafe) - len(stuck)} live, {len(stuck)} not live"
+               + (f", {len(skipped)} skipped" if skipped else "")
+               + f" ({time.perf_counter() - t0:.0f} s)")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"backend": backend, "quick": quick, "cells": len(results),
-                       "safe": len(results) - len(unsafe), "unsafe": len(unsafe),
+            json.dump({"backend": backend, "quick": quick, "cells": ran,
+                       "safe": ran - len(unsafe), "unsafe": len(unsafe), "live": ran - len(unsafe) - len(stuck),
+                       "not_live": len(stuck), "skipped": len(skipped),
                        "results": [r.to_json() for r in results]}, f, indent=1)
-    sys.exit(1 if unsafe else 0)
+    sys.exit(1 if unsafe or stuck else 0)
 
 

@@ -27,8 +27,8 @@ async) or loading:
   the manifest missing, truncated, corrupted or from another attempt, a data
   object from another attempt.
 
-Judged as locally (see :mod:`reshard.testing.fault_matrix`: every survivor
-of a killed or stalled rank names it as lost), with the S3
+Run and judged by the one runner, :mod:`reshard.testing.fault_matrix`
+(every survivor of a killed or stalled rank names it as lost), with the S3
 form of "no stray attempt": once the job has ended, the killed job's lease
 has expired (``RESHARD_LEASE_TTL_S`` is a few seconds here) and ``gc`` ran,
 no key of an attempt that no manifest names, no lease and no open
@@ -45,34 +45,27 @@ import os
 import re
 import signal
 import time
-from datetime import timedelta
 from typing import Any
 
-from .fault_matrix import (
-    INTEGRITY,
-    PG_TIMEOUT_S,
-    WORLD,
-    Cell,
-    CellResult,
-    _context,
-    _finish_rank,
-    _free_port,
-    _KillOnStateDict,
-    named_lost,
-    rank_outcomes,
-    stop_ranks,
-)
+from .fault_local import INTEGRITY
+from .fault_model import HTTP_MUST_FAIL, Cell
 
 BUCKET = "reshard-faults"
 ROWS = 48  # rows of ``w`` per rank: 12 KiB of float32, two 8 KiB parts
-COLS = 64
 PART_BYTES = 8 << 10
 LEASE_TTL_S = 3.0
 DEADLINE_S = 2.0
 
-#: proxy cells: action -> (fault class, must the operation fail)
-_HTTP = {"http500": True, "slowdown": True, "reset": True, "list500": True, "lost-answer": False,
-         "slowdown-transient": False, "reset-transient": False}
+_DATA = "att-*.data-*"
+#: phase -> (FaultStorage op, match) on an S3 root
+SPOTS = {"data": ("write", _DATA), "data-durable": ("fsync", _DATA),  # a multipart upload is open
+         "manifest": ("put_if_absent", "manifest.json"),
+         "publish-after": ("put_if_absent", "manifest.json"),
+         "lease": ("write_bytes", "att-*.lease.json"),  # the attempt exists, no data yet
+         "retention": ("delete", "manifest.json"),  # before the first delete of step 1
+         # "step-????????": the checkpoint's prefix, not its verification record (deleted first)
+         "retention-mid": ("delete", "step-????????"),
+         "read": ("read", _DATA), "manifest-read": ("read", "manifest.json")}
 
 
 def cells(*, quick: bool = False) -> list[Cell]:
@@ -83,7 +76,7 @@ def cells(*, quick: bool = False) -> list[Cell]:
         for action in ("enospc", "eio", "timeout"):
             for phase, rank in (("data", 1), ("data-durable", 1), ("manifest", 0)):
                 out.append(Cell("storage-error", "save", mode, phase, action, rank, b))
-        for action in _HTTP:
+        for action in HTTP_MUST_FAIL:
             phase = {"slowdown": "manifest", "list500": "plan", "lost-answer": "publish"}.get(action, "data")
             out.append(Cell("s3-http", "save", mode, phase, action, 0 if phase != "data" else 1, b))
         for phase, rank in (("data", 1), ("manifest", 0)):
@@ -114,165 +107,34 @@ def cells(*, quick: bool = False) -> list[Cell]:
 _QUICK = {"sigkill-save": "sigkill-save/save-sync/data-durable/kill/rank1"}
 
 
-def _must_fail(cell: Cell) -> bool:
-    if cell.fault_class in ("storage-error", "sigkill-load", "lost-rank", "truncated-body"):
-        return True
-    if cell.fault_class == "sigkill-save":
-        return cell.phase not in ("publish-after", "retention", "retention-mid")
-    if cell.fault_class == "s3-http":
-        return _HTTP.get(cell.action, not cell.action.endswith("-transient"))
-    return False
-
-
-def _must_commit(cell: Cell) -> bool:
-    """A transient fault: retried, every rank succeeds, step 2 is committed."""
-    return cell.fault_class == "s3-http" and cell.op == "save" and cell.action.endswith("-transient")
-
-
 # --------------------------------------------------------------------------- rank side
 
 
-def _full(step: int, world: int) -> dict[str, Any]:
-    import torch
-
-    g = torch.Generator().manual_seed(2000 + step)
-    return {"w": torch.randn(ROWS * world, COLS, generator=g), "b": torch.randn(32, generator=g)}
-
-
-def _state(step: int, rank: int, world: int, *, kill: bool = False) -> dict[str, Any]:
-    from ..sharding import ShardedTensor
-
-    full = _full(step, world)
-    st: dict[str, Any] = {
-        "w": ShardedTensor("w", full["w"][rank * ROWS:(rank + 1) * ROWS].clone(),
-                           global_shape=tuple(full["w"].shape), global_offset=(rank * ROWS, 0)),
-        "b": full["b"].clone(), "meta": {"step": step}}
-    if kill:
-        st["killer"] = _KillOnStateDict()
-    return st
-
-
-def _target(rank: int, world: int) -> dict[str, Any]:
-    import torch
-
-    from ..sharding import ShardedTensor
-
-    return {"w": ShardedTensor("w", torch.zeros(ROWS, COLS), global_shape=(ROWS * world, COLS),
-                               global_offset=(rank * ROWS, 0)),
-            "b": torch.zeros(32), "meta": {"step": 0}}
-
-
-_DATA = "att-*.data-*"
-
-
-def _faults_for(cell: Cell, rank: int) -> list[Any]:
-    """FaultStorage faults of ``rank`` (proxy faults are armed by the parent)."""
-    from .faults import Fault
-
-    if (rank != cell.rank or cell.op == "integrity" or cell.phase == "stage"
-            or cell.fault_class in ("s3-http", "truncated-body")):
-        return []
-    ph, a = cell.phase, cell.action
-    if ph == "read":
-        if a == "delay":
-            return [Fault(op="read", match=_DATA, action="delay", delay_s=PG_TIMEOUT_S * 20)]
-        return [Fault(op="read", match=_DATA, action=a)]
-    if ph == "plan":  # the coordinator checks the target before the plan is gathered
-        return [Fault(op="exists", match="manifest.json", action="kill")]
-    if ph == "lease":  # the lease is written: the attempt exists, no data yet
-        return [Fault(op="write_bytes", match="att-*.lease.json", action="kill", after=True)]
-    if ph == "publish-after":
-        return [Fault(op="put_if_absent", match="manifest.json", action="kill", after=True)]
-    if ph == "retention":  # before the first delete of step 1 (its manifest goes first)
-        return [Fault(op="delete", match="manifest.json", action="kill")]
-    if ph == "retention-mid":  # step 1's manifest deleted, then one of its data objects
-        def half_delete(op: str, path: str) -> None:
-            from ..storage.s3 import S3Storage
-
-            inner = S3Storage()
-            data = sorted(k for k in inner._keys(path.rstrip("/") + "/") if ".data-" in k)[:1]
-            inner.delete_keys(data)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        # "step-????????": the checkpoint's prefix, not its verification record (deleted first)
-        return [Fault(op="delete", match="step-????????", action="call", callback=half_delete)]
-    if a == "delay":
-        return [Fault(op="write", match=_DATA, action="delay", delay_s=PG_TIMEOUT_S * 20)]
-    if ph == "data" and a == "kill":  # mid-data: after the first write of a shard object
-        return [Fault(op="write", match=_DATA, action="kill", after=True)]
-    if ph == "data":
-        return [Fault(op="write", match=_DATA, action=a)]
-    if ph == "data-durable":  # before the object's upload completes (a multipart upload is open)
-        return [Fault(op="fsync", match=_DATA, action=a)]
-    if ph == "manifest":
-        return [Fault(op="put_if_absent", match="manifest.json", action=a)]
-    raise ValueError(f"no S3 fault for {cell.name}")
-
-
-def _rank_main(cell: Cell, rank: int, world: int, port: int, cdir: str, env: dict[str, str],
-               root: str) -> None:
-    """One rank of a cell (a child process); ``root``: ``bucket/prefix``."""
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ.update(env)
-    import torch
-    import torch.distributed as dist
-
-    import reshard
-
-    from ..manager import CheckpointManager
+def rank_storage() -> Any:
     from ..storage.s3 import S3Storage
-    from .faults import FaultStorage
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
-                            timeout=timedelta(seconds=PG_TIMEOUT_S))
-    out = os.path.join(cdir, f"rank{rank}.json")
-    result: dict[str, Any] = {}
-    st = S3Storage()
-    keep_last = 1 if cell.phase.startswith("retention") else None
-    mgr = CheckpointManager(root, keep_last=keep_last, use_async=cell.mode == "async",
-                            preempt_signals=(), gc_grace_s=0.0, storage=st)
-    mgr.save(1, _state(1, rank, world), sync=True)
-    if cell.op == "integrity":
-        mgr.save(2, _state(2, rank, world), sync=True)
-        other = st.join(root + "-other", "step-00000002")
-        reshard.save(_state(3, rank, world), other, step=2, storage=st)  # same layout, another attempt
-        dist.barrier()
-        if rank == 0:
-            _corrupt(st, cell.phase, mgr.path_for(2), other)
-        dist.barrier()
-    else:
-        dist.barrier()
-    with open(os.path.join(cdir, f"ready{rank}"), "w"):
-        pass  # the parent arms the proxy's faults once every rank is here
-    while not os.path.exists(os.path.join(cdir, "armed")):
-        time.sleep(0.02)
-    dist.barrier()
-    fs = FaultStorage(st, _faults_for(cell, rank))
-    err: BaseException | None = None
-    try:
-        if cell.op == "save":
-            m2 = CheckpointManager(root, keep_last=keep_last, use_async=cell.mode == "async",
-                                   preempt_signals=(), gc_grace_s=0.0, storage=fs)
-            m2.save(2, _state(2, rank, world, kill=cell.phase == "stage" and rank == cell.rank))
-            m2.wait()
-        else:
-            path = reshard.latest(root, storage=st) if cell.op == "integrity" else mgr.path_for(1)
-            result["loaded"] = path
-            assert path is not None, "no committed checkpoint to load"
-            tgt = _target(rank, world)
-            reshard.load(tgt, path, storage=fs)
-            step = 2 if path == mgr.path_for(2) else 1
-            full = _full(step, world)
-            if not torch.equal(tgt["b"], full["b"]) or not torch.equal(
-                    tgt["w"].data, full["w"][rank * ROWS:(rank + 1) * ROWS]):
-                result["wrong_data"] = True
-    except BaseException as e:  # noqa: BLE001 - recorded for the parent
-        err = e
-    _finish_rank(result, err, out)
+    return S3Storage()
 
 
-def _corrupt(st: Any, kind: str, ckpt: str, other: str) -> None:
+def other_path(st: Any, root: str) -> str:
+    return str(st.join(root + "-other", "step-00000002"))
+
+
+def faults_for(cell: Cell, rank: int, cdir: str, spec: dict[str, Any]) -> list[Any]:
+    """FaultStorage faults of ``rank`` (proxy faults are armed by the parent)."""
+    from .fault_ranks import faults_for as generic
+
+    return generic(cell, rank, cdir, spec, SPOTS, _half_delete)
+
+
+def _half_delete(op: str, path: str) -> None:
+    """Step 1's manifest deleted, then one of its data objects, then a kill."""
+    inner = rank_storage()
+    data = sorted(k for k in inner._keys(path.rstrip("/") + "/") if ".data-" in k)[:1]
+    inner.delete_keys(data)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+def corrupt(st: Any, kind: str, ckpt: str, other: str) -> None:
     """Corrupt the committed checkpoint ``ckpt`` (keys) the way ``kind`` says."""
     names = st.list_dir(ckpt)
     data = sorted(n for n in names if ".data-" in n)
@@ -374,66 +236,6 @@ def _proxy_faults(cell: Cell, root: str) -> list[Any]:
     raise ValueError(f"no proxy fault for {cell.name}")
 
 
-def run_cell(cell: Cell, workdir: str, ep: Endpoint, *, world: int = WORLD) -> CellResult:
-    """Run one S3 cell (rank outcomes in ``workdir``, objects under a fresh
-    prefix of ``ep``'s bucket) and judge it."""
-    t0 = time.perf_counter()
-    ep.n += 1
-    cdir = os.path.join(workdir, cell.name.replace("/", "_"))
-    os.makedirs(cdir, exist_ok=True)
-    for n in os.listdir(cdir):
-        os.unlink(os.path.join(cdir, n))
-    root = f"{BUCKET}/cells/{ep.n:03d}-{re.sub('[^A-Za-z0-9]+', '-', cell.name)}"
-    ep.proxy.clear()
-    ep.proxy.reset_stats()
-    ctx = _context()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(cell, r, world, port, cdir, ep.env, root), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    hang = cell.action == "delay"
-    deadline = time.monotonic() + PG_TIMEOUT_S * 6 + 60
-    res = CellResult(cell)
-    armed = False
-    rules = _proxy_faults(cell, root)
-    while time.monotonic() < deadline:
-        if not armed and all(os.path.exists(os.path.join(cdir, f"ready{r}")) for r in range(world)):
-            for f in rules:
-                ep.proxy.add(f)
-            with open(os.path.join(cdir, "armed"), "w"):
-                pass
-            armed = True
-        alive = [r for r, p in enumerate(procs) if p.is_alive()]
-        if not alive:
-            break
-        if hang and alive == [cell.rank] and all(
-                os.path.exists(os.path.join(cdir, f"rank{r}.json")) for r in range(world) if r != cell.rank):
-            break  # every other rank has given up on the stalled one: the job ends
-        time.sleep(0.05)
-    stop_ranks(cell, res, procs, hang)
-    ep.proxy.clear()  # the judge talks to the store without faults
-    outs = rank_outcomes(res, procs, cdir)
-    if not armed:
-        res.problems.append("the ranks never reached the fault (step 1 failed?)")
-    elif rules and not any(f.fired for f in rules):
-        res.problems.append("the proxy's fault never fired (the cell tested nothing)")
-    old = {k: os.environ.get(k) for k in ep.env}
-    os.environ.update(ep.env)
-    try:
-        _judge(cell, res, outs, procs, root, world)
-    except Exception as e:  # noqa: BLE001 - a judge that cannot look is an unsafe cell
-        res.problems.append(f"judging failed: {type(e).__name__}: {e}")
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    res.seconds = time.perf_counter() - t0
-    return res
-
-
 def _stray(st: Any, root: str) -> tuple[list[str], list[str], list[str]]:
     """``(attempts no manifest names, their keys, open uploads)`` below ``root``
     (``<checkpoint>/<attempt id>`` names; keys and uploads as ``<checkpoint>/<name>``)."""
@@ -493,98 +295,70 @@ def _wait_leases(st: Any, root: str) -> None:
         time.sleep(wait + 0.1)
 
 
-def _judge(cell: Cell, res: CellResult, outs: dict[int, dict[str, Any]], procs: list[Any],
-           root: str, world: int) -> None:
-    import torch
-
-    import reshard
-
-    from ..commit import committed, scan
-    from ..manager import CheckpointManager
-    from ..storage.s3 import S3Storage
-    from ..verify import verify
-
-    st = S3Storage()
-    p1, p2 = st.join(root, "step-00000001"), st.join(root, "step-00000002")
-    for r, p in enumerate(procs):
-        o = outs.get(r)
-        if o is None:
-            if not (cell.action in ("kill", "delay") and r == cell.rank):
-                res.problems.append(f"rank {r} died without an outcome (exit {p.exitcode})")
-            continue
-        if o.get("wrong_data"):
-            res.problems.append(f"rank {r} loaded wrong data without an error")
-        if o["status"] == "error" and not o["checkpoint_error"]:
-            res.problems.append(f"rank {r} raised {o['type']}, not a CheckpointError: {o['message'][:200]}")
-    if _must_fail(cell):
-        for r, o in outs.items():
-            if o["status"] == "ok":
-                res.problems.append(f"rank {r} reported success although the {cell.op} met "
-                                    f"{cell.action} at {cell.phase}")
-    if cell.action in ("kill", "delay"):  # every survivor's error names the lost rank
-        for r, o in outs.items():
-            if r != cell.rank and o["status"] == "error" and cell.rank not in named_lost(o["message"]):
-                res.problems.append(f"rank {r}'s error does not name the lost rank {cell.rank}: "
-                                    f"{o['message'][:300]}")
-    listed = [e.path for e in committed(st, root)]
-    res.latest = reshard.latest(root, storage=st)
-    good = []
-    for path in listed:
-        rep = verify(path, storage=st)
-        if rep.ok:
-            good.append(path)
-        elif cell.op == "integrity" and path == p2 and outs and (res.latest != p2 or all(
-                o["status"] == "error" and o["checkpoint_error"] for o in outs.values())):
-            pass  # corrupted after its commit; latest skips it, or every rank's load refused it
-        else:
-            res.problems.append(f"{st.basename(path)} is listed as committed but does not verify: "
-                                f"{rep.problems[:2]}")
-    newest_good = good[-1] if good else None
-    if cell.op != "integrity" and res.latest != newest_good:
-        res.problems.append(f"latest is {res.latest}, the newest good checkpoint is {newest_good}")
-    if cell.op == "integrity" and res.latest not in (p1, p2):
-        res.problems.append(f"latest is {res.latest}")
-    if _must_commit(cell) and (res.latest != p2 or any(o["status"] != "ok" for o in outs.values())):
-        res.problems.append(f"a transient {cell.action} was not retried into a commit "
-                            f"(latest {res.latest})")
-    must_load = p2 if cell.phase.startswith("retention") or _must_commit(cell) else p1
-    full = _full(2 if must_load == p2 else 1, world)
-    tgt: dict[str, Any] = {"w": torch.zeros_like(full["w"]), "b": torch.zeros_like(full["b"]),
-                           "meta": {"step": 0}}
-    try:
-        reshard.load(tgt, must_load, storage=st)
-        res.previous_loads = all(torch.equal(tgt[k], full[k]) for k in ("w", "b"))
-        if not res.previous_loads:
-            res.problems.append(f"{st.basename(must_load)} loads, but not bit-exact")
-    except Exception as e:  # noqa: BLE001
-        res.problems.append(f"{st.basename(must_load)} no longer loads: {type(e).__name__}: {e}")
-    ids, keys, uploads = _stray(st, root)
-    res.left_behind = ids + [f"upload {u}" for u in uploads]
-    listed_abandoned = {e.name for e in scan(st, root) if e.abandoned}
-    unlisted = [a for a in ids if a not in listed_abandoned]
-    if unlisted:
-        res.problems.append(f"attempts left behind but not listed as abandoned (reshard ls): {unlisted}")
-    _wait_leases(st, root)
-    CheckpointManager(root, storage=st, preempt_signals=()).gc_abandoned(grace_s=0.0)
-    ids, keys, uploads = _stray(st, root)
-    res.after_gc = keys + [f"upload {u}" for u in uploads]
-    if res.after_gc:
-        res.problems.append(f"gc left {res.after_gc[:6]}")
 
 
-def run_matrix(chosen: list[Cell], *, workdir: str, progress: Any = None,
-               server: str = "moto") -> list[CellResult]:
-    """Run the S3 cells of ``chosen`` on one S3 server started here (moto's,
-    or ``"s3rver"``)."""
-    os.makedirs(workdir, exist_ok=True)
-    ep = Endpoint(server)
-    out = []
-    try:
-        for c in chosen:
-            r = run_cell(c, workdir, ep)
-            out.append(r)
-            if progress is not None:
-                progress(r)
-    finally:
-        ep.close()
-    return out
+class S3Backend:
+    """S3 as the matrix's store: one :class:`Endpoint` (moto's server, or
+    s3rver's) for a matrix run, a fresh prefix per cell."""
+
+    name = "s3"
+
+    def __init__(self, server: str = "moto") -> None:
+        self.ep = Endpoint(server)
+        self.env = self.ep.env
+
+    def rows(self, cell: Cell) -> int:
+        return ROWS
+
+    def root(self, cdir: str, cell: Cell) -> str:
+        self.ep.n += 1
+        return f"{BUCKET}/cells/{self.ep.n:03d}-{re.sub('[^A-Za-z0-9]+', '-', cell.name)}"
+
+    def storage(self) -> Any:
+        return rank_storage()
+
+    def arm(self, cell: Cell, root: str) -> list[Any]:
+        rules = _proxy_faults(cell, root)
+        for f in rules:
+            self.ep.proxy.add(f)
+        return rules
+
+    def disarm(self) -> None:
+        self.ep.proxy.clear()
+        self.ep.proxy.reset_stats()
+
+    def stray(self, st: Any, root: str, res: Any) -> list[str]:
+        """Attempts no manifest names and open uploads; every such attempt
+        must be listed as abandoned by :func:`reshard.commit.scan` (``reshard ls``)."""
+        from ..commit import scan
+
+        ids, _, uploads = _stray(st, root)
+        if res is not None:
+            listed = {e.name for e in scan(st, root) if e.abandoned}
+            unlisted = [a for a in ids if a not in listed]
+            if unlisted:
+                res.problems.append(f"attempts left behind but not listed as abandoned (reshard ls): {unlisted}")
+        return ids + [f"upload {u}" for u in uploads]
+
+    def after_gc(self, st: Any, root: str) -> list[str]:
+        _, keys, uploads = _stray(st, root)
+        return keys + [f"upload {u}" for u in uploads]
+
+    def usage(self, st: Any, root: str) -> tuple[int, int]:
+        """``(bytes of the objects under root, of those no manifest names)``
+        (open multipart uploads are listed in ``stray``, not counted)."""
+        c = self.ep.server.client()
+        bucket, _, prefix = root.partition("/")
+        total, sizes = 0, {}
+        for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+            for o in page.get("Contents", ()):
+                total += int(o["Size"])
+                sizes[o["Key"][len(prefix) + 1:]] = int(o["Size"])
+        _, keys, _ = _stray(st, root)
+        return total, sum(sizes.get(k, 0) for k in keys)
+
+    def before_gc(self, st: Any, root: str) -> None:
+        _wait_leases(st, root)
+
+    def close(self) -> None:
+        self.ep.close()

@@ -7,8 +7,9 @@
 prescribes (the ``OSError`` as its cause), a timeout becomes a
 ``StorageError`` caused by ``TimeoutError``. It can also corrupt silently
 (truncate or flip a byte of a file after it was written), delay a call
-(a slow writer, a rank that never arrives) or SIGKILL its own process at the
-call (a rank dying exactly in that phase of a save or load).
+(a slow writer, a rank that never arrives), SIGKILL its own process at the
+call (a rank dying exactly in that phase of a save or load) or SIGSTOP it (a
+rank that hangs there: alive, holding its connections, never answering).
 
 Operations counted (the ``op`` of a fault; ``match`` is an ``fnmatch`` pattern
 on the key's last component):
@@ -48,7 +49,7 @@ from ..errors import StorageError
 from ..storage.base import Storage, WriteStream
 
 ERRNOS = {"enospc": errno.ENOSPC, "eio": errno.EIO, "edquot": errno.EDQUOT}
-ACTIONS = (*ERRNOS, "timeout", "truncate", "flip", "delay", "kill", "call")
+ACTIONS = (*ERRNOS, "timeout", "truncate", "flip", "delay", "kill", "stop", "call")
 OPS = ("makedirs", "open_write", "write", "fsync", "close", "write_bytes", "rename", "delete",
        "fsync_dir", "read", "size", "exists", "list", "put_if_absent", "put_if_match")
 
@@ -76,7 +77,8 @@ class Fault:
             "flip" (after a write completes: cut the file to ``arg`` bytes
             (default: half) / flip bit 0 of byte ``arg`` (default: the middle),
             silently), "delay" (sleep ``delay_s`` seconds, then proceed),
-            "kill" (SIGKILL this process), "call" (run ``callback(op, path)``).
+            "kill" (SIGKILL this process), "stop" (SIGSTOP it: it hangs until
+            SIGCONT), "call" (run ``callback(op, path)``).
         match: ``fnmatch`` pattern on the last component of the key.
         nth: the first matching call that triggers (1-based).
         times: how many matching calls trigger from ``nth`` on (0: all).
@@ -129,10 +131,14 @@ class FaultStorage(Storage):
         faults: the faults armed (a list: tests may append while running).
         log: every call as ``(op, key)``, in order (thread-safe appends).
         fired: ``(op, key, action)`` of every fault that triggered.
+        on_fire: ``on_fire(op, key, action)`` is called as a fault triggers,
+            before it acts (the fault matrix times its faults with it).
     """
 
-    def __init__(self, inner: Storage, faults: list[Fault] | tuple[Fault, ...] = ()):
+    def __init__(self, inner: Storage, faults: list[Fault] | tuple[Fault, ...] = (),
+                 on_fire: Callable[[str, str, str], None] | None = None):
         super().__init__()
+        self.on_fire = on_fire
         self.inner = inner
         self.capabilities = inner.capabilities
         self.faults: list[Fault] = list(faults)
@@ -167,6 +173,8 @@ class FaultStorage(Storage):
 
     def _apply(self, f: Fault, op: str, path: str) -> None:
         a = f.action
+        if self.on_fire is not None:
+            self.on_fire(op, path, a)
         if a in ERRNOS:
             code = ERRNOS[a]
             e = OSError(code, os.strerror(code), path)
@@ -181,6 +189,8 @@ class FaultStorage(Storage):
         elif a == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(60)  # pragma: no cover - the signal is delivered first
+        elif a == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
         elif a == "call":
             assert f.callback is not None
             f.callback(op, path)
@@ -217,6 +227,9 @@ class FaultStorage(Storage):
 
     def check_publish(self, path: str) -> None:
         self.inner.check_publish(path)
+
+    def free_bytes(self, path: str) -> int | None:
+        return self.inner.free_bytes(path)  # the space check sees the wrapped store's disk
 
     def put_if_absent(self, path: str, data: bytes) -> None:
         self._call("put_if_absent", path, lambda: self.inner.put_if_absent(path, data))
