@@ -122,3 +122,65 @@ def test_default_timeout_bounds_saves_and_loads(pool: WorkerPool, tmp_path: Path
         assert sorted(o["timed"]) == [want, 45.0], o
         assert o["new_groups"] <= 2, o  # the default's (unless made earlier in this worker) and 45 s
         assert o["async"] == {want: want}, o
+
+
+STORE_HOST = r"""
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=True, timeout=timedelta(seconds=300))
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_stopped_store_host_costs_one_bounded_wait(tmp_path: Path) -> None:
+    """The job's store hosted by a process that is SIGSTOPped (a stopped
+    coordinator under tcp:// initialisation): the real TCPStore client
+    neither answers nor fails; through BoundedStore the first call raises
+    TimeoutError after its deadline, later calls at once, and once the host
+    runs again (SIGCONT) the store answers again."""
+    import signal
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from reshard.collectives_base import BoundedStore
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "host.py").write_text(STORE_HOST)
+    host = subprocess.Popen([sys.executable, str(tmp_path / "host.py"), str(port)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert host.stdout is not None and host.stdout.readline().strip() == "up"
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
+        store = BoundedStore(client, timeout_s=1.0)
+        store.set("k", "v")
+        assert store.get("k") == b"v" and store.check(["k"]) and store.add("n", 2) == 2
+        os.kill(host.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"did not answer check\(\) within 1 s"):
+            store.check(["k"])
+        first = time.monotonic() - t0
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"unreachable: its check\(\) call has not returned"):
+            store.set("k2", "v2")
+        again = time.monotonic() - t0
+        assert first >= 1.0 and again < first, (first, again)
+        os.kill(host.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while True:  # the blocked call returns once the host runs; then the store answers
+            try:
+                assert store.add("n", 1) == 3
+                break
+            except TimeoutError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+    finally:
+        os.kill(host.pid, signal.SIGCONT)
+        host.kill()
+        host.wait()

@@ -43,6 +43,7 @@ from .collectives_base import (
     Request,
     SingleProcess,
     agree_steps,
+    bounded_store,
     drive,
 )
 from .errors import CheckpointError, rank_ranges
@@ -184,7 +185,7 @@ def _lost_ranks(coll: TorchCollectives) -> tuple[list[int], str]:
     wait = max(0.5, min(LOST_RANK_WAIT_S, timeout))
     unknown = "a rank was lost or did not arrive within the group's timeout"
     try:
-        store = coll._dist.distributed_c10d._get_default_store()
+        store = coll._store()
     except Exception:  # noqa: BLE001 - no store to ask: say what is known
         return [], unknown
     prefix = f"reshard/lost/{zlib.crc32(repr(coll._global).encode()):08x}/"
@@ -292,7 +293,7 @@ class TorchCollectives(Collectives):
 
     def _store(self) -> Any:
         if self._store_obj is None:
-            self._store_obj = self._dist.distributed_c10d._get_default_store()
+            self._store_obj = bounded_store(self._dist.distributed_c10d._get_default_store())
         return self._store_obj
 
     def _doing(self) -> str:

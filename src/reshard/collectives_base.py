@@ -2,7 +2,8 @@
 interface, the protocol driver (:func:`drive`), the agreement protocol
 (:func:`agree_steps`), :class:`SingleProcess` (world size 1) and
 :class:`Counting` (a wrapper that counts bytes), :class:`Deferred` (a
-checkpoint group made at its first collective). Nothing here calls
+checkpoint group made at its first collective), :class:`BoundedStore` (the
+job's store with a deadline per call). Nothing here calls
 torch.distributed: the implementation over process groups is
 :class:`reshard.collectives.TorchCollectives` (the only module that does),
 which re-exports every name below.
@@ -10,8 +11,12 @@ which re-exports every name below.
 
 from __future__ import annotations
 
+import queue
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 import msgspec
@@ -321,3 +326,91 @@ class Deferred(Collectives):
     def exchange(self, sends: Sequence[tuple[int, int, torch.Tensor]],
                  recvs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
         self._get().exchange(sends, recvs)
+
+
+#: seconds one call of the job's key-value store (set/get/check/add) may take
+#: before the store counts as unreachable: its host process (global rank 0
+#: under ``tcp://``/``env://`` initialisation) is stopped or gone
+STORE_CALL_TIMEOUT_S = 5.0
+
+
+class BoundedStore:
+    """The job's c10d store with a deadline on every call.
+
+    A TCPStore client whose server process is SIGSTOPped neither answers nor
+    fails: its calls block until the store's own timeout (minutes). Calls
+    here run on one daemon thread of this process, in order; a call that
+    has not returned after ``timeout_s`` raises :class:`TimeoutError` naming
+    it. The thread stays blocked in it, and until it returns every later
+    call raises TimeoutError at once (the store is unreachable: waiting
+    again would only add ``timeout_s`` per call). Used only after a
+    collective is slow or failed, never on a collective's success path.
+
+    Args:
+        store: a ``torch.distributed.Store`` (any object with the methods).
+        timeout_s: seconds per call (default :data:`STORE_CALL_TIMEOUT_S`).
+    """
+
+    def __init__(self, store: Any, timeout_s: float = STORE_CALL_TIMEOUT_S) -> None:
+        self._store, self.timeout_s = store, timeout_s
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], str, tuple[Any, ...]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._stuck: tuple[Future[Any], str] | None = None  # a call that timed out, still running
+
+    def _serve(self) -> None:
+        while True:
+            fut, name, args = self._jobs.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(getattr(self._store, name)(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+
+    def _call(self, name: str, *args: Any) -> Any:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():  # first call, or after a fork
+                self._jobs = queue.SimpleQueue()
+                self._thread = threading.Thread(target=self._serve, name="reshard-store", daemon=True)
+                self._thread.start()
+                self._stuck = None
+            if self._stuck is not None:
+                if not self._stuck[0].done():
+                    raise TimeoutError(f"the job's store is unreachable: its {self._stuck[1]}() call has "
+                                       f"not returned after {self.timeout_s:g} s")
+                self._stuck = None
+        fut: Future[Any] = Future()
+        self._jobs.put((fut, name, args))
+        try:
+            return fut.result(self.timeout_s)
+        except FutureTimeout:
+            if not fut.cancel():  # running: the thread is blocked in it
+                with self._lock:
+                    self._stuck = (fut, name)
+            raise TimeoutError(f"the job's store did not answer {name}() within {self.timeout_s:g} s "
+                               "(its host process is stopped or gone)") from None
+
+    def set(self, key: str, value: str | bytes) -> None:  # noqa: A003 - the store's method names
+        self._call("set", key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)
+
+    def check(self, keys: list[str]) -> bool:
+        return bool(self._call("check", keys))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call("add", key, amount))
+
+
+_BOUNDED: dict[int, BoundedStore] = {}
+
+
+def bounded_store(store: Any) -> BoundedStore:
+    """The one :class:`BoundedStore` of this process for ``store`` (its
+    calls share one thread, so a stopped store host costs one timeout)."""
+    b = _BOUNDED.get(id(store))
+    if b is None or b._store is not store:
+        b = _BOUNDED[id(store)] = BoundedStore(store)
+    return b
