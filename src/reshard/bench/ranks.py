@@ -26,6 +26,7 @@ from ..testing.memory import PeakRSS
 from . import digest
 from .limits import _read_limit, _write_fsync
 from .models import GridWorkload, LayoutSpec, Workload, build, parse_layout
+from .usage import Usage
 
 _W: dict[str, Any] = {}
 
@@ -515,16 +516,20 @@ def async_save(method: str, path: str) -> dict[str, Any]:
     res: dict[str, Any] = {"rank": _rank()}
     if method == "memcpy":
         _memcpy_targets()
-        _, own, total = _timed(_memcpy)
-        res.update(stall_s=own, total_s=total, own_s=own)
+        with Usage() as u:
+            _, own, total = _timed(_memcpy)
+        res.update(stall_s=own, total_s=total, own_s=own, minflt=u.minflt, stall_cpu_s=u.thread_cpu_s)
         return res
     dist.barrier()
-    stall, h = start_async(method, path)
+    with Usage() as u:  # the caller's thread: the staging copies and their page faults
+        stall, h = start_async(method, path)
     t1 = time.perf_counter()
-    out = _wait(h)
+    with Usage() as ub:
+        out = _wait(h)
     bg = time.perf_counter() - t1
     dist.barrier()
-    res.update(stall_s=stall, background_s=bg, own_s=stall + bg)
+    res.update(stall_s=stall, background_s=bg, own_s=stall + bg, minflt=u.minflt,
+               stall_cpu_s=u.thread_cpu_s, background_cpu_s=ub.others_cpu_s + u.others_cpu_s)
     if isinstance(out, reshard.SaveResult):
         res.update(timings=out.timings, bytes=out.bytes_written)
     return res
@@ -541,7 +546,10 @@ def train(methods: list[str], base: str, steps: int, settle: float, saves: int =
     steps gives one sample; the ranks agree on the count); ``save_s`` their
     median time from start to commit."""
     w = _w()
-    out: dict[str, Any] = {"rank": _rank(), "no_save": [], "during": {m: [] for m in methods}, "save_s": {}}
+    out: dict[str, Any] = {"rank": _rank(), "no_save": [], "during": {m: [] for m in methods}, "save_s": {},
+                           "no_save_cpu": [], "during_cpu": {m: [] for m in methods},
+                           "save_cpu_s": {m: [] for m in methods}, "extra_s": {m: [] for m in methods},
+                           "state_bytes": _nbytes(w.tensors())}
     took: dict[str, list[float]] = {m: [] for m in methods}
     w.step()
 
@@ -549,19 +557,28 @@ def train(methods: list[str], base: str, steps: int, settle: float, saves: int =
         p = f"{base}-{m}-{i}"
         quiet(settle)
         for _ in range(steps):
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             w.step()
             out["no_save"].append(time.perf_counter() - t0)
+            out["no_save_cpu"].append(time.thread_time() - c0)
         dist.barrier()
-        _, h = start_async(m, p)
-        t_start = time.perf_counter()
-        xs = []
-        while not _done(h):
-            t0 = time.perf_counter()
-            w.step()
-            xs.append(time.perf_counter() - t0)
-        _wait(h)
+        xs: list[float] = []
+        # the save's CPU seconds: the process's other threads (the background save,
+        # its writers, the gloo threads of its collectives) while it is in flight
+        with Usage() as u:
+            _, h = start_async(m, p)
+            t_start = time.perf_counter()
+            while not _done(h):
+                c0, t0 = time.thread_time(), time.perf_counter()
+                w.step()
+                xs.append(time.perf_counter() - t0)
+                out["during_cpu"][m].append(time.thread_time() - c0)
+            _wait(h)
         took[m].append(time.perf_counter() - t_start)
+        out["save_cpu_s"][m].append(u.others_cpu_s)
+        # the steps' time beyond what as many steps take with no save in flight
+        base_s = sorted(out["no_save"])[len(out["no_save"]) // 2]
+        out["extra_s"][m].append(sum(xs) - len(xs) * base_s)
         out["during"][m].extend(xs)
         drop(p)
 
@@ -620,7 +637,7 @@ def load(method: str, path: str, repeat: int, verify_fp: str | None = None, warm
     ``repeat`` timed ones."""
     w = _w()
     rank = _rank()
-    res: dict[str, Any] = {"rank": rank, "own_s": [], "total_s": [], "timings": []}
+    res: dict[str, Any] = {"rank": rank, "own_s": [], "total_s": [], "timings": [], "cpu_s": []}
     local = _nbytes(w.tensors())
     fn: Callable[[], Any]
     if method == "limit-read":
@@ -670,7 +687,9 @@ def load(method: str, path: str, repeat: int, verify_fp: str | None = None, warm
         if warm:
             fn()  # warm: page cache, first-call imports
         for _ in range(repeat):
-            out, own, total = _timed(fn, f"load-{method}" if method.startswith("reshard") else None)
+            with Usage() as u:  # process CPU: the reader threads' too
+                out, own, total = _timed(fn, f"load-{method}" if method.startswith("reshard") else None)
+            res["cpu_s"].append(u.cpu_s)
             res["own_s"].append(own)
             res["total_s"].append(total)
             if isinstance(out, reshard.LoadResult):
