@@ -30,7 +30,7 @@ from .errors import (
 from .manifest import FORMAT_VERSION, Manifest, ObjectChunk, TensorEntry
 from .options import LoadOptions
 from .planning import Request, check_entry_coverage, plan_reads
-from .reading import Groups, Reader, Target
+from .reading import Groups, Reader, Target, read_once_wanted
 from .shardfile import BlockTables
 from .sharding import ShardedObject, ShardedTensor
 from .storage import Storage, resolve
@@ -172,7 +172,8 @@ def load(
     the cost of a second read, so that bit rot too leaves targets unchanged.
     Stateful objects get ``load_state_dict`` only once every rank succeeded.
 
-    Replicas are read once (``LoadOptions.read_once``, on by default): a
+    Replicas are read once (``LoadOptions.read_once``, by default on
+    remote storage: an object store, a network file system): a
     chunk range that several ranks need (DP replicas, a TP shard every PP
     stage or DP rank of a new layout wants) is read from storage by one of
     them, the coordinator balancing the bytes each rank reads, and sent to
@@ -227,9 +228,9 @@ def load(
                       [*allow_missing, *extra_allow_missing(transforms)], transforms)
     except Exception as e:  # noqa: BLE001
         err = e
-    # read_once rides along (max of "off"): on only when every rank asks for it
+    # read_once ("auto": on for remote storage) rides along (max of "off"): on only when every rank asks for it
     off = coll.agree("load (checked before writing: every target is unchanged)", err,
-                     values=[0 if opts.read_once else 1])
+                     values=[0 if read_once_wanted(opts.read_once, base, key) else 1])
     assert plan is not None
     share = coll.world_size > 1 and not off[0]
     hand: _Handover | None = None

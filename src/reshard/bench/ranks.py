@@ -518,10 +518,10 @@ def async_save(method: str, path: str) -> dict[str, Any]:
         _memcpy_targets()
         with Usage() as u:
             _, own, total = _timed(_memcpy)
-        res.update(stall_s=own, total_s=total, own_s=own, minflt=u.minflt, stall_cpu_s=u.thread_cpu_s)
+        res.update(stall_s=own, total_s=total, own_s=own, minflt=u.minflt, stall_cpu_s=u.cpu_s)
         return res
     dist.barrier()
-    with Usage() as u:  # the caller's thread: the staging copies and their page faults
+    with Usage() as u:  # the staging copies: the caller's CPU, the page faults
         stall, h = start_async(method, path)
     t1 = time.perf_counter()
     with Usage() as ub:
@@ -529,7 +529,7 @@ def async_save(method: str, path: str) -> dict[str, Any]:
     bg = time.perf_counter() - t1
     dist.barrier()
     res.update(stall_s=stall, background_s=bg, own_s=stall + bg, minflt=u.minflt,
-               stall_cpu_s=u.thread_cpu_s, background_cpu_s=ub.others_cpu_s + u.others_cpu_s)
+               stall_cpu_s=u.cpu_s, background_cpu_s=ub.others_cpu_s)
     if isinstance(out, reshard.SaveResult):
         res.update(timings=out.timings, bytes=out.bytes_written)
     return res

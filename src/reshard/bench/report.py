@@ -316,7 +316,7 @@ def table(doc: dict[str, Any]) -> str:
                 for m, v in rss.items()))
         a = s["async"].get("reshard-async", {})
         if "minflt_per_repeat" in a:
-            lines.append("page faults of the caller's thread during each async stall (after the staging pool "
+            lines.append("page faults of the process during each async stall (after the staging pool "
                          "is filled: reused buffers fault none): "
                          + ", ".join(map(str, a["minflt_per_repeat"]))
                          + f"; memcpy {s['async'].get('memcpy', {}).get('minflt', '')}")

@@ -61,7 +61,7 @@ def _stall_bound(s: dict[str, Any]) -> str | None:
     if not r or not mc or "cpu_s" not in r:
         return None
     rs, ms = r["stall"]["min_s"], mc["stall"]["min_s"]
-    txt = (f"stall {rs:.3f} s, its caller CPU {r['cpu_s']:.3f} s ({r['cpu_s'] / max(mc['cpu_s'], 1e-9):.2f}x "
+    txt = (f"stall {rs:.3f} s, its CPU (every thread) {r['cpu_s']:.3f} s ({r['cpu_s'] / max(mc['cpu_s'], 1e-9):.2f}x "
            f"memcpy's {mc['cpu_s']:.3f} s); page faults in the stall {r.get('minflt', 0)} (memcpy "
            f"{mc.get('minflt', 0)})")
     waited = rs - r["cpu_s"]

@@ -4,9 +4,9 @@ asynchronous saves.
 
 * :class:`Usage`: ``with Usage() as u: ...`` then ``u.cpu_s`` (the process's
   CPU seconds, every thread), ``u.thread_cpu_s`` (the calling thread's),
-  ``u.minflt`` / ``u.majflt`` (page faults of the calling thread, Linux
-  ``RUSAGE_THREAD``; the process's elsewhere). A staging into reused buffers
-  faults no page; a first save into fresh ones faults each page once.
+  ``u.minflt`` / ``u.majflt`` (page faults of the process: the staging copy
+  threads fault the pages they write). A staging into reused buffers faults
+  no page; a first save into fresh ones faults each page once.
 * :func:`rss_growth`: ``N`` consecutive ``reshard.async_save`` calls of a
   small state built in the run's layout (each committed before the next),
   the process's resident bytes after each: whatever a save leaves behind
@@ -21,17 +21,15 @@ import time
 from types import TracebackType
 from typing import Any
 
-_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
-
 
 def _faults() -> tuple[int, int]:
-    ru = resource.getrusage(_THREAD)
+    ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_minflt, ru.ru_majflt
 
 
 class Usage:
-    """CPU seconds (process and calling thread) and the calling thread's
-    page faults over a ``with`` block; see the module docstring."""
+    """CPU seconds (process and calling thread) and the process's page
+    faults over a ``with`` block; see the module docstring."""
 
     cpu_s = thread_cpu_s = 0.0
     minflt = majflt = 0
