@@ -10,7 +10,10 @@ tensors after a side-stream copy into pinned buffers is synchronised), and
 Staging buffers come from a :class:`BufferPool` reused across saves, so
 resident memory stays flat over repeated saves of the same state. Buffers are
 allocated and returned to the pool on the caller's thread (the background
-thread only marks them done).
+thread only marks them done). CPU tensors of 1 MiB and more are copied into
+them by ``SaveOptions.staging_threads`` copy threads, in slices, while the
+caller's thread walks the state; every copy ends before ``async_save``
+returns.
 
 The background thread runs at a lower priority than the caller
 (``SaveOptions.background_nice``, Linux): its hashing and writing compete
