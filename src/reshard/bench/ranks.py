@@ -548,7 +548,7 @@ def train(methods: list[str], base: str, steps: int, settle: float, saves: int =
     w = _w()
     out: dict[str, Any] = {"rank": _rank(), "no_save": [], "during": {m: [] for m in methods}, "save_s": {},
                            "no_save_cpu": [], "during_cpu": {m: [] for m in methods},
-                           "save_cpu_s": {m: [] for m in methods}, "extra_s": {m: [] for m in methods},
+                           "save_cpu_s": {m: [] for m in methods}, "others_cpu_per_s": [],
                            "state_bytes": _nbytes(w.tensors())}
     took: dict[str, list[float]] = {m: [] for m in methods}
     w.step()
@@ -556,11 +556,14 @@ def train(methods: list[str], base: str, steps: int, settle: float, saves: int =
     def one(m: str, i: int) -> None:
         p = f"{base}-{m}-{i}"
         quiet(settle)
-        for _ in range(steps):
-            c0, t0 = time.thread_time(), time.perf_counter()
-            w.step()
-            out["no_save"].append(time.perf_counter() - t0)
-            out["no_save_cpu"].append(time.thread_time() - c0)
+        with Usage() as quiet_u:
+            for _ in range(steps):
+                c0, t0 = time.thread_time(), time.perf_counter()
+                w.step()
+                out["no_save"].append(time.perf_counter() - t0)
+                out["no_save_cpu"].append(time.thread_time() - c0)
+        # the other threads' CPU with no save in flight (autograd, gloo), per second of steps
+        out["others_cpu_per_s"].append(quiet_u.others_cpu_s / max(sum(out["no_save"][-steps:]), 1e-9))
         dist.barrier()
         xs: list[float] = []
         # the save's CPU seconds: the process's other threads (the background save,
@@ -575,10 +578,8 @@ def train(methods: list[str], base: str, steps: int, settle: float, saves: int =
                 out["during_cpu"][m].append(time.thread_time() - c0)
             _wait(h)
         took[m].append(time.perf_counter() - t_start)
-        out["save_cpu_s"][m].append(u.others_cpu_s)
-        # the steps' time beyond what as many steps take with no save in flight
-        base_s = sorted(out["no_save"])[len(out["no_save"]) // 2]
-        out["extra_s"][m].append(sum(xs) - len(xs) * base_s)
+        window = time.perf_counter() - t_start
+        out["save_cpu_s"][m].append(max(0.0, u.others_cpu_s - out["others_cpu_per_s"][-1] * window))
         out["during"][m].extend(xs)
         drop(p)
 

@@ -146,12 +146,17 @@ def summarise(records: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, A
                                                    for k in r["per_rank"][0]["during"]}}
                 if "save_cpu_s" in r["per_rank"][0]:  # the save's CPU beside the steps' extra time
                     for k in r["per_rank"][0]["during"]:
-                        worst = max(r["per_rank"], key=lambda p: _med(p["extra_s"][k]))
+                        # per save: the steps' time beyond as many steps with no save (their median)
+                        def extra(p: dict[str, Any], k: str = k) -> float:
+                            return (sum(p["during"][k]) - len(p["during"][k]) * _med(p["no_save"])) / max(
+                                1, len(p["save_cpu_s"][k]))
+                        worst = max(r["per_rank"], key=extra)
+                        cpu = sum(worst["save_cpu_s"][k]) / max(1, len(worst["save_cpu_s"][k]))
                         s["train"][f"{k}_cpu"] = {
-                            "save_cpu_s": _med(worst["save_cpu_s"][k]), "extra_s": _med(worst["extra_s"][k]),
+                            "save_cpu_s": cpu, "extra_s": extra(worst),
                             "step_cpu_s": _med(worst["no_save_cpu"]),
                             "step_cpu_during_s": _med(worst["during_cpu"][k]), "rank": worst["rank"],
-                            "save_cpu_s_per_gb": _med(worst["save_cpu_s"][k]) / (worst["state_bytes"] / GB)}
+                            "save_cpu_s_per_gb": cpu / (worst["state_bytes"] / GB)}
         rss_after = [r["rss_after"] for r in recs if r.get("rss_after") and "target" not in r]
         if rss_after:
             s["rss_after_max_per_rank"] = [max((x[i] or 0) for x in rss_after if len(x) > i)

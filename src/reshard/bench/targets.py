@@ -109,7 +109,7 @@ def _step_bound(s: dict[str, Any]) -> str | None:
     c = tr["reshard-async_cpu"]
     gb = max(s["local_bytes_per_rank"]) / GB
     txt = (f"the save's CPU {c['save_cpu_s']:.2f} s per rank ({c['save_cpu_s'] / max(gb, 1e-9):.2f} s/GB x "
-           f"{gb:.2f} GB), the steps' extra time {c['extra_s']:.2f} s ({c['extra_s'] / max(c['save_cpu_s'], 1e-9):.2f}x "
+           f"{gb:.2f} GB), per save the steps' extra time {c['extra_s']:.2f} s ({c['extra_s'] / max(c['save_cpu_s'], 1e-9):.2f}x "
            f"that CPU); step CPU {c['step_cpu_during_s'] * 1e3:.0f} ms during vs {c['step_cpu_s'] * 1e3:.0f} ms "
            f"without; {s.get('cpus', '?')} cores for {s['world']} rank(s)")
     return txt
