@@ -504,6 +504,17 @@ def _done(h: Any) -> bool:
     return bool(f.done())
 
 
+def _all_done(h: Any) -> bool:
+    """Whether the save is done on every rank (one all-reduce): the ranks
+    then run the same number of training steps (each step's collectives,
+    FSDP's all-gathers, must match; a rank that saw its save done a step
+    before another waited in the next barrier while the other all-gathered:
+    a hang of the 2-rank gpt2-small run)."""
+    flag = torch.tensor([int(_done(h))], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def _wait(h: Any) -> Any:
     if isinstance(h, reshard.SaveHandle):
         return h.wait()
@@ -571,7 +582,7 @@ def train(methods: list[str], base: str, steps: int, settle: float, saves: int =
         with Usage() as u:
             _, h = start_async(m, p)
             t_start = time.perf_counter()
-            while not _done(h):
+            while not _all_done(h):
                 c0, t0 = time.thread_time(), time.perf_counter()
                 w.step()
                 xs.append(time.perf_counter() - t0)
