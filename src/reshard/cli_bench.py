@@ -113,7 +113,7 @@ def _methods() -> set[str]:
     from .bench import ranks
 
     return {*ranks.SAVE_METHODS, *ranks.ASYNC_METHODS, *ranks.LOAD_METHODS,
-            "save", "load", "async", "async-save", "rss", "train"}
+            "save", "load", "async", "async-save", "rss", "rss-growth", "train"}
 
 
 def _ints(text: str | None) -> list[int] | None:
@@ -179,13 +179,16 @@ def _ints(text: str | None) -> list[int] | None:
               help="Also time, in freshly started processes with no warm-up call, the first save, then a "
                    "CheckpointManager.save, and a CheckpointManager.restore of it into each --reshard-to "
                    "layout, as the demo does.")
+@click.option("--rss-saves", type=click.IntRange(0, 10000), default=100, show_default=True,
+              help="Consecutive async saves of a small state (4 MiB of parameters, the run's layout) whose "
+                   "resident memory is reported after each: its growth (0: not measured).")
 @click.option("--no-progress", is_flag=True,
               help="No progress bar (shown when stderr is a terminal or RESHARD_PROGRESS=1).")
 def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ...], backend: str,
            s3_endpoint: str | None, repeat: int, synthetic_mib: float, seq_len: int, steps: int,
            settle: float, skip: str, scratch_dir: str | None, json_path: str | None,
            plot_path: str | None, timeout: float, profile_dir: str | None, demo_report: str | None,
-           cold: bool, no_progress: bool) -> None:
+           cold: bool, rss_saves: int, no_progress: bool) -> None:
     """Measure save, async save, load and reshard of a model state, with DCP,
     torch.save, safetensors and the machine's limits in the same run.
 
@@ -269,6 +272,7 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
         "skip": {s.strip() for s in skip.split(",") if s.strip()}, "timeout": timeout, "layout_of": {},
         "argv": sys.argv[1:], "cpus": os.cpu_count(),
         "profile": os.path.abspath(profile_dir) if profile_dir else None, "cold": cold,
+        "rss_growth": rss_saves,
     }
     try:
         doc = run(cfg, progress=not no_progress and (interactive() or wanted(None)), json_path=json_path,

@@ -26,6 +26,7 @@ from .load_check import _check, _Plan
 from .load_handover import _hand_over, _Handover, _plan_handover, _raise_after_writes
 from .manifest import FORMAT_VERSION, Manifest
 from .options import LoadOptions
+from .reading import read_once_wanted
 from .sharding import ShardedTensor
 from .storage import Storage, resolve
 from .transforms import consumed_by, extra_allow_missing, manifest_view
@@ -140,7 +141,8 @@ def load(
     the cost of a second read, so that bit rot too leaves targets unchanged.
     Stateful objects get ``load_state_dict`` only once every rank succeeded.
 
-    Replicas are read once (``LoadOptions.read_once``, on by default): a
+    Replicas are read once (``LoadOptions.read_once``, by default on
+    remote storage: an object store, a network file system): a
     chunk range that several ranks need (DP replicas, a TP shard every PP
     stage or DP rank of a new layout wants) is read from storage by one of
     them, the coordinator balancing the bytes each rank reads, and sent to
@@ -199,9 +201,9 @@ def load(
                       [*allow_missing, *extra_allow_missing(transforms)], transforms)
     except Exception as e:  # noqa: BLE001
         err = e
-    # read_once rides along (max of "off"): on only when every rank asks for it
+    # read_once ("auto": on for remote storage) rides along (max of "off"): on only when every rank asks for it
     off = coll.agree("load (checked before writing: every target is unchanged)", err,
-                     values=[0 if opts.read_once else 1])
+                     values=[0 if read_once_wanted(opts.read_once, base, key) else 1])
     assert plan is not None
     share = coll.world_size > 1 and not off[0]
     hand: _Handover | None = None

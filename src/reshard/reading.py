@@ -31,6 +31,49 @@ from .shardfile import BlockTables
 from .sharding import box_intersection, flat_range_boxes, torch_dtype
 from .storage import Storage
 
+#: file system types (``/proc/self/mounts``) whose reads cross a network: the
+#: default ``read_once="auto"`` reads replicas once there
+REMOTE_FS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph",
+                       "glusterfs", "9p", "afs", "pvfs2", "orangefs", "wekafs", "panfs", "davfs", "sshfs"})
+
+
+def _fs_type(path: str) -> str | None:
+    """The type of the file system holding ``path`` (its longest mount
+    point in ``/proc/self/mounts``); None where that cannot be read."""
+    import os
+
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            mounts = [ln.split()[1:3] for ln in f if len(ln.split()) >= 3]
+    except OSError:
+        return None
+    p = os.path.realpath(path)
+    best: tuple[int, str] | None = None
+    for mnt, fstype in mounts:
+        mnt = mnt.replace("\\040", " ")
+        if (p == mnt or p.startswith(mnt.rstrip("/") + "/")) and (best is None or len(mnt) > best[0]):
+            best = (len(mnt), fstype)
+    return None if best is None else best[1]
+
+
+def read_once_wanted(option: bool | str, st: Storage, key: str) -> bool:
+    """Whether this rank asks for replicas read once (``LoadOptions.read_once``):
+    True and False as given; ``"auto"``: on for storage that is not a local
+    disk: an object store (any backend but the local file system and
+    ``memory://``), or a local path on a network or FUSE file system
+    (:data:`REMOTE_FS`, ``fuse.*``), off otherwise."""
+    if option != "auto":
+        return bool(option)
+    from .storage.local import LocalStorage
+    from .storage.memory import MemoryStorage
+
+    if isinstance(st, MemoryStorage):
+        return False
+    if not isinstance(st, LocalStorage):
+        return True
+    fs = _fs_type(key)
+    return fs is not None and (fs in REMOTE_FS or fs.startswith("fuse"))
+
 
 @dataclass(frozen=True)
 class Target:

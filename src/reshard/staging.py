@@ -10,7 +10,10 @@ tensors after a side-stream copy into pinned buffers is synchronised), and
 Staging buffers come from a :class:`BufferPool` reused across saves, so
 resident memory stays flat over repeated saves of the same state. Buffers are
 allocated and returned to the pool on the caller's thread (the background
-thread only marks them done).
+thread only marks them done). CPU tensors of 1 MiB and more are copied into
+them by ``SaveOptions.staging_threads`` copy threads, in slices, while the
+caller's thread walks the state; every copy ends before ``async_save``
+returns.
 
 The background thread runs at a lower priority than the caller
 (``SaveOptions.background_nice``, Linux): its hashing and writing compete
@@ -28,7 +31,7 @@ import time
 import warnings
 from collections import defaultdict
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,6 +153,8 @@ class _Saver:
         self.error_handle: SaveHandle | None = None
         self.lock = threading.Lock()
         self.timed: dict[float | None, Collectives] = {}
+        self._copiers: ThreadPoolExecutor | None = None
+        self._copiers_pid = 0
         base = get_collectives(group)
         self.rank, self.world_size = base.rank, base.world_size
         self.single = isinstance(base, SingleProcess)
@@ -175,6 +180,18 @@ class _Saver:
 
             got = self.timed[timeout_s] = TorchCollectives(new_checkpoint_group(self.group, timeout_s))
         return got
+
+    def copiers(self, threads: int) -> ThreadPoolExecutor:
+        """The staging copy threads (made on the first save that uses them;
+        resized when ``threads`` changes)."""
+        ex, pid = self._copiers, os.getpid()
+        if ex is None or ex._max_workers != threads or self._copiers_pid != pid:
+            if ex is not None and self._copiers_pid == pid:
+                ex.shutdown(wait=True)
+            # (a forked child has none of its parent's threads: it makes its own)
+            ex = self._copiers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reshard-stage")
+            self._copiers_pid = pid
+        return ex
 
     def reclaim(self) -> None:
         keep = []
@@ -252,6 +269,8 @@ def async_save(
     bg = saver.bg_for(opts.timeout_s)
     buffers: list[torch.Tensor] = []
     cuda_stream = None
+    threads = opts.staging_threads or _cpus()
+    copies: list[Future[Any]] = []
 
     def stage(t: torch.Tensor) -> torch.Tensor:
         nonlocal cuda_stream
@@ -265,6 +284,8 @@ def async_save(
                 cuda_stream.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(cuda_stream):
                 dst.copy_(t, non_blocking=True)
+        elif threads > 1 and n >= _THREADED_COPY_MIN:
+            copies.extend(_copy_on(saver.copiers(threads), dst, t))
         else:
             dst.copy_(t)
         return dst
@@ -272,7 +293,13 @@ def async_save(
     snap: Snapshot | None = None
     err: BaseException | None = None
     try:
-        snap = collect(state, saver.rank, opts, copy=stage)
+        try:
+            snap = collect(state, saver.rank, opts, copy=stage)
+        finally:  # every copy ends before the caller may touch its tensors again
+            for f in copies:
+                f.exception()
+        for f in copies:
+            f.result()
         saver.pool.trim({b.numel() for b in buffers})
         if cuda_stream is not None:
             cuda_stream.synchronize()
@@ -323,6 +350,33 @@ def async_save(
                                else None))
     th.start()
     return handle
+
+
+#: CPU tensors of at least this many bytes are copied by the staging threads,
+#: in slices of _COPY_SLICE_BYTES (smaller ones on the caller's thread)
+_THREADED_COPY_MIN = 1 << 20
+_COPY_SLICE_BYTES = 16 << 20
+
+
+def _cpus() -> int:
+    """Staging copy threads by default: the CPUs this process may run on, at most 4."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(4, n))
+
+
+def _copy_on(ex: ThreadPoolExecutor, dst: torch.Tensor, src: torch.Tensor) -> list[Future[Any]]:
+    """Copy ``src`` into ``dst`` (same shape, contiguous) on the executor,
+    in slices of about ``_COPY_SLICE_BYTES`` when ``src`` is contiguous
+    (``copy_`` releases the GIL: the slices run in parallel, beside the
+    caller's state walk)."""
+    if not src.is_contiguous() or src.dim() == 0:
+        return [ex.submit(dst.copy_, src)]
+    s, d = src.view(-1), dst.view(-1)
+    step = max(1, _COPY_SLICE_BYTES // max(1, src.element_size()))
+    return [ex.submit(d[a:a + step].copy_, s[a:a + step]) for a in range(0, s.numel(), step)]
 
 
 def _lower_priority(nice: int | None) -> None:

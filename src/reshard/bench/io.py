@@ -18,7 +18,9 @@ Per world size and backend, on real gloo ranks (:class:`reshard.testing.pool.Wor
    process mode with its ``DefaultStager``: the foreground stall and the time
    from return to commit;
 5. peak extra RSS per rank of a save, two consecutive async saves, a load
-   (and DCP's save and load);
+   (and DCP's save and load); the resident bytes after each of
+   ``--rss-saves`` consecutive async saves of a small state in the same
+   layout (:func:`reshard.bench.usage.rss_growth`);
 6. warm loads (page cache warm; one untimed call first): ``limit-read``
    (single-thread sequential ``preadv`` of the checkpoint's own files into
    preallocated memory; ``memcpy`` is the figure of step 4), ``reshard.load`` with and without
@@ -266,6 +268,14 @@ class Runner:
         warm += [m for m in ("tc", "tc-async") if tc]
         warm = [m for m in warm if m not in cfg["skip"]]
         self.run(world, ranks.warm, base + "-warm", warm)  # DCP's process: only around the async phase
+        growth = int(cfg.get("rss_growth", 0))  # RSS over many async saves of a small state
+        if growth and "rss" not in cfg["skip"] and "rss-growth" not in cfg["skip"]:
+            from .usage import rss_growth
+
+            self.ctx = f"w{world} {backend}: rss over {growth} async saves"
+            self.record("rss", "async-growth", world, backend,
+                        self.run(world, rss_growth, cfg["layout"], growth,
+                                 self.url(backend, scratch, f"w{world}-rss-growth")))
         # peak RSS of the first save and of the first two async saves (the staging pool's growth)
         for m in [m for m in ("save", "async-save") if m not in cfg["skip"] and "rss" not in cfg["skip"]]:
             self.ctx = f"w{world} {backend}: rss {m}"
