@@ -11,7 +11,7 @@ import reshard
 from reshard import LoadOptions, ShardedTensor
 from reshard.collectives import TorchCollectives
 from reshard.errors import CheckpointError
-from reshard.load import READ_ONCE
+from reshard.loading.load import READ_ONCE
 
 #: (rows, cols) of each saved tensor: two above direct_read_min_bytes per TP shard
 #: (read straight into the destination), two small ones (coalesced spans)

@@ -407,7 +407,7 @@ def test_sigterm_mid_run_removes_the_scratch_checkpoints_and_the_ranks(tmp_path:
 def test_world_sizes_given_twice_run_once() -> None:
     """`--world 1,2,1`: each size once (a size given twice ran twice and its
     records were merged into one summary, medians over both runs)."""
-    from reshard.cli_bench import _ints
+    from reshard.cli.bench import _ints
 
     assert _ints("1,2,1,2") == [1, 2]
 

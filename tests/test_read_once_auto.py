@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import reshard
-from reshard import reading
+from reshard.loading import reading
 from reshard.storage.local import LocalStorage
 from reshard.storage.memory import MemoryStorage
 from reshard.storage.s3 import S3Storage

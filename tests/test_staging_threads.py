@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import reshard
-from reshard import staging
+from reshard.saving import staging
 
 
 def test_staging_threads_copy_every_tensor_before_returning(tmp_path: Path) -> None:

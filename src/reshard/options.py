@@ -137,7 +137,7 @@ class SaveOptions:
             raise ValueError("checksum_block_bytes must be positive")
         if self.files_per_rank < 1:
             raise ValueError("files_per_rank must be >= 1")
-        from .manifest import SEAL_KEY
+        from .ondisk.manifest import SEAL_KEY
 
         if SEAL_KEY in self.extra:
             raise ValueError(f"extra[{SEAL_KEY!r}] is reserved for the manifest's own checksum "
@@ -179,7 +179,7 @@ class LoadOptions:
             needs itself. ``"auto"`` (default): on where storage is remote
             (an object store, or a local path on a network file system:
             NFS, CIFS/SMB, Lustre, GPFS, BeeGFS, CephFS, a FUSE mount; see
-            :func:`reshard.reading.read_once_wanted`), off on a local disk,
+            :func:`reshard.loading.reading.read_once_wanted`), off on a local disk,
             whose page cache serves a rank faster than a transfer from
             another rank does (measured on real gloo ranks with a warm page
             cache: handing the replicas over took 1.1-1.7x the time of every

@@ -44,7 +44,7 @@ only). Layouts: ``fsdp``, ``dpN`` (nn.Module state dicts, with the peers)
 and the demo's TP/PP syntax (the demo trainer's state, reshard and the
 limits only). Outputs: a table (ratios beside figures), ``--json`` (one
 record per phase measurement, every rank's timings, the load average),
-``--plot``. The command itself is :mod:`reshard.cli_bench`.
+``--plot``. The command itself is :mod:`reshard.cli.bench`.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ import threading
 import time
 from typing import Any
 
-from ..plan_store import PLAN_FILE
+from ..planning.plan_store import PLAN_FILE
 from .models import parse_layout
 
 GB = 1e9
@@ -228,7 +228,7 @@ class Runner:
                                "files": len([f for f in objs if not f.startswith(".")])}
         if "manifest.json" in objs:
             out["manifest_bytes"] = objs["manifest.json"]
-            out["plan_bytes"] = objs.get(PLAN_FILE, 0)  # the cached save plan (reshard.plan_store)
+            out["plan_bytes"] = objs.get(PLAN_FILE, 0)  # the cached save plan (reshard.planning.plan_store)
         return out
 
     # -- one world size on one backend

@@ -37,6 +37,7 @@ from .ranks_base import (
     _timed,
     _views,
     _w,
+    drop,
 )
 from .ranks_tc import (
     _tc_async_saver,
@@ -123,7 +124,7 @@ def trim() -> None:
     """Free what the async phases hold: reshard's staging pools, the memcpy
     targets, DCP's stager and its checkpoint process (and the state copies it
     keeps in shared memory)."""
-    from .. import staging
+    from ..saving import staging
 
     staging.wait_all()
     for saver in staging.SAVERS.values():
@@ -247,20 +248,6 @@ def save(method: str, path: str, limit_bytes: list[int]) -> dict[str, Any]:
 def bytes_written_by(path: str) -> int:
     """Bytes of this rank's files in a checkpoint directory (for the stored size)."""
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-
-
-def drop(path: str) -> None:
-    """Delete ``path`` (rank 0, after every rank is done with it)."""
-    dist.barrier()
-    if _rank() == 0:
-        if "://" in path:
-            from ..storage import resolve
-
-            st, key = resolve(path)
-            st.delete_tree(key)
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-    dist.barrier()
 
 
 def quiet(settle: float) -> None:

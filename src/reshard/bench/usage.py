@@ -69,8 +69,8 @@ def rss_growth(layout: str, saves: int, path: str, state_mib: float = 4.0) -> di
 
     import reshard
 
-    from . import ranks
     from .models import build, parse_layout
+    from .ranks_base import drop
 
     spec = parse_layout(layout).on(dist.get_world_size())
     if spec.kind == "grid":  # the trainer's state is large to build; the same code path saves it
@@ -84,9 +84,9 @@ def rss_growth(layout: str, saves: int, path: str, state_mib: float = 4.0) -> di
             p = f"{path}-{i % 2}"
             reshard.async_save(state, p, step=i + 1).wait()
             after.append(_rss())
-            ranks.drop(p)
+            drop(p)
     finally:
-        from .. import staging
+        from ..saving import staging
 
         staging.wait_all()
         del state, w
