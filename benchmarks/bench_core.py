@@ -38,7 +38,7 @@ MiB = 1 << 20
 
 def manifest_bench(n_chunks: int = 100_000, per_tensor: int = 100, repeat: int = 5) -> dict[str, Any]:
     """Encode and time decode_manifest of a synthetic manifest of ``n_chunks`` chunks."""
-    from reshard.manifest import (
+    from reshard.ondisk.manifest import (
         Chunk,
         FileEntry,
         Manifest,

@@ -1,5 +1,5 @@
 """Reading many small tensors from a PyTorch DCP checkpoint: ``reshard.load``
-(through reshard.formats.dcp) against ``torch.distributed.checkpoint.load``.
+(through reshard.ondisk.dcp) against ``torch.distributed.checkpoint.load``.
 
 One process; a DCP checkpoint of N float32 tensors of E elements each (the
 shape of a model with many small parameters: norms, biases) written with

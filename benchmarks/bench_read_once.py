@@ -6,8 +6,8 @@ Not a test. Usage::
 
 TP4 x DP (world / 4) ranks: ``--tensors`` tensors of ``--mib`` MiB each,
 row-split over TP (DP ranks hold replicas), saved once; then loaded into the
-same layout with replicas read once (the default) and with
-``read_once=False``, three times each in rotating order (best of 3, slowest
+same layout with replicas read once (``read_once=True``; the default
+``"auto"`` takes it for remote storage only) and with ``read_once=False``, three times each in rotating order (best of 3, slowest
 rank), with the chunk bytes the ranks read from storage and received.
 """
 
@@ -52,7 +52,7 @@ def _worker(rank: int, world: int, port: int, root: str, out: str, tensors: int,
     path = os.path.join(root, "ck")
     reshard.save(_state(rank, tensors, mib, True), path, step=1)
     want = _state(rank, tensors, mib, True)
-    variants = [("read_once", reshard.LoadOptions()), ("alone", reshard.LoadOptions(read_once=False))]
+    variants = [("read_once", reshard.LoadOptions(read_once=True)), ("alone", reshard.LoadOptions(read_once=False))]
     res: dict[str, Any] = {}
     for rep in range(4):  # the first round warms the process and the page cache (not kept)
         for key, opts in variants[rep % 2:] + variants[:rep % 2]:

@@ -10,9 +10,9 @@ layout of ``llama-micro`` (tiny tensors: the structure, not the bytes, is
 what coordination costs), run the real planned save, cached save and load
 into another layout of the same size (replicas read once, then again with
 ``read_once=False``), and count the bytes every rank receives through the
-real collectives (:mod:`reshard.testing.real_ranks`). Each figure is
+real collectives (:mod:`reshard.bench.real_ranks`). Each figure is
 printed beside ``reshard bench scale``'s prediction for the same layout and
-path (:func:`reshard.testing.scale_sim.simulate_one`), with the ratio.
+path (:func:`reshard.bench.scale_sim.simulate_one`), with the ratio.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _worker(rank: int, world: int, port: int, root: str, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from reshard.testing import real_ranks
+    from reshard.bench import real_ranks
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -58,7 +58,7 @@ def _port() -> int:
 def run(world: int) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    from reshard.testing import real_ranks
+    from reshard.bench import real_ranks
 
     with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as out:
         t0 = time.perf_counter()

@@ -5,9 +5,9 @@ Not a test. Usage (the same options as ``reshard bench scale``)::
     python benchmarks/bench_scale.py --tp 8 --pp 16 --dp 128 --model llama-405b \\
         --reshard-to tp4,pp8,dp512 --json out.json --plot out.png
 
-The real coordinator and rank code of :mod:`reshard.coordination` and
-:mod:`reshard.coordination_load` runs in one process over N simulated ranks
-(:mod:`reshard.testing.scale_sim`), for world sizes from 8 up to TP*PP*DP.
+The real coordinator and rank code of :mod:`reshard.planning.coordination` and
+:mod:`reshard.planning.coordination_load` runs in one process over N simulated ranks
+(:mod:`reshard.bench.scale_sim`), for world sizes from 8 up to TP*PP*DP.
 
 ``--old-protocol`` instead measures what the all-gather protocol (before the
 coordinator protocol) cost every rank at 256, 1,024 and 4,096 ranks: every
@@ -26,9 +26,9 @@ import time
 def old_protocol(zero_split: str) -> None:
     import msgspec
 
+    from reshard.bench.scale_layout import Layout, rank_plan
     from reshard.errors import outcome
-    from reshard.planning import LocalPlan, plan_save
-    from reshard.testing.scale_layout import Layout, rank_plan
+    from reshard.planning.planner import LocalPlan, plan_save
 
     for tp, pp, dp in [(8, 4, 8), (8, 8, 16), (8, 16, 32)]:
         lay = Layout(tp=tp, pp=pp, dp=dp)
@@ -48,6 +48,6 @@ if __name__ == "__main__":
         split = "per-param" if "per-param" in sys.argv else "flat"
         old_protocol(split)
     else:
-        from reshard.cli_bench import bench_scale_cmd
+        from reshard.cli.bench import bench_scale_cmd
 
         bench_scale_cmd.main(args=sys.argv[1:], prog_name="bench_scale.py")

@@ -4,7 +4,7 @@ Not a test. Usage::
 
     python benchmarks/fault_matrix.py [--quick] [--backend local|s3|local,s3] [--only TEXT] [--json PATH]
 
-Runs :func:`reshard.testing.fault_matrix.cells` on 2 real gloo ranks per cell
+Runs :func:`reshard.faults.matrix.cells` on 2 real gloo ranks per cell
 (the same runner as ``reshard faults``; the S3 rows on a moto server started
 on 127.0.0.1 behind the fault proxy), prints one line per cell (verdict,
 seconds, every rank's outcome, ``latest``, whether the previous checkpoint
@@ -36,7 +36,7 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
 
-    from reshard.testing.fault_matrix import cells, run_matrix
+    from reshard.faults.matrix import cells, run_matrix
 
     chosen = [c for c in cells(quick=args.quick, backend=args.backend)
               if args.only is None or args.only in f"{c.backend}:{c.name}"]

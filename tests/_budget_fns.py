@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 import reshard
-from reshard import CheckpointManager, staging
+from reshard import CheckpointManager
+from reshard.saving import staging
 from reshard.storage import LocalStorage, WriteStream
 
 

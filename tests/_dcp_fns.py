@@ -79,7 +79,7 @@ def r_load_rows(path: str, shapes: dict[str, tuple[tuple[int, ...], str]]) -> di
     """Load every tensor of ``shapes`` (fqn -> (global shape, dtype name)),
     dim 0 split over the ranks (0-dim tensors whole), plus the param groups;
     returns this rank's pieces and the load's values."""
-    from reshard.sharding import torch_dtype
+    from reshard.state.sharding import torch_dtype
 
     rank, world = dist.get_rank(), dist.get_world_size()
     state: dict[str, Any] = {}

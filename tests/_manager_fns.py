@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from reshard import ShardedTensor
-from reshard.manager import CheckpointManager
+from reshard.manager.manager import CheckpointManager
 
 ROWS = 3  # rows of the row-sharded weight per rank
 

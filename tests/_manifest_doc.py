@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from reshard.manifest import SEAL_FEATURE, SEAL_KEY, reseal
+from reshard.ondisk.manifest import SEAL_FEATURE, SEAL_KEY, reseal
 
 
 def sealed_json(doc: dict[str, Any]) -> bytes:

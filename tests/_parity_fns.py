@@ -12,9 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from reshard.testing.data import minilm_dir
-from reshard.testing.model import DECODER, TIED, logical_init, model_config
-from reshard.testing.trainer import Layout, TrainConfig, Trainer
+from reshard.demo.data import minilm_dir
+from reshard.demo.model import DECODER, TIED, logical_init, model_config
+from reshard.demo.trainer import Layout, TrainConfig, Trainer
 
 _INT = {4: torch.int32, 8: torch.int64, 2: torch.int16, 1: torch.int8}
 

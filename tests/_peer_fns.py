@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 import reshard
-from reshard import collectives, staging
+from reshard import collectives
+from reshard.saving import staging
 
 
 def r_default_timeout(root: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import reshard
 from reshard import LoadOptions, ShardedTensor
 from reshard.collectives import TorchCollectives
 from reshard.errors import CheckpointError
-from reshard.load import READ_ONCE
+from reshard.loading.load import READ_ONCE
 
 #: (rows, cols) of each saved tensor: two above direct_read_min_bytes per TP shard
 #: (read straight into the destination), two small ones (coalesced spans)
@@ -88,16 +88,16 @@ def r_load_transport_fails(path: str) -> dict[str, Any]:
 
 
 def r_load_default_threshold(path: str) -> dict[str, Any]:
-    """Default LoadOptions: ranges under read_once_min_bytes are read by every rank."""
+    """The default read_once_min_bytes: ranges under it are read by every rank."""
     tgt = _tp2_dp2(False)
-    res = reshard.load(tgt, path)
+    res = reshard.load(tgt, path, options=LoadOptions(read_once=True))
     return _result(res, tgt, {k: v.data for k, v in _tp2_dp2(True).items()})
 
 
 def r_load_corrupt(path: str) -> str:
     """A corrupt block: the rank that reads it fails, and every rank raises."""
     try:
-        reshard.load(_tp2_dp2(False), path, options=LoadOptions(read_once_min_bytes=0))
+        reshard.load(_tp2_dp2(False), path, options=LoadOptions(read_once=True, read_once_min_bytes=0))
     except CheckpointError as e:
         return type(e).__name__ + ": " + str(e)
     return "no error"

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 import reshard
 from reshard.collectives import Counting, TorchCollectives
-from reshard.coordination import PLAN_CACHE
-from reshard.save import drop_plan_cache
+from reshard.planning.coordination import PLAN_CACHE
+from reshard.saving.save import drop_plan_cache
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _scale_fns import _check_load, _files, state  # noqa: E402

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 import reshard
+from reshard.faults.inject import Fault, FaultStorage
 from reshard.storage.s3 import S3Storage
-from reshard.testing.faults import Fault, FaultStorage
 
 
 def main() -> int:

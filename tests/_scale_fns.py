@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import reshard
 from reshard.collectives import Counting, TorchCollectives
-from reshard.coordination import PLAN_CACHE
+from reshard.planning.coordination import PLAN_CACHE
 
 COLS = 16
 

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from reshard.tiers import TieredCheckpointManager
+from reshard.manager.tiers import TieredCheckpointManager
 
 
 def state(step: int) -> dict[str, object]:

@@ -222,7 +222,7 @@ def r_housekeeping_fails_after_commit(root: str) -> dict[str, Any]:
     under the root, and the warnings logged."""
     import logging
 
-    from reshard.testing.faults import Fault, FaultStorage
+    from reshard.faults.inject import Fault, FaultStorage
 
     st = FaultStorage(LocalStorage(), [Fault(op="write_bytes", action="enospc",
                                              match="*.verified.json*", times=0)])

@@ -25,7 +25,7 @@ from _async_fns import (
     r_zero_dim_load,
     zero_dim_state,
 )
-from reshard import staging
+from reshard.saving import staging
 
 
 @pytest.fixture(autouse=True)
@@ -160,7 +160,7 @@ def test_repeated_async_saves_keep_memory_flat(tmp_path: Path) -> None:
         assert h.staged.done()
         allocated.append(pool_.allocated_bytes)
         if i >= 2:  # c{i-1} committed before c{i} was staged (max_pending=1)
-            reshard.staging.raise_pending_error()
+            reshard.saving.staging.raise_pending_error()
             assert reshard.verify(tmp_path / f"c{i - 1}", checksums=False).ok
             shutil.rmtree(tmp_path / f"c{i - 2}")
         rss.append(_rss())
@@ -259,7 +259,7 @@ def test_unconsumed_background_error_never_costs_the_next_call(tmp_path: Path, t
 def test_buffer_pool_frees_sizes_no_longer_staged(tmp_path) -> None:
     """A state whose tensor sizes change between saves does not grow the pool."""
     import reshard
-    from reshard.staging import _saver, wait_all
+    from reshard.saving.staging import _saver, wait_all
 
     for i in range(6):
         h = reshard.async_save({"w": torch.zeros(1000 + 100 * i)}, tmp_path / f"c{i}", step=i)

@@ -1,5 +1,5 @@
 """Interpreter exit with an asynchronous save in flight: the process ends with
-rc 0, the save committed complete (``reshard.staging._at_exit`` waits for it
+rc 0, the save committed complete (``reshard.saving.staging._at_exit`` waits for it
 and joins every background save thread), and no background thread frees a
 tensor during finalisation (which used to end the process with SIGABRT,
 "terminate called without an active exception": a thread that takes the GIL

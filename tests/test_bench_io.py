@@ -107,10 +107,10 @@ def test_bench_io_smoke(tmp_path: Path) -> None:
         [sys.executable, "-m", "reshard.cli", "bench", "io", "--model", "synthetic", "--synthetic-mib", "2",
          "--world", "2", "--reshard-to", "fsdp1", "--repeat", "1", "--settle", "0", "--steps", "1",
          "--skip", "dcp-async-process,dcp-threads,torch-save,tc,tc+sync,tc-async", "--dir", str(tmp_path),
-         "--json", str(out), "--plot", str(png), "--no-progress"],
+         "--rss-saves", "3", "--json", str(out), "--plot", str(png), "--no-progress"],
         capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "reshard.save" in p.stdout and "x limit" in p.stdout and "targets:" in p.stdout
+    assert "reshard.save" in p.stdout and "x limit" in p.stdout and "targets (" in p.stdout
     doc = json.loads(out.read_text())
     s = doc["summary"]["local/w2"]
     assert s["layout"] == "fsdp2"
@@ -126,6 +126,17 @@ def test_bench_io_smoke(tmp_path: Path) -> None:
     assert set(rs["phases_s"]) == {"stage", "plan", "write", "commit"}
     assert {"manifest", "plan", "read", "place"} == set(s["load"]["reshard"]["phases_s"])
     assert "reshard-async_ratio" in s["train"]
+    # the targets: each measured one with its ratio, goal and verdict; the figures beside it
+    got = {e["target"]: e for e in s["targets"]}
+    assert {"stall_vs_memcpy", "save_vs_limit", "save_vs_dcp", "load_vs_limit", "load_nocheck_vs_limit",
+            "load_vs_dcp", "step_slowdown", "save_rss", "load_rss", "async_rss_growth"} <= set(got)
+    assert all(e["verdict"] in ("met", "MISSED", "reported") and e["detail"] for e in got.values())
+    assert got["load_vs_limit"]["goal"] == 0.6 and got["step_slowdown"]["verdict"] == "reported"
+    assert "s/GB" in got["step_slowdown"]["detail"] and "page faults" in got["stall_vs_memcpy"]["detail"]
+    assert s["rss"]["async-growth"]["saves"] == 3 and len(s["rss"]["async-growth"]["rss_after_per_rank"]) == 2
+    assert len(s["async"]["reshard-async"]["minflt_per_repeat"]) == 1
+    assert s["train"]["reshard-async_cpu"]["save_cpu_s"] >= 0 and s["load"]["reshard"]["cpu_s"] > 0
+    assert "targets (ratios of the minimum of 1 repeat(s); load average" in p.stdout
     assert all(r["loadavg"] for r in doc["records"])
     assert all(len(r["rss_after"]) == r.get("target_world", 2) and all(r["rss_after"])
                for r in doc["records"])
@@ -396,7 +407,7 @@ def test_sigterm_mid_run_removes_the_scratch_checkpoints_and_the_ranks(tmp_path:
 def test_world_sizes_given_twice_run_once() -> None:
     """`--world 1,2,1`: each size once (a size given twice ran twice and its
     records were merged into one summary, medians over both runs)."""
-    from reshard.cli_bench import _ints
+    from reshard.cli.bench import _ints
 
     assert _ints("1,2,1,2") == [1, 2]
 
@@ -501,3 +512,37 @@ def test_bench_io_without_torch_checkpointing_notes_it(monkeypatch) -> None:
     Fake.cfg = {"skip": {"tc", "tc+sync", "tc-async"}}
     Fake.notes = []
     assert io.Runner.tc_ready(Fake(), 1, "unused") is False and not Fake.notes  # type: ignore[arg-type]
+
+
+def test_targets_verdicts_and_bounds() -> None:
+    """targets.evaluate on a hand-made summary: speed ratios at least, time
+    and memory ratios at most their goal, the 1-rank load goal stricter than
+    the 2-rank one, and a missed target names the measured figures."""
+    from reshard.bench import targets
+
+    def st(x: float) -> dict:
+        return {"min_s": x, "median_s": x, "seconds": [x]}
+
+    s = {"async": {"memcpy": {"stall": st(0.10), "cpu_s": 0.10, "minflt": 0},
+                   "reshard-async": {"stall": st(0.12), "cpu_s": 0.11, "minflt": 0}},
+         "save": {"reshard": {**st(1.0), "phases_s": {"stage": 0.1, "plan": 0.0, "write": 0.8, "commit": 0.1}},
+                  "limit-write": st(0.9), "dcp": st(2.0)},
+         "load": {"reshard": {**st(0.5), "phases_s": {"manifest": 0.05, "plan": 0.05, "read": 0.35,
+                                                       "place": 0.05}},
+                  "limit-read": st(0.4)},
+         "rss": {"save": {"extra_per_rank": [[10 << 20]]}, "load": {"extra_per_rank": [[200 << 20]]},
+                 "async-growth": {"saves": 100, "growth": 0.004, "growth_bytes": 1 << 20, "rss_first": 400 << 20,
+                                  "seconds": 20.0}},
+         "local_bytes_per_rank": [1 << 30], "world": 1, "cpus": 2}
+    got = {e["target"]: e for e in targets.evaluate(s, 1)}
+    assert got["stall_vs_memcpy"]["verdict"] == "MISSED" and "beyond the copy" in got["stall_vs_memcpy"]["bound"]
+    assert got["save_vs_limit"]["verdict"] == "MISSED" and got["save_vs_dcp"]["verdict"] == "met"
+    assert got["save_vs_dcp"]["bound"] is None
+    assert got["load_vs_limit"]["measured"] == 0.8 and got["load_vs_limit"]["verdict"] == "MISSED"
+    assert "read phase 0.350 s" in got["load_vs_limit"]["bound"]
+    assert targets.evaluate(s, 2)[[e["target"] for e in targets.evaluate(s, 2)].index("load_vs_limit")][
+        "verdict"] == "met"  # 0.6 at 2 ranks
+    assert got["save_rss"]["verdict"] == "met" and got["load_rss"]["verdict"] == "MISSED"
+    assert got["async_rss_growth"]["verdict"] == "met"
+    assert "stall_vs_tc" not in got  # not measured: left out
+    assert targets.fmt(got["async_rss_growth"]) == "0.4% (<= 1.0%: met)"

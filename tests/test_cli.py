@@ -154,7 +154,7 @@ def test_demo_small_settings(tmp_path: Path) -> None:
 
 
 def test_ls_shows_verification_and_retention_and_gc_applies_it(tmp_path: Path) -> None:
-    from reshard.manager import CheckpointManager
+    from reshard.manager.manager import CheckpointManager
 
     root = tmp_path / "run"
     mgr = CheckpointManager(root, keep_last=None, preempt_signals=())

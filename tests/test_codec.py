@@ -1,4 +1,4 @@
-"""The typed, pickle-free encoding of plain values (reshard.codec)."""
+"""The typed, pickle-free encoding of plain values (reshard.ondisk.codec)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from reshard import codec
 from reshard.errors import ManifestError
+from reshard.ondisk import codec
 
 
 def same(a: Any, b: Any) -> bool:

@@ -163,7 +163,7 @@ def test_hf_import_refuses_overlapping_data_offsets(tmp_path: Path) -> None:
 
 
 def test_demo_refuses_settings_it_cannot_honour_before_touching_anything(tmp_path: Path) -> None:
-    from reshard.testing.demo import DemoConfig, run_demo
+    from reshard.demo.job import DemoConfig, run_demo
 
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "precious.txt").write_text("x")

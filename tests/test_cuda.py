@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import reshard
-from reshard.staging import BufferPool
+from reshard.saving.staging import BufferPool
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reshard.testing import data
+from reshard.demo import data
 
 
 def test_stdlib_texts_split_is_deterministic_and_disjoint() -> None:

@@ -1,4 +1,4 @@
-"""DCP import (reshard.formats.dcp): an FSDP2 + AdamW state saved by
+"""DCP import (reshard.ondisk.dcp): an FSDP2 + AdamW state saved by
 torch.distributed.checkpoint on 4 gloo ranks, read by reshard on 2 ranks
 directly and after conversion; crafted pickles refused with nothing executed
 (DESIGN.md section 3, cases/README.md case 10)."""
@@ -20,9 +20,9 @@ from click.testing import CliRunner
 import _dcp_fns as fns
 import reshard
 from reshard.cli import main as cli_main
-from reshard.formats.dcp import DCP_METADATA, open_dcp, read_dcp_metadata
 from reshard.formats.dcp_convert import convert_dcp
-from reshard.sharding import dtype_name
+from reshard.ondisk.dcp import DCP_METADATA, open_dcp, read_dcp_metadata
+from reshard.state.sharding import dtype_name
 from reshard.testing.pool import WorkerPool
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -16,8 +16,8 @@ from click.testing import CliRunner
 
 import _diff_fns as fns
 import reshard
+from reshard.catalog.diff import by_subtree, diff
 from reshard.cli import main
-from reshard.diff import by_subtree, diff
 from reshard.testing.pool import WorkerPool
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import reshard
-from reshard.manifest import MANIFEST_NAME, decode_manifest, encode_manifest
+from reshard.ondisk.manifest import MANIFEST_NAME, decode_manifest, encode_manifest
 from reshard.storage import LocalStorage
 from reshard.storage.base import WriteStream
 

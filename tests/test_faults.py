@@ -14,8 +14,8 @@ import torch
 
 import reshard
 from reshard.errors import IntegrityError, StorageError
+from reshard.faults.inject import PHASES, Fault, FaultStorage
 from reshard.storage import LocalStorage
-from reshard.testing.faults import PHASES, Fault, FaultStorage
 
 
 def _state(seed: int, n: int = 64) -> dict[str, torch.Tensor]:
@@ -165,8 +165,8 @@ def test_fault_matrix_quick(tmp_path):
     save commits (a restarted job's where a rank was lost), every rank saw
     the fault and every process exited within the bounds, the failed
     attempt's space came back."""
-    from reshard.testing.fault_matrix import cells, run_matrix
-    from reshard.testing.fault_model import detect_bound_s
+    from reshard.faults.matrix import cells, run_matrix
+    from reshard.faults.model import detect_bound_s
 
     chosen = cells(quick=True, backend="local")
     classes = {c.fault_class for c in cells(backend="local")} - {"sigstop-load", "sigterm-unwinding", "sigkill-exit"}
@@ -199,7 +199,7 @@ def test_survivors_name_the_lost_rank(tmp_path, lost):
     survivor from the coordinator's verdict (rank 2 killed), or both from
     the store being gone with its host (rank 0 killed). Before, they said
     "a rank was lost" and no more."""
-    from reshard.testing.fault_matrix import Cell, named_lost, run_cell
+    from reshard.faults.matrix import Cell, named_lost, run_cell
 
     cell = Cell("sigkill-save", "save", "sync", "data", "kill", lost)
     res = run_cell(cell, str(tmp_path), world=3)
@@ -216,7 +216,7 @@ def test_interrupted_retention_never_lists_a_half_deleted_checkpoint(tmp_path):
     deleted a checkpoint file by file, so a kill in the middle left a
     directory whose valid manifest named missing files, listed as committed.
     Retention now renames it out of the committed namespace first."""
-    from reshard.listing import committed
+    from reshard.commit.listing import committed
 
     root = str(tmp_path)
 

@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner
 
 import reshard
-from reshard.manifest import MANIFEST_NAME
+from reshard.ondisk.manifest import MANIFEST_NAME
 from reshard.storage import resolve
 from reshard.testing.s3proxy import Fault as ProxyFault
 from reshard.testing.s3server import free_port
@@ -39,7 +39,7 @@ def test_fault_matrix_s3_quick(tmp_path, half: str) -> None:
     """One cell per fault class (split in two runs of a few cells each, one
     moto server per run), safe and live: the next save commits (a restarted
     job's after the kill), and every survivor saw the fault."""
-    from reshard.testing.fault_matrix import cells, run_matrix
+    from reshard.faults.matrix import cells, run_matrix
 
     quick = cells(quick=True, backend="s3")
     classes = {c.fault_class for c in cells(backend="s3")}
@@ -164,8 +164,8 @@ def test_lost_publish_answer_keeps_the_published_data(s3e) -> None:
 def test_fault_storage_keeps_the_conditional_put(s3e) -> None:
     """FaultStorage around S3 forwards put_if_absent (it used the base class's
     exists-then-write, which is not atomic), and its faults can aim at it."""
+    from reshard.faults.inject import Fault, FaultStorage
     from reshard.storage.s3 import S3Storage
-    from reshard.testing.faults import Fault, FaultStorage
 
     key = resolve(s3e.url("cond"))[1] + "/rec"
     fs = FaultStorage(S3Storage(), [Fault(op="put_if_absent", action="eio", nth=2)])

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from reshard.cli import main
 from reshard.errors import ManifestError
-from reshard.testing import fuzz as F
-from reshard.testing.fuzz_cases import _deep_metadata_pickle
+from reshard.fuzz import runner as F
+from reshard.fuzz.cases import _deep_metadata_pickle
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_regression_dcp_memo_index_does_not_allocate(corpus, tmp_path):
     ``LONG_BINPUT 1298491233``): the C unpickler grew its memo array to 1.3e9
     entries (10 GiB) before failing. The restricted unpickler keeps the memo in
     a dict now; the refusal must not be a MemoryError in disguise."""
-    from reshard.formats.dcp import read_dcp_metadata
+    from reshard.ondisk.dcp import read_dcp_metadata
 
     d = tmp_path / "dcp"
     d.mkdir()
@@ -126,8 +126,8 @@ def test_regression_dcp_marks_nested_past_the_limit(tmp_path):
     or of 100k empty lists nested by APPENDs, was walked to its end (the
     slowest DCP inputs); they are refused at MAX_MARK_DEPTH / MAX_FRAME_ITEMS
     with a ManifestError naming the file."""
-    from reshard.formats.dcp import read_dcp_metadata
-    from reshard.formats.dcp_metadata import MAX_FRAME_ITEMS, MAX_MARK_DEPTH
+    from reshard.ondisk.dcp import read_dcp_metadata
+    from reshard.ondisk.dcp_metadata import MAX_FRAME_ITEMS, MAX_MARK_DEPTH
 
     d = tmp_path / "dcp"
     d.mkdir()
@@ -237,7 +237,7 @@ def test_regression_dcp_bytearray8_does_not_allocate(tmp_path):
     """Found by the fuzzer (a MEMOIZE byte 0x94 flipped to 0x96): BYTEARRAY8
     allocates its declared length (here 2^40 bytes) before reading; the
     restricted unpickler refuses it."""
-    from reshard.formats.dcp import read_dcp_metadata
+    from reshard.ondisk.dcp import read_dcp_metadata
 
     d = tmp_path / "dcp"
     d.mkdir()
@@ -250,7 +250,7 @@ def test_regression_dcp_bytearray8_does_not_allocate(tmp_path):
 def test_regression_values_nested_past_the_recursion_limit(corpus):
     """Found by the fuzzer: a common value nested 900 lists deep (within
     msgspec's limit) made the codec's decoder raise RecursionError."""
-    from reshard import codec
+    from reshard.ondisk import codec
 
     m = json.loads(corpus.reshard[F.MANIFEST])
     m["values"] = {"meta": {"$tuple": [1, "__DEEP_900__"]}}

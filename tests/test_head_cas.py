@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import reshard
-from reshard import resume
-from reshard.committed import HEAD_NAME
+from reshard.commit.listing import read_head, read_head_tagged, write_head
 from reshard.errors import CheckpointError
-from reshard.listing import read_head, read_head_tagged, write_head
+from reshard.manager import resume
+from reshard.ondisk.committed import HEAD_NAME
 from reshard.storage import resolve
 
 

@@ -141,7 +141,7 @@ def test_convert_from_hf_keeps_the_config_tie(tmp_path: Path, kind: str) -> None
     ``import_hf`` does: exit 0, the tie recorded as a manifest alias, and a
     strict load into a fresh tied model gives the saved model's logits."""
     import reshard
-    from reshard.committed import read_manifest
+    from reshard.ondisk.committed import read_manifest
     from reshard.storage import resolve
     from reshard.transforms import Rename
 

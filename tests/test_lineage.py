@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 import reshard
 from _manifest_doc import sealed_json, write_manifest_doc
 from reshard.cli import main
-from reshard.committed import QUARANTINE_MARK
+from reshard.commit.lineage import Head, lineage_of, resume_order
+from reshard.commit.listing import Entry, committed, read_head, scan
 from reshard.errors import StorageError
-from reshard.lineage import Head, lineage_of, resume_order
-from reshard.listing import Entry, committed, read_head, scan
-from reshard.manager import CheckpointManager
-from reshard.manifest import Manifest, decode_manifest, encode_manifest
+from reshard.manager.manager import CheckpointManager
+from reshard.ondisk.committed import QUARANTINE_MARK
+from reshard.ondisk.manifest import Manifest, decode_manifest, encode_manifest
 from reshard.storage import LocalStorage, MemoryStorage, clear_memory_storage
 
 

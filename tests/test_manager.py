@@ -19,8 +19,8 @@ import torch
 
 import reshard
 from _async_fns import CorruptingStorage, FailingStorage
-from reshard.manager import CheckpointManager, young_daly_interval
-from reshard.retention import Candidate, Policy, decide
+from reshard.commit.retention import Candidate, Policy, decide
+from reshard.manager.manager import CheckpointManager, young_daly_interval
 
 PY = sys.executable
 
@@ -68,7 +68,7 @@ def _steps(root: Path) -> list[int]:
 KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     import torch
-    from reshard.manager import CheckpointManager
+    from reshard.manager.manager import CheckpointManager
     from reshard.storage import LocalStorage
 
     root, mode = sys.argv[1], sys.argv[2]

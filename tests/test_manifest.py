@@ -1,4 +1,4 @@
-"""Manifest schema, codec and validation (reshard.manifest)."""
+"""Manifest schema, codec and validation (reshard.ondisk.manifest)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from reshard.errors import IntegrityError, ManifestError
-from reshard.manifest import (
+from reshard.ondisk.manifest import (
     FORMAT_VERSION,
     Chunk,
     FileEntry,

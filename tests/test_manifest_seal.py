@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import reshard
 from reshard.errors import IntegrityError
-from reshard.manifest import SEAL_KEY, decode_manifest, encode_manifest, encode_sealed
+from reshard.ondisk.manifest import SEAL_KEY, decode_manifest, encode_manifest, encode_sealed
 
 
 def _state() -> dict:

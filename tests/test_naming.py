@@ -17,7 +17,7 @@ from torch import nn
 import _naming_fns as fns
 import reshard
 from reshard import ModelState, OptimizerState, ShardingError
-from reshard.load import MIGRATED
+from reshard.loading.load import MIGRATED
 
 DATA = Path(__file__).parent / "data"
 

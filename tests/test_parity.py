@@ -1,7 +1,7 @@
 """Next-step parity across a reshard matrix, and the real MiniLM weights
 through import -> save at TP=2 -> load at TP=1 -> export.
 
-Parity (:func:`reshard.testing.parity.parity`): an uninterrupted run in the
+Parity (:func:`reshard.demo.parity.parity`): an uninterrupted run in the
 save layout takes step N+1; a separate run saves at N; processes that never
 ran the save side (a second worker pool) build the model from another seed,
 load in the load layout and take step N+1 on the same global batch. Loss,
@@ -20,10 +20,10 @@ import torch
 
 import _parity_fns as fns
 import reshard
-from reshard.testing.model import TIED, Stage, model_config
-from reshard.testing.parity import assemble, compare, parity, rank_continuous
+from reshard.demo.model import TIED, Stage, model_config
+from reshard.demo.parity import assemble, compare, parity, rank_continuous
+from reshard.demo.trainer import Layout, TrainConfig
 from reshard.testing.pool import WorkerPool
-from reshard.testing.trainer import Layout, TrainConfig
 from reshard.transforms import Rename
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -121,9 +121,9 @@ def test_minilm_forward_is_the_real_model() -> None:
     sentences (0.755 for the pair below, sentence-transformers' own value)."""
     from tokenizers import Tokenizer
 
+    from reshard.demo.data import minilm_dir
+    from reshard.demo.model import MicroBatch
     from reshard.formats.hf_import import import_hf
-    from reshard.testing.data import minilm_dir
-    from reshard.testing.model import MicroBatch
 
     m = Stage(model_config("bert", "full"))
     import_hf({"m": reshard.ModelState(m, layout=m.layout)}, str(minilm_dir()),
@@ -149,8 +149,8 @@ def test_minilm_import_tp2_save_load_tp1_export(pool: WorkerPool, tmp_path) -> N
     decoder is tied to the word embeddings again; the head is exported too."""
     from safetensors import safe_open
 
+    from reshard.demo.data import minilm_dir
     from reshard.formats.hf_export import export_hf
-    from reshard.testing.data import minilm_dir
 
     ckpt, out = str(tmp_path / "ckpt"), tmp_path / "hf"
     saved = pool.run(2, fns.r_minilm_import_save, ckpt, timeout=180)

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import _parity_fns as fns
-from reshard.testing.model import model_config
-from reshard.testing.parity import assemble, compare, grad_atol, rank_continuous, rank_save
+from reshard.demo.model import model_config
+from reshard.demo.parity import assemble, compare, grad_atol, rank_continuous, rank_save
+from reshard.demo.trainer import Layout, TrainConfig
 from reshard.testing.pool import WorkerPool
-from reshard.testing.trainer import Layout, TrainConfig
 
 
 def test_grad_atol_grows_like_sqrt_of_terms() -> None:

@@ -15,7 +15,7 @@ import reshard
 from _manifest_doc import write_manifest_doc
 from reshard import ShardedTensor
 from reshard.cli import main
-from reshard.dryrun import parse_target_layout, plan_layout
+from reshard.planning.dryrun import parse_target_layout, plan_layout
 
 
 def _tp2(state: dict[str, Any], name: str, rows: int, cols: int, dim: int) -> None:

@@ -3,8 +3,8 @@ groups), and the plan cache rebuilt from it gives the same manifest."""
 
 from __future__ import annotations
 
-from reshard.testing import scale_sim
-from reshard.testing.scale_layout import Layout
+from reshard.bench import scale_sim
+from reshard.bench.scale_layout import Layout
 
 
 def test_slim_plan_file_rebuilds_the_same_manifest_and_is_smaller_than_it() -> None:

@@ -13,8 +13,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from reshard.errors import ShardingError
-from reshard.manifest import Chunk, TensorEntry
-from reshard.planning import (
+from reshard.ondisk.manifest import Chunk, TensorEntry
+from reshard.planning.planner import (
     LocalObjectItem,
     LocalPlan,
     LocalTensorItem,
@@ -25,7 +25,7 @@ from reshard.planning import (
     plan_reads,
     plan_save,
 )
-from reshard.sharding import numel
+from reshard.state.sharding import numel
 
 Shape = tuple[int, ...]
 ISZ = 4  # float32

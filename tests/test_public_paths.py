@@ -5,7 +5,7 @@ and ``reshard.storage``, found by walking them), the names of
 ``reshard.__all__``, the command's entry point read from pyproject.toml, and
 every ``reshard.`` path that README.md and docs/*.md name: in code spans and
 code blocks, as dotted paths (``reshard.adapters.layouts``,
-``reshard.testing.parity.grad_atol``) and as ``from reshard... import ...``
+``reshard.demo.parity.grad_atol``) and as ``from reshard... import ...``
 statements. The paths are read from the text, so a page added or a path
 rewritten by a move is covered without editing this file.
 
@@ -78,7 +78,7 @@ def resolve(path: str) -> Any:
 
 def code_of(text: str) -> list[str]:
     """The code of ``text``: its fenced blocks and its inline code spans (a
-    span broken across lines joined back, ``reshard.sharding.\\n flat_range_boxes``)."""
+    span broken across lines joined back, ``reshard.state.sharding.\\n flat_range_boxes``)."""
     out = re.findall(r"^```\w*\n(.*?)^```", text, flags=re.M | re.S)
     rest = re.sub(r"^```\w*\n.*?^```", "", text, flags=re.M | re.S)
     out += [re.sub(r"\.\s+", ".", s) for s in re.findall(r"`([^`]+)`", rest)]
@@ -106,7 +106,7 @@ def test_the_docs_name_the_paths_this_test_reads() -> None:
               "reshard.formats.hf_export.export_hf", "reshard.CheckpointManager"):
         assert any(x == p or x.startswith(p + ".") for x in paths), (p, sorted(paths))
     assert not any(p.startswith(("reshard.read_once", "reshard.format_migration")) for p in paths)
-    assert "reshard.sharding.flat_range_boxes" in paths  # a span broken across two lines
+    assert "reshard.state.sharding.flat_range_boxes" in paths  # a span broken across two lines
 
 
 @pytest.mark.parametrize("path", sorted(documented()))

@@ -10,7 +10,7 @@ import pytest
 
 import _read_once_fns as fns
 import reshard
-from reshard.dryrun import parse_target_layout, plan_layout
+from reshard.planning.dryrun import parse_target_layout, plan_layout
 from reshard.testing.pool import WorkerPool
 
 pytestmark = pytest.mark.timeout(120)

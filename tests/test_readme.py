@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import reshard
-from reshard.diff import diff
+from reshard.catalog.diff import diff
 from reshard.testing.pool import WorkerPool
 
 ROOT = Path(__file__).resolve().parents[1]

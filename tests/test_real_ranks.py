@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from reshard.testing import real_ranks
+from reshard.bench import real_ranks
 from reshard.testing.pool import WorkerPool
 
 

@@ -1,4 +1,4 @@
-"""Property tests of the pure retention decision ``reshard.retention.decide``.
+"""Property tests of the pure retention decision ``reshard.commit.retention.decide``.
 
 A random history of saves (increasing steps; some fail and never commit; each
 committed one is first in flight, then verified or not), metrics, leases and
@@ -14,7 +14,7 @@ from dataclasses import replace
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from reshard.retention import Candidate, Decision, Policy, decide
+from reshard.commit.retention import Candidate, Decision, Policy, decide
 
 policies = st.builds(
     Policy,

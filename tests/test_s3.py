@@ -13,8 +13,8 @@ import torch
 
 import reshard
 from _s3_fns import COLS, ROWS, full_weight, load_state, save_expect_failure, save_state
-from reshard import attempts
-from reshard.manifest import MANIFEST_NAME
+from reshard.commit import attempts
+from reshard.ondisk.manifest import MANIFEST_NAME
 from reshard.storage import resolve
 from reshard.testing.s3proxy import Fault
 

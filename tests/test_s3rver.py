@@ -18,7 +18,7 @@ from click.testing import CliRunner
 import reshard
 from reshard.cli import main
 from reshard.errors import StorageError, StoreCapabilityError
-from reshard.manifest import MANIFEST_NAME
+from reshard.ondisk.manifest import MANIFEST_NAME
 from reshard.storage import Storage, resolve
 from reshard.storage.s3 import TRUST_ENV, S3Storage
 from reshard.testing.s3proxy import Fault
@@ -162,7 +162,7 @@ def test_s3_fault_cells_on_s3rver(s3rver_session: Any, tmp_path: Any) -> None:
     safe, and gc removes what the kill left although s3rver
     cannot list multipart uploads. The cells are single writers, so they run
     with the documented RESHARD_S3_TRUST_CONDITIONAL=1."""
-    from reshard.testing.fault_matrix import cells, run_matrix
+    from reshard.faults.matrix import cells, run_matrix
 
     chosen = [c for c in cells(quick=True, backend="s3") if c.fault_class in ("sigkill-save",)]
     assert len(chosen) == 1

@@ -21,7 +21,7 @@ from safetensors import safe_open
 import reshard
 from reshard import LoadOptions, SaveOptions, ShardedObject, ShardedTensor
 from reshard.errors import CheckpointError, IntegrityError, ShardingError
-from reshard.sharding import DTYPE_NAMES, torch_dtype
+from reshard.state.sharding import DTYPE_NAMES, torch_dtype
 from reshard.storage import MemoryStorage
 
 FAST = SaveOptions(durable=False)
@@ -593,8 +593,8 @@ def test_tied_weights_stored_once(tmp_path: Path) -> None:
 def test_checksums_off_with_replica_ids_plans(tmp_path: Path) -> None:
     """checksums=False must not make a replicated chunk's holders disagree (one computes
     a digest, the other not): the planner compares digests of all holders."""
-    from reshard.planning import LocalPlan, plan_save
-    from reshard.save import collect
+    from reshard.planning.planner import LocalPlan, plan_save
+    from reshard.saving.save import collect
 
     opts = SaveOptions(checksums=False)
     plans = []
@@ -679,7 +679,7 @@ def test_single_element_views_with_odd_strides(tmp_path: Path, direct: bool) -> 
     reshard.load({"w": dst}, tmp_path / "ck",
                  options=LoadOptions(direct_read_min_bytes=0 if direct else 1 << 20))
     assert base.tolist() == [[5.0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]]
-    assert reshard.codec.decode(reshard.codec.encode({"t": src}))["t"].tolist() == [5.0]
+    assert reshard.ondisk.codec.decode(reshard.ondisk.codec.encode({"t": src}))["t"].tolist() == [5.0]
 
 
 @pytest.mark.parametrize("flip", [None, 800, 4000, 7500])

@@ -9,7 +9,7 @@ import torch
 
 import reshard
 from reshard.errors import ShardingError
-from reshard.sharding import (
+from reshard.state.sharding import (
     DTYPE_NAMES,
     ShardedObject,
     ShardedTensor,

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from reshard.testing import scale_sim
-from reshard.testing.scale_layout import Layout
-from reshard.testing.simulate import SimWorld
+from reshard.bench import scale_sim
+from reshard.bench.scale_layout import Layout
+from reshard.bench.simulate import SimWorld
 
 
 def _busy(seconds: float) -> None:
@@ -74,7 +74,7 @@ def test_bench_scale_measures_the_sealed_manifest(monkeypatch) -> None:
     manifest no save writes."""
     import json
 
-    from reshard.manifest import SEAL_FEATURE, SEAL_KEY
+    from reshard.ondisk.manifest import SEAL_FEATURE, SEAL_KEY
 
     seen: list[bytes] = []
     real = scale_sim.decode_manifest

@@ -10,8 +10,8 @@ import sys
 import torch
 
 import reshard
+from reshard.manager.tiers import TieredCheckpointManager, copy_checkpoint
 from reshard.testing.s3proxy import Fault
-from reshard.tiers import TieredCheckpointManager, copy_checkpoint
 
 HERE = os.path.dirname(__file__)
 

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 import reshard
 from reshard import SaveOptions, ShardedTensor
-from reshard.sharding import flat_range_boxes
+from reshard.faults.inject import FaultStorage
+from reshard.state.sharding import flat_range_boxes
 from reshard.storage import LocalStorage
-from reshard.testing.faults import FaultStorage
 
 
 def _flat_indices(shape: tuple[int, ...], off: tuple[int, ...], shp: tuple[int, ...]) -> list[int]:
@@ -115,7 +115,7 @@ def test_restore_smoke_test_of_tp_zero_chunks_checks_their_bytes(tmp_path: Path)
     from TP x ZeRO chunks (the strided gather path): it passes on the saved
     checkpoint and fails, recording nothing wrong as good, once one byte of
     such a chunk is flipped on disk."""
-    from reshard.records import check_and_record
+    from reshard.catalog.records import check_and_record
 
     full = torch.randn(256, 48)
     state = {"w": _tp_zero_chunks(full, 1, 2, [40]), "b": torch.ones(3)}

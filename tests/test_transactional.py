@@ -14,7 +14,7 @@ import torch
 
 import reshard
 from _txn_fns import r_convert_per_rank, r_load_unchanged, r_save, r_save_paths
-from reshard.commit import ATTEMPT_NONCE
+from reshard.commit.protocol import ATTEMPT_NONCE
 
 DATA0, DATA1 = "data-r00000-0.safetensors", "data-r00001-0.safetensors"
 

@@ -23,9 +23,9 @@ from _user_fns import (
     r_two_runs_share_a_root,
 )
 from reshard.collectives import SingleProcess
-from reshard.lineage import Head, lineage_of, resume_order
-from reshard.listing import Entry
-from reshard.manifest import Manifest
+from reshard.commit.lineage import Head, lineage_of, resume_order
+from reshard.commit.listing import Entry
+from reshard.ondisk.manifest import Manifest
 
 
 def _save_one(path: Path, value: float, step: int) -> None:
@@ -146,7 +146,7 @@ def test_retention_killed_mid_deletion_leaves_no_torn_checkpoint(tmp_path: Path)
     root = tmp_path / "ck"
     p = subprocess.run([sys.executable, "-c", _KILLED_IN_RETENTION, str(root)], timeout=120)
     assert p.returncode == -9
-    from reshard.listing import committed, scan
+    from reshard.commit.listing import committed, scan
     from reshard.storage import LocalStorage
 
     st = LocalStorage()

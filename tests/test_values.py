@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 import reshard
-from reshard import codec
+from reshard.ondisk import codec
 
 GSHAPE = (5, 3)
 

@@ -10,6 +10,7 @@ from .adapters.model import ModelState
 from .adapters.optimizer import OptimizerState
 from .adapters.rng import RNGState
 from .adapters.torch_native import TorchState
+from .catalog.verify import VerifyReport, inspect, latest, verify
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -20,14 +21,13 @@ from .errors import (
     ShardingError,
     StorageError,
 )
-from .load import LoadResult, load
-from .manager import CheckpointManager
-from .manifest import Manifest
+from .loading.load import LoadResult, load
+from .manager.manager import CheckpointManager
+from .ondisk.manifest import Manifest
 from .options import LoadOptions, SaveOptions
-from .save import SaveResult, save
-from .sharding import ShardedObject, ShardedTensor
-from .staging import SaveHandle, async_save
-from .verify import VerifyReport, inspect, latest, verify
+from .saving.save import SaveResult, save
+from .saving.staging import SaveHandle, async_save
+from .state.sharding import ShardedObject, ShardedTensor
 
 __version__ = "0.1.0"
 

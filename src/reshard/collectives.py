@@ -14,7 +14,7 @@ interface:
 * :class:`TorchCollectives` over any process group (gloo on CPU; NCCL groups
   exchange through CUDA tensors), addressing peers by their global ranks;
 * :class:`SingleProcess` for plain scripts (world size 1);
-* :class:`reshard.testing.simulate.SimWorld` (N ranks in one process, for the
+* :class:`reshard.bench.simulate.SimWorld` (N ranks in one process, for the
   scale simulator), and :class:`Counting`, a wrapper that counts the bytes
   each call moves.
 
@@ -39,7 +39,6 @@ from .collectives_base import (
     OPS,
     Collectives,
     Counting,
-    Deferred,
     Request,
     SingleProcess,
     agree_steps,
@@ -48,7 +47,7 @@ from .collectives_base import (
 )
 from .errors import CheckpointError, rank_ranges
 
-__all__ = ["MAX_SHIPPED_FAILURES", "MAX_SHIPPED_TRACEBACK", "OPS", "Collectives", "Counting", "Deferred",
+__all__ = ["MAX_SHIPPED_FAILURES", "MAX_SHIPPED_TRACEBACK", "OPS", "Collectives", "Counting",
            "Request", "SingleProcess", "TorchCollectives", "agree_steps", "drive",
            "checkpoint_timeout_s", "get_collectives", "group_key", "group_timeout_s", "new_checkpoint_group",
            "is_broken", "timed_collectives", "timed_keys", "wait_report_s", "watch"]

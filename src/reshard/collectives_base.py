@@ -1,8 +1,7 @@
 """The collectives interface and its pure parts: the :class:`Collectives`
 interface, the protocol driver (:func:`drive`), the agreement protocol
 (:func:`agree_steps`), :class:`SingleProcess` (world size 1) and
-:class:`Counting` (a wrapper that counts bytes), :class:`Deferred` (a
-checkpoint group made at its first collective), :class:`BoundedStore` (the
+:class:`Counting` (a wrapper that counts bytes), :class:`BoundedStore` (the
 job's store with a deadline per call). Nothing here calls
 torch.distributed: the implementation over process groups is
 :class:`reshard.collectives.TorchCollectives` (the only module that does),
@@ -78,7 +77,7 @@ class Collectives(ABC):
                  recvs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
         """Point-to-point transfer of data buffers (the bytes a replica's
         reader hands to the other ranks that need them; see
-        :mod:`reshard.coordination_load`): ``sends`` and ``recvs`` are
+        :mod:`reshard.planning.coordination_load`): ``sends`` and ``recvs`` are
         ``(peer rank in the group, tag, tensor)``; each send must be matched
         by the peer's recv of the same tag and number of bytes. Tensors are
         contiguous uint8 CPU tensors; a recv fills its tensor in place.
@@ -281,51 +280,6 @@ class Counting(Collectives):
         self.data_sent += sum(t.numel() for _, _, t in sends)
         self.data_recv += sum(t.numel() for _, _, t in recvs)
         self.calls["exchange"] = self.calls.get("exchange", 0) + 1
-
-
-class Deferred(Collectives):
-    """:func:`reshard.collectives.timed_collectives` of ``group`` and ``timeout_s``, made at the
-    first collective, not before: ``rank`` and ``world_size`` need none, so a
-    manager constructed on one rank only (to list or collect a root) creates
-    no process group. Made again when a failure left it unusable."""
-
-    def __init__(self, group: Any, timeout_s: float | None):
-        from .collectives import get_collectives
-
-        base = get_collectives(group)
-        self.rank, self.world_size = base.rank, base.world_size
-        self._group, self._timeout_s = group, timeout_s
-        self._inner: Collectives | None = (base if timeout_s is None or base.world_size == 1
-                                           else None)
-
-    def _get(self) -> Collectives:
-        from .collectives import is_broken, timed_collectives
-
-        if self._inner is None or is_broken(self._inner):
-            self._inner = timed_collectives(self._group, self._timeout_s)
-        return self._inner
-
-    def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:
-        return self._get().gather_bytes(data, dst)
-
-    def scatter_bytes(self, parts: Sequence[bytes] | None, src: int = 0) -> bytes:
-        return self._get().scatter_bytes(parts, src)
-
-    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
-        return self._get().broadcast_bytes(data, src)
-
-    def all_reduce_ints(self, values: Sequence[int], op: str = "sum") -> list[int]:
-        return self._get().all_reduce_ints(values, op)
-
-    def all_gather_bytes(self, data: bytes) -> list[bytes]:
-        return self._get().all_gather_bytes(data)
-
-    def barrier(self) -> None:
-        self._get().barrier()
-
-    def exchange(self, sends: Sequence[tuple[int, int, torch.Tensor]],
-                 recvs: Sequence[tuple[int, int, torch.Tensor]]) -> None:
-        self._get().exchange(sends, recvs)
 
 
 #: seconds one call of the job's key-value store (set/get/check/add) may take

@@ -95,6 +95,13 @@ class SaveOptions:
             (600 s, or the group's own timeout when that is shorter); None:
             the group's own timeout (the background group of ``async_save``
             takes the training group's).
+        staging_threads: threads that copy CPU tensors into the staging
+            buffers during ``async_save``'s stall (tensors of at least 1 MiB,
+            in slices of 16 MiB; smaller ones and the state walk stay on the
+            caller's thread, overlapping the copies). None (default): as many
+            as the CPUs this process may run on, at most 4; 1: every copy on
+            the caller's thread. The threads live as long as the process
+            group's saver and run nothing after the stall.
     """
 
     checksums: bool = True
@@ -114,9 +121,12 @@ class SaveOptions:
     parent: str | None = None
     lineage: str | None = None
     timeout_s: float | None = DEFAULT_TIMEOUT_S
+    staging_threads: int | None = None
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s, "SaveOptions.timeout_s")
+        if self.staging_threads is not None and self.staging_threads < 1:
+            raise ValueError(f"staging_threads must be >= 1 (or None), got {self.staging_threads}")
         if self.max_pending < 1:
             raise ValueError("max_pending must be >= 1")
         if not 0 <= self.background_nice <= 19:
@@ -127,7 +137,7 @@ class SaveOptions:
             raise ValueError("checksum_block_bytes must be positive")
         if self.files_per_rank < 1:
             raise ValueError("files_per_rank must be >= 1")
-        from .manifest import SEAL_KEY
+        from .ondisk.manifest import SEAL_KEY
 
         if SEAL_KEY in self.extra:
             raise ValueError(f"extra[{SEAL_KEY!r}] is reserved for the manifest's own checksum "
@@ -166,7 +176,15 @@ class LoadOptions:
         read_once: a chunk range that several ranks of the group need is
             read from storage by one of them and sent to the others (point
             to point over the load's group); off: every rank reads all it
-            needs itself. On only when every rank passes it. Costs one
+            needs itself. ``"auto"`` (default): on where storage is remote
+            (an object store, or a local path on a network file system:
+            NFS, CIFS/SMB, Lustre, GPFS, BeeGFS, CephFS, a FUSE mount; see
+            :func:`reshard.loading.reading.read_once_wanted`), off on a local disk,
+            whose page cache serves a rank faster than a transfer from
+            another rank does (measured on real gloo ranks with a warm page
+            cache: handing the replicas over took 1.1-1.7x the time of every
+            rank reading its own, ``benchmarks/bench_read_once.py``). On
+            only when every rank asks for it. Costs one
             gather and one scatter of 32 bytes per needed range (to and from
             the coordinator) and one all-reduce; memory: a range whose
             destination is not one contiguous region (or that the sender read
@@ -199,11 +217,13 @@ class LoadOptions:
     progress: bool | None = None
     verify_first: bool = False
     timeout_s: float | None = DEFAULT_TIMEOUT_S
-    read_once: bool = True
+    read_once: bool | str = "auto"
     read_once_min_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s, "LoadOptions.timeout_s")
+        if self.read_once not in (True, False, "auto"):
+            raise ValueError(f"read_once must be True, False or 'auto', got {self.read_once!r}")
         if self.read_once_min_bytes < 0:
             raise ValueError("read_once_min_bytes must be >= 0")
         if self.verify_first and not self.checksums:

@@ -33,8 +33,8 @@ import msgspec
 import torch
 
 from .errors import ShardingError
-from .manifest import Manifest, TensorEntry
-from .sharding import ShardedTensor, dtype_name
+from .ondisk.manifest import Manifest, TensorEntry
+from .state.sharding import ShardedTensor, dtype_name
 
 Shape = tuple[int, ...]
 
@@ -330,7 +330,7 @@ def _cast(s: ShardedTensor, m: Manifest, transforms: Sequence[Any], res: Resolut
         if not any(isinstance(t, Cast) and t.allows(s.fqn, s.data.dtype) for t in transforms):
             raise ShardingError(f"{s.fqn}: saved dtype {saved}, requested {want}; nothing is cast "
                                 f"silently (pass transforms=[reshard.transforms.Cast({s.fqn!r})])")
-        from .sharding import torch_dtype
+        from .state.sharding import torch_dtype
 
         tmp = torch.empty(p.dst.shape, dtype=torch_dtype(saved))
         out.pieces.append(Piece(saved=p.saved, offset=p.offset, shape=p.shape, dst=tmp,

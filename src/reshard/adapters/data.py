@@ -80,11 +80,11 @@ from typing import Any
 
 import torch
 
-from .. import codec
 from ..errors import ShardingError
-from ..manifest import Manifest
-from ..sharding import ShardedObject
-from ..tree import walking
+from ..ondisk import codec
+from ..ondisk.manifest import Manifest
+from ..state.sharding import ShardedObject
+from ..state.tree import walking
 
 _EMPTY = codec.encode([])
 
@@ -294,7 +294,7 @@ class DataCursor:
         if saved == (self.dp_size,):
             return notes or None
         if all(c.length == len(_EMPTY) for c in oe.chunks):  # no leftovers anywhere: nothing to move
-            from ..tree import HANDLED
+            from ..state.tree import HANDLED
 
             self._load_pending = "empty"
             return {**notes, HANDLED: ["pending"]}

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import ShardingError
-from ..sharding import ShardedTensor
+from ..state.sharding import ShardedTensor
 
 
 def dtensor_shards(fqn: str, dt: Any) -> list[ShardedTensor]:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..tree import is_dtensor
+from ..state.tree import is_dtensor
 
 _lock = threading.Lock()
 #: optimizer -> {id(param): (weakref to the grad the last step consumed, its version)}

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import ShardingError
-from ..sharding import ShardedTensor, numel
+from ..state.sharding import ShardedTensor, numel
 
 
 def _even(n: int, tp: int, what: str) -> int:

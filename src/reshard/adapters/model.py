@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from ..errors import ShardingError
-from ..sharding import ShardedObject, ShardedTensor
-from ..tree import is_dtensor
+from ..state.sharding import ShardedObject, ShardedTensor
+from ..state.tree import is_dtensor
 from .names import canonical_names
 
 #: ``layout(fqn, tensor)`` -> the ShardedTensor(s) describing this rank's

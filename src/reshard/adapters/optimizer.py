@@ -50,9 +50,9 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError, ShardingError
-from ..manifest import Manifest
-from ..sharding import ShardedObject, ShardedTensor, torch_dtype
-from ..tree import is_dtensor
+from ..ondisk.manifest import Manifest
+from ..state.sharding import ShardedObject, ShardedTensor, torch_dtype
+from ..state.tree import is_dtensor
 from .grads import accumulated_since_step
 from .hyperparams import (
     HyperparamRule,

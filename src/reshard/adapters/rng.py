@@ -32,8 +32,8 @@ import numpy as np
 import torch
 import xxhash
 
-from ..manifest import Manifest
-from ..sharding import ShardedObject
+from ..ondisk.manifest import Manifest
+from ..state.sharding import ShardedObject
 
 _MASK64 = (1 << 64) - 1
 
@@ -122,7 +122,7 @@ class RNGState:
             f"{self.world_size}: re-deriving every stream of rank {self.rank} from (base_seed, step "
             f"{self._rederive}, coords {self.coords}) instead of reusing another rank's stream",
             RuntimeWarning, stacklevel=2)
-        from ..tree import HANDLED
+        from ..state.tree import HANDLED
 
         return {"rederived": True, HANDLED: ["streams"]}
 

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..sharding import ShardedObject, ShardedTensor
-from ..tree import is_dtensor
+from ..state.sharding import ShardedObject, ShardedTensor
+from ..state.tree import is_dtensor
 from .dtensor import dtensor_shards
 from .hyperparams import (
     HyperparamRule,

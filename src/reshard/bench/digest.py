@@ -10,7 +10,7 @@ ZeRO-1 flat ranges) and the same state loaded into another give the same
 digest only if every element's bits are equal (up to a 2**-64 chance).
 
 Each rank sums its own chunks (tree path as reshard flattens the state:
-:func:`reshard.tree.flatten`; plain tensors and DTensors as a save describes
+:func:`reshard.state.tree.flatten`; plain tensors and DTensors as a save describes
 them); rank 0 receives ``{(key, chunk): sum}`` (one entry per local chunk),
 keeps one copy of each chunk held by several ranks (replicas: the same key,
 offset, shape and flat range), notes replicas whose sums differ, and
@@ -78,8 +78,8 @@ def local_chunks(state: Any) -> dict[str, tuple[int, int]]:
     chunk id is ``key|offset|shape|flat range``)."""
     from ..adapters.dtensor import dtensor_shards
     from ..adapters.model import ModelState
-    from ..sharding import ShardedTensor
-    from ..tree import flatten
+    from ..state.sharding import ShardedTensor
+    from ..state.tree import flatten
 
     leaves = flatten(state, module_adapter=ModelState)
     sts: list[ShardedTensor] = list(leaves.tensors)

@@ -18,7 +18,9 @@ Per world size and backend, on real gloo ranks (:class:`reshard.testing.pool.Wor
    process mode with its ``DefaultStager``: the foreground stall and the time
    from return to commit;
 5. peak extra RSS per rank of a save, two consecutive async saves, a load
-   (and DCP's save and load);
+   (and DCP's save and load); the resident bytes after each of
+   ``--rss-saves`` consecutive async saves of a small state in the same
+   layout (:func:`reshard.bench.usage.rss_growth`);
 6. warm loads (page cache warm; one untimed call first): ``limit-read``
    (single-thread sequential ``preadv`` of the checkpoint's own files into
    preallocated memory; ``memcpy`` is the figure of step 4), ``reshard.load`` with and without
@@ -42,7 +44,7 @@ only). Layouts: ``fsdp``, ``dpN`` (nn.Module state dicts, with the peers)
 and the demo's TP/PP syntax (the demo trainer's state, reshard and the
 limits only). Outputs: a table (ratios beside figures), ``--json`` (one
 record per phase measurement, every rank's timings, the load average),
-``--plot``. The command itself is :mod:`reshard.cli_bench`.
+``--plot``. The command itself is :mod:`reshard.cli.bench`.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ import threading
 import time
 from typing import Any
 
-from ..plan_store import PLAN_FILE
+from ..planning.plan_store import PLAN_FILE
 from .models import parse_layout
 
 GB = 1e9
@@ -226,7 +228,7 @@ class Runner:
                                "files": len([f for f in objs if not f.startswith(".")])}
         if "manifest.json" in objs:
             out["manifest_bytes"] = objs["manifest.json"]
-            out["plan_bytes"] = objs.get(PLAN_FILE, 0)  # the cached save plan (reshard.plan_store)
+            out["plan_bytes"] = objs.get(PLAN_FILE, 0)  # the cached save plan (reshard.planning.plan_store)
         return out
 
     # -- one world size on one backend
@@ -266,6 +268,14 @@ class Runner:
         warm += [m for m in ("tc", "tc-async") if tc]
         warm = [m for m in warm if m not in cfg["skip"]]
         self.run(world, ranks.warm, base + "-warm", warm)  # DCP's process: only around the async phase
+        growth = int(cfg.get("rss_growth", 0))  # RSS over many async saves of a small state
+        if growth and "rss" not in cfg["skip"] and "rss-growth" not in cfg["skip"]:
+            from .usage import rss_growth
+
+            self.ctx = f"w{world} {backend}: rss over {growth} async saves"
+            self.record("rss", "async-growth", world, backend,
+                        self.run(world, rss_growth, cfg["layout"], growth,
+                                 self.url(backend, scratch, f"w{world}-rss-growth")))
         # peak RSS of the first save and of the first two async saves (the staging pool's growth)
         for m in [m for m in ("save", "async-save") if m not in cfg["skip"] and "rss" not in cfg["skip"]]:
             self.ctx = f"w{world} {backend}: rss {m}"

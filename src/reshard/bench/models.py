@@ -7,7 +7,7 @@ moments, built on the fly, and one real training step of each.
   50257, 1024 positions, the LM head tied to the token embedding), written
   here in plain torch; about 124M parameters, 1.49 GB with the two AdamW
   moments, 148 parameter tensors (about 450 state tensors);
-* ``llama-tiny``: :func:`reshard.testing.model.model_config` ``("llama", "small")``
+* ``llama-tiny``: :func:`reshard.demo.model.model_config` ``("llama", "small")``
   (the demo's llama: hidden 128, 4 layers, vocabulary 1000);
 * ``bert-minilm``: ``("bert", "full")``, the exact all-MiniLM-L6-v2 shapes
   with the MLM head (the demo's default model).
@@ -41,7 +41,7 @@ MODELS = ("synthetic", "gpt2-small", "llama-tiny", "bert-minilm")
 class LayoutSpec:
     """``kind`` "fsdp", "dp" or "grid" over ``world`` ranks (None: the run's
     world size). A "grid" is the demo's ``(pp, dp, tp)`` layout
-    (:class:`reshard.testing.trainer.Layout`): its world is ``tp * pp * dp``."""
+    (:class:`reshard.demo.trainer.Layout`): its world is ``tp * pp * dp``."""
 
     kind: str
     world: int | None = None
@@ -58,8 +58,8 @@ class LayoutSpec:
         return None if self.world is None else self.world // (self.tp * self.pp)
 
     def grid(self) -> Any:
-        """The demo's :class:`~reshard.testing.trainer.Layout` of a "grid" spec."""
-        from ..testing.trainer import Layout
+        """The demo's :class:`~reshard.demo.trainer.Layout` of a "grid" spec."""
+        from ..demo.trainer import Layout
 
         return Layout(tp=self.tp, pp=self.pp, dp=self.dp or 1)
 
@@ -69,14 +69,14 @@ class LayoutSpec:
         return f"{self.kind}{self.world or ''}"
 
 
-#: models whose module is the demo's :class:`reshard.testing.model.Stage` (TP/PP-capable)
+#: models whose module is the demo's :class:`reshard.demo.model.Stage` (TP/PP-capable)
 GRID_MODELS = ("llama-tiny", "bert-minilm")
 
 
 def parse_layout(spec: str) -> LayoutSpec:
     """``fsdp``, ``fsdp4``, ``dp``, ``dp2`` (FSDP2 / replicated over the run's
     world size when no degree is given), or the demo's syntax parsed by
-    :meth:`reshard.testing.trainer.Layout.parse` (``dp2,tp2``,
+    :meth:`reshard.demo.trainer.Layout.parse` (``dp2,tp2``,
     ``tp1,pp2,dp2``): with degrees of 1 for tp and pp it is ``dpN``, else a
     "grid" layout of the demo's trainer (manual Megatron-style TP, GPipe PP,
     ZeRO-1 over DP) on ``tp * pp * dp`` ranks.
@@ -84,7 +84,7 @@ def parse_layout(spec: str) -> LayoutSpec:
     Raises:
         ValueError: an unknown spec, or a degree of 0.
     """
-    from ..testing.trainer import Layout
+    from ..demo.trainer import Layout
 
     s = spec.strip().lower()
     m = re.fullmatch(r"(fsdp|dp)(\d*)", s)
@@ -184,11 +184,11 @@ class Synthetic(nn.Module):
 
 
 class _StageModel(nn.Module):
-    """A :class:`reshard.testing.model.Stage` (one stage, no TP) with a loss forward."""
+    """A :class:`reshard.demo.model.Stage` (one stage, no TP) with a loss forward."""
 
     def __init__(self, preset: str, size: str):
         super().__init__()
-        from ..testing.model import Stage, model_config
+        from ..demo.model import Stage, model_config
 
         self.cfg = model_config(preset, size)
         self.stage = Stage(self.cfg, seed=0)
@@ -197,7 +197,7 @@ class _StageModel(nn.Module):
         return list(self.stage.layers())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from ..testing.model import MicroBatch
+        from ..demo.model import MicroBatch
 
         labels = ids.clone()
         labels[:, ::2] = -100
@@ -272,7 +272,7 @@ class Workload:
 
 @dataclass
 class GridWorkload(Workload):
-    """One rank of the demo's trainer (:class:`reshard.testing.trainer.Trainer`)
+    """One rank of the demo's trainer (:class:`reshard.demo.trainer.Trainer`)
     in a ``(pp, dp, tp)`` layout: its state is the demo's (``ModelState`` with
     the TP views, ZeRO-1 ``OptimizerState``, RNG, data cursor, step), so the
     figures compare with ``reshard demo``'s. DCP, ``torch.save`` and
@@ -310,8 +310,8 @@ class GridWorkload(Workload):
 
 
 def _build_grid(name: str, layout: LayoutSpec, seq_len: int, seed: int) -> GridWorkload:
-    from ..testing.model import model_config
-    from ..testing.trainer import TrainConfig, Trainer
+    from ..demo.model import model_config
+    from ..demo.trainer import TrainConfig, Trainer
 
     if name not in GRID_MODELS:
         raise ValueError(f"layout {layout}: tensor/pipeline layouts need a model of the demo's trainer "

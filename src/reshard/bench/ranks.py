@@ -37,6 +37,7 @@ from .ranks_base import (
     _timed,
     _views,
     _w,
+    drop,
 )
 from .ranks_tc import (
     _tc_async_saver,
@@ -46,6 +47,7 @@ from .ranks_tc import (
     _tc_sync_saver,
     end_tc,
 )
+from .usage import Usage
 
 SAVE_METHODS = ("limit-write", "reshard", "reshard-nocheck", "dcp", "tc", "tc+sync", "torch-save",
                 "safetensors")
@@ -122,7 +124,7 @@ def trim() -> None:
     """Free what the async phases hold: reshard's staging pools, the memcpy
     targets, DCP's stager and its checkpoint process (and the state copies it
     keeps in shared memory)."""
-    from .. import staging
+    from ..saving import staging
 
     staging.wait_all()
     for saver in staging.SAVERS.values():
@@ -248,20 +250,6 @@ def bytes_written_by(path: str) -> int:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
 
-def drop(path: str) -> None:
-    """Delete ``path`` (rank 0, after every rank is done with it)."""
-    dist.barrier()
-    if _rank() == 0:
-        if "://" in path:
-            from ..storage import resolve
-
-            st, key = resolve(path)
-            st.delete_tree(key)
-        else:
-            shutil.rmtree(path, ignore_errors=True)
-    dist.barrier()
-
-
 def quiet(settle: float) -> None:
     """No pending writeback from earlier phases: ``os.sync`` then rest."""
     if _rank() == 0:
@@ -338,6 +326,17 @@ def _done(h: Any) -> bool:
     return bool(f.done())
 
 
+def _all_done(h: Any) -> bool:
+    """Whether the save is done on every rank (one all-reduce): the ranks
+    then run the same number of training steps (each step's collectives,
+    FSDP's all-gathers, must match; a rank that saw its save done a step
+    before another waited in the next barrier while the other all-gathered:
+    a hang of the 2-rank gpt2-small run)."""
+    flag = torch.tensor([int(_done(h))], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def _wait(h: Any) -> Any:
     if isinstance(h, reshard.SaveHandle):
         return h.wait()
@@ -350,16 +349,20 @@ def async_save(method: str, path: str) -> dict[str, Any]:
     res: dict[str, Any] = {"rank": _rank()}
     if method == "memcpy":
         _memcpy_targets()
-        _, own, total = _timed(_memcpy)
-        res.update(stall_s=own, total_s=total, own_s=own)
+        with Usage() as u:
+            _, own, total = _timed(_memcpy)
+        res.update(stall_s=own, total_s=total, own_s=own, minflt=u.minflt, stall_cpu_s=u.cpu_s)
         return res
     dist.barrier()
-    stall, h = start_async(method, path)
+    with Usage() as u:  # the staging copies: the caller's CPU, the page faults
+        stall, h = start_async(method, path)
     t1 = time.perf_counter()
-    out = _wait(h)
+    with Usage() as ub:
+        out = _wait(h)
     bg = time.perf_counter() - t1
     dist.barrier()
-    res.update(stall_s=stall, background_s=bg, own_s=stall + bg)
+    res.update(stall_s=stall, background_s=bg, own_s=stall + bg, minflt=u.minflt,
+               stall_cpu_s=u.cpu_s, background_cpu_s=ub.others_cpu_s)
     if isinstance(out, reshard.SaveResult):
         res.update(timings=out.timings, bytes=out.bytes_written)
     return res
@@ -376,27 +379,40 @@ def train(methods: list[str], base: str, steps: int, settle: float, saves: int =
     steps gives one sample; the ranks agree on the count); ``save_s`` their
     median time from start to commit."""
     w = _w()
-    out: dict[str, Any] = {"rank": _rank(), "no_save": [], "during": {m: [] for m in methods}, "save_s": {}}
+    out: dict[str, Any] = {"rank": _rank(), "no_save": [], "during": {m: [] for m in methods}, "save_s": {},
+                           "no_save_cpu": [], "during_cpu": {m: [] for m in methods},
+                           "save_cpu_s": {m: [] for m in methods}, "others_cpu_per_s": [],
+                           "state_bytes": _nbytes(w.tensors())}
     took: dict[str, list[float]] = {m: [] for m in methods}
     w.step()
 
     def one(m: str, i: int) -> None:
         p = f"{base}-{m}-{i}"
         quiet(settle)
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            w.step()
-            out["no_save"].append(time.perf_counter() - t0)
+        with Usage() as quiet_u:
+            for _ in range(steps):
+                c0, t0 = time.thread_time(), time.perf_counter()
+                w.step()
+                out["no_save"].append(time.perf_counter() - t0)
+                out["no_save_cpu"].append(time.thread_time() - c0)
+        # the other threads' CPU with no save in flight (autograd, gloo), per second of steps
+        out["others_cpu_per_s"].append(quiet_u.others_cpu_s / max(sum(out["no_save"][-steps:]), 1e-9))
         dist.barrier()
-        _, h = start_async(m, p)
-        t_start = time.perf_counter()
-        xs = []
-        while not _done(h):
-            t0 = time.perf_counter()
-            w.step()
-            xs.append(time.perf_counter() - t0)
-        _wait(h)
+        xs: list[float] = []
+        # the save's CPU seconds: the process's other threads (the background save,
+        # its writers, the gloo threads of its collectives) while it is in flight
+        with Usage() as u:
+            _, h = start_async(m, p)
+            t_start = time.perf_counter()
+            while not _all_done(h):
+                c0, t0 = time.thread_time(), time.perf_counter()
+                w.step()
+                xs.append(time.perf_counter() - t0)
+                out["during_cpu"][m].append(time.thread_time() - c0)
+            _wait(h)
         took[m].append(time.perf_counter() - t_start)
+        window = time.perf_counter() - t_start
+        out["save_cpu_s"][m].append(max(0.0, u.others_cpu_s - out["others_cpu_per_s"][-1] * window))
         out["during"][m].extend(xs)
         drop(p)
 
@@ -455,7 +471,7 @@ def load(method: str, path: str, repeat: int, verify_fp: str | None = None, warm
     ``repeat`` timed ones."""
     w = _w()
     rank = _rank()
-    res: dict[str, Any] = {"rank": rank, "own_s": [], "total_s": [], "timings": []}
+    res: dict[str, Any] = {"rank": rank, "own_s": [], "total_s": [], "timings": [], "cpu_s": []}
     local = _nbytes(w.tensors())
     fn: Callable[[], Any]
     if method == "limit-read":
@@ -505,7 +521,9 @@ def load(method: str, path: str, repeat: int, verify_fp: str | None = None, warm
         if warm:
             fn()  # warm: page cache, first-call imports
         for _ in range(repeat):
-            out, own, total = _timed(fn, f"load-{method}" if method.startswith("reshard") else None)
+            with Usage() as u:  # process CPU: the reader threads' too
+                out, own, total = _timed(fn, f"load-{method}" if method.startswith("reshard") else None)
+            res["cpu_s"].append(u.cpu_s)
             res["own_s"].append(own)
             res["total_s"].append(total)
             if isinstance(out, reshard.LoadResult):

@@ -6,6 +6,7 @@ views of the model state that the measurements read and write.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Callable
 from typing import Any
@@ -126,7 +127,7 @@ def _owned() -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------- writes / reads
 def _views() -> list[memoryview]:
-    from ..shardfile import tensor_bytes
+    from ..ondisk.shardfile import tensor_bytes
 
     return [tensor_bytes(t) for t in _w().tensors() if t.numel()]
 
@@ -134,3 +135,17 @@ def _views() -> list[memoryview]:
 def _local_dir(path: str) -> str:
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def drop(path: str) -> None:
+    """Delete ``path`` (rank 0, after every rank is done with it)."""
+    dist.barrier()
+    if _rank() == 0:
+        if "://" in path:
+            from ..storage import resolve
+
+            st, key = resolve(path)
+            st.delete_tree(key)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()

@@ -14,6 +14,8 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
+from . import targets
+
 MiB = 1 << 20
 GB = 1e9
 
@@ -40,15 +42,6 @@ _COLD = {"first-save": "reshard.save", "manager-save": "then CheckpointManager.s
 #: the limits on S3 (raw boto3 calls on the same endpoint; see reshard.bench.objstore)
 S3_NAMES = {"limit-write": "limit: boto3 PUT/multipart, 1 object/rank",
             "limit-read": "limit: boto3 ranged GETs into preallocated memory"}
-TARGETS = {
-    "save_vs_limit": 0.95, "save_vs_dcp": 1.2, "stall_vs_memcpy": 1.3, "stall_vs_dcp": 0.5,
-    "step_slowdown": 1.05, "load_vs_limit": 0.75, "load_vs_dcp": 3.0, "load_nocheck_vs_limit": 0.9,
-    "save_vs_tc": 2.0, "stall_vs_tc": 0.8, "load_vs_tc": 2.0,
-}
-#: ratios that are time ratios (below 1 is better)
-_TIME_RATIOS = ("stall_vs_memcpy", "stall_vs_dcp", "stall_vs_tc", "step_slowdown")
-
-
 def _med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -95,6 +88,12 @@ def summarise(records: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, A
             elif phase == "async":
                 st = [max(p["stall_s"] for p in r["per_rank"]) for r in rs]
                 e = {"stall": _stats(st)}
+                if "stall_cpu_s" in rs[0]["per_rank"][0]:  # the caller's CPU and page faults in the stall
+                    e["cpu_s"] = min(max(p["stall_cpu_s"] for p in r["per_rank"]) for r in rs)
+                    e["minflt_per_repeat"] = [max(p["minflt"] for p in r["per_rank"]) for r in rs]
+                    e["minflt"] = min(e["minflt_per_repeat"])
+                if "background_cpu_s" in rs[0]["per_rank"][0]:
+                    e["background_cpu_s"] = _med([max(p["background_cpu_s"] for p in r["per_rank"]) for r in rs])
                 if "background_s" in rs[0]["per_rank"][0]:
                     e["background"] = _stats([max(p["background_s"] for p in r["per_rank"]) for r in rs])
                     if rs[-1]["per_rank"][0].get("timings"):
@@ -109,6 +108,8 @@ def summarise(records: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, A
                 if m.split("@")[0] != "first-step":
                     e["gb_per_s"] = logical / GB / e["median_s"]
                 e["per_rank_own_s"] = [_med(p["own_s"]) for p in r["per_rank"]]
+                if r["per_rank"][0].get("cpu_s"):  # process CPU seconds per rank (reader threads too)
+                    e["cpu_s"] = max(min(p["cpu_s"]) for p in r["per_rank"])
                 e["fingerprint_ok"] = all(p.get("fingerprint_ok", True) for p in r["per_rank"])
                 tl = [p["timings"] for p in r["per_rank"] if p.get("timings")]
                 if tl:
@@ -121,6 +122,14 @@ def summarise(records: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, A
             elif phase == "cold":  # one call each: the slowest rank's time
                 s["cold"][m] = {"s": max(p["total_s"][0] for p in rs[-1]["per_rank"]),
                                 "fingerprint_ok": all(p.get("fingerprint_ok", True) for p in rs[-1]["per_rank"])}
+            elif phase == "rss" and m == "async-growth":
+                r = rs[-1]
+                g = max(r["per_rank"], key=lambda p: (p["rss_after"][-1] - p["rss_after"][0]) / p["rss_after"][0])
+                first, last = g["rss_after"][0], g["rss_after"][-1]
+                s["rss"][m] = {"saves": len(g["rss_after"]), "rss_first": first, "rss_last": last,
+                               "growth_bytes": last - first, "growth": (last - first) / first,
+                               "seconds": max(p["seconds"] for p in r["per_rank"]),
+                               "rss_after_per_rank": [p["rss_after"] for p in r["per_rank"]]}
             elif phase == "rss":
                 r = rs[-1]
                 s["rss"][m] = {"extra_per_rank": [p["extra"] for p in r["per_rank"]],
@@ -135,11 +144,26 @@ def summarise(records: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, A
                                                        for k, v in p["during"].items()}})
                 s["train"] = {"per_rank": trows, **{f"{k}_ratio": max(x[k]["ratio"] for x in trows)
                                                    for k in r["per_rank"][0]["during"]}}
+                if "save_cpu_s" in r["per_rank"][0]:  # the save's CPU beside the steps' extra time
+                    for k in r["per_rank"][0]["during"]:
+                        # per save: the steps' time beyond as many steps with no save (their median)
+                        def extra(p: dict[str, Any], k: str = k) -> float:
+                            return (sum(p["during"][k]) - len(p["during"][k]) * _med(p["no_save"])) / max(
+                                1, len(p["save_cpu_s"][k]))
+                        worst = max(r["per_rank"], key=extra)
+                        cpu = sum(worst["save_cpu_s"][k]) / max(1, len(worst["save_cpu_s"][k]))
+                        s["train"][f"{k}_cpu"] = {
+                            "save_cpu_s": cpu, "extra_s": extra(worst),
+                            "step_cpu_s": _med(worst["no_save_cpu"]),
+                            "step_cpu_during_s": _med(worst["during_cpu"][k]), "rank": worst["rank"],
+                            "save_cpu_s_per_gb": cpu / (worst["state_bytes"] / GB)}
         rss_after = [r["rss_after"] for r in recs if r.get("rss_after") and "target" not in r]
         if rss_after:
             s["rss_after_max_per_rank"] = [max((x[i] or 0) for x in rss_after if len(x) > i)
                                            for i in range(max(len(x) for x in rss_after))]
+        s["world"], s["cpus"] = world, cfg.get("cpus")
         s["ratios"] = _ratios(s)
+        s["targets"] = targets.evaluate(s, world)
         out[f"{backend}/w{world}"] = s
     return out
 
@@ -290,16 +314,22 @@ def table(doc: dict[str, Any]) -> str:
                     parts.append(f"during {NAMES[k]} {r0[k]['median_s'] * 1e3:.0f} ms (x{tr[k + '_ratio']:.2f} "
                                  f"worst rank, {r0[k]['steps']} steps, save {r0[k]['save_s']:.2f} s)")
             lines.append("training step (rank 0): " + "; ".join(parts))
-        rss = s["rss"]
+        rss = {m: v for m, v in s["rss"].items() if "extra_per_rank" in v}
         if rss:
             lines.append("peak extra RSS per rank (MiB): " + "; ".join(
                 f"{m} [" + ", ".join("/".join(f"{x / MiB:.0f}" for x in e) for e in v["extra_per_rank"]) + "]"
                 for m, v in rss.items()))
+        a = s["async"].get("reshard-async", {})
+        if "minflt_per_repeat" in a:
+            lines.append("page faults of the process during each async stall (after the staging pool "
+                         "is filled: reused buffers fault none): "
+                         + ", ".join(map(str, a["minflt_per_repeat"]))
+                         + f"; memcpy {s['async'].get('memcpy', {}).get('minflt', '')}")
         hi = s.get("rss_after_max_per_rank")
         if hi:
             lines.append("resident memory per rank, highest after any phase (MiB): "
                          + ", ".join(f"{x / MiB:.0f}" for x in hi))
-        lines.append("targets: " + ", ".join(_target(k, v) for k, v in s["ratios"].items()))
+        lines.extend(target_lines(s, cfg["repeat"]))
     if doc.get("demo"):
         lines.extend(demo_lines(doc["demo"]))
     for n in doc["notes"]:
@@ -316,14 +346,19 @@ def state_mismatches(doc: dict[str, Any]) -> list[str]:
             if not e.get("fingerprint_ok", True)]
 
 
-def _target(k: str, v: Any) -> str:
-    if isinstance(v, bool):
-        return f"{k} {'yes' if v else 'NO'}"
-    t = TARGETS.get(k)
-    if t is None:
-        return f"{k} {v:.2f}"
-    ok = v <= t if k in _TIME_RATIOS else v >= t
-    return f"{k} {v:.2f} ({'<=' if k.startswith(('stall', 'step')) else '>='} {t}: {'met' if ok else 'MISSED'})"
+def target_lines(s: dict[str, Any], repeat: int) -> list[str]:
+    """The targets block of one world's table: each target's measured ratio
+    (minima of the repeats), goal and verdict, and beside a missed (or
+    reported) one the measured figures that bound it."""
+    la = s.get("loadavg") or [float("nan")]
+    out = [f"targets (ratios of the minimum of {repeat} repeat(s); load average {min(la):.1f}-{max(la):.1f}):"]
+    rows = [(e["target"], targets.fmt(e), e["what"], e["detail"] if e["verdict"] != "met" else "")
+            for e in s.get("targets", [])]
+    w0 = max((len(r[0]) for r in rows), default=0)
+    w1 = max((len(r[1]) for r in rows), default=0)
+    for k, v, what, bound in rows:
+        out.append(f"  {k:{w0}}  {v:{w1}}  {what}" + (f"; bound: {bound}" if bound else ""))
+    return out
 
 
 def _ratio(ref: float | None, t: float | None, inv: bool = False) -> str:

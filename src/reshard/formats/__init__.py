@@ -1,6 +1,6 @@
 """Foreign checkpoint formats.
 
-* :mod:`reshard.formats.dcp` -- read a PyTorch Distributed Checkpoint (DCP)
+* :mod:`reshard.ondisk.dcp` -- read a PyTorch Distributed Checkpoint (DCP)
   directory through a virtual storage and manifest (no unpickling of data).
 * :mod:`reshard.formats.dcp_convert` -- write a committed reshard checkpoint
   from a DCP one.
@@ -15,7 +15,7 @@ neither ``dcp`` nor ``hf_export`` imports its sibling.
 
 from __future__ import annotations
 
-from .dcp import DCP_METADATA, DCPStorage, is_dcp_checkpoint, open_dcp, read_dcp_metadata
+from ..ondisk.dcp import DCP_METADATA, DCPStorage, is_dcp_checkpoint, open_dcp, read_dcp_metadata
 from .dcp_convert import convert_dcp
 from .hf_export import ExportResult, export_hf, parse_dtype, parse_size
 from .hf_import import hf_manifest, import_hf

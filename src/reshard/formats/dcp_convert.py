@@ -1,4 +1,4 @@
-"""Convert a PyTorch DCP checkpoint into a reshard checkpoint (see :mod:`reshard.formats.dcp`).
+"""Convert a PyTorch DCP checkpoint into a reshard checkpoint (see :mod:`reshard.ondisk.dcp`).
 """
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import time
 from typing import Any
 
 from ..errors import CheckpointError, IntegrityError
-from ..manifest import Chunk, FileEntry, Manifest, TensorEntry, validate_manifest
-from ..sharding import itemsize
+from ..ondisk.dcp import DCPStorage, open_dcp
+from ..ondisk.manifest import Chunk, FileEntry, Manifest, TensorEntry, validate_manifest
+from ..state.sharding import itemsize
 from ..storage import Storage, resolve
-from .dcp import DCPStorage, open_dcp
 
 # --------------------------------------------------------------------------- conversion
 
@@ -33,12 +33,12 @@ def convert_dcp(
     Streams: the DCP chunks are packed, in manifest order, into shard files of
     about ``file_bytes`` each (one chunk larger than that gets a file of its
     own); a file's chunks are decoded, written with
-    :func:`reshard.shardfile.write_shard_file` (checksums computed while
+    :func:`reshard.ondisk.shardfile.write_shard_file` (checksums computed while
     writing) and released before the next file is started, so memory stays
     near ``file_bytes`` (or the largest chunk). Each DCP chunk becomes one
     chunk of the new checkpoint; BYTE_IO values become common values (see
     :func:`open_dcp`; skipped ones are listed in ``manifest.extra``). The
-    manifest is published last (:func:`reshard.commit.publish`).
+    manifest is published last (:func:`reshard.commit.protocol.publish`).
 
     With ``group`` (or an initialised default group) every rank of it calls
     this; the files are shared out round-robin and rank 0 publishes. Without
@@ -64,21 +64,21 @@ def convert_dcp(
         failure is raised on every rank (as the common class of every rank's
         error) and publishes nothing.
     """
-    from .. import attempts
     from ..collectives import get_collectives
-    from ..commit import publish
-    from ..committed import sign_manifest
+    from ..commit import attempts
+    from ..commit.protocol import publish
     from ..errors import outcome, raise_agreed
-    from ..manifest import MANIFEST_NAME
+    from ..ondisk.committed import sign_manifest
+    from ..ondisk.manifest import MANIFEST_NAME
+    from ..ondisk.shardfile import FileItem, tensor_bytes, write_shard_file
     from ..options import SaveOptions
-    from ..save import SaveResult
-    from ..save_attempt import (
+    from ..saving.attempt import (
         agree_attempt_location,
         agree_or_discard,
         discard_attempt,
         open_attempt,
     )
-    from ..shardfile import FileItem, tensor_bytes, write_shard_file
+    from ..saving.save import SaveResult
 
     opts: SaveOptions = options or SaveOptions()
     coll = get_collectives(group)

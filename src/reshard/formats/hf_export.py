@@ -15,7 +15,7 @@
   the OS when freed.
 * :func:`import_hf` loads a Hugging Face directory (one ``model.safetensors``
   or an index over several shards) into a (sharded) target state: the
-  safetensors headers become a reshard :class:`~reshard.manifest.Manifest`
+  safetensors headers become a reshard :class:`~reshard.ondisk.manifest.Manifest`
   (one chunk per tensor, absolute byte ranges), and :func:`reshard.load` reads
   through it, so each rank reads only the byte ranges its shards need.
 
@@ -41,11 +41,11 @@ import torch
 
 from ..adapters.names import unwrapped_names
 from ..collectives import SingleProcess
-from ..load import _read_or_dcp
-from ..manifest import Manifest, TensorEntry
+from ..loading.load import _read_or_dcp
+from ..ondisk.manifest import Manifest, TensorEntry
 from ..options import LoadOptions
 from ..progress import bar, wanted
-from ..sharding import (
+from ..state.sharding import (
     dtype_name,
     torch_dtype,
 )
@@ -203,7 +203,7 @@ def model_candidates(m: Manifest) -> tuple[list[str], list[str]]:
     directories): tensors whose names look like optimizer state are excluded
     and the single candidate is the longest component prefix that every other
     tensor (and tied alias) name shares."""
-    from ..tree import NON_MODEL_KINDS
+    from ..state.tree import NON_MODEL_KINDS
 
     rec = m.adapters
     if not rec:
@@ -366,7 +366,7 @@ def export_hf(
 ) -> ExportResult:
     """Write the model tensors of the checkpoint ``ckpt`` (a reshard
     checkpoint, or a PyTorch DCP folder, read as :func:`reshard.load` reads
-    it through :func:`~reshard.formats.dcp.open_dcp`) as a Hugging Face
+    it through :func:`~reshard.ondisk.dcp.open_dcp`) as a Hugging Face
     safetensors directory ``out_dir`` (a local path, or an ``s3://`` /
     ``memory://`` prefix: then each shard streams into a multipart upload,
     see :mod:`reshard.formats.hf_store`), one tensor (or one block of at most
@@ -384,7 +384,7 @@ def export_hf(
             ``"app.model"``); its tensors are written under their names
             relative to it, the model's own parameter names, as Hugging Face
             loaders expect. None (default): the model the manifest records
-            (:attr:`~reshard.manifest.Manifest.adapters`, see
+            (:attr:`~reshard.ondisk.manifest.Manifest.adapters`, see
             :func:`model_candidates`): a ``ModelState``, the ``model`` part of
             a ``TorchState``, a plain mapping of tensors (``model.state_dict()``
             at the root or under a key, the ``"model"`` entry of a

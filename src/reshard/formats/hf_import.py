@@ -14,10 +14,17 @@ from typing import Any
 
 from ..collectives import get_collectives
 from ..errors import CheckpointNotFoundError, ManifestError, ShardingError
-from ..load import LoadResult, load
-from ..manifest import Chunk, FileEntry, Manifest, TensorEntry, check_file_name, validate_manifest
+from ..loading.load import LoadResult, load
+from ..ondisk.manifest import (
+    Chunk,
+    FileEntry,
+    Manifest,
+    TensorEntry,
+    check_file_name,
+    validate_manifest,
+)
 from ..options import LoadOptions
-from ..sharding import (
+from ..state.sharding import (
     VIEW_METADATA_PREFIX,
     dtype_from_safetensors,
     safetensors_view,

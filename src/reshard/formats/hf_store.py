@@ -22,9 +22,9 @@ import xxhash
 
 from ..collectives import SingleProcess
 from ..errors import ManifestError
-from ..manifest import Manifest
+from ..ondisk.manifest import Manifest
 from ..options import LoadOptions
-from ..sharding import safetensors_code
+from ..state.sharding import safetensors_code
 from ..storage import Storage
 
 #: the file names of a Hugging Face safetensors directory (one file, or shards and an index)

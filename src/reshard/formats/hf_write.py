@@ -19,11 +19,11 @@ import xxhash
 
 from ..collectives import SingleProcess
 from ..errors import ManifestError
-from ..load import load
-from ..manifest import Manifest, TensorEntry
+from ..loading.load import load
+from ..ondisk.manifest import Manifest, TensorEntry
+from ..ondisk.shardfile import tensor_bytes
 from ..options import LoadOptions
-from ..shardfile import tensor_bytes
-from ..sharding import (
+from ..state.sharding import (
     VIEW_METADATA_PREFIX,
     ShardedTensor,
     itemsize,

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..adapters.layouts import fused_views
-from ..sharding import ShardedTensor
+from ..state.sharding import ShardedTensor
 
 
 @dataclass(frozen=True)

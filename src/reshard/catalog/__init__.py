@@ -1,0 +1,2 @@
+"""Operations on committed checkpoints: verify, inspect, diff, verification records.
+"""

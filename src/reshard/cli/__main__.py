@@ -1,0 +1,5 @@
+"""``python -m reshard.cli``: the ``reshard`` command."""
+
+from . import main
+
+main()

@@ -1,0 +1,366 @@
+"""``reshard ls / gc / inspect / verify``: the commands that list, collect, inspect and verify
+the checkpoints of a root (registered on the root group in :mod:`reshard.cli`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+import click
+
+from ..commit.listing import committed, scan
+from ..errors import CheckpointError, CheckpointNotFoundError, StorageError
+from ..ondisk.committed import INCOMPLETE, RETIRED, read_manifest
+from ..ondisk.manifest import encode_manifest
+from ..storage import resolve
+from .support import (
+    CHECK_FAILED,
+    USAGE,
+    _fail,
+    _manifest,
+    _progress,
+    _shape,
+    _url,
+    _when,
+    human_bytes,
+    json_option,
+    one_line,
+    table,
+    write_json,
+)
+
+_RETENTION_OPTS = [
+    click.option("--keep-last", type=click.IntRange(0, None), default=None,
+                 help="Retention: keep the newest K (default: keep all)."),
+    click.option("--keep-every", type=click.IntRange(1, None), default=None,
+                 help="Retention: also keep steps that are multiples of M."),
+    click.option("--keep-best", type=click.IntRange(0, None), default=0,
+                 help="Retention: also keep the best N by the metric recorded at save."),
+    click.option("--metric-mode", type=click.Choice(["min", "max"]), default="min"),
+]
+
+
+def _retention_opts(f: Any) -> Any:
+    for opt in reversed(_RETENTION_OPTS):
+        f = opt(f)
+    return f
+
+
+def _manager_for(root: str, keep_last: int | None, keep_every: int | None, keep_best: int,
+                 metric_mode: str, grace: float = 3600.0) -> Any:
+    from ..manager.manager import CheckpointManager
+
+    return CheckpointManager(root, keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
+                             metric_mode=metric_mode, gc_grace_s=grace, preempt_signals=())
+
+
+@click.command("ls")
+@click.argument("root")
+@_retention_opts
+def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: int,
+           metric_mode: str) -> None:
+    """List committed checkpoints under ROOT by step (never by name) with
+    their status (verified: a verification record that still matches;
+    torn: a file missing or not of its declared size), lineage (parent,
+    branch, HEAD: the checkpoint the current lineage resumed from) and what
+    retention would do with the given policy; then quarantined, abandoned
+    and invalid ones."""
+    from ..catalog.records import record_failed
+    from ..commit.lineage import Head, lineage_of
+    from ..commit.listing import read_head
+    from ..ondisk.committed import torn_files
+
+    try:
+        st, key = resolve(root)
+        if not st.exists(key):
+            _fail(2, f"{st.url(key)}: no such directory")
+        done = committed(st, key)
+        others = [e for e in scan(st, key) if e.manifest is None or e.quarantined]
+        head = Head.from_record(read_head(st, key))
+        torn = {e.name: torn_files(st, e.path, e.manifest) for e in done if e.manifest is not None}
+    except ValueError as err:
+        _fail(2, str(err))
+    except CheckpointError as err:
+        _fail(1, f"{type(err).__name__}: {err}")
+    if not done:
+        try:  # ROOT may itself be a checkpoint
+            m = read_manifest(st, key)
+        except CheckpointError:
+            pass
+        else:
+            click.echo(f"{st.url(key)} is itself a committed checkpoint:")
+            table(["step", "size", "files", "committed"],
+                   [["-" if m.step is None else m.step, human_bytes(m.total_bytes), len(m.files),
+                     _when(m.created_at)]], right=(0, 1, 2))
+            return
+    if done:
+        from ..commit.retention import decide
+
+        mgr = _manager_for(root, keep_last, keep_every, keep_best, metric_mode)
+        cands = {c.name: c for c in mgr.candidates(done)}
+        decision = decide(list(cands.values()), mgr.policy)
+        lin = lineage_of(done, head)
+        click.echo(f"committed ({len(done)}) under {st.url(key)}:")
+        rows = []
+        failed: list[tuple[str, str]] = []
+        for e in done:
+            em = e.manifest
+            assert em is not None
+            c = cands[e.name]
+            fate = f"keep: {decision.keep[e.name]}" if e.name in decision.keep else "delete"
+            bad = None if torn[e.name] or c.verified else record_failed(st, key, e.name, e)
+            if bad is not None:
+                failed.append((e.name, bad))
+            status = ("torn" if torn[e.name] else "verified" if c.verified
+                      else "failed" if bad is not None else "unverified")
+            branch = lin.branch(e.name) + (" HEAD" if e.name == lin.source else "")
+            rows.append(["-" if e.step is None else e.step, human_bytes(em.total_bytes), len(em.files),
+                         _when(em.created_at), status, em.parent or "-", branch,
+                         "-" if c.metric is None else f"{c.metric:.4g}", fate, e.name])
+        table(["step", "size", "files", "committed", "status", "parent", "branch", "metric",
+                "retention", "name"], rows, right=(0, 1, 2))
+        for name, why in failed:
+            click.echo(f"failed: {name} failed its last verification: {one_line(why)[:300]}")
+        if head is not None and lin.source is None:
+            click.echo(f"HEAD names {head.name or 'a fresh start'}, which is not committed here")
+        for e in done:
+            for problem in list(torn[e.name].values())[:3]:
+                click.echo(f"  torn {e.name}: {problem}")
+    else:
+        click.echo(f"no committed checkpoint under {st.url(key)}")
+    live = _manager_for(root, None, None, 0, "min").attempts_in_progress()
+    quarantined = [e for e in others if e.quarantined]
+    abandoned = [e for e in others if e.abandoned and not e.quarantined and e.name not in live]
+    if live:
+        click.echo(f"in progress ({len(live)}; a save holds each, never deleted by gc):")
+        table(["name", "status"], [[n, f"in progress (lease renewed {a:.0f} s ago)"]
+                                   for n, a in sorted(live.items())])
+    invalid = [e for e in others if not e.abandoned and not e.quarantined]
+    if quarantined:
+        click.echo(f"quarantined ({len(quarantined)}; found unloadable by a restore, never loaded "
+                   "or deleted automatically):")
+        table(["step", "name", "since", "why"],
+               [["-" if e.step is None else e.step, e.name, _when(e.mtime),
+                 (e.problem or "").splitlines()[0][:160]] for e in quarantined], right=(0,))
+    if abandoned:
+        click.echo(f"abandoned ({len(abandoned)}, never committed; ignored by load):")
+        table(["name", "modified", "why"],
+               [[e.name, _when(e.mtime), e.problem or ("retired by an overwrite" if RETIRED in e.name
+                                                       else "incomplete attempt")]
+                for e in abandoned])
+    if invalid:
+        click.echo(f"invalid ({len(invalid)}; ignored by load):")
+        for e in invalid:
+            click.echo(f"  {e.name}: {e.problem}")
+    from ..ondisk.committed import linked_children
+
+    for name in linked_children(st, key):
+        click.echo(f"link {name} ignored: a symbolic link inside a root is not one of its checkpoints "
+                   "(latest, restore, retention and gc skip it; load its target by its own path)")
+    _ls_dcp(st, key)
+
+
+def _ls_dcp(st: Any, key: str) -> None:
+    from ..ondisk.dcp import dcp_checkpoints
+
+    found = dcp_checkpoints(st, key)
+    if found:
+        click.echo(f"DCP checkpoints ({len(found)}; reshard.load reads them, `reshard convert "
+                   "--from dcp` converts them; never deleted by gc):")
+        table(["name", "modified"], [[n, _when(t)] for n, t in found])
+
+
+@click.command("gc")
+@click.argument("root")
+@_retention_opts
+@click.option("--grace", type=float, default=3600.0, show_default=True,
+              help="Abandoned attempts older than this many seconds are deleted (never one "
+                   "whose lease a running save renews: reported as in progress).")
+@click.option("--dry-run", is_flag=True,
+              help="Say what would be deleted (after the same checks); change nothing.")
+@click.option("--no-checksums", is_flag=True,
+              help="Re-verify the checkpoint kept in place of deleted ones by structure and sizes "
+                   "only (default: every checksum).")
+def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: int,
+           metric_mode: str, grace: float, dry_run: bool, no_checksums: bool) -> None:
+    """Apply retention under ROOT, following the lineage: first run the
+    restore smoke test on checkpoints newer than the newest verified one
+    (nothing is deleted before a newer checkpoint passed it); before the last
+    older verified checkpoint goes, verify the one kept in its place again
+    (every checksum unless --no-checksums; if it fails, nothing it would
+    replace is deleted); then delete what the policy does not keep and
+    abandoned attempts older than --grace. Leases, HEAD's checkpoint and
+    quarantined checkpoints are never deleted. --dry-run runs the same checks
+    and predicts exactly what would be deleted. Exits 1 when a check failed
+    or a checkpoint's manifest is invalid (damaged, or of a newer format):
+    those are kept and named; the rest of retention still applies."""
+    try:
+        st, key = resolve(root)
+        if not st.exists(key):
+            _fail(2, f"{st.url(key)}: no such directory")
+        mgr = _manager_for(root, keep_last, keep_every, keep_best, metric_mode, grace)
+        decision = mgr.apply_retention(dry_run=dry_run, checksums=not no_checksums, smoke_newer=True)
+        gone = mgr.gc_abandoned(dry_run=dry_run)
+        live = mgr.last_in_progress
+        entries = scan(st, key)
+        quarantined = [e.name for e in entries if e.quarantined]
+        invalid = [e for e in entries if e.manifest is None and not e.abandoned and not e.quarantined]
+        young = [e.name for e in entries if e.abandoned and not e.quarantined and e.name not in live
+                 and e.name not in gone and (INCOMPLETE in e.name or RETIRED in e.name)]
+    except ValueError as err:
+        _fail(2, str(err))
+    except StorageError as err:  # the store failed: an environment error, not a failed check
+        _fail(USAGE, f"{type(err).__name__}: {err}")
+    except CheckpointError as err:
+        _fail(1, f"{type(err).__name__}: {err}")
+    assert mgr.last_plan is not None
+    for name, what, ok in mgr.last_plan.checks:
+        click.echo(f"{what} {name}: {'passed' if ok else 'FAILED'}")
+    verb = "would delete" if dry_run else "deleted"
+    for name in decision.delete:
+        click.echo(f"{verb} {name}")
+    for name in gone:
+        click.echo(f"{verb} abandoned attempt {name}")
+    for name, why in sorted(decision.keep.items()):
+        click.echo(f"kept {name} ({why})")
+    for name in quarantined:
+        click.echo(f"kept {name} (quarantined: never deleted automatically)")
+    for e in invalid:
+        click.echo(f"kept {e.name} (invalid manifest, never deleted automatically: "
+                   f"{one_line(e.problem or '')[:200]})")
+    for name, age in sorted(live.items()):
+        click.echo(f"kept attempt {name}: in progress (lease renewed {age:.0f} s ago)")
+    for name in young:
+        click.echo(f"kept abandoned attempt {name} (younger than --grace {grace:g} s: it may be "
+                   "a save still running; pass --grace 0 once no job writes here)")
+    if not decision.delete and not gone:
+        click.echo("nothing to delete")
+    for note in mgr.storage.notes:  # what the store could not do (e.g. list multipart uploads)
+        click.echo(f"note: {note}")
+    failed = [f"{name} ({what})" for name, what, ok in mgr.last_plan.checks if not ok]
+    failed += [f"{e.name} (invalid manifest)" for e in invalid]
+    if failed:  # retention kept what it had to; the run still has a checkpoint that does not load
+        _fail(1, f"{len(failed)} check(s) failed under {root}: {', '.join(failed)} (kept, not deleted)")
+
+
+@click.command("inspect")
+@click.argument("ckpt")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+def inspect_cmd(ckpt: str, as_json: bool) -> None:
+    """Describe the checkpoint CKPT: metadata, tensors, objects, values, aliases."""
+    m = _manifest(ckpt)
+    if as_json:
+        click.echo(json.dumps(json.loads(encode_manifest(m)), indent=2))
+        return
+    na = "-"
+    click.echo(f"{_url(ckpt)}")
+    if m.extra.get("source") == "dcp":
+        click.echo("  DCP checkpoint (torch.distributed.checkpoint, read through restricted "
+                   "unpicklers; no checksums; values listed by their DCP keys)")
+    click.echo(f"  format {m.format} v{m.format_version}  step {na if m.step is None else m.step}  "
+               f"schema_version {m.schema_version or na}  world_size {m.world_size}  "
+               f"mesh {json.dumps(m.mesh) if m.mesh else na}")
+    dcp = m.extra.get("source") == "dcp"
+    nfiles = int(m.extra.get("dcp_files") or 0) if dcp else len(m.files)  # DCP: its own files
+    sums = ("no checksums (DCP records none)" if dcp else
+            f"checksums {m.checksum_algorithm}/{human_bytes(m.checksum_block_bytes)} blocks")
+    click.echo(f"  committed {_when(m.created_at)}  attempt {m.attempt_id}  "
+               f"{nfiles} file{'' if nfiles == 1 else 's'}, {human_bytes(m.total_bytes)}  {sums}"
+               + ("  signed" if "hmac_sha256" in m.extra else ""))
+    if m.required_features:
+        click.echo(f"  required features: {', '.join(m.required_features)}")
+    click.echo(f"tensors ({len(m.tensors)}):")
+    if m.tensors:
+        table(["fqn", "dtype", "global shape", "chunks", "bytes"],
+               [[fqn, te.dtype, _shape(te.global_shape), len(te.chunks),
+                 human_bytes(sum(c.length for c in te.chunks))] for fqn, te in m.tensors.items()],
+               right=(3, 4))
+    if m.objects:
+        click.echo(f"objects ({len(m.objects)}):")
+        table(["key", "grid", "elements"],
+               [[k, _shape(oe.global_shape), len(oe.chunks)] for k, oe in m.objects.items()],
+               right=(2,))
+    values = sorted((m.values or {}).keys()) if isinstance(m.values, dict) else []
+    if values:
+        click.echo(f"values ({len(values)}): {', '.join(values)}")
+    if m.aliases:
+        click.echo(f"aliases ({len(m.aliases)}):")
+        for a, t in m.aliases.items():
+            click.echo(f"  {a} -> {t}")
+
+
+@click.command("verify")
+@click.argument("ckpt")
+@click.option("--no-checksums", is_flag=True, help="Check structure and sizes only.")
+@json_option
+def verify_cmd(ckpt: str, no_checksums: bool, json_path: str | None) -> None:
+    """Check CKPT's manifest, coverage, files and (by default) every checksum.
+
+    The outcome (passed or failed) is recorded in CKPT's verification record
+    beside it (``<name>.verified.json``, bound to the manifest checked), so
+    ``reshard ls``, retention and the manager see a failed checkpoint as
+    failed; nothing is renamed or deleted. Exits 1 if any problem is found,
+    2 if there is no checkpoint at CKPT.
+    """
+    from ..catalog.verify import verify
+    from ..ondisk.committed import read_manifest_bytes
+
+    t0 = time.perf_counter()
+    try:
+        st, key = resolve(ckpt)
+        try:  # the manifest the record is bound to (read before the check)
+            raw: bytes | None = read_manifest_bytes(st, key)
+        except CheckpointError:
+            raw = None
+        rep = verify(key, checksums=not no_checksums, progress=_progress(), storage=st)
+    except (CheckpointNotFoundError, ValueError) as e:
+        _fail(USAGE, str(e))
+    except CheckpointError as e:
+        _fail(CHECK_FAILED, f"{type(e).__name__}: {e}")
+    from ..catalog.verify import DCP_NOTE
+
+    secs = time.perf_counter() - t0
+    dcp = DCP_NOTE in rep.notes  # DCP records no checksums: none were compared
+    if raw is not None:
+        _record_verification(st, key, raw, rep, "structure" if no_checksums else "checksums")
+    write_json(json_path, {"path": rep.path, "ok": rep.ok, "problems": list(rep.problems),
+                           "notes": list(rep.notes),
+                           "bytes_checked": rep.bytes_checked, "checksums": not no_checksums and not dcp,
+                           "seconds": round(secs, 6)})
+    if rep.ok:
+        what = ("structure and sizes only" if no_checksums
+                else f"{human_bytes(rep.bytes_checked)} decoded, no checksums" if dcp
+                else f"{human_bytes(rep.bytes_checked)} checksummed")
+        click.echo(f"OK {rep.path} ({what}, {secs:.2f} s)")
+        for note in rep.notes:
+            click.echo(f"  note: {note}")
+        return
+    click.echo(f"FAILED {rep.path}: {len(rep.problems)} problem(s)")
+    for p in rep.problems:
+        click.echo(f"  {p}")
+    for note in rep.notes:
+        click.echo(f"  note: {note}")
+    sys.exit(CHECK_FAILED)
+
+
+def _record_verification(st: Any, key: str, raw: bytes, rep: Any, how: str) -> None:
+    """Write the verification record of the checkpoint ``key`` (a note on
+    stderr when it cannot be written: the check's outcome stands)."""
+    from ..catalog.records import write_outcome
+    from ..ondisk.committed import manifest_digest
+    from ..ondisk.manifest import MANIFEST_NAME, decode_manifest
+
+    root, name = st.parent(key), st.basename(key)
+    try:
+        try:
+            files = {f: fe.size for f, fe in
+                     decode_manifest(raw, where=st.join(key, MANIFEST_NAME)).files.items()}
+        except CheckpointError:
+            files = {}
+        write_outcome(st, root, name, ok=rep.ok, problems=list(rep.problems), how=how,
+                      digest=manifest_digest(raw), files=files)
+    except (CheckpointError, OSError) as e:
+        click.echo(f"note: the verification record of {key} could not be written: {e}", err=True)

@@ -1,0 +1,299 @@
+"""The commit protocol: attempt directories, manifest-last publish, discovery.
+
+A checkpoint is committed when, and only when, ``<path>/manifest.json`` exists
+and validates. Two publish strategies, chosen by the storage's capabilities
+(after Orbax ``path/atomicity.py``):
+
+* atomic rename (local file system): data and manifest are written in
+  ``<path>.incomplete-<attempt_id>/``; the manifest is written last and fsynced,
+  then the directory is renamed to ``<path>`` and the parent fsynced.
+* manifest marker (object stores, ``memory://``): data is written under
+  ``<path>/`` directly, in keys that carry the attempt id
+  (:mod:`reshard.commit.attempts`), and the manifest last with a conditional put
+  (``If-None-Match: *``): exactly one attempt publishes a step; before the
+  manifest exists, readers see no checkpoint.
+
+Beside the checkpoints of a root live small JSON records, each written by
+:func:`write_record` (atomic where the store can rename): the ``HEAD`` record
+(the checkpoint the current lineage resumed from, :mod:`reshard.commit.lineage`) and
+quarantine markers. On stores without rename but with conditional puts the
+``HEAD`` is replaced by compare-and-swap (:func:`write_head`: S3 ``If-Match``
+on the ETag read, ``If-None-Match: *`` when there was none), so of two jobs
+resuming one root at once the second gets a clear error naming the first. A checkpoint found unloadable by a restore is quarantined:
+renamed aside to ``<name>.quarantined-<id>`` where rename is atomic, else
+marked by a ``<name>.quarantined.json`` record; either way it is never listed
+as committed, never returned by ``latest`` and never deleted by retention or
+garbage collection.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import msgspec
+
+from ..errors import CheckpointError, IntegrityError
+
+# Read-side names that live in the floors below (reshard.ondisk.committed, reshard.commit.listing), re-exported
+# for the modules that still import them from here (manager.py and the fault matrix, edited by
+# other branches this round; they move to the new paths with the package layout).
+from ..ondisk.committed import (  # noqa: E402, F401
+    _TMP,
+    INCOMPLETE,
+    QUARANTINE_MARK,
+    QUARANTINED,
+    RETIRED,
+    linked_children,
+    read_manifest,
+    read_record,
+    write_record,
+)
+from ..ondisk.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    decode_manifest,
+    encode_sealed,
+)
+from ..storage import Storage
+from .listing import Entry, committed, read_head, scan  # noqa: E402, F401
+
+#: the coordinator's proof of an attempt's location: written into the attempt
+#: before any data, read back by every rank, deleted before the manifest is
+#: written (so a committed checkpoint holds only its manifest and data files)
+ATTEMPT_NONCE = "attempt-nonce.json"
+
+
+def new_attempt_id() -> str:
+    """A unique attempt id from the clock and ``os.urandom`` (never from the
+    Python/NumPy/torch generators, which save must not disturb)."""
+    return f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.urandom(4).hex()}"
+
+
+def attempt_path(storage: Storage, path: str, attempt_id: str) -> str:
+    """Where an attempt writes: a sibling directory where rename is atomic,
+    else the final prefix itself."""
+    if storage.capabilities.atomic_rename:
+        return f"{path}{INCOMPLETE}{attempt_id}"
+    return path
+
+
+def nonce_key(storage: Storage, attempt: str, attempt_id: str) -> str:
+    """Where an attempt's nonce lives: :data:`ATTEMPT_NONCE` in the attempt
+    directory, or, where attempts share the final prefix (no rename), a key
+    carrying the attempt id (``att-<id>.attempt-nonce.json``), so concurrent
+    attempts never overwrite each other's."""
+    if storage.capabilities.atomic_rename:
+        return storage.join(attempt, ATTEMPT_NONCE)
+    from .attempts import data_name
+
+    return storage.join(attempt, data_name(attempt_id, ATTEMPT_NONCE))
+
+
+def create_attempt(storage: Storage, attempt: str, attempt_id: str) -> str:
+    """Coordinator: create the attempt directory (or prefix) and write
+    :data:`ATTEMPT_NONCE` into it: 16 random bytes from ``os.urandom``.
+    Returns the nonce (hex) that every rank must read back."""
+    nonce = os.urandom(16).hex()
+    storage.makedirs(attempt)
+    body = msgspec.json.encode({"attempt_id": attempt_id, "nonce": nonce})
+    storage.write_bytes(nonce_key(storage, attempt, attempt_id), body, durable=False)
+    return nonce
+
+
+def check_attempt(storage: Storage, attempt: str, nonce: str, *, rank: int,
+                  attempt_id: str = "") -> None:
+    """Every rank: read the coordinator's nonce back through this rank's own
+    storage before writing any data.
+
+    Raises:
+        CheckpointError: the nonce file is absent (this rank does not see the
+            coordinator's storage: node-local disks under one spelling) or
+            holds another nonce.
+    """
+    from ..errors import CheckpointError
+
+    p = nonce_key(storage, attempt, attempt_id)
+    try:
+        got = msgspec.json.decode(storage.read_bytes(p)).get("nonce")
+    except (FileNotFoundError, NotADirectoryError):
+        got = None
+    except (msgspec.DecodeError, AttributeError):
+        got = "<unreadable>"
+    if got != nonce:
+        why = "" if got is None else f" (its {ATTEMPT_NONCE} holds another attempt's nonce)"
+        raise CheckpointError(
+            f"rank {rank} cannot see the attempt written by the coordinator at {attempt}{why}: "
+            "node-local storage? every rank must see the same checkpoint location")
+
+
+def confirm_files(storage: Storage, attempt: str, files: dict[str, int]) -> None:
+    """Coordinator, before publishing: every file the manifest names exists in
+    the attempt at its declared size (one ``size`` call per file, from up to 16
+    threads).
+
+    Raises:
+        IntegrityError: files missing or of another size (all listed).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    def stat(name: str) -> str | None:
+        p = storage.join(attempt, name)
+        try:
+            got = storage.size(p)
+        except (FileNotFoundError, NotADirectoryError):
+            return f"{p}: missing (the writer reported {files[name]} bytes)"
+        return None if got == files[name] else f"{p}: {got} bytes, the writer reported {files[name]}"
+
+    names = sorted(files)
+    if len(names) > 8:
+        with ThreadPoolExecutor(max_workers=16, thread_name_prefix="reshard-stat") as ex:
+            found = list(ex.map(stat, names))
+    else:
+        found = [stat(n) for n in names]
+    bad = [f for f in found if f is not None]
+    if bad:
+        raise IntegrityError(f"{len(bad)} of {len(names)} data file(s) not as written, refusing to "
+                             "publish: " + "; ".join(bad[:10]))
+
+
+def check_target(storage: Storage, path: str, *, overwrite: bool) -> None:
+    """Refuse to save over a committed checkpoint unless ``overwrite`` (and
+    never on a store without atomic rename, where a replace could not be
+    atomic: publish under a new step instead). Anything else already at
+    ``path`` on a rename-capable store (a directory that is not a committed
+    checkpoint) is never replaced, ``overwrite`` or not."""
+    if not storage.exists(storage.join(path, MANIFEST_NAME)):
+        if storage.capabilities.atomic_rename and _non_empty(storage, path):
+            raise FileExistsError(f"{path}: exists and is not a committed checkpoint; refusing to "
+                                  "replace it (choose another path)")
+        return
+    if not overwrite:
+        raise FileExistsError(f"{path}: a committed checkpoint is already there "
+                              "(pass SaveOptions(overwrite=True) to replace it)")
+    if not storage.capabilities.atomic_rename:
+        from ..errors import CheckpointError
+
+        raise CheckpointError(f"{path}: overwrite is refused on a store without atomic rename; "
+                              "publish under a new step instead")
+
+
+def _non_empty(storage: Storage, path: str) -> bool:
+    """``path`` exists and is a file or a directory with entries."""
+    if not storage.exists(path):
+        return False
+    try:
+        return bool(storage.list_dir(path))
+    except (NotADirectoryError, FileNotFoundError):
+        return True
+
+
+def publish(storage: Storage, attempt: str, path: str, manifest: Manifest, *, overwrite: bool,
+            durable: bool) -> int:
+    """Write the manifest last and make the attempt the checkpoint at ``path``;
+    returns the bytes of the manifest written (sealed, :func:`encode_sealed`).
+
+    First every file the manifest names is confirmed at its declared size
+    (:func:`confirm_files`) and :data:`ATTEMPT_NONCE` is deleted. With
+    ``overwrite`` on a rename-capable store, an existing checkpoint is moved
+    aside, the new one renamed into place, then the old one deleted.
+
+    Raises:
+        IntegrityError: a data file is missing or of another size (nothing published).
+        FileExistsError: something appeared at ``path`` during the save.
+    """
+    confirm_files(storage, attempt, {n: fe.size for n, fe in manifest.files.items()})
+    storage.delete_tree(nonce_key(storage, attempt, manifest.attempt_id))
+    if not storage.capabilities.atomic_rename:
+        return publish_marker(storage, path, manifest)
+    raw = encode_sealed(manifest)
+    storage.write_bytes(storage.join(attempt, MANIFEST_NAME), raw, durable=durable)
+    if durable:
+        storage.fsync_dir(attempt)
+    retired = None
+    if storage.exists(path) and not _non_empty(storage, path):
+        storage.delete_tree(path)  # an empty directory the user made: take its place
+    if storage.exists(path):
+        if not overwrite or not storage.exists(storage.join(path, MANIFEST_NAME)):
+            raise FileExistsError(f"{path}: appeared during the save and is not ours to replace")
+        retired = f"{path}{RETIRED}{manifest.attempt_id}"
+        storage.rename_dir(path, retired)
+    storage.rename_dir(attempt, path)
+    if durable:
+        storage.fsync_dir(storage.parent(path) or "/")
+    if retired is not None:
+        storage.delete_tree(retired)
+    return len(raw)
+
+
+def publish_marker(storage: Storage, path: str, manifest: Manifest) -> int:
+    """Publish on a store without rename: put ``path/manifest.json`` only if
+    absent (the data objects, named by the manifest, are already durable);
+    returns the bytes of the manifest put.
+
+    Raises:
+        FileExistsError: another writer published this checkpoint first; this
+            attempt's objects are not named by it and are discarded by the caller.
+    """
+    raw = encode_sealed(manifest)
+    where = storage.join(path, MANIFEST_NAME)
+    try:
+        storage.put_if_absent(where, raw)
+    except FileExistsError:
+        raise FileExistsError(
+            f"{path}: another writer published this checkpoint first (conditional put of "
+            f"{MANIFEST_NAME} refused); attempt {manifest.attempt_id} published nothing "
+            "(save under a new step)") from None
+    # the publish relied on the conditional put: prove it, the manifest there is ours
+    try:
+        back = storage.read_bytes(where)
+    except FileNotFoundError:
+        back = b""
+    if back != raw:
+        try:
+            other = decode_manifest(back, where=where).attempt_id if back else None
+        except CheckpointError:
+            other = "unreadable"
+        raise FileExistsError(
+            f"{path}: the manifest read back after publishing is not attempt {manifest.attempt_id}'s "
+            f"(it is {'absent' if other is None else repr(other)}): another writer replaced it, "
+            "the store did not honour the conditional put; this save is not committed") from None
+    return len(raw)
+
+
+def delete_checkpoint(storage: Storage, path: str) -> None:
+    """Delete the committed checkpoint at ``path`` so that no moment of the
+    deletion leaves a listed checkpoint with missing files. Where rename is
+    atomic, the directory is first renamed to an abandoned attempt's name
+    (``<path>.incomplete-deleting-<id>``), then deleted; elsewhere the
+    manifest (the proof of the commit) is deleted first, then the rest. An
+    interrupted deletion leaves only what ``gc`` removes."""
+    if storage.capabilities.atomic_rename:
+        doomed = f"{path}{INCOMPLETE}deleting-{os.urandom(4).hex()}"
+        storage.rename_dir(path, doomed)
+        storage.fsync_dir(storage.parent(path) or "/")
+        storage.delete_tree(doomed)
+        return
+    mpath = storage.join(path, MANIFEST_NAME)
+    if storage.exists(mpath):
+        storage.delete_tree(mpath)
+    storage.delete_tree(path)
+
+
+def quarantine(storage: Storage, root: str, name: str, *, reason: str,
+               attempt_id: str | None) -> str:
+    """Set the checkpoint ``root/name`` aside so that nothing lists it as
+    committed, loads it or deletes it: rename it to
+    ``<name>.quarantined-<id>`` where the store renames atomically, else write
+    the marker ``<name>.quarantined.json``. Returns the name it now has (the
+    same name, on stores that keep it in place)."""
+    rec = {"name": name, "reason": reason[:2000], "time": time.time(), "attempt_id": attempt_id}
+    if storage.capabilities.atomic_rename:
+        new = f"{name}{QUARANTINED}{new_attempt_id()}"
+        storage.rename_dir(storage.join(root, name), storage.join(root, new))
+        write_record(storage, storage.join(root, new + QUARANTINE_MARK), rec)
+        return new
+    write_record(storage, storage.join(root, name + QUARANTINE_MARK), rec)
+    return name
+
+

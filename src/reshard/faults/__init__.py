@@ -1,0 +1,2 @@
+"""``reshard faults``: the fault-injecting storage (inject) and the fault matrix.
+"""

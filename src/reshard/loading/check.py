@@ -1,0 +1,226 @@
+"""The check of one load before any byte is read (:func:`reshard.load`): every destination
+placeable (no meta or fake tensor), on one device kind, and the saved keys against the target's
+(missing, unexpected, shape, dtype, the allow rules and the hooks' own keys), agreed on every
+rank through the key census; the outcome is the :class:`_Plan` the reads follow.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from ..errors import (
+    IntegrityError,
+    ShardingError,
+)
+from ..ondisk import codec
+from ..ondisk.manifest import Manifest, ObjectChunk, TensorEntry
+from ..ondisk.shardfile import BlockTables
+from ..options import LoadOptions
+from ..planning.coordination_load import KeyCensus
+from ..planning.planner import Request, check_entry_coverage, plan_reads
+from ..state.sharding import ShardedObject, ShardedTensor
+from ..state.tree import join
+from ..storage import Storage
+from ..transforms import provided_by
+from ..transforms import resolve as resolve_target
+from .reading import Groups, Reader, Target
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Plan:
+    """What :func:`_check` found, for :func:`_apply` to write: read groups by
+    (saved fqn, chunk index), ``allow_missing`` rules to run, transforms'
+    finishing steps, and the already read and verified objects and values."""
+
+    manifest: Manifest
+    reader: Reader
+    groups: Groups
+    rules: list[tuple[str, Any, torch.Tensor]]
+    finalize: list[Callable[[], None]]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    objects: dict[tuple[str, tuple[int, ...]], Any]
+    values: dict[str, Any]
+
+
+def _unplaceable(t: torch.Tensor) -> bool:
+    """A tensor whose elements have no memory to fill: on device ``meta``, or a
+    fake tensor (``torch._subclasses.FakeTensor``) standing in for one."""
+    if t.is_meta:
+        return True
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # pragma: no cover - older torch
+        return False
+    return bool(is_fake(t))
+
+
+def _check_devices(sts: Sequence[ShardedTensor], key: str) -> None:
+    bad = [(s.fqn, str(s.data.device)) for s in sts if _unplaceable(s.data)]
+    if bad:
+        names = ", ".join(f"{f!r} on device {d!r}" for f, d in bad[:5])
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise ShardingError(f"{key}: cannot load into {names}{more}: the target has no memory to "
+                            "fill; materialise with `to_empty()` first (e.g. "
+                            "model.to_empty(device='cpu'))")
+
+
+def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
+           opts: LoadOptions, strict: bool, allow_missing: Sequence[Any],
+           transforms: Sequence[Any]) -> _Plan:
+    """Everything that can be checked before any target is written: keys
+    (strictness), target devices, shapes and dtypes (through the
+    transforms), coverage, every needed file at once (presence, size, no
+    symbolic link), objects (read and verified: they are small and go to
+    ``LoadResult.values``, not into targets) and values. Writes nothing (the
+    checksums of ``verify_first`` are checked by the caller, once it knows
+    which blocks this rank reads)."""
+    m: Manifest = ctx["manifest"]
+    leaves = ctx["leaves"]
+    allow = _compile_allow(allow_missing)
+    saved = set(m.tensors) | set(m.aliases) | set(m.objects) | set((m.values or {}).keys())
+    # names a Split/Merge fills are available, but are not saved keys: one that no
+    # rank requests is not "unexpected" (its source is reported if nothing reads it)
+    available = saved | provided_by(transforms, m)
+    requested: dict[str, str] = ctx["requested"]
+    missing = sorted(k for k in requested if k not in available)
+    unexpected = list(census.unexpected)
+    if census.any_requested and not census.any_matched:
+        raise ShardingError(
+            f"{key}: no requested key matches the checkpoint (requested e.g. "
+            f"{sorted(requested)[:3]}, saved e.g. {sorted(saved)[:3]}); "
+            "check prefixes or pass a rename transform"
+        )
+    refused = m.extra.get("dcp_skipped_values") or {}
+    def refused_as(k: str) -> str | None:  # k, or the DCP value group holding it, was refused
+        parts = k.split(".")
+        return next((p for p in (".".join(parts[:i]) for i in range(len(parts), 0, -1))
+                     if p in refused), None) if refused else None
+
+    unsafe = sorted({g for g in map(refused_as, requested) if g is not None})
+    if unsafe:  # present in the source, but only an unrestricted unpickler could read them
+        raise IntegrityError(f"{key}: value(s) {unsafe[:5]} need more than torch.load(weights_only="
+                             f"True) and are refused: {[refused[k] for k in unsafe[:2]]}")
+    not_allowed = [k for k in missing if not any(match(k) for match, _ in allow)]
+    if strict and (not_allowed or unexpected):
+        parts = []
+        if not_allowed:
+            parts.append(f"missing from the checkpoint: {not_allowed[:20]}")
+        if unexpected:
+            parts.append(f"unexpected (saved but not requested): {unexpected[:20]}")
+        raise ShardingError(f"{key}: strict load: " + "; ".join(parts))
+    _check_devices(ctx["sts"], key)
+    # plan tensor reads (through the transforms)
+    groups: Groups = defaultdict(list)
+    rules: list[tuple[str, Any, torch.Tensor]] = []
+    finalize: list[Callable[[], None]] = []
+    missing_set = set(missing)
+    covered: set[str] = set()
+    files: set[str] = set()
+    for s in ctx["sts"]:
+        res = None if s.fqn in missing_set else resolve_target(s, m, transforms)
+        if res is None:
+            rule = next((r for match, r in allow if match(s.fqn)), "keep")
+            if rule != "keep":
+                rules.append((s.fqn, rule, s.data))
+            continue
+        finalize.extend(res.finalize)
+        for pc in res.pieces:
+            entry: TensorEntry = m.tensors[pc.saved]
+            if pc.saved not in covered:
+                check_entry_coverage(pc.saved, entry)
+                covered.add(pc.saved)
+            req = Request(fqn=s.fqn, global_offset=pc.offset, local_shape=pc.shape,
+                          flattened_range=pc.flattened_range)
+            tgt = Target(req=req, dst=pc.dst, saved=pc.saved)
+            for item in plan_reads(entry, req):
+                groups[(pc.saved, item.chunk_index)].append((item, tgt))
+                files.add(entry.chunks[item.chunk_index].file)
+    # objects: grid checks, then (below) read and verified before any target is written
+    wanted: list[tuple[ShardedObject, ObjectChunk]] = []
+    for ob in leaves.objects:
+        if ob.key in missing_set:
+            continue
+        oe = m.objects.get(ob.key)
+        if oe is None:
+            raise ShardingError(f"{ob.key}: saved as a tensor or value, requested as an object")
+        if tuple(oe.global_shape) != tuple(ob.global_shape):
+            raise ShardingError(
+                f"object {ob.key}: saved as a grid of shape {list(oe.global_shape)}, requested in a grid "
+                f"of shape {list(ob.global_shape)}; per-rank state cannot be resharded without a rule"
+            )
+        oc = next((c for c in oe.chunks if tuple(c.global_offset) == tuple(ob.global_offset)), None)
+        if oc is None:
+            raise ShardingError(f"object {ob.key}: element {list(ob.global_offset)} is not saved")
+        wanted.append((ob, oc))
+        files.add(oc.file)
+    reader = Reader(st, key, m, opts)
+    reader.check_files(files)
+    objects: dict[tuple[str, tuple[int, ...]], Any] = {}
+    values: dict[str, Any] = {}
+    for ob, oc in wanted:
+        raw = st.read_bytes(st.join(key, oc.file), oc.offset, oc.length)
+        if opts.checksums and BlockTables.has(oc):
+            b = m.checksum_block_bytes
+            for k, digest in enumerate(reader.tables.sums(oc)):
+                if xxhash.xxh3_64_hexdigest(raw[k * b:(k + 1) * b]) != digest:
+                    raise IntegrityError(f"{st.join(key, oc.file)}: checksum mismatch in object "
+                                         f"{ob.key!r} element {list(ob.global_offset)}")
+        v = codec.decode(raw)
+        objects[(ob.key, tuple(ob.global_offset))] = v
+        values[ob.key] = v
+    for p, enc in (m.values or {}).items():
+        values[p] = codec.from_json(enc)
+    _check_hooks(leaves.statefuls, objects, ctx["notes"], values)
+    return _Plan(manifest=m, reader=reader, groups=groups, rules=rules, finalize=finalize,
+                 missing=tuple(missing), unexpected=tuple(unexpected), objects=objects,
+                 values=values)
+
+
+def _check_hooks(statefuls: Sequence[tuple[str, Any, Any]],
+                 objects: Mapping[tuple[str, tuple[int, ...]], Any], notes: dict[str, Any],
+                 values: Mapping[str, Any] | None = None) -> None:
+    """Before any target is written, a Stateful with ``reshard_check_load(objects)``
+    (e.g. an OptimizerState that must refuse saved hyperparameters its param
+    groups cannot hold) sees the objects loaded for it (and the common values
+    below it: a DCP checkpoint's ``param_groups``), by key relative to its
+    position in the tree, and may raise; a mapping it returns is merged into
+    ``notes`` under its path (as ``reshard_prepare_load``'s)."""
+    for path, obj, _ in statefuls:
+        hook = getattr(obj, "reshard_check_load", None)
+        if not callable(hook):
+            continue
+        pre = f"{path}." if path else ""
+        mine = {k[len(pre):]: v for k, v in (values or {}).items() if k.startswith(pre)}
+        mine.update({k[len(pre):]: v for (k, _off), v in objects.items() if k.startswith(pre)})
+        got = hook(mine)
+        for k, v in (got or {}).items():
+            notes[join(path, k)] = v
+
+
+def _compile_allow(allow: Sequence[Any]) -> list[tuple[Callable[[str], bool], Any]]:
+    """``allow_missing`` entries: a glob pattern (str), a compiled regex, or a
+    ``(pattern, rule)`` pair where rule is "keep", "zeros" or a callable
+    ``(fqn, tensor) -> None`` filling the tensor in place."""
+    out: list[tuple[Callable[[str], bool], Any]] = []
+    for a in allow:
+        pat, rule = (a if isinstance(a, tuple) else (a, "keep"))
+        if isinstance(pat, re.Pattern):
+            def by_regex(k: str, p: re.Pattern[str] = pat) -> bool:
+                return p.fullmatch(k) is not None
+
+            out.append((by_regex, rule))
+        else:
+            def by_glob(k: str, p: str = str(pat)) -> bool:
+                return fnmatch.fnmatchcase(k, p)
+
+            out.append((by_glob, rule))
+    return out

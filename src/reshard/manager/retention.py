@@ -1,0 +1,283 @@
+"""Retention, leases and garbage collection of :class:`reshard.CheckpointManager`
+(a mixin of it: the manager's public methods ``lease``, ``candidates``,
+``plan_retention``, ``apply_retention``, ``gc_abandoned`` and
+``attempts_in_progress`` live here).
+
+Sidecars beside the checkpoints: ``<name>.lease-<id>.json`` (a reader holds
+the checkpoint until ``expires``); attempts hold their own leases
+(:mod:`reshard.commit.attempts`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from ..commit.attempts import LEASE_SUFFIX, local_lease_key, read_lease
+from ..commit.lineage import Head, lineage_of
+from ..commit.protocol import (
+    _TMP,
+    INCOMPLETE,
+    RETIRED,
+    Entry,
+    committed,
+    delete_checkpoint,
+    linked_children,
+    read_head,
+    read_record,
+    scan,
+)
+from ..commit.retention import Candidate, Decision, Policy, decide
+
+if TYPE_CHECKING:
+    from ..saving.staging import SaveHandle
+    from ..storage import Storage
+
+log = logging.getLogger("reshard.manager.manager")
+
+LEASE = ".lease-"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetentionPlan:
+    """What retention will delete, and the checks made to decide it.
+
+    Attributes:
+        decision: keep (with reasons) and delete.
+        checks: (name, what was checked, passed) in the order they ran.
+    """
+
+    decision: Decision
+    checks: tuple[tuple[str, str, bool], ...] = ()
+
+
+class RetentionMixin:
+    """What :class:`reshard.CheckpointManager` does to decide and apply
+    retention, hold leases and collect abandoned attempts. The manager
+    provides the attributes below and ``verify_checkpoint``/``is_verified``/``_name``."""
+
+    storage: Storage
+    root: str
+    policy: Policy
+    gc_grace_s: float
+    checksum_before_delete: bool
+    last_plan: RetentionPlan | None
+    last_in_progress: dict[str, float]
+    _pending: list[tuple[str, SaveHandle]]
+
+    if TYPE_CHECKING:  # provided by CheckpointManager
+        def _name(self, which: str | int) -> str: ...
+
+        def verify_checkpoint(self, which: str | int, *, how: str = "smoke",
+                              record: bool = True) -> bool: ...
+
+        def is_verified(self, name: str, entry: Entry | None = None) -> bool: ...
+
+        def _verified_path(self, name: str) -> str: ...
+
+    # ------------------------------------------------------------ leases
+    @contextlib.contextmanager
+    def lease(self, step: int | str, ttl_s: float = 3600.0) -> Iterator[str]:
+        """Hold checkpoint ``step`` (a step or a name) against retention
+        while reading it (export, conversion, a tier copy, an evaluation).
+        Yields its path."""
+        name = self._name(step)
+        lp = self.storage.join(self.root, f"{name}{LEASE}{os.getpid()}-{os.urandom(3).hex()}.json")
+        self.storage.write_bytes(lp, json.dumps({"expires": time.time() + ttl_s}).encode())
+        try:
+            yield self.storage.join(self.root, name)
+        finally:
+            self.storage.delete_tree(lp)
+
+    def _leased(self, names: set[str]) -> set[str]:
+        out: set[str] = set()
+        now = time.time()
+        for child in self.storage.list_dir(self.root):
+            if LEASE not in child:
+                continue
+            base = child.split(LEASE, 1)[0]
+            rec = read_record(self.storage, self.storage.join(self.root, child))
+            if rec is not None and rec.get("expires", 0) > now and base in names:
+                out.add(base)
+        return out
+
+    def _linked(self, names: set[str]) -> set[str]:
+        """The checkpoints a symbolic link in the root points at (an operator's
+        ``best -> step-00000300``): retention keeps them, as it keeps a leased
+        one, so the link never dangles."""
+        st = self.storage
+        where = {st.canonical(st.join(self.root, n)): n for n in names}
+        return {where[t] for link in linked_children(st, self.root)
+                if (t := st.canonical(st.join(self.root, link))) in where}
+
+    # ------------------------------------------------------------ retention
+    def candidates(self, entries: list[Entry] | None = None) -> list[Candidate]:
+        """Retention's view of the committed checkpoints (lineage from HEAD,
+        verification records re-checked, leases, in-flight saves and the
+        targets of symbolic links in the root)."""
+        entries = committed(self.storage, self.root) if entries is None else entries
+        lin = lineage_of(entries, Head.from_record(read_head(self.storage, self.root)))
+        leased = self._leased({e.name for e in entries}) | self._linked({e.name for e in entries})
+        inflight = {n for n, _ in self._pending}
+        out = []
+        for e in entries:
+            m = e.manifest
+            assert m is not None
+            metric = m.extra.get("metric")
+            out.append(Candidate(name=e.name, step=m.step if m.step is not None else -1,
+                                 verified=self.is_verified(e.name, e),
+                                 metric=float(metric) if isinstance(metric, (int, float)) else None,
+                                 protected=e.name in leased or e.name in inflight,
+                                 current=e.name in lin.current, resume_source=e.name == lin.source,
+                                 created_at=m.created_at))
+        return out
+
+    def plan_retention(self, *, checksums: bool | None = None, smoke_newer: bool = False,
+                       dry_run: bool = False) -> RetentionPlan:
+        """What retention deletes, after the checks that make it safe; the
+        same code path for a dry run (which records and deletes nothing).
+
+        ``smoke_newer``: first smoke-test the checkpoints newer than the
+        newest verified one (``reshard gc``). Then, whenever the decision
+        deletes a checkpoint that verifies and at most one verified
+        checkpoint of the current lineage would remain, that one is verified
+        again (every checksum unless ``checksums`` is False, the manager's
+        ``checksum_before_delete`` by default); if it fails, it counts as
+        unverified and the decision is made again."""
+        full = self.checksum_before_delete if checksums is None else checksums
+        cands = {c.name: c for c in self.candidates()}
+        checks: list[tuple[str, str, bool]] = []
+        if smoke_newer:
+            newest = max((c.step for c in cands.values() if c.verified and c.current), default=None)
+            for c in sorted(cands.values(), key=lambda c: (c.step, c.created_at)):
+                if not c.verified and (newest is None or c.step > newest):
+                    ok = self.verify_checkpoint(c.name, record=not dry_run)
+                    checks.append((c.name, "smoke test", ok))
+                    cands[c.name] = replace(c, verified=ok)
+        rechecked: set[str] = set()
+        while True:
+            d = decide(list(cands.values()), self.policy)
+            gone_verified = [n for n in d.delete if cands[n].verified]
+            left = [c for c in cands.values() if c.verified and c.current and c.name in d.keep]
+            if not gone_verified or len(left) != 1 or left[0].name in rechecked:
+                return RetentionPlan(decision=d, checks=tuple(checks))
+            kept = left[0].name
+            rechecked.add(kept)
+            ok = self.verify_checkpoint(kept, how="checksums" if full else "structure",
+                                        record=not dry_run)
+            checks.append((kept, "verified again with checksums" if full
+                           else "verified again (structure and sizes)", ok))
+            if not ok:
+                log.warning("retention: %s failed its verification; keeping older checkpoints", kept)
+                cands[kept] = replace(cands[kept], verified=False)
+
+    def apply_retention(self, *, dry_run: bool = False, checksums: bool | None = None,
+                        smoke_newer: bool = False) -> Decision:
+        """Delete what the policy no longer keeps (coordinator only), after
+        the checks of :meth:`plan_retention`."""
+        plan = self.plan_retention(checksums=checksums, smoke_newer=smoke_newer, dry_run=dry_run)
+        self.last_plan = plan
+        if not dry_run:
+            for name in plan.decision.delete:
+                log.info("retention: deleting %s", name)
+                self._delete_checkpoint(name)
+        return plan.decision
+
+    def _delete_checkpoint(self, name: str) -> None:
+        """Delete a committed checkpoint so that an interruption (SIGKILL)
+        never leaves a torn checkpoint listed as committed, nor a directory
+        that nothing cleans (:func:`reshard.commit.protocol.delete_checkpoint`: renamed
+        out of the committed namespace first where rename is atomic, manifest
+        first elsewhere; :meth:`gc_abandoned` finishes an interrupted
+        deletion). Its verification record goes first (a checkpoint left
+        unverified is still a checkpoint; a record left without one is litter)."""
+        self.storage.delete_tree(self._verified_path(name))
+        delete_checkpoint(self.storage, self.storage.join(self.root, name))
+
+    def gc_abandoned(self, grace_s: float | None = None, *, dry_run: bool = False) -> list[str]:
+        """Delete ``*.incomplete-*`` attempts, ``*.retired-*`` leftovers
+        (an overwrite's or a retention's interrupted deletion) and records'
+        temporaries (``HEAD.tmp-*``: a write killed before its rename) older than
+        ``grace_s`` seconds (never one of this manager's in-flight saves,
+        never an attempt whose lease is live, whatever ``grace_s``: those are
+        in :attr:`last_in_progress`; never a quarantined checkpoint), and
+        expired leases whose attempt is gone. On a store without atomic rename
+        (S3): the attempts whose lease has expired, and their open multipart
+        uploads (:func:`reshard.commit.attempts.gc_root`); returns ``<checkpoint>/<attempt
+        id>`` names."""
+        grace = self.gc_grace_s if grace_s is None else grace_s
+        if not self.storage.capabilities.atomic_rename:  # attempts live under the final prefix
+            from ..commit.attempts import gc_root
+
+            got = gc_root(self.storage, self.root, grace_s=grace, dry_run=dry_run)
+            self.last_in_progress = dict(got.in_progress)
+            return list(got.attempts)
+        now = time.time()
+        inflight = set(self._pending_names())
+        live = self.attempts_in_progress(now)
+        self.last_in_progress = live
+        out = []
+        for e in scan(self.storage, self.root):
+            if not e.abandoned or e.quarantined or (INCOMPLETE not in e.name
+                                                    and RETIRED not in e.name):
+                continue
+            if e.name.split(INCOMPLETE, 1)[0] in inflight or e.name in live:
+                continue
+            if e.mtime is not None and now - e.mtime < grace:
+                continue
+            out.append(e.name)
+            if not dry_run:
+                self.storage.delete_tree(e.path)
+                self.storage.delete_tree(local_lease_key(e.path))
+        names = self.storage.list_dir(self.root) if self.storage.exists(self.root) else []
+        for child in names:  # an expired lease whose attempt is gone (its coordinator died)
+            if INCOMPLETE not in child or not child.endswith(LEASE_SUFFIX):
+                continue
+            attempt = child[: -len(LEASE_SUFFIX)]
+            if attempt in live or attempt in names:
+                continue
+            p = self.storage.join(self.root, child)
+            if read_lease(self.storage, p, now) is None:
+                out.append(child)
+                if not dry_run:
+                    self.storage.delete_tree(p)
+        for child in names:
+            if _TMP not in child:  # a record's temporary left by a SIGKILL (HEAD.tmp-..., ...)
+                continue
+            p = self.storage.join(self.root, child)
+            mtime = self.storage.modified_time(p)
+            if mtime is not None and now - mtime < grace:
+                continue
+            out.append(child)
+            if not dry_run:
+                self.storage.delete_tree(p)
+        return out
+
+    def attempts_in_progress(self, now: float | None = None) -> dict[str, float]:
+        """Attempts under the root whose lease is live (a save is running):
+        name (``step-%08d.incomplete-<id>``, or ``<checkpoint>/<attempt id>``
+        where attempts share the final prefix) -> seconds since the lease was
+        renewed. gc and retention never delete these, whatever the grace."""
+        now = time.time() if now is None else now
+        if not self.storage.capabilities.atomic_rename:
+            from ..commit.attempts import gc_root
+
+            return dict(gc_root(self.storage, self.root, grace_s=math.inf, dry_run=True).in_progress)
+        names = self.storage.list_dir(self.root) if self.storage.exists(self.root) else []
+        out: dict[str, float] = {}
+        for child in names:
+            if INCOMPLETE in child and not child.endswith(LEASE_SUFFIX) and child + LEASE_SUFFIX in names:
+                age = read_lease(self.storage, self.storage.join(self.root, child + LEASE_SUFFIX), now)
+                if age is not None:
+                    out[child] = age
+        return out
+
+    def _pending_names(self) -> list[str]:
+        return [n for n, _ in self._pending]

@@ -1,0 +1,433 @@
+"""The manifest: versioned JSON schema, codec and validation.
+
+``manifest.json`` is the only proof that a checkpoint was committed. It is
+plain JSON (never pickle), decoded into frozen ``msgspec.Struct`` records and
+validated before any of it is used. Unknown optional fields are tolerated;
+unknown entries of ``required_features`` are refused.
+
+Units: shapes and offsets in elements (row-major, half-open); ``offset`` and
+``length`` of a chunk in bytes from the start of its file; ``size`` of a file
+in bytes. ``checksums`` of a chunk hold one ``xxh3_64`` hex digest per block of
+``checksum_block_bytes`` bytes of the chunk's data (the last block may be
+shorter), so a reader can verify exactly the blocks it reads. At scale a chunk
+holds instead one ``digest``, the root of its block digests, and
+``block_index``, where they start in its file's block table (the file's last
+``8 * blocks`` bytes; see :mod:`reshard.ondisk.shardfile`): the manifest then holds
+one digest per chunk, not one per MiB.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+import xxhash
+
+from ..errors import CoverageError, IntegrityError, ManifestError
+from ..state.sharding import DTYPE_NAMES, itemsize, numel
+
+FORMAT = "reshard"
+#: 2: a leaf's key is its tree path (DESIGN.md section 2); 1 named a
+#: ShardedTensor/ShardedObject by its own fqn, without its container's path:
+#: :func:`reshard.load` migrates those names (``LoadResult.notes``).
+FORMAT_VERSION = 2
+MANIFEST_NAME = "manifest.json"
+#: largest ``world_size`` a manifest may declare (2**24 ranks, far above any
+#: job; a larger one is a corrupt or hostile manifest, not a cluster)
+MAX_WORLD_SIZE = 1 << 24
+#: ``required_features`` entry of a manifest that carries its own checksum
+#: (:func:`encode_sealed`): a reader must check it, and one that cannot refuses it
+SEAL_FEATURE = "manifest-seal"
+KNOWN_FEATURES: frozenset[str] = frozenset({SEAL_FEATURE})
+# A declared dimension above this is refused before anything is allocated.
+MAX_DIM = 2**48
+# The leaf records below hold only ints, strs and tuples of them (no reference
+# cycles), so they opt out of the cyclic GC: decoding a 100k-chunk manifest is
+# then 3-10x faster (the GC no longer rescans the growing heap during decode).
+
+
+class Chunk(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False, omit_defaults=True):
+    """One saved piece of a tensor: a box (and optional flat range) in one file."""
+
+    global_offset: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+    checksums: tuple[str, ...] = ()
+    flattened_range: tuple[int, int] | None = None
+    digest: str = ""
+    block_index: int = -1
+
+    @property
+    def numel(self) -> int:
+        fr = self.flattened_range
+        return numel(self.local_shape) if fr is None else fr[1] - fr[0]
+
+
+class TensorEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False):
+    dtype: str
+    global_shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+
+
+class ObjectChunk(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False, omit_defaults=True):
+    """One element of an object grid, encoded with :mod:`reshard.ondisk.codec`."""
+
+    global_offset: tuple[int, ...]
+    file: str
+    offset: int
+    length: int
+    checksums: tuple[str, ...] = ()
+    digest: str = ""
+    block_index: int = -1
+
+
+class ObjectEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False):
+    global_shape: tuple[int, ...]
+    chunks: tuple[ObjectChunk, ...]
+
+
+class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False, omit_defaults=True):
+    """A data file: ``size`` in bytes, whole-file ``checksum``, and ``blocks``:
+    the entries of its block table (the last ``8 * blocks`` bytes of the file;
+    0: no table, the chunks then carry their block digests themselves)."""
+
+    size: int
+    checksum: str = ""
+    blocks: int = 0
+
+
+class PlanIndex(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False):
+    """The save plan kept beside the checkpoint (``file``, a sibling of the
+    manifest, ``size`` bytes, xxh3-64 ``checksum`` in hex) and its ``plan_id``:
+    what the first save after a restart reuses (:mod:`reshard.planning.plan_store`).
+    Not needed to load."""
+
+    file: str
+    size: int
+    checksum: str
+    plan_id: int
+
+
+class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """A committed checkpoint's description.
+
+    Attributes:
+        format / format_version: the storage format ("reshard", 2).
+        required_features: features a reader must understand to load this.
+        schema_version: the user's model/training schema version (opaque str).
+        step: training step recorded by ``save(..., step=N)``.
+        attempt_id: the save attempt that produced this checkpoint.
+        created_at: commit time, seconds since the epoch.
+        world_size: ranks of the save; ``mesh``: the save-time device mesh, if given.
+        tensors: fqn -> dtype, global_shape and the chunks of its primaries.
+        objects: key -> object grid shape and its elements.
+        values: common state (replicated plain values) in the codec's encoding.
+        aliases: fqn -> fqn of the tensor it shares storage with (tied weights).
+        files: file name -> size (bytes) and whole-file checksum.
+        extra: free-form, JSON only (user metadata).
+        parent: name of the checkpoint this one continues from (a sibling
+            under the same root), as ``SaveOptions.parent`` gave it; None when
+            unknown (a fresh run, or a plain ``save`` not told). Optional:
+            manifests written before lineage existed decode with None.
+        lineage: id of the root's ``HEAD`` record (the resume) that the
+            saving run continued from (``CheckpointManager`` sets it); None
+            outside a manager's lineage. See :mod:`reshard.commit.lineage`.
+        plan: the save plan kept beside the checkpoint (:class:`PlanIndex`);
+            None in manifests written before it existed or by other writers.
+        adapters: what saved each subtree, tree path -> kind: a reshard
+            adapter's class name (``"ModelState"``, ``"TorchState"``,
+            ``"OptimizerState"``, ``"RNGState"``, ``"DataCursor"``),
+            ``"Stateful:<module>.<qualname>"`` for another Stateful,
+            ``"optimizer"`` for a mapping shaped as ``Optimizer.state_dict()``
+            (``state`` and ``param_groups``; nothing below it is recorded),
+            ``"tensors"`` for a plain mapping that holds tensors itself (a
+            ``model.state_dict()``). Export finds the model from it. Empty in
+            manifests written before it existed, by other writers, or for a
+            tree of more than 4096 such subtrees.
+    """
+
+    attempt_id: str
+    created_at: float
+    world_size: int
+    checksum_block_bytes: int
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+    required_features: tuple[str, ...] = ()
+    checksum_algorithm: str = "xxh3_64"
+    schema_version: str | None = None
+    step: int | None = None
+    mesh: dict[str, Any] | None = None
+    tensors: dict[str, TensorEntry] = {}
+    objects: dict[str, ObjectEntry] = {}
+    values: Any = None
+    aliases: dict[str, str] = {}
+    files: dict[str, FileEntry] = {}
+    extra: dict[str, Any] = {}
+    parent: str | None = None
+    lineage: str | None = None
+    plan: PlanIndex | None = None
+    adapters: dict[str, str] = {}
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all data files."""
+        return sum(f.size for f in self.files.values())
+
+
+_ENCODER = msgspec.json.Encoder()
+_DECODER = msgspec.json.Decoder(Manifest)
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    return _ENCODER.encode(m)
+
+
+#: ``extra`` key of the manifest's own checksum: xxh3_64 (hex) of the
+#: manifest's bytes as written, with this value replaced by 16 zeros
+SEAL_KEY = "manifest_xxh3_64"
+_SEAL_ZERO = "0" * 16
+
+
+def _seal_token(digest: str) -> bytes:
+    return _ENCODER.encode(SEAL_KEY) + b":" + _ENCODER.encode(digest)
+
+
+def encode_sealed(m: Manifest) -> bytes:
+    """The manifest's bytes as published, with its own checksum
+    (``extra[SEAL_KEY]``, and ``SEAL_FEATURE`` among ``required_features``):
+    every byte is covered (a changed number in ``values``, a file size, a
+    chunk offset), which the block and file checksums cannot do for the
+    manifest itself. The checksum is over the bytes, not over a re-encoding,
+    so it is checked whatever fields the reader knows. A user value holding
+    the exact text of the key and 16 zeros leaves the seal's own occurrence
+    the last one (the key is the last of the top-level ``extra``); written
+    without a seal only if that ever failed to hold (checked by decoding)."""
+    extra = {k: v for k, v in m.extra.items() if k != SEAL_KEY}
+    feats = tuple(f for f in m.required_features if f != SEAL_FEATURE)
+    raw = encode_manifest(msgspec.structs.replace(
+        m, extra={**extra, SEAL_KEY: _SEAL_ZERO}, required_features=(*feats, SEAL_FEATURE)))
+    zero = _seal_token(_SEAL_ZERO)
+    digest = xxhash.xxh3_64_hexdigest(raw)
+    seal = _seal_token(digest)
+    if raw.count(zero) == 1:
+        return raw.replace(zero, seal)
+    # a user value holds the placeholder's text too: the seal is the last key of the top-level
+    # extra (what follows extra holds no user keys), so its occurrence is the last one; checked
+    at = raw.rfind(zero)
+    out = raw[:at] + seal + raw[at + len(zero):]
+    if _DECODER.decode(out).extra.get(SEAL_KEY) == digest:
+        return out
+    return encode_manifest(msgspec.structs.replace(m, extra=extra, required_features=feats))
+
+
+#: the seal's key and its string value (group 1), with whatever JSON
+#: whitespace a writer put around the colon
+_SEAL_RE = re.compile(rb'"' + re.escape(SEAL_KEY.encode()) + rb'"[ \t\n\r]*:[ \t\n\r]*("[^"\\]*")')
+
+
+def _seal_spans(raw: bytes, value: str | None = None) -> list[re.Match[bytes]]:
+    """The occurrences of the key in ``raw`` (with ``value`` only, when given)."""
+    want = None if value is None else _ENCODER.encode(value)
+    return [mt for mt in _SEAL_RE.finditer(raw) if want is None or mt.group(1) == want]
+
+
+def _with_value(raw: bytes, at: re.Match[bytes], value: str) -> bytes:
+    return raw[:at.start(1)] + _ENCODER.encode(value) + raw[at.end(1):]
+
+
+def reseal(raw: bytes) -> bytes:
+    """``raw`` (the JSON bytes of a manifest document that holds
+    ``extra[SEAL_KEY]`` once, with any string value, and names
+    ``SEAL_FEATURE``) sealed over its own bytes as :func:`encode_sealed`
+    seals: for tools and tests that write a manifest document themselves.
+
+    Raises:
+        ValueError: the key does not appear exactly once.
+    """
+    spans = _seal_spans(raw)
+    if len(spans) != 1:
+        raise ValueError(f"{SEAL_KEY!r} must appear once in the manifest bytes")
+    zeroed = _with_value(raw, spans[0], _SEAL_ZERO)
+    return _with_value(zeroed, _seal_spans(zeroed)[0], xxhash.xxh3_64_hexdigest(zeroed))
+
+
+def _zeroed(raw: bytes, got: str) -> bytes:
+    """``raw`` with the seal's value (``got``, the one occurrence of the key
+    and that value) read as 16 zeros; ``b""`` when it is not there exactly once."""
+    spans = _seal_spans(raw, got)
+    return _with_value(raw, spans[0], _SEAL_ZERO) if len(spans) == 1 else b""
+
+
+def check_seal(raw: bytes, m: Manifest, *, where: str) -> Manifest:
+    """Check the manifest's own checksum (:func:`encode_sealed`) and return
+    ``m`` without it (``extra`` and ``required_features`` as the writer was
+    given them). The checksum is over ``raw`` with the one occurrence of
+    the key and its value read as 16 zeros, whatever JSON whitespace the
+    writer put around the colon (another JSON writer, ``json.dumps`` with
+    its default separators or an indent). A manifest written before seals
+    existed (neither the feature nor the key) passes unchanged.
+
+    Raises:
+        IntegrityError: the bytes changed after they were written (the
+            checksum differs, or the feature is named and the checksum is
+            gone).
+    """
+    got = m.extra.get(SEAL_KEY)
+    sealed = SEAL_FEATURE in m.required_features
+    if got is None and not sealed:
+        return m
+    zeroed = _zeroed(raw, got) if isinstance(got, str) else b""
+    if not sealed or not zeroed or xxhash.xxh3_64_hexdigest(zeroed) != got:
+        raise IntegrityError(
+            f"{where}: manifest checksum mismatch: its bytes changed after it was written "
+            f"(bit rot, a torn copy or an edit; extra[{SEAL_KEY!r}] = {got!r}); nothing was loaded")
+    return msgspec.structs.replace(
+        m, extra={k: v for k, v in m.extra.items() if k != SEAL_KEY},
+        required_features=tuple(f for f in m.required_features if f != SEAL_FEATURE))
+
+
+def check_file_name(name: str, *, where: str) -> None:
+    """Refuse names that are not plain file names inside the checkpoint."""
+    if (
+        not name
+        or name in (".", "..", MANIFEST_NAME)
+        or "/" in name
+        or "\\" in name
+        or "\x00" in name
+        or name.startswith(".")
+    ):
+        raise ManifestError(f"{where}: file name {name!r} is not a plain file inside the checkpoint")
+
+
+def decode_manifest(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
+    """Parse and validate manifest bytes.
+
+    Raises:
+        ManifestError: not JSON, fails the schema, unsupported format or
+            version, unknown required feature, bad dtype/shape, a file name
+            outside the checkpoint, or a chunk naming an undeclared file.
+        IntegrityError: the manifest's own checksum does not match its bytes
+            (:func:`check_seal`); a chunk's declared byte length disagrees
+            with its shape and dtype, or reaches past the declared size of
+            its file.
+    """
+    try:
+        m = _DECODER.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ManifestError(f"{where}: invalid manifest: {e}") from None
+    except RecursionError:  # JSON nested deeper than the interpreter's recursion limit
+        raise ManifestError(f"{where}: invalid manifest: nested too deeply") from None
+    m = check_seal(raw, m, where=where)
+    validate_manifest(m, where=where)
+    return m
+
+
+def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
+    if m.format != FORMAT:
+        raise ManifestError(f"{where}: format is {m.format!r}, expected {FORMAT!r}")
+    if m.format_version > FORMAT_VERSION or m.format_version < 1:
+        raise ManifestError(
+            f"{where}: format_version {m.format_version} is not supported (this reader: {FORMAT_VERSION})"
+        )
+    unknown = set(m.required_features) - KNOWN_FEATURES
+    if unknown:
+        raise ManifestError(f"{where}: requires unknown feature(s) {sorted(unknown)}")
+    if m.checksum_algorithm != "xxh3_64":
+        raise ManifestError(f"{where}: unknown checksum_algorithm {m.checksum_algorithm!r}")
+    if m.checksum_block_bytes <= 0:
+        raise ManifestError(f"{where}: checksum_block_bytes must be positive")
+    if not 1 <= m.world_size <= MAX_WORLD_SIZE:
+        raise ManifestError(f"{where}: world_size {m.world_size} is outside [1, {MAX_WORLD_SIZE}]")
+    block = m.checksum_block_bytes
+    sizes: dict[str, int] = {}
+    tables: dict[str, int] = {}
+    for name, fe in m.files.items():
+        check_file_name(name, where=where)
+        if fe.size < 0:
+            raise ManifestError(f"{where}: file {name!r} has negative size")
+        if fe.blocks < 0 or 8 * fe.blocks > fe.size:
+            raise ManifestError(f"{where}: file {name!r}: block table of {fe.blocks} entries does not fit "
+                                f"its {fe.size} bytes")
+        sizes[name] = fe.size
+        tables[name] = fe.blocks
+
+    def check_range(key: str, file: str, offset: int, length: int, checksums: tuple[str, ...],
+                    c: Chunk | ObjectChunk) -> None:
+        size = sizes.get(file)
+        if size is None:
+            check_file_name(file, where=f"{where}: {key}")
+            raise ManifestError(f"{where}: {key}: names file {file!r} that the manifest does not list")
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IntegrityError(
+                f"{where}: {key}: bytes [{offset}, {offset + length}) reach past the declared "
+                f"size {size} of file {file!r}"
+            )
+        if checksums and len(checksums) != -(-length // block):
+            raise ManifestError(
+                f"{where}: {key}: {len(checksums)} checksums for {length} bytes in blocks of {block}"
+            )
+        if c.digest and not checksums and (
+                c.block_index < 0 or c.block_index + -(-length // block) > tables[file]
+                or offset + length > size - 8 * tables[file]):
+            raise ManifestError(f"{where}: {key}: blocks from {c.block_index} are not in the block table "
+                                f"of file {file!r} ({tables[file]} entries)")
+
+    for fqn, te in m.tensors.items():
+        if te.dtype not in DTYPE_NAMES:
+            raise ManifestError(f"{where}: tensor {fqn!r}: dtype {te.dtype!r} is not on the allow-list")
+        gshape = te.global_shape
+        if any(d < 0 or d > MAX_DIM for d in gshape):
+            raise ManifestError(f"{where}: tensor {fqn!r}: global_shape {list(gshape)} out of range")
+        isz = itemsize(te.dtype)
+        volume = 0
+        for c in te.chunks:
+            key = f"tensor {fqn!r} chunk at {list(c.global_offset)}"
+            if len(c.global_offset) != len(gshape) or len(c.local_shape) != len(gshape):
+                raise ManifestError(f"{where}: {key}: rank differs from global_shape {list(gshape)}")
+            for o, s, g in zip(c.global_offset, c.local_shape, gshape, strict=True):
+                if o < 0 or s < 0 or o + s > g:
+                    raise ManifestError(
+                        f"{where}: {key}: box {list(c.local_shape)} lies outside global_shape {list(gshape)}"
+                    )
+            n = c.numel
+            if c.flattened_range is not None:
+                a, b = c.flattened_range
+                if not 0 <= a <= b <= numel(c.local_shape):
+                    raise ManifestError(f"{where}: {key}: flattened_range {a}:{b} outside its box")
+            if c.length != n * isz:
+                raise IntegrityError(
+                    f"{where}: {key}: declared length {c.length} bytes, but {n} elements of "
+                    f"{te.dtype} need {n * isz}"
+                )
+            check_range(key, c.file, c.offset, c.length, c.checksums, c)
+            volume += n
+        if volume != numel(gshape):
+            raise CoverageError(
+                f"{where}: tensor {fqn!r}: chunks hold {volume} elements, global_shape "
+                f"{list(gshape)} needs {numel(gshape)}"
+            )
+    for key, oe in m.objects.items():
+        for oc in oe.chunks:
+            if len(oc.global_offset) != len(oe.global_shape) or any(
+                o < 0 or o >= g for o, g in zip(oc.global_offset, oe.global_shape, strict=True)
+            ):
+                raise ManifestError(f"{where}: object {key!r}: element {list(oc.global_offset)} "
+                                    f"outside its grid {list(oe.global_shape)}")
+            check_range(f"object {key!r} element {list(oc.global_offset)}", oc.file, oc.offset,
+                        oc.length, oc.checksums, oc)
+        distinct = {tuple(oc.global_offset) for oc in oe.chunks}
+        if len(distinct) != len(oe.chunks) or len(distinct) != numel(oe.global_shape):
+            raise ManifestError(f"{where}: object {key!r}: {len(oe.chunks)} records of {len(distinct)} "
+                                f"distinct elements for a grid {list(oe.global_shape)} of "
+                                f"{numel(oe.global_shape)}")
+    if m.values is not None and not isinstance(m.values, dict):
+        raise ManifestError(f"{where}: values must be an object, got {type(m.values).__name__}")
+    for alias, target in m.aliases.items():
+        if target not in m.tensors:
+            raise ManifestError(f"{where}: alias {alias!r} points to unknown tensor {target!r}")
+        if alias in m.tensors or alias in m.objects:  # one name, two meanings: which would load?
+            raise ManifestError(f"{where}: alias {alias!r} is also the name of a saved "
+                                f"{'tensor' if alias in m.tensors else 'object'}")

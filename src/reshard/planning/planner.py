@@ -1,0 +1,550 @@
+"""Save plan and load plan: pure functions, no I/O and no torch.distributed.
+
+Save planning (runs on the coordinator over the local plans gathered to it;
+each rank then receives only its own assignment, see :mod:`reshard.planning.coordination`):
+
+1. every fqn has one dtype and one global_shape across ranks;
+2. holders of the same chunk (same global_offset, local_shape and
+   flattened_range) are replicas: their digests must agree, and exactly one is
+   chosen to write it, balancing written bytes across ranks (greedy, largest
+   chunk first, onto the least-loaded holder; after Megatron Core's
+   ``distribute_shards_to_ranks``);
+3. the distinct chunks of each fqn must tile its global shape: no two overlap
+   and their volumes add up to the whole (so there is no hole);
+4. each writer's chunks are spread over ``files_per_rank`` files by bytes.
+
+Load planning intersects each requested box (or flat range of a box) with the
+saved chunks of its fqn and yields read items with the exact byte range of the
+chunk that each needs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from ..errors import CoverageError, ShardingError
+from ..ondisk.manifest import Chunk, TensorEntry
+from ..state.sharding import box_intersection, itemsize, numel
+
+Shape = tuple[int, ...]
+Replica = int | tuple[int, ...]
+
+
+class LocalTensorItem(msgspec.Struct, frozen=True):
+    """One rank's description of one tensor shard (gathered to every rank).
+
+    ``nbytes`` in bytes; ``digest`` is a checksum of the shard's bytes used to
+    compare replicas ("" when not computed).
+    """
+
+    fqn: str
+    dtype: str
+    global_shape: Shape
+    global_offset: Shape
+    local_shape: Shape
+    flattened_range: tuple[int, int] | None
+    replica_id: Replica
+    nbytes: int
+    digest: str = ""
+
+    @property
+    def chunk_key(self) -> tuple[Shape, Shape, tuple[int, int] | None]:
+        return (self.global_offset, self.local_shape, self.flattened_range)
+
+
+class LocalObjectItem(msgspec.Struct, frozen=True):
+    """One rank's element of an object grid; ``digest`` of its encoded bytes."""
+
+    key: str
+    global_shape: Shape
+    global_offset: Shape
+    replica_id: Replica
+    nbytes: int
+    digest: str
+
+
+class LocalPlan(msgspec.Struct, frozen=True):
+    """Everything one rank contributes to planning (JSON-safe, no pickle).
+
+    ``values_digest``: checksum of the rank's encoded common values, compared
+    across ranks. ``error``: a failure this rank met before planning (as text),
+    so every rank can fail together instead of hanging.
+    """
+
+    rank: int
+    tensors: tuple[LocalTensorItem, ...] = ()
+    objects: tuple[LocalObjectItem, ...] = ()
+    values_digest: str = ""
+    aliases: dict[str, str] = {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteItem:
+    """``index`` into the writing rank's local tensors (kind "tensor") or
+    objects (kind "object"), written to ``file``."""
+
+    kind: str
+    index: int
+    file: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavePlan:
+    """Result of :func:`plan_save`.
+
+    Attributes:
+        writes: rank -> the items that rank writes, in file order.
+        files: rank -> the file names that rank writes.
+        bytes_per_rank: rank -> bytes of data it writes.
+        replicas: ``(kind, [(rank, local index), ...])``: the holders of every
+            chunk or object element held by more than one rank (their digests
+            are compared at every save, cached or not).
+    """
+
+    writes: dict[int, tuple[WriteItem, ...]]
+    files: dict[int, tuple[str, ...]]
+    bytes_per_rank: dict[int, int]
+    replicas: tuple[tuple[str, list[tuple[int, int]]], ...] = ()
+
+
+def data_file_name(rank: int, index: int) -> str:
+    return f"data-r{rank:05d}-{index}.safetensors"
+
+
+def _ranks(holders: Iterable[tuple[int, int]]) -> list[int]:
+    return sorted({r for r, _ in holders})
+
+
+def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePlan:
+    """Deduplicate replicas, validate coverage, balance and assign files.
+
+    Linear in the number of items (one dict lookup per item); the rest is per
+    distinct chunk. Runs on the coordinator only, over the gathered plans.
+
+    Args:
+        plans: one LocalPlan per rank, in rank order.
+        files_per_rank: how many data files each writer spreads its bytes over.
+
+    Raises:
+        ShardingError: conflicting dtype or global_shape for one fqn, replicas
+            whose digests differ, overlapping chunks, holes, conflicting object
+            grids or missing grid elements; the message names the fqn/key and
+            the ranks involved.
+    """
+    if files_per_rank < 1:
+        raise ValueError("files_per_rank must be >= 1")
+    # ---- tensors: one group per distinct (fqn, dtype, global_shape, chunk), holders in rank order
+    gindex: dict[tuple[Any, ...], int] = {}
+    gkeys: list[tuple[Any, ...]] = []
+    gholders: list[list[tuple[int, int]]] = []
+    gdigest: list[str] = []
+    gbytes: list[int] = []
+    differ: list[int] = []
+    lookup = gindex.get
+    for p in plans:
+        r = p.rank
+        for i, it in enumerate(p.tensors):
+            key = (it.fqn, it.dtype, it.global_shape, it.global_offset, it.local_shape, it.flattened_range)
+            g = lookup(key)
+            if g is None:
+                gindex[key] = len(gkeys)
+                gkeys.append(key)
+                gholders.append([(r, i)])
+                gdigest.append(it.digest)
+                gbytes.append(it.nbytes)
+            else:
+                gholders[g].append((r, i))
+                if it.digest != gdigest[g]:
+                    differ.append(g)
+    meta: dict[str, tuple[str, Shape, int]] = {}
+    per_fqn: dict[str, dict[tuple, list[tuple[int, int]]]] = defaultdict(dict)
+    for g, (fqn, dtype, gshape, off, shape, fr) in enumerate(gkeys):
+        r0 = gholders[g][0][0]
+        prev = meta.get(fqn)
+        if prev is None:
+            meta[fqn] = (dtype, gshape, r0)
+        elif prev[0] != dtype or prev[1] != gshape:
+            one, two = (prev, (dtype, gshape, r0)) if prev[2] <= r0 else ((dtype, gshape, r0), prev)
+            raise ShardingError(
+                f"{fqn}: rank {one[2]} declares dtype {one[0]} global_shape {list(one[1])}, "
+                f"rank {two[2]} declares dtype {two[0]} global_shape {list(two[1])}"
+            )
+        per_fqn[fqn][(off, shape, fr)] = gholders[g]
+    if differ:
+        g = min(differ)
+        fqn, _, _, off, shape, _ = gkeys[g]
+        by_digest: dict[str, list[int]] = defaultdict(list)
+        for r, i in gholders[g]:
+            by_digest[plans_by_rank(plans)[r].tensors[i].digest].append(r)
+        parts = sorted(by_digest.values(), key=lambda rs: (-len(rs), rs))
+        raise ShardingError(
+            f"{fqn}: replicas of chunk at offset {list(off)} shape {list(shape)} differ: "
+            f"ranks {parts[0]} hold one value, "
+            + ", ".join(f"ranks {rs} another" for rs in parts[1:])
+            + " (replicated data must be identical on every holder)"
+        )
+    for fqn, chunks in per_fqn.items():
+        _check_coverage(fqn, meta[fqn][1], chunks)
+    by_rank = plans_by_rank(plans)
+    # ---- objects
+    omap: dict[str, tuple[Shape, int]] = {}
+    oholders: dict[str, dict[Shape, list[tuple[int, int]]]] = defaultdict(lambda: defaultdict(list))
+    for p in plans:
+        for i, ob in enumerate(p.objects):
+            prev_o = omap.get(ob.key)
+            if prev_o is None:
+                omap[ob.key] = (ob.global_shape, p.rank)
+            elif prev_o[0] != ob.global_shape:
+                raise ShardingError(
+                    f"object {ob.key}: rank {prev_o[1]} declares grid {list(prev_o[0])}, "
+                    f"rank {p.rank} declares {list(ob.global_shape)}"
+                )
+            if ob.key in meta:
+                raise ShardingError(f"{ob.key}: used both as a tensor fqn and an object key")
+            oholders[ob.key][ob.global_offset].append((p.rank, i))
+    for okey, elems in oholders.items():
+        grid = omap[okey][0]
+        if len(elems) != numel(grid):
+            missing = numel(grid) - len(elems)
+            raise ShardingError(
+                f"object {okey}: grid {list(grid)} has {missing} element(s) that no rank holds "
+                f"(held by ranks {sorted({r for hs in elems.values() for r, _ in hs})})"
+            )
+        for off, hs in elems.items():
+            if len({by_rank[r].objects[i].digest for r, i in hs}) > 1:
+                raise ShardingError(
+                    f"object {okey}: element {list(off)} is held by ranks {_ranks(hs)} with "
+                    "different values (per-rank values need distinct global_offsets)"
+                )
+    # ---- choose writers, balancing bytes
+    load: dict[int, int] = {p.rank: 0 for p in plans}
+    chosen: dict[int, list[tuple[str, int, int]]] = defaultdict(list)  # rank -> (kind, index, nbytes)
+    multi: list[tuple[int, int, str, list[tuple[int, int]]]] = []
+    replicas: list[tuple[str, list[tuple[int, int]]]] = []
+    for g, hs in enumerate(gholders):
+        if len(hs) == 1:
+            r, i = hs[0]
+            chosen[r].append(("tensor", i, gbytes[g]))
+            load[r] += gbytes[g]
+        else:
+            multi.append((gbytes[g], len(multi), "tensor", hs))
+            replicas.append(("tensor", hs))
+    for elems in oholders.values():
+        for hs in elems.values():
+            n = by_rank[hs[0][0]].objects[hs[0][1]].nbytes
+            if len(hs) == 1:
+                chosen[hs[0][0]].append(("object", hs[0][1], n))
+                load[hs[0][0]] += n
+            else:
+                multi.append((n, len(multi), "object", hs))
+                replicas.append(("object", hs))
+    multi.sort(key=lambda t: (-t[0], t[1]))  # largest first; ties keep gather order
+    for n, _, kind, hs in multi:
+        loads = [load[r] for r, _ in hs]
+        r, i = hs[loads.index(min(loads))]  # least loaded, lowest rank on ties (holders in rank order)
+        chosen[r].append((kind, i, n))
+        load[r] += n
+    # ---- files: spread each rank's items over files_per_rank files by bytes
+    writes: dict[int, tuple[WriteItem, ...]] = {}
+    files: dict[int, tuple[str, ...]] = {}
+    for r in sorted(load):
+        items = sorted(chosen.get(r, []), key=lambda t: -t[2])
+        nfiles = max(1, min(files_per_rank, len(items)))
+        per_file: dict[int, list[tuple[str, int]]] = defaultdict(list)
+        if nfiles == 1:
+            per_file[0] = [(kind, i) for kind, i, _ in items]
+        else:
+            heap = [(0, k) for k in range(nfiles)]
+            for kind, i, n in items:
+                b, k = heapq.heappop(heap)
+                per_file[k].append((kind, i))
+                heapq.heappush(heap, (b + n, k))
+        out: list[WriteItem] = []
+        names: list[str] = []
+        for k in range(nfiles):
+            if not per_file.get(k):
+                continue
+            name = data_file_name(r, k)
+            names.append(name)
+            # keep each file in the rank's local order (deterministic, cache friendly)
+            for kind, i in sorted(per_file[k], key=lambda t: (t[0] != "tensor", t[1])):
+                out.append(WriteItem(kind=kind, index=i, file=name))
+        writes[r] = tuple(out)
+        files[r] = tuple(names)
+    return SavePlan(writes=writes, files=files, bytes_per_rank=dict(load), replicas=tuple(replicas))
+
+
+def plans_by_rank(plans: Sequence[LocalPlan]) -> dict[int, LocalPlan]:
+    return {p.rank: p for p in plans}
+
+
+def _check_coverage(fqn: str, gshape: Shape, chunks: dict[tuple, list[tuple[int, int]]]) -> None:
+    """Distinct chunks of one fqn must tile ``gshape`` exactly."""
+    boxes: dict[tuple[Shape, Shape], list[tuple[tuple[int, int] | None, list[tuple[int, int]]]]] = (
+        defaultdict(list)
+    )
+    for (off, shape, fr), hs in chunks.items():
+        boxes[(off, shape)].append((fr, hs))
+    volume = 0
+    for (off, shape), entries in boxes.items():
+        n = numel(shape)
+        volume += n
+        if len(entries) == 1 and entries[0][0] is None:
+            continue
+        if any(fr is None for fr, _ in entries):
+            ranks = sorted({r for _, hs in entries for r, _ in hs})
+            raise ShardingError(
+                f"{fqn}: chunk at offset {list(off)} shape {list(shape)} is saved both whole and as "
+                f"flattened ranges (ranks {ranks}): overlapping primaries"
+            )
+        pos = 0
+        for fr, hs in sorted(entries, key=lambda e: e[0]):  # type: ignore[arg-type,return-value]
+            assert fr is not None
+            if fr[0] < pos:
+                raise ShardingError(
+                    f"{fqn}: flattened ranges overlap at element {fr[0]} of the chunk at offset "
+                    f"{list(off)} (ranks {_ranks(hs)})"
+                )
+            if fr[0] > pos:
+                raise ShardingError(
+                    f"{fqn}: hole: elements [{pos}, {fr[0]}) of the chunk at offset {list(off)} shape "
+                    f"{list(shape)} are held by no rank"
+                )
+            pos = fr[1]
+        if pos != n:
+            raise ShardingError(
+                f"{fqn}: hole: elements [{pos}, {n}) of the chunk at offset {list(off)} shape "
+                f"{list(shape)} are held by no rank"
+            )
+    # pairwise overlap of distinct non-empty boxes, swept along dim 0
+    nonempty = [(off, shape) for off, shape in boxes if numel(shape) > 0]
+    if len(gshape) == 0:
+        if len(nonempty) > 1:
+            raise ShardingError(f"{fqn}: 0-dim tensor saved as more than one chunk")
+    elif _grid_disjoint(nonempty) is not True:
+        nonempty.sort()
+        active: list[tuple[Shape, Shape]] = []
+        for off, shape in nonempty:
+            active = [a for a in active if a[0][0] + a[1][0] > off[0]]
+            for aoff, ashape in active:
+                if box_intersection(aoff, ashape, off, shape) is not None:
+                    ranks = sorted(
+                        {r for key in chunks if key[0] in (aoff, off) and key[1] in (ashape, shape)
+                         for r, _ in chunks[key]}
+                    )
+                    raise ShardingError(
+                        f"{fqn}: overlapping chunks at offsets {list(aoff)} shape {list(ashape)} and "
+                        f"{list(off)} shape {list(shape)} (ranks {ranks})"
+                    )
+            active.append((off, shape))
+    if volume != numel(gshape):
+        raise ShardingError(
+            f"{fqn}: hole: chunks cover {volume} of the {numel(gshape)} elements of global_shape "
+            f"{list(gshape)}"
+        )
+
+
+def _grid_disjoint(boxes: list[tuple[Shape, Shape]]) -> bool | None:
+    """Fast disjointness test: rasterise the boxes onto the grid of their cut
+    coordinates. True when disjoint, False on an overlap, None when that grid
+    has too many cells (the caller then sweeps). Linear in the number of boxes
+    for the usual product-grid partitions."""
+    if not boxes:
+        return True
+    ndim = len(boxes[0][0])
+    cuts = [sorted({o[d] for o, _ in boxes} | {o[d] + s[d] for o, s in boxes}) for d in range(ndim)]
+    cells = 1
+    for c in cuts:
+        cells *= max(len(c) - 1, 1)
+    if cells > 8 * len(boxes) + 64:
+        return None
+    index = [{v: i for i, v in enumerate(c)} for c in cuts]
+    seen: set[tuple[int, ...]] = set()
+    for off, shape in boxes:
+        ranges = [range(index[d][off[d]], index[d][off[d] + shape[d]]) for d in range(ndim)]
+        for cell in itertools.product(*ranges):
+            if cell in seen:
+                return False
+            seen.add(cell)
+    return True
+
+
+def _slabs_tile(gshape: Shape, chunks: Sequence[Chunk]) -> bool:
+    """Fast path of :func:`check_entry_coverage` for the usual layouts (one
+    whole chunk; row slabs of FSDP / ``Shard(0)``): True when the chunks are
+    whole boxes of full trailing dimensions whose rows follow one another
+    from 0 to ``gshape[0]`` without a gap or an overlap, which tiles
+    ``gshape`` exactly. False: not proven here (the general check decides)."""
+    if not gshape or not chunks:
+        return False
+    rest = tuple(gshape[1:])
+    slabs = []
+    for c in chunks:
+        off = c.global_offset
+        if c.flattened_range is not None or tuple(c.local_shape[1:]) != rest or any(off[1:]):
+            return False
+        slabs.append((off[0], c.local_shape[0]))
+    slabs.sort()
+    pos = 0
+    for start, n in slabs:
+        if start != pos or n <= 0:
+            return False
+        pos += n
+    return pos == gshape[0]
+
+
+def check_entry_coverage(fqn: str, entry: TensorEntry) -> None:
+    """The chunks recorded for ``fqn`` tile its global shape exactly (no
+    overlap, no hole); ShardingError otherwise. Run at load on every tensor
+    read, so a manifest whose offsets were edited can never produce a wrong
+    tensor."""
+    if _slabs_tile(tuple(entry.global_shape), entry.chunks):
+        return
+    chunks: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+    for i, c in enumerate(entry.chunks):
+        key = (tuple(c.global_offset), tuple(c.local_shape), c.flattened_range)
+        if key in chunks:
+            raise CoverageError(f"{fqn}: chunk at {list(c.global_offset)} recorded twice")
+        chunks[key].append((0, i))
+    try:
+        _check_coverage(fqn, tuple(entry.global_shape), chunks)
+    except ShardingError as e:
+        raise CoverageError(str(e)) from None
+
+
+# ----------------------------------------------------------------------------- load plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """What one target shard needs: a box of the logical tensor, optionally
+    only ``flattened_range`` of its row-major flattening (then the destination
+    is 1-D)."""
+
+    fqn: str
+    global_offset: Shape
+    local_shape: Shape
+    flattened_range: tuple[int, int] | None = None
+
+    @property
+    def numel(self) -> int:
+        fr = self.flattened_range
+        return numel(self.local_shape) if fr is None else fr[1] - fr[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReadItem:
+    """Copy part of one saved chunk into part of one request's destination.
+
+    ``kind`` is
+
+    * ``"box"``: neither side flattened. ``box_offset``/``box_shape`` is the
+      overlap in global coordinates; the source is that box inside the chunk
+      and the destination that box inside the request.
+    * ``"flat"``: same box on both sides: elements ``[flat_start, flat_stop)``
+      of the box's flattening are copied (1-D).
+    * ``"gather"``: boxes differ and a side is flattened: element-wise index
+      mapping over the overlap box (computed at execution).
+
+    ``byte_start``/``byte_stop``: the bytes of the chunk's data (relative to
+    the chunk's first byte, half-open) that hold every element this item needs.
+    """
+
+    kind: str
+    chunk_index: int
+    box_offset: Shape
+    box_shape: Shape
+    flat_start: int = 0
+    flat_stop: int = 0
+    byte_start: int = 0
+    byte_stop: int = 0
+
+
+def _strides(shape: Shape) -> list[int]:
+    out = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        out[d] = out[d + 1] * shape[d + 1]
+    return out
+
+
+def _flat_span(box_off: Shape, box_shape: Shape, sub_off: Shape, sub_shape: Shape) -> tuple[int, int]:
+    """Row-major flat index range ``[first, last + 1)`` of sub-box inside box."""
+    st = _strides(box_shape)
+    first = sum((o - b) * s for o, b, s in zip(sub_off, box_off, st, strict=True))
+    last = sum((o + n - 1 - b) * s for o, n, b, s in zip(sub_off, sub_shape, box_off, st, strict=True))
+    return first, last + 1
+
+
+def plan_reads(entry: TensorEntry, req: Request) -> list[ReadItem]:
+    """Read items that together fill ``req`` from the saved chunks of ``entry``.
+
+    Raises:
+        ShardingError: the request lies outside ``entry.global_shape``.
+    """
+    gshape = entry.global_shape
+    if len(req.global_offset) != len(gshape) or any(
+        o + s > g for o, s, g in zip(req.global_offset, req.local_shape, gshape, strict=True)
+    ):
+        raise ShardingError(
+            f"{req.fqn}: requested box at {list(req.global_offset)} shape {list(req.local_shape)} "
+            f"lies outside the saved global_shape {list(gshape)}"
+        )
+    isz = itemsize(entry.dtype)
+    out: list[ReadItem] = []
+    if req.numel == 0:
+        return out
+    for ci, c in enumerate(entry.chunks):
+        if c.numel == 0:
+            continue
+        if len(gshape) == 0:
+            inter: tuple[Shape, Shape] | None = ((), ())
+        else:
+            inter = box_intersection(c.global_offset, c.local_shape, req.global_offset, req.local_shape)
+        if inter is None:
+            continue
+        ioff, ishape = inter
+        cfr, rfr = c.flattened_range, req.flattened_range
+        if cfr is None and rfr is None:
+            a, b = _flat_span(c.global_offset, c.local_shape, ioff, ishape)
+            out.append(ReadItem(kind="box", chunk_index=ci, box_offset=ioff, box_shape=ishape,
+                                byte_start=a * isz, byte_stop=b * isz))
+            continue
+        if c.global_offset == req.global_offset and c.local_shape == req.local_shape:
+            n = numel(c.local_shape)
+            ca, cb = cfr if cfr is not None else (0, n)
+            ra, rb = rfr if rfr is not None else (0, n)
+            lo, hi = max(ca, ra), min(cb, rb)
+            if lo < hi:
+                out.append(ReadItem(kind="flat", chunk_index=ci, box_offset=ioff, box_shape=ishape,
+                                    flat_start=lo, flat_stop=hi,
+                                    byte_start=(lo - ca) * isz, byte_stop=(hi - ca) * isz))
+            continue
+        # general case: the overlap box, restricted to both flat ranges
+        a, b = _flat_span(c.global_offset, c.local_shape, ioff, ishape)
+        if cfr is not None:
+            a, b = max(a, cfr[0]), min(b, cfr[1])
+            if a >= b:
+                continue
+            base = cfr[0]
+        else:
+            base = 0
+        if rfr is not None:
+            ra, rb = _flat_span(req.global_offset, req.local_shape, ioff, ishape)
+            if max(ra, rfr[0]) >= min(rb, rfr[1]):
+                continue
+        out.append(ReadItem(kind="gather", chunk_index=ci, box_offset=ioff, box_shape=ishape,
+                            byte_start=(a - base) * isz, byte_stop=(b - base) * isz))
+    return out
+
+
+def chunk_request(c: Chunk, fqn: str) -> Request:
+    """The request that reads a saved chunk exactly (used by verify and export)."""
+    return Request(fqn=fqn, global_offset=c.global_offset, local_shape=c.local_shape,
+                   flattened_range=c.flattened_range)

@@ -1,0 +1,169 @@
+"""The attempt of one save, seen from every rank: the coordinator opens it (target checked,
+attempt id, path, nonce), every rank checks that it sees it before writing and the ranks agree
+on that; a failure on any rank discards it (nothing published, no older checkpoint touched);
+a target removed meanwhile is named as such.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+from ..collectives import (
+    Collectives,
+)
+from ..commit import attempts
+from ..commit.protocol import (
+    attempt_path,
+    check_attempt,
+    check_target,
+    create_attempt,
+    new_attempt_id,
+)
+from ..errors import CheckpointError, outcome, raise_agreed
+from ..ondisk.manifest import (
+    MANIFEST_NAME,
+)
+from ..options import SaveOptions
+from ..storage import Storage
+
+
+def _raise_removed(st: Storage, info: dict[str, Any], e: BaseException) -> NoReturn:
+    """Raise :func:`removed_error` of ``e`` (chained to it), or ``e`` itself."""
+    gone = removed_error(st, info, e)
+    if gone is e:
+        raise e
+    raise gone from e
+
+
+def removed_error(st: Storage, info: dict[str, Any], e: BaseException) -> BaseException:
+    """``e`` as a CheckpointError naming what happened when the attempt
+    directory no longer exists (removed under the running save: a ``reshard
+    gc`` of another version, a person, a script), else ``e`` itself."""
+    attempt = info["attempt_path"]
+    if isinstance(e, CheckpointError) and "was removed while the save ran" in str(e):
+        return e
+    try:
+        if not st.capabilities.atomic_rename or st.exists(attempt) or st.exists(
+                st.join(info["target"], MANIFEST_NAME)):
+            return e
+    except Exception:  # noqa: BLE001 - the original error is what matters then
+        return e
+    return CheckpointError(
+        f"{attempt}: the attempt directory was removed while the save ran (by a garbage "
+        f"collection that ignored its lease, or by a person or script); nothing was published "
+        f"and no older checkpoint was touched ({type(e).__name__}: {e})")
+
+
+def open_attempt(st: Storage, key: str, options: SaveOptions,
+                 leases: list[attempts.AttemptLease] | None = None) -> dict[str, Any]:
+    """Coordinator, before any rank writes: decide where the checkpoint goes.
+
+    ``key`` is made canonical (``Storage.canonical``: absolute, symbolic
+    links resolved), checked (:func:`~reshard.commit.protocol.check_target`), and the
+    attempt is created with a nonce in it (:func:`~reshard.commit.protocol.create_attempt`).
+    With ``leases``, the attempt's lease (:class:`reshard.commit.attempts.AttemptLease`)
+    is started first and appended to it (the caller stops it).
+    Returns what every rank needs (JSON-safe): ``target`` (the canonical
+    checkpoint location), ``attempt`` (id), ``attempt_path`` and ``nonce``.
+    """
+    target = st.canonical(key)
+    st.check_publish(target)  # a store that cannot publish safely is refused before any data
+    check_target(st, target, overwrite=options.overwrite)
+    attempt_id = new_attempt_id()
+    attempt = attempt_path(st, target, attempt_id)
+    try:
+        if leases is not None:
+            if st.capabilities.atomic_rename:
+                st.makedirs(st.parent(attempt) or "/")
+                lease = attempts.AttemptLease(st, target, attempt_id,
+                                              key=attempts.local_lease_key(attempt))
+            else:
+                lease = attempts.AttemptLease(st, target, attempt_id)
+            leases.append(lease.start())
+        nonce = create_attempt(st, attempt, attempt_id)
+    except Exception:
+        try:  # nothing was published: the attempt (or its objects under the prefix) goes
+            if st.capabilities.atomic_rename:
+                st.delete_tree(attempt)
+            else:
+                attempts.discard(st, attempt, attempt_id)
+        except Exception:  # noqa: BLE001, S110 - best effort; the creation error is what matters
+            pass
+        raise
+    return {"target": target, "attempt": attempt_id, "attempt_path": attempt, "nonce": nonce}
+
+
+def check_attempt_location(rank: int, st: Storage, key: str, coord: dict[str, Any]) -> None:
+    """This rank names the coordinator's checkpoint (same canonical spelling)
+    and sees the coordinator's attempt (reads the nonce back through its own
+    storage).
+
+    Raises:
+        CheckpointError: a different checkpoint, or the attempt is not visible.
+    """
+    mine = st.canonical(key)
+    if mine != coord["target"]:
+        raise CheckpointError(
+            f"rank {rank} names checkpoint {mine!r}, the coordinator (rank 0) names "
+            f"{coord['target']!r}: every rank must pass the same checkpoint path (no per-rank "
+            "names, relative paths resolved in one directory)")
+    check_attempt(st, coord["attempt_path"], coord["nonce"], rank=rank, attempt_id=coord["attempt"])
+
+
+def agree_attempt_location(coll: Collectives, st: Storage, key: str, coord: dict[str, Any]) -> None:
+    """Every rank, before writing any data: the checkpoint this rank named is
+    the coordinator's (same canonical spelling), and this rank sees the
+    coordinator's attempt (it reads the nonce back through its own storage).
+    Agreed: on any rank's failure every rank raises and the attempt is
+    discarded, before any data is written.
+
+    Args:
+        coord: the coordinator's :func:`open_attempt` result.
+
+    Raises:
+        CheckpointError: ranks name different checkpoints, or a rank cannot
+            see the coordinator's attempt (node-local storage).
+    """
+    err: BaseException | None = None
+    try:
+        check_attempt_location(coll.rank, st, key, coord)
+    except Exception as e:  # noqa: BLE001 - agreed below
+        err = e
+    agree_or_discard(coll, st, coord["attempt_path"], "save (attempt location)",
+                     outcome(coll.rank, err), err, attempt_id=coord["attempt"])
+
+
+def agree_or_discard(coll: Collectives, st: Storage, attempt: str, what: str,
+                     mine: dict[str, Any], err: BaseException | None, *,
+                     attempt_id: str | None = None) -> list[dict[str, Any]]:
+    """Gather every rank's outcome of a save phase; if any failed, discard the
+    attempt (coordinator) and raise the agreed error on every rank. Returns the
+    gathered outcomes."""
+    gathered = coll.all_gather_json(mine)
+    try:
+        raise_agreed(what, gathered, err)
+    except CheckpointError:
+        discard_attempt(coll, st, attempt, attempt_id=attempt_id)
+        raise
+    return gathered
+
+
+def discard_attempt(coll: Collectives, st: Storage, attempt: str, *,
+                    attempt_id: str | None = None) -> None:
+    """Remove a failed attempt (coordinator only, after every rank stopped
+    writing). Never touches a committed checkpoint: on rename-capable stores
+    the attempt is its own directory; on others only the objects (and open
+    multipart uploads) whose keys carry ``attempt_id`` are deleted."""
+    if coll.rank != 0:
+        return
+    if attempt_id is not None and not st.capabilities.atomic_rename:
+        try:
+            attempts.discard(st, attempt, attempt_id)
+        except Exception:  # noqa: BLE001 - best effort; gc removes what is left
+            pass
+        return
+    try:
+        if st.capabilities.atomic_rename or not st.exists(st.join(attempt, MANIFEST_NAME)):
+            st.delete_tree(attempt)
+    except Exception:  # noqa: BLE001 - best effort; abandoned attempts are ignored anyway
+        pass
