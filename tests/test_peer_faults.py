@@ -162,6 +162,8 @@ def test_a_stopped_store_host_costs_one_bounded_wait(tmp_path: Path) -> None:
         store.set("k", "v")
         assert store.get("k") == b"v" and store.check(["k"]) and store.add("n", 2) == 2
         os.kill(host.pid, signal.SIGSTOP)
+        while Path(f"/proc/{host.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            time.sleep(0.01)  # stopped: no thread of the host runs (the signal is not instant)
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match=r"did not answer check\(\) within 1 s"):
             store.check(["k"])

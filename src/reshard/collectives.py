@@ -557,9 +557,12 @@ def timed_collectives(group: Any, timeout_s: float | None) -> Collectives:
     collectives. A group made unusable by a failure (a lost peer, a
     timeout) is replaced by a new one at the next call, so a failed save
     never costs the next. Plain :func:`get_collectives` when ``timeout_s`` is
-    None or there is no process group (a single process)."""
+    None, ``group`` is already a :class:`Collectives` (used as it is: the
+    caller chose it, e.g. a counting wrapper) or there is no process group
+    (a single process)."""
     base = get_collectives(group)
-    if timeout_s is None or not isinstance(base, TorchCollectives) or base.world_size == 1:
+    if (timeout_s is None or isinstance(group, Collectives) or not isinstance(base, TorchCollectives)
+            or base.world_size == 1):  # a Collectives the caller made is used as it is
         return base
     timeout_s = checkpoint_timeout_s(group, timeout_s)
     assert timeout_s is not None

@@ -382,5 +382,5 @@ def import_hf(
         from ..transforms import Rename
 
         transforms = [Rename(r"^", subtree.rstrip(".") + "."), *transforms]
-    return load(state, key, group=coll, strict=strict, allow_missing=allow_missing,
+    return load(state, key, group=group, strict=strict, allow_missing=allow_missing,
                 transforms=transforms, options=options, storage=st, manifest=m)
