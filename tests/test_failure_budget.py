@@ -279,3 +279,48 @@ def test_hung_peer_is_named_within_the_checkpoint_timeout(tmp_path: Path, what: 
             import reshard
 
             reshard.SaveOptions(timeout_s=float(bad) if bad not in ("x",) else bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_verification_record_never_blocks_the_next_saves(tmpfs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The verification record of step 2 fails to write (ENOSPC) on a disk
+    with room for two checkpoints: step 2 stays unverified, so retention
+    keeps step 1 and the disk is full. The next save's space check
+    smoke-tests step 2 again (as ``reshard gc`` does), which frees step 1, so
+    step 3 and every later save commit (before, every later save failed
+    with "not enough space" for good, restarts included)."""
+    import torch
+
+    import reshard
+    from reshard.faults.inject import Fault, FaultStorage
+    from reshard.storage import LocalStorage
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(256, 256)
+    opt = torch.optim.AdamW(m.parameters())
+    ms = reshard.ModelState(m)
+    state = {"model": ms, "optim": reshard.OptimizerState(ms, opt)}
+    store = FaultStorage(LocalStorage(), [Fault(op="write_bytes", action="enospc",
+                                                 match="step-00000002.verified.json*")])
+    root = tmpfs / "ckpts"
+    mgr = reshard.CheckpointManager(str(root), every_steps=1, keep_last=1, storage=store)
+
+    def step(i: int) -> None:
+        m(torch.randn(4, 256)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        mgr.maybe_save(i, state)
+
+    step(1)
+    size = sum(p.stat().st_size for p in (root / "step-00000001").iterdir())
+    free = os.statvfs(tmpfs).f_bavail * os.statvfs(tmpfs).f_frsize
+    (tmpfs / "ballast").write_bytes(b"\0" * (free - int(1.6 * size)))  # room for step 2, not 3
+    step(2)
+    assert "step-00000002 committed, but its verification record failed" in caplog.text
+    assert not (root / "step-00000002.verified.json").exists() and (root / "step-00000001").exists()
+    for i in (3, 4, 5):
+        step(i)
+    mgr.close()
+    assert reshard.latest(str(root)) == str(root / "step-00000005")
+    assert "applying retention first" in caplog.text
+    assert not (root / "step-00000001").exists() and (root / "step-00000005.verified.json").exists()

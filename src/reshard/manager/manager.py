@@ -330,7 +330,8 @@ class CheckpointManager(RetentionMixin):
         size (the expected size of this one), apply retention first, so the
         checkpoints it no longer keeps free their space (never the newest
         verified one, the resume source or the lineage's newest: the
-        retention rules). Never raises: the save's own check (exact, from
+        retention rules); newer checkpoints left unverified (their record's
+        write failed) are smoke-tested first, as ``reshard gc`` does. Never raises: the save's own check (exact, from
         its plan) fails it up front if it still does not fit."""
         try:
             free = self.storage.free_bytes(self.root)
@@ -344,7 +345,9 @@ class CheckpointManager(RetentionMixin):
                 return
             log.warning("%s: %d bytes free, the save of step %d needs about %d: applying "
                         "retention first", self.root, free, step, need)
-            self._retention_after_commit()
+            # smoke_newer: a checkpoint whose verification record failed (a full disk, EIO)
+            # is tested again here, else it would hold the older verified ones forever
+            self._retention_after_commit(smoke_newer=True)
         except CheckpointError as e:
             log.warning("%s: freeing space before the save of step %d failed (%s: %s)",
                         self.root, step, type(e).__name__, e)
@@ -469,10 +472,10 @@ class CheckpointManager(RetentionMixin):
                             "next save", self.storage.join(self.root, name), what,
                             type(e).__name__, e)
 
-    def _retention_after_commit(self) -> None:
+    def _retention_after_commit(self, *, smoke_newer: bool = False) -> None:
         moved = self._head_moved()
         if moved is None:
-            self.apply_retention()
+            self.apply_retention(smoke_newer=smoke_newer)
         else:
             log.warning("%s: HEAD changed since this run resumed (another run resumed from "
                         "%s); this run (lineage %s) deletes nothing: its retention would "
