@@ -4,6 +4,7 @@ real gloo ranks (2), rank functions in tests/_user_fns.py."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -230,6 +231,9 @@ reshard.CheckpointManager(root, preempt_signals=()).restore({"w": torch.zeros(2)
     assert len(tmp) == 1 and "HEAD" not in os.listdir(root)
     mgr = reshard.CheckpointManager(root, preempt_signals=())
     assert mgr.gc_abandoned() == []  # younger than the grace period: kept
+    assert mgr.gc_abandoned(grace_s=0) == []  # younger than a minute: may be a live writer's
+    old = time.time() - 120
+    os.utime(root / tmp[0], (old, old))
     assert mgr.gc_abandoned(grace_s=0) == tmp
     assert sorted(os.listdir(root)) == ["step-00000001", "step-00000001.verified.json"]
 

@@ -45,6 +45,11 @@ log = logging.getLogger("reshard.manager.manager")
 LEASE = ".lease-"
 
 
+#: seconds: a record's temporary (``*.tmp-<id>``) younger than this is never
+#: collected, whatever the grace: its writer renames it within one call
+TMP_MIN_AGE_S = 60.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class RetentionPlan:
     """What retention will delete, and the checks made to decide it.
@@ -205,7 +210,8 @@ class RetentionMixin:
         """Delete ``*.incomplete-*`` attempts, ``*.retired-*`` leftovers
         (an overwrite's or a retention's interrupted deletion) and records'
         temporaries (``HEAD.tmp-*``: a write killed before its rename) older than
-        ``grace_s`` seconds (never one of this manager's in-flight saves,
+        ``grace_s`` seconds (temporaries: and older than :data:`TMP_MIN_AGE_S`,
+        so a running job's record being written is never taken) (never one of this manager's in-flight saves,
         never an attempt whose lease is live, whatever ``grace_s``: those are
         in :attr:`last_in_progress`; never a quarantined checkpoint), and
         expired leases whose attempt is gone. On a store without atomic rename
@@ -253,7 +259,9 @@ class RetentionMixin:
                 continue
             p = self.storage.join(self.root, child)
             mtime = self.storage.modified_time(p)
-            if mtime is not None and now - mtime < grace:
+            # a live writer renames its temporary within one call: never one younger
+            # than TMP_MIN_AGE_S, whatever the grace (gc --grace 0 beside a running job)
+            if mtime is not None and now - mtime < max(grace, TMP_MIN_AGE_S):
                 continue
             out.append(child)
             if not dry_run:
