@@ -6,6 +6,7 @@ thread; the thread count is validated."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -38,5 +39,26 @@ def test_staging_threads_copy_every_tensor_before_returning(tmp_path: Path) -> N
 
 
 def test_staging_threads_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="staging_threads must be >= 1"):
+    with pytest.raises(ValueError, match=r"SaveOptions.staging_threads must be an int >= 1"):
         reshard.SaveOptions(staging_threads=0)
+
+
+@pytest.mark.parametrize("kw", [{"every_steps": 0}, {"every_steps": 2.5}, {"keep_last": -1},
+                                {"keep_every": 0}, {"keep_best": -1}, {"every_seconds": 0},
+                                {"timeout_s": 0}, {"every_steps": True}])
+def test_manager_refuses_bad_settings_naming_them(tmp_path: Any, kw: dict[str, Any]) -> None:
+    """A cadence or retention setting that cannot work (every_steps=0 used to
+    be taken and never save) is a ValueError naming the manager's argument."""
+
+
+    (name,) = kw
+    with pytest.raises(ValueError, match=rf"CheckpointManager\({name}=\.\.\.\)"):
+        reshard.CheckpointManager(str(tmp_path), **kw)
+
+
+@pytest.mark.parametrize("bad", [0, 2.5, "4", True])
+def test_staging_threads_must_be_a_positive_int(bad: Any) -> None:
+
+
+    with pytest.raises(ValueError, match="SaveOptions.staging_threads must be an int >= 1"):
+        reshard.SaveOptions(staging_threads=bad)

@@ -125,8 +125,9 @@ class SaveOptions:
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s, "SaveOptions.timeout_s")
-        if self.staging_threads is not None and self.staging_threads < 1:
-            raise ValueError(f"staging_threads must be >= 1 (or None), got {self.staging_threads}")
+        t = self.staging_threads
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ValueError(f"SaveOptions.staging_threads must be an int >= 1 (or None), got {t!r}")
         if self.max_pending < 1:
             raise ValueError("max_pending must be >= 1")
         if not 0 <= self.background_nice <= 19:
@@ -223,7 +224,7 @@ class LoadOptions:
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s, "LoadOptions.timeout_s")
         if self.read_once not in (True, False, "auto"):
-            raise ValueError(f"read_once must be True, False or 'auto', got {self.read_once!r}")
+            raise ValueError(f"LoadOptions.read_once must be True, False or 'auto', got {self.read_once!r}")
         if self.read_once_min_bytes < 0:
             raise ValueError("read_once_min_bytes must be >= 0")
         if self.verify_first and not self.checksums:

@@ -43,7 +43,7 @@ from ..commit.protocol import (
 from ..commit.retention import Policy
 from ..errors import CheckpointError, StorageError
 from ..loading.load import LoadResult
-from ..options import SaveOptions
+from ..options import SaveOptions, check_timeout
 from ..saving.save import SaveResult, save
 from ..saving.staging import SaveHandle, async_save, exiting
 from ..storage import Storage, resolve
@@ -139,6 +139,18 @@ class CheckpointManager(RetentionMixin):
             raise ValueError("interval must be None or 'auto'")
         if interval == "auto" and not mtbf_s:
             raise ValueError("interval='auto' needs mtbf_s")
+        for name, v, low in (("every_steps", every_steps, 1), ("keep_last", keep_last, 0),
+                             ("keep_every", keep_every, 1), ("keep_best", keep_best, 0)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < low):
+                raise ValueError(f"CheckpointManager({name}=...) must be an int >= {low}"
+                                 f"{'' if name == 'keep_best' else ' (or None)'}, got {v!r}")
+        if every_seconds is not None and not (isinstance(every_seconds, (int, float))
+                                              and not isinstance(every_seconds, bool)
+                                              and every_seconds > 0):
+            raise ValueError(f"CheckpointManager(every_seconds=...) must be a number of seconds > 0 "
+                             f"(or None), got {every_seconds!r}")
+        if timeout_s is not None:
+            check_timeout(timeout_s, "CheckpointManager(timeout_s=...)")
         self.storage, self.root = resolve(root, storage)
         self.every_steps, self.every_seconds = every_steps, every_seconds
         self.interval, self.mtbf_s = interval, mtbf_s
