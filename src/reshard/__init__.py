@@ -5,6 +5,7 @@ so that a half-written checkpoint never passes for a good one, and load it
 into a different parallel layout. See DESIGN.md for the contract.
 """
 
+from . import _moved
 from .adapters.data import DataCursor
 from .adapters.model import ModelState
 from .adapters.optimizer import OptimizerState
@@ -30,6 +31,8 @@ from .saving.staging import SaveHandle, async_save
 from .state.sharding import ShardedObject, ShardedTensor
 
 __version__ = "0.1.0"
+
+_moved.install()  # the module paths before the package layout still import (with a warning)
 
 __all__ = [
     "CheckpointError",
