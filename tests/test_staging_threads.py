@@ -31,7 +31,7 @@ def test_staging_threads_copy_every_tensor_before_returning(tmp_path: Path) -> N
     for k in ("big", "strided", "small"):
         assert torch.equal(got[k], want[k]), k
     saver = staging.SAVERS["default"]
-    assert saver._copiers is not None and saver._copiers._max_workers == 3
+    assert saver.stager._copiers is not None and saver.stager._copiers._max_workers == 3
     # the next save reuses the pool's buffers: nothing new is allocated
     before = saver.pool.allocated_bytes
     reshard.async_save(want, tmp_path / "d", step=2, options=reshard.SaveOptions(staging_threads=3)).wait()

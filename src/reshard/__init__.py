@@ -27,7 +27,7 @@ from .manager.manager import CheckpointManager
 from .ondisk.manifest import Manifest
 from .options import LoadOptions, SaveOptions
 from .saving.save import SaveResult, save
-from .saving.staging import SaveHandle, async_save
+from .saving.staging import SaveHandle, async_save, prewarm_staging, wait_for_staging
 from .state.sharding import ShardedObject, ShardedTensor
 
 __version__ = "0.1.0"
@@ -62,6 +62,8 @@ __all__ = [
     "inspect",
     "latest",
     "load",
+    "prewarm_staging",
     "save",
     "verify",
+    "wait_for_staging",
 ]

@@ -529,7 +529,7 @@ def new_checkpoint_group(group: Any = None, timeout_s: float | None = None) -> A
     return dist.new_group(ranks=ranks, **kwargs)
 
 
-_TIMED_GROUPS: dict[tuple[Any, float], Any] = {}
+_TIMED_GROUPS: dict[tuple[Any, float | None], Any] = {}
 
 
 def watch(coll: Collectives, activity: Callable[[], tuple[str, str]]) -> None:
@@ -559,22 +559,32 @@ def timed_collectives(group: Any, timeout_s: float | None) -> Collectives:
     never costs the next. Plain :func:`get_collectives` when ``timeout_s`` is
     None, ``group`` is already a :class:`Collectives` (used as it is: the
     caller chose it, e.g. a counting wrapper) or there is no process group
-    (a single process)."""
+    (a single process).
+
+    A group whose backend is not gloo (NCCL training, or any other) always
+    gets a gloo checkpoint group, ``timeout_s`` None included (then with the
+    group's own timeout where the backend tells it, else gloo's default):
+    every checkpoint collective runs on gloo, over the CPU, never on the
+    training backend."""
     base = get_collectives(group)
-    if (timeout_s is None or isinstance(group, Collectives) or not isinstance(base, TorchCollectives)
+    if (isinstance(group, Collectives) or not isinstance(base, TorchCollectives)
             or base.world_size == 1):  # a Collectives the caller made is used as it is
         return base
-    timeout_s = checkpoint_timeout_s(group, timeout_s)
-    assert timeout_s is not None
+    if timeout_s is None:
+        if base._sliced:  # a gloo group, used as it is
+            return base
+        timeout_s = group_timeout_s(group)
+    else:
+        timeout_s = checkpoint_timeout_s(group, timeout_s)
     import torch.distributed as dist
 
-    key = (group if group is not None else "default", float(timeout_s))
+    key = (group if group is not None else "default", None if timeout_s is None else float(timeout_s))
     pg = _TIMED_GROUPS.get(key)
     if pg is None or str(getattr(pg, "group_name", "")) in _BROKEN:  # (again, after a failure)
         ranks = dist.get_process_group_ranks(group) if group is not None else None
+        kw: dict[str, Any] = {} if timeout_s is None else {"timeout": timedelta(seconds=float(timeout_s))}
         pg = _TIMED_GROUPS[key] = dist.new_group(
-            ranks=ranks, backend="gloo", timeout=timedelta(seconds=float(timeout_s)),
-            use_local_synchronization=group is not None)
+            ranks=ranks, backend="gloo", use_local_synchronization=group is not None, **kw)
     return TorchCollectives(pg)
 
 

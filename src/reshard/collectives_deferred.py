@@ -9,7 +9,13 @@ from typing import Any
 
 import torch
 
-from .collectives import Collectives, get_collectives, is_broken, timed_collectives
+from .collectives import (
+    Collectives,
+    TorchCollectives,
+    get_collectives,
+    is_broken,
+    timed_collectives,
+)
 
 
 class Deferred(Collectives):
@@ -22,8 +28,10 @@ class Deferred(Collectives):
         base = get_collectives(group)
         self.rank, self.world_size = base.rank, base.world_size
         self._group, self._timeout_s = group, timeout_s
-        self._inner: Collectives | None = (base if timeout_s is None or base.world_size == 1
-                                           else None)
+        # a gloo group without a bound of its own is used as it is; any other
+        # backend (NCCL) gets its gloo checkpoint group at the first collective
+        plain = timeout_s is None and not (isinstance(base, TorchCollectives) and not base._sliced)
+        self._inner: Collectives | None = base if plain or base.world_size == 1 else None
 
     def _get(self) -> Collectives:
         if self._inner is None or is_broken(self._inner):

@@ -101,7 +101,46 @@ class SaveOptions:
             caller's thread, overlapping the copies). None (default): as many
             as the CPUs this process may run on, at most 4; 1: every copy on
             the caller's thread. The threads live as long as the process
-            group's saver and run nothing after the stall.
+            group's saver and run nothing after the stall (in the overlap
+            mode they copy after ``async_save`` returned, until ``staged``).
+        staging_budget_bytes: host memory (bytes, per rank, pinned memory
+            included) that an asynchronous save may stage into: the staging
+            slabs of one process group's saves never exceed it, whatever
+            the state's size. A state larger than the budget is staged in
+            pieces in write order, each piece written (and its slab reused)
+            while later pieces are staged; a tensor larger than a slab is
+            staged in slices. The slabs are kept for the next save
+            (``reshard.prewarm_staging`` allocates them ahead of time).
+            Memory beyond the budget (the stated constant): the block
+            digests a file keeps until it is written (about 80 bytes per
+            MiB of the rank's state), the encoded plain values and objects,
+            and the write path's own buffers (none on a local disk; the
+            multipart parts in flight on S3): within 64 MiB on a local disk
+            for up to 500 GB of tensors per rank. None (default): a
+            quarter of the node's memory (its physical memory, or its
+            cgroup's limit when lower) divided among its local ranks
+            (``LOCAL_WORLD_SIZE``, else ``SLURM_NTASKS_PER_NODE``, else 1),
+            logged once (``reshard.saving.staging``, INFO); never a reading
+            of free memory. At least 64 KiB. When the state is larger than
+            the budget, the default mode's stall includes writing all but
+            the last budget's worth of it.
+        overlap_staging: the overlap mode. ``async_save`` returns once it
+            has walked the state (the adapters' state dicts, the plain
+            values encoded), before every tensor is copied;
+            ``handle.staged`` completes later (CPU and CUDA tensors alike)
+            while the loop runs its next forward and backward. The loop
+            must call :func:`reshard.wait_for_staging` (or
+            ``CheckpointManager.wait_for_staging()``) before it next
+            mutates the state (before ``optimizer.step()``): that call is
+            the guarantee. Behind it, a guard: every staged tensor's
+            version counter and data pointer are compared when its copy
+            completes; a tensor changed before it was staged fails that
+            save (a CheckpointError naming it, on every rank, nothing
+            published). The guard cannot see writes through ``.data``,
+            fused optimizer kernels that do not bump version counters
+            (``torch.optim.AdamW(fused=True)``), or kernels writing through
+            raw pointers. Default False: ``async_save`` returns once every
+            CPU byte is staged.
     """
 
     checksums: bool = True
@@ -122,9 +161,17 @@ class SaveOptions:
     lineage: str | None = None
     timeout_s: float | None = DEFAULT_TIMEOUT_S
     staging_threads: int | None = None
+    staging_budget_bytes: int | None = None
+    overlap_staging: bool = False
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s, "SaveOptions.timeout_s")
+        b = self.staging_budget_bytes
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < (64 << 10)):
+            raise ValueError(f"SaveOptions.staging_budget_bytes must be an int of at least 65536 "
+                             f"bytes (64 KiB), or None for the default, got {b!r}")
+        if not isinstance(self.overlap_staging, bool):
+            raise ValueError(f"SaveOptions.overlap_staging must be True or False, got {self.overlap_staging!r}")
         t = self.staging_threads
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"SaveOptions.staging_threads must be an int >= 1 (or None), got {t!r}")

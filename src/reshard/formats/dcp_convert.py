@@ -64,7 +64,7 @@ def convert_dcp(
         failure is raised on every rank (as the common class of every rank's
         error) and publishes nothing.
     """
-    from ..collectives import get_collectives
+    from ..collectives import timed_collectives
     from ..commit import attempts
     from ..commit.protocol import publish
     from ..errors import outcome, raise_agreed
@@ -81,7 +81,7 @@ def convert_dcp(
     from ..saving.save import SaveResult
 
     opts: SaveOptions = options or SaveOptions()
-    coll = get_collectives(group)
+    coll = timed_collectives(group, None)  # gloo, whatever the training backend
     rank, world = coll.rank, coll.world_size
     t0 = time.perf_counter()
     dst_st, dst_key = resolve(dst, dst_storage)

@@ -12,7 +12,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..collectives import get_collectives
+from ..collectives import timed_collectives
 from ..errors import CheckpointNotFoundError, ManifestError, ShardingError
 from ..loading.load import LoadResult, load
 from ..ondisk.manifest import (
@@ -368,7 +368,7 @@ def import_hf(
         As :func:`hf_manifest` and :func:`reshard.load`; every failure is
         raised on every rank of ``group``.
     """
-    coll = get_collectives(group)
+    coll = timed_collectives(group, None)  # gloo, whatever the training backend
     if coll.world_size == 1:
         st, key, m = hf_manifest(hf_dir, storage=storage)
     else:

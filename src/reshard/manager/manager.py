@@ -45,7 +45,7 @@ from ..errors import CheckpointError, StorageError
 from ..loading.load import LoadResult
 from ..options import SaveOptions, check_timeout
 from ..saving.save import SaveResult, save
-from ..saving.staging import SaveHandle, async_save, exiting
+from ..saving.staging import SaveHandle, async_save, exiting, prewarm_staging, wait_for_staging
 from ..storage import Storage, resolve
 from .resume import restore_collective
 from .retention import LEASE, RetentionMixin, RetentionPlan
@@ -424,6 +424,32 @@ class CheckpointManager(RetentionMixin):
         except Exception as e:  # noqa: BLE001 - a hook's error must not end the save thread
             log.warning("on_save_error raised for the save of step %s: %s: %s", h.step,
                         type(e).__name__, e)
+
+    def wait_for_staging(self, timeout: float | None = None) -> float:
+        """The hook a training loop calls before it mutates the state
+        (before ``optimizer.step()``) when the manager saves in the overlap
+        mode (``use_async`` with ``SaveOptions(overlap_staging=True)``):
+        blocks until every in-flight save of this manager's group (of
+        every group when the manager has none) has staged every byte
+        (:func:`reshard.wait_for_staging`). Cheap when
+        nothing is in flight: call it every step. Trainer integrations call
+        it at their pre-optimizer-step hook.
+
+        Returns:
+            The seconds it blocked.
+
+        Raises:
+            TimeoutError: not staged within ``timeout`` seconds.
+        """
+        return wait_for_staging(self.group, timeout)
+
+    def prewarm_staging(self, state: Mapping[str, Any] | None = None) -> int:
+        """Allocate the staging slabs of this manager's asynchronous saves
+        now (for ``state``'s bytes, at most the staging budget; without it,
+        the whole budget), so the first save faults no page
+        (:func:`reshard.prewarm_staging`; every rank calls it). Returns the
+        bytes the pool holds."""
+        return prewarm_staging(state, group=self.group, options=self.options)
 
     def wait(self) -> None:
         """Wait for every in-flight save, then verify and apply retention.

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..collectives import get_collectives
+from ..collectives_deferred import Deferred
 from ..commit import attempts
 from ..commit.listing import committed
 from ..commit.protocol import attempt_path, check_target, new_attempt_id, publish
@@ -209,7 +209,7 @@ class TieredCheckpointManager:
         self.local_every, self.remote_every = local_every, remote_every
         self.options = options or SaveOptions()
         self.group = group
-        self.coll = get_collectives(group)
+        self.coll = Deferred(group, None)  # gloo, whatever the training backend (made at first use)
         self.local = CheckpointManager(local_root, keep_last=keep_local, options=self.options,
                                        group=group, storage=local_storage, preempt_signals=())
         self.remote = CheckpointManager(remote_root, keep_last=keep_remote, options=self.options,

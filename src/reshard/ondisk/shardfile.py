@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,9 +68,52 @@ def digest_of(blocks: Sequence[str], nbytes: int) -> str:
     return xxhash.xxh3_64_hexdigest((f"{nbytes}:" + ",".join(blocks)).encode())
 
 
+class BlockHasher:
+    """The xxh3_64 digests of the ``block_bytes`` blocks of a byte stream fed
+    in pieces of any length (:meth:`update`); :meth:`finish` returns what
+    :func:`block_digests` returns for the whole stream. Whole blocks inside a
+    piece are hashed in one call each; a block that straddles pieces is
+    hashed incrementally."""
+
+    def __init__(self, block_bytes: int):
+        self.block = block_bytes
+        self.sums: list[str] = []
+        self._h: Any = None
+        self._fill = 0
+
+    def update(self, mv: memoryview) -> None:
+        b, n, i = self.block, len(mv), 0
+        if self._fill:
+            take = min(b - self._fill, n)
+            self._h.update(mv[:take])
+            self._fill += take
+            i = take
+            if self._fill == b:
+                self.sums.append(self._h.hexdigest())
+                self._h, self._fill = None, 0
+        while n - i >= b:
+            self.sums.append(xxhash.xxh3_64_hexdigest(mv[i:i + b]))
+            i += b
+        if i < n:
+            self._h = xxhash.xxh3_64()
+            self._h.update(mv[i:])
+            self._fill = n - i
+
+    def finish(self) -> tuple[str, ...]:
+        if self._fill:
+            self.sums.append(self._h.hexdigest())
+            self._h, self._fill = None, 0
+        return tuple(self.sums)
+
+
 @dataclass(frozen=True, kw_only=True)
 class FileItem:
-    """One entry of a shard file: a safetensors name, dtype name, shape and bytes."""
+    """One entry of a shard file: a safetensors name, dtype name, shape and bytes.
+
+    The bytes are ``data``, or, when ``pieces`` is set, what ``pieces()``
+    yields, in order (``nbytes`` in all): a staged chunk arriving piece by
+    piece, each piece valid until the next one is asked for (the staging
+    buffers are reused). ``data`` is then unused."""
 
     name: str
     dtype: str
@@ -78,6 +121,13 @@ class FileItem:
     data: memoryview
     itemsize: int
     checksums: tuple[str, ...] | None = None  # precomputed block digests, if any
+    pieces: Callable[[], Iterator[memoryview]] | None = None
+    nbytes: int = -1
+
+    @property
+    def length(self) -> int:
+        """The item's bytes."""
+        return self.nbytes if self.pieces is not None else len(self.data)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,12 +158,20 @@ def write_shard_file(
     checksums: bool,
     durable: bool,
     block_table: bool = False,
+    digests: bool = False,
 ) -> tuple[int, str, list[WrittenItem]]:
     """Write ``items`` to ``path`` as one safetensors file.
 
     With ``block_table`` (and ``checksums``), the block digests are also
     written into the file's ``__reshard__/blocks`` entry, last in the file
-    (``8 * total blocks`` bytes; see the module docstring).
+    (``8 * total blocks`` bytes; see the module docstring). ``digests``: the
+    block digests are computed (and returned in each ``WrittenItem``) even
+    without ``checksums`` (then recorded nowhere in the file: a replica's
+    digest needs them).
+
+    Items are written in descending item size (each one starts at a multiple
+    of its item size), in input order among equal sizes; an item given as
+    ``pieces`` is asked for its pieces when its turn comes.
 
     Returns ``(file size in bytes, whole-file xxh3_64 hex digest, one
     WrittenItem per input item in input order)``.
@@ -125,7 +183,7 @@ def write_shard_file(
     rel: dict[int, int] = {}
     for i in order:
         it = items[i]
-        n = len(it.data)
+        n = it.length
         code, shape = safetensors_entry(it.dtype, it.shape)
         if shape != list(it.shape):  # a view (complex128 as float64 pairs): record it
             meta[VIEW_METADATA_PREFIX + it.name] = it.dtype
@@ -138,7 +196,7 @@ def write_shard_file(
         count = 0
         for i in order:
             first[i] = count
-            count += nblocks(len(items[i].data), block_bytes)
+            count += nblocks(items[i].length, block_bytes)
         header[BLOCK_TABLE] = {"dtype": "U8", "shape": [8 * count], "data_offsets": [pos, pos + 8 * count]}
         pos += 8 * count
     hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -152,17 +210,20 @@ def write_shard_file(
         stream.write(prefix)
         for i in order:
             it = items[i]
-            if checksums:
-                sums = it.checksums if it.checksums is not None else block_digests(it.data, block_bytes)
+            if it.pieces is not None:
+                sums = _write_pieces(stream, it, block_bytes, checksums or digests)
             else:
-                sums = ()
-            stream.write(it.data)
+                if checksums or digests:
+                    sums = it.checksums if it.checksums is not None else block_digests(it.data, block_bytes)
+                else:
+                    sums = ()
+                stream.write(it.data)
             root = ""
             if table:
                 raw = b"".join(bytes.fromhex(d) for d in sums)
                 raw_parts.append(raw)
                 root = block_root(raw)
-            out[i] = WrittenItem(offset=base + rel[i], length=len(it.data), checksums=sums,
+            out[i] = WrittenItem(offset=base + rel[i], length=it.length, checksums=sums,
                                  block_index=first.get(i, -1), root=root)
         if table:
             stream.write(memoryview(b"".join(raw_parts)))
@@ -173,6 +234,26 @@ def write_shard_file(
     written = [o for o in out if o is not None]
     digest = file_checksum(prefix, [out[i].checksums for i in order]) if checksums else ""  # type: ignore[union-attr]
     return base + pos, digest, written
+
+
+def _write_pieces(stream: Any, it: FileItem, block_bytes: int, hashed: bool) -> tuple[str, ...]:
+    """Write a staged item piece by piece (each piece hashed, when
+    ``hashed``, then written, before the next is asked for); its block
+    digests.
+
+    Raises:
+        IntegrityError: the pieces' bytes are not the item's declared size."""
+    assert it.pieces is not None
+    h = BlockHasher(block_bytes) if hashed else None
+    got = 0
+    for mv in it.pieces():
+        if h is not None:
+            h.update(mv)
+        stream.write(mv)
+        got += len(mv)
+    if got != it.nbytes:
+        raise IntegrityError(f"{it.name}: {got} bytes were staged, {it.nbytes} declared")
+    return h.finish() if h is not None else ()
 
 
 def file_checksum(prefix: bytes, block_digests_in_file_order: Sequence[Sequence[str]]) -> str:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -34,7 +35,14 @@ from ..ondisk.committed import sign_manifest
 from ..ondisk.manifest import (
     Manifest,
 )
-from ..ondisk.shardfile import FileItem, block_digests, digest_of, tensor_bytes, write_shard_file
+from ..ondisk.shardfile import (
+    BlockHasher,
+    FileItem,
+    block_digests,
+    digest_of,
+    tensor_bytes,
+    write_shard_file,
+)
 from ..options import SaveOptions
 from ..planning.coordination import PLAN_CACHE, Assignment
 from ..planning.coordination_save import (
@@ -73,6 +81,15 @@ class SaveResult:
         num_files: data files of the whole checkpoint.
         timings: seconds spent per phase on this rank ("stage", "plan", "write", "commit").
         manifest: the published manifest (coordinator only, else None).
+        peak_rss_bytes: this rank's process's highest resident memory while
+            the save ran (bytes; sampled every 5 ms and whenever staging
+            took a new slab, from the call to the commit; 0 where unknown).
+        staging_peak_bytes: the most bytes of staging slabs (pinned
+            included) this rank's save held at once (asynchronous saves;
+            0 for a synchronous one, which stages nothing).
+        staging_budget_bytes: the staging budget the save ran under
+            (``SaveOptions.staging_budget_bytes`` or its default; 0 for a
+            synchronous save).
     """
 
     path: str
@@ -83,6 +100,9 @@ class SaveResult:
     num_files: int
     timings: dict[str, float] = field(default_factory=dict)
     manifest: Manifest | None = None
+    peak_rss_bytes: int = 0
+    staging_peak_bytes: int = 0
+    staging_budget_bytes: int = 0
 
 
 @dataclass
@@ -99,6 +119,11 @@ class Snapshot:
     plain: set[str] = field(default_factory=set)
     #: tree path -> kind of what saved it (Manifest.adapters)
     adapters: dict[str, str] = field(default_factory=dict)
+    #: the staging run of an asynchronous save whose tensors are staged piece
+    #: by piece (:class:`reshard.saving.staging_run.StagingRun`): their bytes
+    #: come from ``source.chunk(i)`` (``tensors[i]`` holds an empty view) and
+    #: their digests are computed while they are written
+    source: Any = None
 
 
 def _storage_key(item: LocalTensorItem) -> str:
@@ -125,11 +150,15 @@ def collect(
     options: SaveOptions,
     *,
     copy: Any = None,
+    stage: Any = None,
 ) -> Snapshot:
     """Flatten ``state`` and describe every local item.
 
-    ``copy`` (``tensor -> tensor``): used by async save to copy each tensor
-    into library-owned staging memory; None keeps views of the caller's memory.
+    ``copy`` (``tensor -> tensor``): copies each tensor into library-owned
+    memory; None keeps views of the caller's memory. ``stage`` (a
+    :class:`~reshard.saving.staging_run.StagingRun`): each tensor is handed
+    to ``stage.add(index, fqn, tensor)`` instead, which stages it under the
+    budget; the snapshot then holds no bytes of it (``Snapshot.source``).
     """
     from ..adapters.dtensor import dtensor_shards
 
@@ -162,12 +191,16 @@ def collect(
             raise ShardingError(f"{fqn}: the same chunk at offset {list(st.global_offset)} appears "
                                 f"twice in rank {rank}'s state")
         seen[key] = len(tensors)
-        data = st.data if copy is None else copy(st.data)
-        mv = tensor_bytes(data)
+        if stage is not None:
+            stage.add(len(tensors), fqn, st.data)
+            mv, nbytes = _NO_BYTES, st.data.numel() * st.data.element_size()
+        else:
+            mv = tensor_bytes(st.data if copy is None else copy(st.data))
+            nbytes = len(mv)
         item = LocalTensorItem(
             fqn=fqn, dtype=dtype_name(st.data.dtype), global_shape=st.global_shape,
             global_offset=st.global_offset, local_shape=st.local_shape,
-            flattened_range=st.flat_bounds, replica_id=st.replica_id, nbytes=len(mv),
+            flattened_range=st.flat_bounds, replica_id=st.replica_id, nbytes=nbytes,
         )
         tensors.append((item, mv, None))
     objects: list[tuple[LocalObjectItem, bytes]] = []
@@ -195,17 +228,30 @@ def collect(
         raise ShardingError(f"names used both for a tensor and a value/object: {sorted(clash)[:5]}")
     snap = Snapshot(tensors=tensors, objects=objects, values=leaves.values, values_json=values_json,
                     aliases=aliases, value_digests=value_digests, plain=plain_fqns,
-                    adapters=leaves.adapters)
-    if copy is None:
+                    adapters=leaves.adapters, source=stage)
+    if copy is None and stage is None:
         finish_digests(snap, options)
     return snap
+
+
+_NO_BYTES = memoryview(b"")
+
+
+def wants_digest(snap: Snapshot, item: LocalTensorItem, options: SaveOptions) -> bool:
+    """Whether ``item``'s digest is computed: with checksums, replica
+    verification, or for a plain tensor (always compared across ranks)."""
+    return options.checksums or options.verify_replicas or item.fqn in snap.plain
 
 
 def finish_digests(snap: Snapshot, options: SaveOptions) -> None:
     """Compute block checksums (and replica digests) of the snapshot's tensors.
 
     Runs on the caller's thread for a synchronous save and in the background
-    for an asynchronous one (the stall then only covers the copies)."""
+    for an asynchronous one (the stall then only covers the copies). A
+    snapshot staged piece by piece (``Snapshot.source``) is hashed while it
+    is written instead."""
+    if snap.source is not None:
+        return
     block = options.checksum_block_bytes
     for i, (item, mv, _) in enumerate(snap.tensors):
         # every holder must compute the digest when replicas are compared: replica_id 0
@@ -221,13 +267,42 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
             options: SaveOptions) -> tuple[bytes, int]:
     """Write this rank's files of ``assignment``; returns the write report for
     the coordinator (see :class:`reshard.planning.coordination.Report`) and the bytes
-    written."""
+    written.
+
+    A snapshot staged piece by piece (``snap.source``, an asynchronous save
+    under a staging budget) first tells its staging run which tensors this
+    rank needs (those it writes, and those whose digest it reports for a
+    replica comparison), then each file's writer asks the run for every
+    chunk's staged pieces in write order (:meth:`StagingRun.chunk
+    <reshard.saving.staging_run.StagingRun.chunk>`: the per-chunk step where
+    a staged chunk's bytes are in host memory just before they are written)
+    and hashes them as it writes them; a replica this rank only reports is
+    hashed from its staged pieces by one more thread, in the same order.
+
+    Raises:
+        CheckpointError: the staging run's mutation guard found a tensor
+            changed before it was staged (the save then fails on every rank).
+    """
     from ..state.sharding import itemsize as isz
 
+    src = snap.source
     per_file: list[list[tuple[int, int, int]]] = [[] for _ in assignment.files]
     for pos, (kind, i, fi) in enumerate(assignment.writes):
         per_file[fi].append((pos, kind, i))
     placed: list[tuple[int, int, str, int]] = [(0, 0, "", -1)] * len(assignment.writes)
+    digests_of: dict[int, str] = {}
+    hash_only: list[int] = []
+    if src is not None:
+        # every file in write order (the order the staging run stages in): tensors
+        # by position (write_shard_file keeps it among equal item sizes), then objects
+        for entries in per_file:
+            entries.sort(key=lambda e: (e[1], e[2]))
+        written_idx = {i for kind, i, _ in assignment.writes if kind == 0}
+        hash_only = sorted((i for kind, i in assignment.check
+                            if kind == 0 and i not in written_idx
+                            and wants_digest(snap, snap.tensors[i][0], options)),
+                           key=lambda i: (-isz(snap.tensors[i][0].dtype), i))
+        src.need(written_idx | set(hash_only))
 
     def write_one(fi: int) -> tuple[int, str, int]:
         items: list[FileItem] = []
@@ -235,8 +310,13 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
             if kind == 0:
                 it, mv, sums = snap.tensors[i]
                 shape = (it.flattened_range[1] - it.flattened_range[0],) if it.flattened_range else it.local_shape
-                items.append(FileItem(name=_storage_key(it), dtype=it.dtype, shape=tuple(shape), data=mv,
-                                      itemsize=isz(it.dtype), checksums=sums))
+                if src is not None:
+                    items.append(FileItem(name=_storage_key(it), dtype=it.dtype, shape=tuple(shape), data=mv,
+                                          itemsize=isz(it.dtype), pieces=partial(src.chunk, i),
+                                          nbytes=it.nbytes))
+                else:
+                    items.append(FileItem(name=_storage_key(it), dtype=it.dtype, shape=tuple(shape), data=mv,
+                                          itemsize=isz(it.dtype), checksums=sums))
             else:
                 ob, raw = snap.objects[i]
                 key = "__object__/" + ob.key + "@" + ",".join(map(str, ob.global_offset))
@@ -245,12 +325,23 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
         size, checksum, written = write_shard_file(
             storage, storage.join(attempt, assignment.files[fi]), items,
             block_bytes=options.checksum_block_bytes, checksums=options.checksums, durable=options.durable,
-            block_table=True)
+            block_table=True, digests=src is not None and (options.verify_replicas or bool(snap.plain)))
         blocks = 0
-        for (pos, _, _), w in zip(per_file[fi], written, strict=True):
+        for (pos, kind, i), w in zip(per_file[fi], written, strict=True):
             placed[pos] = (w.offset, w.length, w.root, w.block_index)
             blocks += len(w.checksums) if w.block_index >= 0 else 0
+            if src is not None and kind == 0 and wants_digest(snap, snap.tensors[i][0], options):
+                digests_of[i] = digest_of(w.checksums, w.length)
         return size, checksum, blocks
+
+    def hash_replicas() -> None:
+        block = options.checksum_block_bytes
+        for i in hash_only:
+            h, n = BlockHasher(block), 0
+            for mv in src.chunk(i):
+                h.update(mv)
+                n += len(mv)
+            digests_of[i] = digest_of(h.finish(), n)
 
     n = len(assignment.files)
     from ..progress import bar, wanted
@@ -261,13 +352,21 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
             pb.update(r[0])
             return r
 
-        if n <= 1:
+        if n <= 1 and not hash_only:
             files = [write_counted(k) for k in range(n)]
         else:
-            with ThreadPoolExecutor(max_workers=n, thread_name_prefix="reshard-write") as ex:
+            with ThreadPoolExecutor(max_workers=n + bool(hash_only), thread_name_prefix="reshard-write") as ex:
+                hashed = ex.submit(hash_replicas) if hash_only else None
                 files = list(ex.map(write_counted, range(n)))
-    digests = [snap.tensors[i][0].digest if kind == 0 else snap.objects[i][0].digest
-               for kind, i in assignment.check]
+                if hashed is not None:
+                    hashed.result()
+    if src is not None:
+        src.finish()  # the mutation guard: a tensor changed before it was staged fails the save
+        digests = [digests_of.get(i, "") if kind == 0 else snap.objects[i][0].digest
+                   for kind, i in assignment.check]
+    else:
+        digests = [snap.tensors[i][0].digest if kind == 0 else snap.objects[i][0].digest
+                   for kind, i in assignment.check]
     return report_bytes(files, placed, digests), sum(f[0] for f in files)
 
 

@@ -3,17 +3,29 @@ persist and publish in a background thread.
 
 Two completions on one handle (after tensorstore's ``copy``/``commit``
 futures): ``staged`` once every byte is in staging memory (the caller may then
-mutate every tensor; for CPU tensors before ``async_save`` returns, for CUDA
-tensors after a side-stream copy into pinned buffers is synchronised), and
-``committed`` once the manifest is durable.
+mutate every tensor), and ``committed`` once the manifest is durable.
 
-Staging buffers come from a :class:`BufferPool` reused across saves, so
-resident memory stays flat over repeated saves of the same state. Buffers are
-allocated and returned to the pool on the caller's thread (the background
-thread only marks them done). CPU tensors of 1 MiB and more are copied into
-them by ``SaveOptions.staging_threads`` copy threads, in slices, while the
-caller's thread walks the state; every copy ends before ``async_save``
-returns.
+When ``staged`` completes (DESIGN.md section 2):
+
+* the default mode: before ``async_save`` returns for CPU tensors; for CUDA
+  tensors once the device-to-host copies on the device's side stream have
+  run (a CUDA event), and the caller's current stream waits for them before
+  ``async_save`` returns, so the loop's later kernels on it never race them;
+* the overlap mode (``SaveOptions(overlap_staging=True)``): later, CPU and
+  CUDA alike: ``async_save`` returns after the walk of the state and the
+  copies run during the loop's next forward and backward. The loop calls
+  :func:`wait_for_staging` (``CheckpointManager.wait_for_staging()``) before
+  it next mutates the state; a version-counter and data-pointer guard fails
+  the save (on every rank, nothing published) when a tensor changed before
+  it was staged.
+
+Staging runs under a host-memory budget (``SaveOptions.staging_budget_bytes``)
+in slabs reused across saves (:mod:`reshard.saving.staging_pool`): a state
+larger than the budget is staged in pieces, in write order, each piece
+written and its slab reused while later pieces are staged
+(:mod:`reshard.saving.staging_run`). CPU tensors of 1 MiB and more are copied
+by ``SaveOptions.staging_threads`` copy threads while the caller's thread
+walks the state.
 
 The background thread runs at a lower priority than the caller
 (``SaveOptions.background_nice``, Linux): its hashing and writing compete
@@ -23,15 +35,15 @@ with the training step for the same cores, and the step should win.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import sys
 import threading
 import time
 import warnings
-from collections import defaultdict
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,53 +62,28 @@ from ..options import SaveOptions
 from ..storage import Storage, resolve
 from .pending import SAVERS, SAVERS_LOCK, warn_pending_error
 from .pending import raise_pending_error as raise_pending_error  # re-exported
-from .save import SaveResult, Snapshot, check_step, collect, finish_digests, run_save
+from .save import SaveResult, Snapshot, check_step, collect, run_save
+from .staging_budget import PeakRss, staging_budget
+from .staging_run import Stager
 
 log = logging.getLogger("reshard.saving.staging")
-
-
-class BufferPool:
-    """Reusable byte buffers (pinned host memory when CUDA is available and
-    ``pin`` is set), keyed by size in bytes.
-
-    ``take(n)`` returns a free buffer of exactly ``n`` bytes or allocates one;
-    ``give_back(bufs)`` returns buffers for reuse. Both are called on the
-    caller's thread.
-    """
-
-    def __init__(self, *, pin: bool = False):
-        self.pin = pin and torch.cuda.is_available()
-        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
-        self.allocated_bytes = 0
-
-    def take(self, n: int) -> torch.Tensor:
-        free = self._free.get(n)
-        if free:
-            return free.pop()
-        self.allocated_bytes += n
-        return torch.empty(n, dtype=torch.uint8, pin_memory=self.pin)
-
-    def trim(self, keep: set[int]) -> None:
-        """Free the spare buffers of sizes not in ``keep`` (no longer staged):
-        a state whose tensor sizes change does not grow the pool forever."""
-        for n in [n for n in self._free if n not in keep]:
-            self.allocated_bytes -= n * len(self._free.pop(n))
-
-    def give_back(self, bufs: list[torch.Tensor]) -> None:
-        for b in bufs:
-            self._free[b.numel()].append(b)
 
 
 class SaveHandle:
     """The handle of one asynchronous save.
 
     Attributes:
-        staged: Future, done once every byte is in library-owned buffers.
+        staged: Future, done once every byte is in library-owned buffers
+            (see the module docstring for when, per mode and device).
         committed: Future of the :class:`SaveResult`, done once the manifest
             is durable (or failed).
         skipped: True when the request was skipped because ``max_pending``
             saves were in flight and ``SaveOptions.if_busy == "skip"``.
-        stall_s: seconds the caller was blocked (staging included).
+        stall_s: seconds ``async_save`` blocked the caller (staging included
+            in the default mode; the walk of the state in the overlap mode).
+        staging_wait_s: seconds :func:`wait_for_staging` blocked the caller
+            waiting for this save's ``staged`` (the overlap mode's visible
+            stall is ``stall_s + staging_wait_s``).
     """
 
     def __init__(self, path: str, step: int | None, *, skipped: bool = False):
@@ -104,6 +91,7 @@ class SaveHandle:
         self.staged: Future[None] = Future()
         self.committed: Future[SaveResult | None] = Future()
         self.stall_s = 0.0
+        self.staging_wait_s = 0.0
         self._abort = threading.Event()
         self._reported = False  # the failure was raised to the caller (once is enough)
 
@@ -133,7 +121,6 @@ class SaveHandle:
 @dataclass
 class _Slot:
     handle: SaveHandle
-    buffers: list[torch.Tensor]
     thread: threading.Thread
     started: float = field(default_factory=time.monotonic)
     #: the longest one collective of the save waits (s; None: unknown) and its ranks
@@ -142,19 +129,18 @@ class _Slot:
 
 
 class _Saver:
-    """Per process group: the pool, the in-flight saves, the groups used by
-    background and control collectives."""
+    """Per process group: the stager (its slab pool, copy threads and CUDA
+    side streams), the in-flight saves, the groups used by background and
+    control collectives."""
 
     def __init__(self, group: Any):
         self.group = group
-        self.pool = BufferPool(pin=True)
+        self.stager = Stager()
         self.pending: list[_Slot] = []
         self.error: BaseException | None = None
         self.error_handle: SaveHandle | None = None
         self.lock = threading.Lock()
         self.timed: dict[float | None, Collectives] = {}
-        self._copiers: ThreadPoolExecutor | None = None
-        self._copiers_pid = 0
         base = get_collectives(group)
         self.rank, self.world_size = base.rank, base.world_size
         self.single = isinstance(base, SingleProcess)
@@ -165,6 +151,11 @@ class _Saver:
 
             # all ranks reach here on their first async_save, in the same order
             self.ctl = TorchCollectives(new_checkpoint_group(group))
+
+    @property
+    def pool(self) -> Any:
+        """The staging slab pool (:class:`~reshard.saving.staging_pool.SlabPool`)."""
+        return self.stager.pool
 
     def bg_for(self, timeout_s: float | None) -> Collectives:
         """The background group of saves with ``timeout_s``
@@ -181,24 +172,11 @@ class _Saver:
             got = self.timed[timeout_s] = TorchCollectives(new_checkpoint_group(self.group, timeout_s))
         return got
 
-    def copiers(self, threads: int) -> ThreadPoolExecutor:
-        """The staging copy threads (made on the first save that uses them;
-        resized when ``threads`` changes)."""
-        ex, pid = self._copiers, os.getpid()
-        if ex is None or ex._max_workers != threads or self._copiers_pid != pid:
-            if ex is not None and self._copiers_pid == pid:
-                ex.shutdown(wait=True)
-            # (a forked child has none of its parent's threads: it makes its own)
-            ex = self._copiers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reshard-stage")
-            self._copiers_pid = pid
-        return ex
-
     def reclaim(self) -> None:
         keep = []
         for s in self.pending:
             if s.handle.committed.done():
                 s.thread.join()
-                self.pool.give_back(s.buffers)
                 exc = s.handle.committed.exception()
                 if exc is not None and self.error is None and not s.handle._reported:
                     self.error, self.error_handle = exc, s.handle
@@ -227,12 +205,21 @@ def async_save(
 ) -> SaveHandle:
     """Snapshot ``state`` into staging buffers and save it in the background.
 
-    Returns once ``handle.staged`` is done (for CPU tensors); the caller may
-    then mutate every tensor. At most ``options.max_pending`` saves are in
-    flight: a further request blocks until the oldest commits, or with
-    ``if_busy="skip"`` is skipped with a warning (``handle.skipped``; the
-    decision is agreed across ranks). Background collectives run on a
-    separate gloo group, never the training group.
+    Default mode: returns once ``handle.staged`` is done for CPU tensors
+    (CUDA tensors: once their copies are queued on the device's side stream,
+    after which the caller's current stream waits for them); the caller may
+    then mutate every tensor. A state larger than
+    ``SaveOptions.staging_budget_bytes`` is staged in pieces written while
+    later pieces are staged, so that stall then includes writing all but the
+    last budget's worth. Overlap mode (``SaveOptions.overlap_staging``):
+    returns once the state is walked; the loop calls
+    :func:`wait_for_staging` before it next mutates the state.
+
+    At most ``options.max_pending`` saves are in flight: a further request
+    blocks until the oldest commits, or with ``if_busy="skip"`` is skipped
+    with a warning (``handle.skipped``; the decision is agreed across ranks).
+    Background collectives run on a separate gloo group, never the training
+    group.
 
     Failures: a background save that fails logs one warning on the
     coordinator when it fails (step, path, cause) and sets the exception of
@@ -242,7 +229,8 @@ def async_save(
     ``RuntimeWarning`` (once).
 
     Raises:
-        CheckpointError: staging failed on any rank (then reported by the
+        CheckpointError: staging failed on any rank, or (overlap mode) a
+            tensor was changed before it was staged (reported by the
             handle: the background save fails on every rank).
     """
     t0 = time.perf_counter()
@@ -267,46 +255,20 @@ def async_save(
     warn_pending_error(group, step=step)
     handle = SaveHandle(st.url(key), step)
     bg = saver.bg_for(opts.timeout_s)
-    buffers: list[torch.Tensor] = []
-    cuda_stream = None
-    threads = opts.staging_threads or _cpus()
-    copies: list[Future[Any]] = []
-
-    def stage(t: torch.Tensor) -> torch.Tensor:
-        nonlocal cuda_stream
-        n = t.numel() * t.element_size()
-        buf = saver.pool.take(n)
-        buffers.append(buf)
-        dst = buf.view(t.dtype).view(t.shape) if n else torch.empty(t.shape, dtype=t.dtype)
-        if t.is_cuda:
-            if cuda_stream is None:
-                cuda_stream = torch.cuda.Stream(device=t.device)
-                cuda_stream.wait_stream(torch.cuda.current_stream(t.device))
-            with torch.cuda.stream(cuda_stream):
-                dst.copy_(t, non_blocking=True)
-        elif threads > 1 and n >= _THREADED_COPY_MIN:
-            copies.extend(_copy_on(saver.copiers(threads), dst, t))
-        else:
-            dst.copy_(t)
-        return dst
-
+    budget = staging_budget(opts.staging_budget_bytes)
+    rss = PeakRss().start()
+    run = saver.stager.start(budget=budget, overlap=opts.overlap_staging,
+                             threads=opts.staging_threads or _cpus())
+    saver.pool.on_alloc = rss.sample
+    handle.staged = run.staged
     snap: Snapshot | None = None
     err: BaseException | None = None
     try:
-        try:
-            snap = collect(state, saver.rank, opts, copy=stage)
-        finally:  # every copy ends before the caller may touch its tensors again
-            for f in copies:
-                f.exception()
-        for f in copies:
-            f.result()
-        saver.pool.trim({b.numel() for b in buffers})
-        if cuda_stream is not None:
-            cuda_stream.synchronize()
+        snap = collect(state, saver.rank, opts, stage=run)
     except Exception as e:  # noqa: BLE001 - reported to every rank by the background save
-        err = e
-    handle.staged.set_result(None)
-    handle.stall_s = time.perf_counter() - t0
+        err, snap = e, None
+        run.abandon()
+    returned = threading.Event()  # the caller's stall is known
 
     def work() -> None:
         nonlocal snap
@@ -314,18 +276,21 @@ def async_save(
         res: SaveResult | None = None
         failure: BaseException | None = None
         try:
-            t_sum = time.perf_counter()
-            if snap is not None:
-                finish_digests(snap, opts)
-            t_sum = time.perf_counter() - t_sum
             if prev is not None:
                 prev.join()
             res = run_save(bg, st, key, snap, err, step=step, options=opts, t0=time.perf_counter(),
                            abort=handle._abort)
-            # "stage": the caller's stall (copies into staging buffers); "checksum": background
-            res.timings.update(stage=handle.stall_s, checksum=t_sum)
         except BaseException as e:  # noqa: BLE001
             failure = e
+        finally:
+            run.close()  # every slab back to the pool (the staging stops if it has not ended)
+        peak = rss.stop()
+        if res is not None:
+            returned.wait()
+            # "stage": the caller's stall; hashing runs while writing ("write")
+            res.timings.update(stage=handle.stall_s, checksum=0.0, staging_wait=handle.staging_wait_s)
+            res = dataclasses.replace(res, peak_rss_bytes=peak, staging_peak_bytes=saver.pool.peak_in_use_bytes,
+                                      staging_budget_bytes=budget)
         # Drop the snapshot (the staged tensor views) here, before the outcome
         # wakes the caller: freeing a tensor releases the GIL, and a thread that
         # takes it back after interpreter finalisation began is ended by
@@ -345,17 +310,94 @@ def async_save(
     # interleave between saves (concurrent ones mismatch across ranks)
     prev = saver.pending[-1].thread if saver.pending else None
     th = threading.Thread(target=work, name=f"reshard-async-save-{step}", daemon=True)
-    saver.pending.append(_Slot(handle=handle, buffers=buffers, thread=th, world_size=bg.world_size,
+    saver.pending.append(_Slot(handle=handle, thread=th, world_size=bg.world_size,
                                timeout_s=group_timeout_s(bg.group) if isinstance(bg, TorchCollectives)
                                else None))
+    # the writer starts before the rest is staged: a state larger than the
+    # budget is written piece by piece while later pieces are staged
     th.start()
+    if err is None:
+        if opts.overlap_staging:
+            threading.Thread(target=run.stage_rest, name=f"reshard-stage-{step}", daemon=True).start()
+        else:
+            run.stage_rest()
+    handle.stall_s = time.perf_counter() - t0
+    returned.set()
     return handle
 
 
-#: CPU tensors of at least this many bytes are copied by the staging threads,
-#: in slices of _COPY_SLICE_BYTES (smaller ones on the caller's thread)
-_THREADED_COPY_MIN = 1 << 20
-_COPY_SLICE_BYTES = 16 << 20
+def wait_for_staging(group: Any = None, timeout: float | None = None) -> float:
+    """Block until every in-flight asynchronous save of ``group`` (None:
+    of every group) has staged every byte: the one call a training loop
+    makes, in the overlap mode (``SaveOptions(overlap_staging=True)``),
+    before it mutates the state again (before ``optimizer.step()``; a loop
+    that mutates earlier, in the forward, calls it before that). Cheap when
+    nothing is in flight (call it every step). Waiting counts into each
+    handle's ``staging_wait_s``. In the default mode it returns at once for
+    CPU tensors and waits for CUDA copies still on their side stream.
+
+    Returns:
+        The seconds it blocked.
+
+    Raises:
+        TimeoutError: a save was not staged within ``timeout`` seconds.
+    """
+    t0 = time.perf_counter()
+    if group is None:
+        savers = list(SAVERS.values())
+    else:
+        got = SAVERS.get(group)
+        savers = [got] if got is not None else []
+    for s in savers:
+        for slot in list(s.pending):
+            h = slot.handle
+            if not h.staged.done():
+                t1 = time.perf_counter()
+                h.staged.exception(timeout)
+                h.staging_wait_s += time.perf_counter() - t1
+    return time.perf_counter() - t0
+
+
+def prewarm_staging(state: Mapping[str, Any] | None = None, *, nbytes: int | None = None,
+                    group: Any = None, options: SaveOptions | None = None) -> int:
+    """Allocate (and fault in) the staging slabs of ``group``'s asynchronous
+    saves ahead of the first save, so it pays for no page fault or pinned
+    allocation (torchtitan#4188 does the same for its pinned buffers).
+
+    Args:
+        state: size the pool for this state (this rank's tensor bytes, at
+            most the budget); or
+        nbytes: that many bytes (at most the budget); neither: the whole
+            budget.
+        group: the process group the saves will use (every rank of it calls
+            this: it creates the group's checkpoint groups on first use, as
+            ``async_save`` does).
+        options: the SaveOptions the saves will use (for the budget).
+
+    Returns:
+        The bytes the pool holds (pinned where CUDA is available).
+    """
+    opts = options or SaveOptions()
+    budget = staging_budget(opts.staging_budget_bytes)
+    saver = _saver(group)
+    if nbytes is None:
+        if state is None:
+            nbytes = budget
+        else:
+            counter = _Counter()
+            collect(state, saver.rank, opts, stage=counter)
+            nbytes = counter.nbytes
+    return saver.stager.prewarm(nbytes, budget)
+
+
+class _Counter:
+    """A stand-in staging run that only adds up the tensors' bytes."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+
+    def add(self, index: int, fqn: str, tensor: torch.Tensor) -> None:
+        self.nbytes += tensor.numel() * tensor.element_size()
 
 
 def _cpus() -> int:
@@ -365,18 +407,6 @@ def _cpus() -> int:
     except (AttributeError, OSError):
         n = os.cpu_count() or 1
     return max(1, min(4, n))
-
-
-def _copy_on(ex: ThreadPoolExecutor, dst: torch.Tensor, src: torch.Tensor) -> list[Future[Any]]:
-    """Copy ``src`` into ``dst`` (same shape, contiguous) on the executor,
-    in slices of about ``_COPY_SLICE_BYTES`` when ``src`` is contiguous
-    (``copy_`` releases the GIL: the slices run in parallel, beside the
-    caller's state walk)."""
-    if not src.is_contiguous() or src.dim() == 0:
-        return [ex.submit(dst.copy_, src)]
-    s, d = src.view(-1), dst.view(-1)
-    step = max(1, _COPY_SLICE_BYTES // max(1, src.element_size()))
-    return [ex.submit(d[a:a + step].copy_, s[a:a + step]) for a in range(0, s.numel(), step)]
 
 
 def _lower_priority(nice: int | None) -> None:
