@@ -191,3 +191,84 @@ def r_guard_one_rank(path: str, budget: int, who: int) -> dict[str, Any]:
     except reshard.CheckpointError as e:
         err = f"{type(e).__name__}: {e}"
     return {"staged_on_return": staged_on_return, "error": err, "published": os.path.exists(path)}
+
+
+# ----------------------------------------------------------------------------- a training backend that fails
+
+
+#: collectives the training group was asked for (must stay empty)
+TRAINING_CALLS: list[str] = []
+
+
+def _failing_backend() -> None:
+    """Register ``reshardfail``: a process-group backend whose every
+    collective raises (and is recorded), standing in for NCCL, which the CPU
+    wheel lacks: a checkpoint collective that reaches the training group
+    fails the test."""
+
+    class FailingGroup(dist.ProcessGroup):
+        def getBackendName(self) -> str:  # noqa: N802 - torch's name
+            return "reshardfail"
+
+        @property
+        def group_name(self) -> str:  # a real backend's group has one (NCCL's "0")
+            return "0"
+
+    def fail(name: str) -> Any:
+        def op(self: Any, *a: Any, **k: Any) -> Any:
+            TRAINING_CALLS.append(name)
+            raise RuntimeError(f"a checkpoint collective ran on the training group ({name})")
+        return op
+
+    for name in ("allreduce", "allgather", "_allgather_base", "broadcast", "barrier", "gather", "scatter",
+                 "send", "recv", "recv_anysource", "reduce", "reduce_scatter", "alltoall", "alltoall_base",
+                 "allreduce_coalesced", "_reduce_scatter_base", "allgather_into_tensor_coalesced",
+                 "reduce_scatter_tensor_coalesced"):
+        setattr(FailingGroup, name, fail(name))
+    dist.Backend.register_backend("reshardfail", lambda store, rank, size, timeout: FailingGroup(rank, size),
+                                  devices=["cpu"])
+
+
+def r_training_backend_unused(rank: int, world: int, port: int, root: str, q: Any) -> None:
+    """A spawned rank whose default group is the failing backend: every
+    save, asynchronous save (both modes), load and manager save/restore,
+    with the default timeouts and with ``timeout_s=None`` (the group's own),
+    must run its collectives elsewhere (gloo)."""
+    from datetime import timedelta
+
+    try:
+        _failing_backend()
+        store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
+        dist.init_process_group("reshardfail", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        assert dist.get_backend() == "reshardfail"
+        state = budget_state(rank, world, 1)
+        for i, to in enumerate((reshard.options.DEFAULT_TIMEOUT_S, None)):
+            so = reshard.SaveOptions(timeout_s=to, durable=False)
+            lo = reshard.LoadOptions(timeout_s=to)
+            reshard.save(state, f"{root}/sync-{i}", step=1, options=so)
+            h = reshard.async_save(state, f"{root}/async-{i}", step=2, options=so)
+            h.wait(timeout=60)
+            ov = reshard.SaveOptions(timeout_s=to, durable=False, overlap_staging=True,
+                                     staging_budget_bytes=64 << 10)
+            h = reshard.async_save(state, f"{root}/overlap-{i}", step=3, options=ov)
+            reshard.wait_for_staging(timeout=60)
+            h.wait(timeout=60)
+            for name in ("sync", "async", "overlap"):
+                tgt = _targets(state)
+                reshard.load(tgt, f"{root}/{name}-{i}", options=lo)
+                assert all(torch.equal(a, b) for a, b in zip(_loaded(tgt).values(), _tensors(state).values(),
+                                                             strict=True)), name
+            mgr = reshard.CheckpointManager(f"{root}/mgr-{i}", every_steps=1, use_async=True, options=ov,
+                                            preempt_signals=())
+            mgr.save(1, state)
+            mgr.wait_for_staging(timeout=60)
+            mgr.wait()
+            tgt = _targets(state)
+            mgr.restore(tgt)
+            mgr.close()
+        q.put((rank, list(TRAINING_CALLS), None))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        q.put((rank, list(TRAINING_CALLS), f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))

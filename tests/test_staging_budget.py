@@ -159,3 +159,35 @@ def test_slab_pool_stays_within_its_budget_and_is_reused() -> None:
     pool.configure(256 << 10)  # a smaller budget drops the free slabs beyond it
     assert pool.allocated_bytes <= (256 << 10) + (128 << 10)
     assert pool.prewarm(10 << 20) <= 256 << 10
+
+
+def test_checkpoint_collectives_never_use_a_non_gloo_training_group(tmp_path: Path) -> None:
+    """With NCCL as the training backend every checkpoint collective must run
+    on gloo. The CPU wheel has no NCCL: two spawned ranks use a registered
+    backend whose every collective fails, as the default group; saves,
+    asynchronous saves (default and overlap mode), loads and a manager's
+    save and restore, with the default timeouts and ``timeout_s=None``, all
+    succeed and never call it."""
+    import multiprocessing as mp
+    import socket
+
+    from _staging_fns import r_training_backend_unused
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=r_training_backend_unused, args=(r, 2, port, str(tmp_path), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(q.get(timeout=150) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank, calls, err in got:
+        assert err is None, f"rank {rank}: {err}"
+        assert calls == [], f"rank {rank} used the training group: {calls}"

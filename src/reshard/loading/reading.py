@@ -193,6 +193,7 @@ class Reader:
         self._seen: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._bounce: Any = None  # the pinned bounce buffers of CUDA targets (made when first needed)
 
     def _count(self, n: int) -> None:
         with self._lock:
@@ -351,10 +352,13 @@ class Reader:
             defaultdict(list))
         direct: list[tuple[str, Chunk, ReadItem, Target]] = []
         jobs: list[Callable[[], None]] = []
+        bounce: list[tuple[str, Chunk, ReadItem, Target]] = []
         for (fqn, ci), items in groups.items():
             c = self.m.tensors[fqn].chunks[ci]
             if self.is_direct(items):
                 direct.append((fqn, c, *items[0]))
+            elif (fqn, ci) not in keep and self._bounce_ok(items):
+                bounce.append((fqn, c, *items[0]))
             else:
                 lo, hi = self.span(c, items)
                 r = (c.offset + lo, c.offset + hi, fqn, c, items)
@@ -363,6 +367,12 @@ class Reader:
                 else:
                     per_file[c.file].append(r)
         jobs.extend(partial(self._read_direct, *a) for a in direct)
+        jobs.extend(partial(self._read_bounce, *a) for a in bounce)
+        if bounce:  # made on the caller's thread: its current streams are the ones to follow
+            from .bounce import BOUNCE_BYTES, Bounce
+
+            b = self.m.checksum_block_bytes
+            self._bounce = Bounce(b * max(1, BOUNCE_BYTES // b), {t.dst.device for _, _, _, t in bounce})
         for name, reads in per_file.items():
             reads.sort(key=lambda r: r[0])
             cur: list[Any] = []
@@ -380,7 +390,47 @@ class Reader:
                 j()
                 pb.update(1)
 
-            self._execute([partial(counted, j) for j in jobs])
+            try:
+                self._execute([partial(counted, j) for j in jobs])
+            finally:
+                if self._bounce is not None:
+                    self._bounce.finish()
+                    self._bounce = None
+
+    def _bounce_ok(self, items: list[tuple[ReadItem, Target]]) -> bool:
+        """A group read into one contiguous region of a CUDA target: through
+        pinned bounce buffers on the device's load stream
+        (:mod:`reshard.loading.bounce`)."""
+        if len(items) != 1 or items[0][1].dst.device.type != "cuda":
+            return False
+        region = self._dst_region(*items[0])
+        n = items[0][0].byte_stop - items[0][0].byte_start
+        return region is not None and region.numel() * region.element_size() == n
+
+    def _read_bounce(self, fqn: str, c: Chunk, item: ReadItem, t: Target) -> None:
+        """Read the item's bytes of chunk ``c`` (whole checksum blocks when
+        verified) segment by segment into a pinned bounce buffer, verify
+        each segment there, and copy its part of the item to the CUDA
+        destination on the load stream while the next segment is read."""
+        path = self.st.join(self.ckpt, c.file)
+        region = self._region_u8(item, t)
+        bs, be = item.byte_start, item.byte_stop
+        lo, hi = bs, be
+        verified = self.opts.checksums and BlockTables.has(c)
+        b = self.m.checksum_block_bytes
+        if verified:
+            lo, hi = bs // b * b, min(-(-be // b) * b, c.length)
+        bounce = self._bounce
+        seg = bounce.seg
+        self.mark_written(t.req.fqn)
+        for a in range(lo, hi, seg):
+            n = min(seg, hi - a)
+            buf = bounce.buffer()[:n]
+            self.st.read_into(path, c.offset + a, memoryview(buf.numpy().data))
+            self._count(n)
+            self.verify(fqn, c, a, buf)
+            x0, x1 = max(a, bs), min(a + n, be)
+            bounce.copy_into(region[x0 - bs:x1 - bs], buf[x0 - a:x1 - a])
 
     def is_direct(self, items: list[tuple[ReadItem, Target]]) -> bool:
         """A group read straight into its one destination (see :meth:`_direct_ok`)."""

@@ -226,7 +226,9 @@ class StagingRun:
         self._eager_open = True
         self._closing = False
         self._error: BaseException | None = None
-        self._waited: set[int] = set()  # CUDA devices whose side stream waited for the caller's stream
+        #: CUDA devices whose side stream waited for the caller's current stream
+        #: (in add(), on the caller's thread: a staging thread's current stream is another)
+        self._waited: set[int | None] = set()
         self._cuda_used: set[int] = set()
 
     # -- the walk (caller's thread)
@@ -234,6 +236,11 @@ class StagingRun:
         """Take the source of snapshot tensor ``index``; copy it now while
         the eager half of the budget has room."""
         src = _Source(index, fqn, tensor.detach())
+        if src.cuda and src.nbytes:
+            dev = tensor.device
+            if dev.index not in self._waited:  # the copies see every kernel the caller queued
+                self.stager.stream(dev).wait_stream(torch.cuda.current_stream(dev))
+                self._waited.add(dev.index)
         self.sources.append(src)
         self._by_index[index] = src
         if self._eager_open and src.nbytes:
@@ -347,10 +354,7 @@ class StagingRun:
         dst = piece.view.view(t.dtype)
         if src.cuda:
             dev = t.device
-            stream = self.stager.stream(dev)
-            if dev.index not in self._waited:  # the copies see every kernel the caller queued
-                stream.wait_stream(torch.cuda.current_stream(dev))
-                self._waited.add(dev.index)
+            stream = self.stager.stream(dev)  # it waited for the caller's stream in add()
             with torch.cuda.stream(stream):
                 _copy_parts(dst, parts, non_blocking=True)
                 ev = torch.cuda.Event()
