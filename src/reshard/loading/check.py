@@ -166,8 +166,9 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
     reader.check_files(files)
     objects: dict[tuple[str, tuple[int, ...]], Any] = {}
     values: dict[str, Any] = {}
+    raw_of = _object_reader(st, key, [oc for _, oc in wanted])
     for ob, oc in wanted:
-        raw = st.read_bytes(st.join(key, oc.file), oc.offset, oc.length)
+        raw = raw_of(oc)
         if opts.checksums and BlockTables.has(oc):
             b = m.checksum_block_bytes
             for k, digest in enumerate(reader.tables.sums(oc)):
@@ -183,6 +184,28 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
     return _Plan(manifest=m, reader=reader, groups=groups, rules=rules, finalize=finalize,
                  missing=tuple(missing), unexpected=tuple(unexpected), objects=objects,
                  values=values)
+
+
+def _object_reader(st: Storage, key: str, chunks: Sequence[Any]) -> Any:
+    """``raw(oc)``: the bytes of wanted object chunk ``oc``. Per data file,
+    the range from the first to the end of the last wanted object is read at
+    once when the objects fill most of it (they are written side by side,
+    last in a shard file: one read instead of one per object, and an
+    optimizer has one per parameter); sparse ones are read one by one."""
+    bounds: dict[str, list[int]] = {}
+    for oc in chunks:
+        b = bounds.setdefault(oc.file, [oc.offset, oc.offset + oc.length, 0])
+        b[0], b[1], b[2] = min(b[0], oc.offset), max(b[1], oc.offset + oc.length), b[2] + oc.length
+    spans = {name: (lo, st.read_bytes(st.join(key, name), lo, hi - lo))
+             for name, (lo, hi, used) in bounds.items() if hi - lo <= 2 * used + (64 << 10)}
+
+    def raw(oc: Any) -> bytes:
+        got = spans.get(oc.file)
+        if got is None:
+            return st.read_bytes(st.join(key, oc.file), oc.offset, oc.length)
+        return got[1][oc.offset - got[0]:oc.offset - got[0] + oc.length]
+
+    return raw
 
 
 def _check_hooks(statefuls: Sequence[tuple[str, Any, Any]],

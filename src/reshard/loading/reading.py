@@ -166,6 +166,9 @@ _SEGMENT_BYTES = 4 << 20
 #: checksum blocks): one block is hashed right after it is read, while it is
 #: still in the core's L2 cache
 _VERIFY_SEGMENT_BYTES = 1 << 20
+#: a direct read of a large chunk is cut into jobs of about this many bytes,
+#: which the reader threads share
+_SPLIT_BYTES = 16 << 20
 
 Groups = dict[tuple[str, int], list[tuple[ReadItem, Target]]]
 
@@ -366,7 +369,8 @@ class Reader:
                     jobs.append(partial(self._read_span, c.file, [r], (fqn, ci)))
                 else:
                     per_file[c.file].append(r)
-        jobs.extend(partial(self._read_direct, *a) for a in direct)
+        for a in sorted(direct, key=lambda a: -(a[2].byte_stop - a[2].byte_start)):  # the largest first
+            jobs.extend(self._direct_jobs(*a))
         jobs.extend(partial(self._read_bounce, *a) for a in bounce)
         if bounce:  # made on the caller's thread: its current streams are the ones to follow
             from .bounce import BOUNCE_BYTES, Bounce
@@ -491,18 +495,14 @@ class Reader:
             return None
         return region if region.is_contiguous() else None
 
-    def _read_direct(self, fqn: str, c: Chunk, item: ReadItem, t: Target) -> None:
-        """Read the item's bytes of chunk ``c`` straight into the destination
-        region; verified blocks are hashed one segment at a time, right after
-        it is read. A block only partly inside the item (its first and last,
-        when the item starts or ends inside a block) is read whole into a
-        scratch block, verified, and its part copied."""
-        path = self.st.join(self.ckpt, c.file)
-        u8 = self._region_u8(item, t)
-        mv = memoryview(u8.numpy().data)
+    def _direct_jobs(self, fqn: str, c: Chunk, item: ReadItem, t: Target) -> list[Callable[[], None]]:
+        """The reads of an item that goes straight into its destination
+        region, as jobs of at most about ``_SPLIT_BYTES`` each (so the reader
+        threads share one large chunk instead of one thread reading it while
+        the others idle): its whole blocks in parts, and the blocks only
+        partly inside the item (its first and last, when it starts or ends
+        inside a block) as one more job."""
         bs, be = item.byte_start, item.byte_stop
-        seg = self._segment(c)
-        self.mark_written(t.req.fqn)  # its bytes arrive before they are verified
         edges: list[int] = []  # chunk offsets of blocks only partly inside [bs, be)
         d0, d1 = bs, be  # chunk bytes read straight into the region
         if self.opts.checksums and BlockTables.has(c):
@@ -513,6 +513,26 @@ class Reader:
             if be % b and be != c.length and (be - 1) // b * b >= d0:
                 edges.append((be - 1) // b * b)
                 d1 = edges[-1]
+        seg = self._segment(c)
+        step = seg * max(1, _SPLIT_BYTES // seg)
+        jobs: list[Callable[[], None]] = [partial(self._read_direct, fqn, c, item, t, a, min(a + step, d1))
+                                          for a in range(d0, d1, step)]
+        if edges:
+            jobs.append(partial(self._read_edges, fqn, c, item, t, edges))
+        if not jobs:  # an empty item
+            jobs.append(partial(self.mark_written, t.req.fqn))
+        return jobs
+
+    def _read_direct(self, fqn: str, c: Chunk, item: ReadItem, t: Target, d0: int, d1: int) -> None:
+        """Read chunk bytes [d0, d1) of the item (whole blocks when verified)
+        straight into the destination region; verified blocks are hashed one
+        segment at a time, right after it is read."""
+        path = self.st.join(self.ckpt, c.file)
+        u8 = self._region_u8(item, t)
+        mv = memoryview(u8.numpy().data)
+        bs = item.byte_start
+        seg = self._segment(c)
+        self.mark_written(t.req.fqn)  # its bytes arrive before they are verified
         starts = range(d0, d1, seg)
         reads = ((c.offset + a, mv[a - bs:min(a + seg, d1) - bs]) for a in starts)
         with closing(self.st.read_parts(path, reads)) as parts:
@@ -520,6 +540,14 @@ class Reader:
                 a = starts[i]
                 self._count(min(a + seg, d1) - a)
                 self.verify(fqn, c, a, u8[a - bs:min(a + seg, d1) - bs])
+
+    def _read_edges(self, fqn: str, c: Chunk, item: ReadItem, t: Target, edges: list[int]) -> None:
+        """The blocks only partly inside the item: each read whole into a
+        scratch block, verified, and its part copied."""
+        path = self.st.join(self.ckpt, c.file)
+        u8 = self._region_u8(item, t)
+        bs, be = item.byte_start, item.byte_stop
+        self.mark_written(t.req.fqn)
         for e in edges:
             n = min(self.m.checksum_block_bytes, c.length - e)
             scratch = torch.empty(n, dtype=torch.uint8)

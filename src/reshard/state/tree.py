@@ -40,7 +40,7 @@ import contextvars
 import functools
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -161,14 +161,20 @@ class Leaves:
 
 
 def _renamed(x: Any, name: str) -> Any:
-    if isinstance(x, ShardedObject):
-        return x if x.key == name else replace(x, key=name)
     if x.fqn == name:
         return x
-    out = object.__new__(ShardedTensor)  # a copy without a second validation of the geometry
+    return _with(x, "key" if isinstance(x, ShardedObject) else "fqn", name)
+
+
+def _with(x: Any, field_name: str, value: Any) -> Any:
+    """A copy of the (validated) ShardedTensor or ShardedObject ``x`` with
+    one field changed, without validating its geometry again
+    (``dataclasses.replace`` would: once per parameter, for the optimizer's
+    hyperparameter objects, it cost loads measurable time)."""
+    out = object.__new__(type(x))
     d = out.__dict__
     d.update(x.__dict__)
-    d["fqn"] = name
+    d[field_name] = value
     return out
 
 
@@ -290,7 +296,7 @@ def flatten(
             return x
         if isinstance(x, ShardedObject):
             key = (join(cpath, x.key), x.global_offset)
-            return replace(x, value=loaded_objects[key]) if key in loaded_objects else x
+            return _with(x, "value", loaded_objects[key]) if key in loaded_objects else x
         if not root and path in loaded_values:
             return loaded_values[path]
         if isinstance(x, Mapping) and (root or _is_special(x)):
