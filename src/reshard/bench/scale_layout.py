@@ -2,7 +2,8 @@
 
 No tensors are allocated: each simulated rank gets the :class:`~reshard.planning.planner.LocalTensorItem`
 records its real state would produce (fqn, dtype, global shape, chunk box, flat range, replica id,
-bytes, replica digest), under the keys :class:`reshard.ModelState` / :class:`reshard.OptimizerState`
+bytes; no digest: a save computes the replicas' digests while it writes and sends them in its write
+report, not in its plan), under the keys :class:`reshard.ModelState` / :class:`reshard.OptimizerState`
 give (``model.<fqn>``, ``optim.state.<fqn>.<key>``).
 
 Layout (Megatron order: rank = ((pp * dp + d) * ep_tp ...) with tp fastest, then dp, then pp):
@@ -131,8 +132,10 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _digest(*key: object) -> str:
-    return xxhash.xxh3_64_hexdigest(repr(key).encode())
+def item_digest(it: LocalTensorItem) -> str:
+    """The replica digest a rank reports for ``it`` after writing or hashing
+    it (the same on every holder of the chunk)."""
+    return xxhash.xxh3_64_hexdigest(repr((it.fqn, it.global_offset, it.flattened_range)).encode())
 
 
 def rank_items(model: str, layout: Layout, rank: int, *, optimizer: str = "adam",
@@ -154,7 +157,7 @@ def rank_items(model: str, layout: Layout, rank: int, *, optimizer: str = "adam"
         fqn = "model." + p.fqn
         items.append(LocalTensorItem(fqn=fqn, dtype="bfloat16", global_shape=p.shape, global_offset=off,
                                      local_shape=shape, flattened_range=None, replica_id=rep,
-                                     nbytes=2 * _numel(shape), digest=_digest(fqn, off)))
+                                     nbytes=2 * _numel(shape)))
     if optimizer != "adam":
         return items
     # fp32 state, ZeRO-1 over the DP ranks that share this (TP, PP) (for experts: dp / ep)
@@ -183,8 +186,7 @@ def rank_items(model: str, layout: Layout, rank: int, *, optimizer: str = "adam"
             rep = 0 if p.split_dim is not None else tpi  # TP-replicated norms: same flat buffer
             items.append(LocalTensorItem(fqn=fqn, dtype="float32", global_shape=p.shape,
                                          global_offset=off, local_shape=shape, flattened_range=(a, b),
-                                         replica_id=rep, nbytes=4 * (b - a),
-                                         digest=_digest(fqn, off, a)))
+                                         replica_id=rep, nbytes=4 * (b - a)))
     return items
 
 

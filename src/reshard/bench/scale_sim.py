@@ -43,7 +43,7 @@ from ..planning.coordination_load import key_census_steps, saved_keys
 from ..planning.coordination_save import RankSave, report_bytes, save_steps
 from ..planning.plan_store import restart_entry
 from ..planning.planner import LocalPlan, Request, plan_reads
-from .scale_layout import Layout, rank_items, rank_plan, scaled_layouts
+from .scale_layout import Layout, item_digest, rank_items, rank_plan, scaled_layouts
 from .simulate import SimWorld
 
 BLOCK = 1 << 20
@@ -84,7 +84,8 @@ def _fake_report(plan: LocalPlan, a: Assignment) -> tuple[bytes, int]:
         blocks[fi] += -(-n // BLOCK)
     files = [(size + 8 * blocks[k], f"{plan.rank:08x}{k:08x}", blocks[k])
              for k, size in enumerate(per_file)]
-    digests = [plan.tensors[i].digest if kind == 0 else plan.objects[i].digest for kind, i in a.check]
+    # the replicas' digests: computed while writing (a real save's plan carries none)
+    digests = [item_digest(plan.tensors[i]) if kind == 0 else plan.objects[i].digest for kind, i in a.check]
     return report_bytes(files, writes, digests), sum(per_file)
 
 

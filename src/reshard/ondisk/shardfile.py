@@ -206,17 +206,18 @@ def write_shard_file(
     out: list[WrittenItem | None] = [None] * len(items)
     stream = storage.open_write(path, durable=durable)
     raw_parts: list[bytes] = []
+    helper = _Helper()
     try:
         stream.write(prefix)
         for i in order:
             it = items[i]
+            hashed = checksums or digests
             if it.pieces is not None:
-                sums = _write_pieces(stream, it, block_bytes, checksums or digests)
+                sums = _write_stream(stream, it.pieces(), it, block_bytes, hashed, helper)
+            elif hashed and it.checksums is None:
+                sums = _write_stream(stream, iter((it.data,)), it, block_bytes, True, helper)
             else:
-                if checksums or digests:
-                    sums = it.checksums if it.checksums is not None else block_digests(it.data, block_bytes)
-                else:
-                    sums = ()
+                sums = it.checksums if hashed and it.checksums is not None else ()
                 stream.write(it.data)
             root = ""
             if table:
@@ -230,29 +231,69 @@ def write_shard_file(
     except BaseException:
         stream.abort()
         raise
+    finally:
+        helper.close()
     stream.close()
     written = [o for o in out if o is not None]
     digest = file_checksum(prefix, [out[i].checksums for i in order]) if checksums else ""  # type: ignore[union-attr]
     return base + pos, digest, written
 
 
-def _write_pieces(stream: Any, it: FileItem, block_bytes: int, hashed: bool) -> tuple[str, ...]:
-    """Write a staged item piece by piece (each piece hashed, when
-    ``hashed``, then written, before the next is asked for); its block
-    digests.
+#: bytes of one write while a helper thread hashes the same bytes
+_OVERLAP_BYTES = 8 << 20
+
+
+class _Helper:
+    """One helper thread of a file's writer (made when first needed; it
+    inherits the writer thread's priority): hashes a segment while the
+    writer writes it."""
+
+    def __init__(self) -> None:
+        self._ex: Any = None
+
+    def submit(self, fn: Callable[..., Any], *a: Any) -> Any:
+        if self._ex is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reshard-hash")
+        return self._ex.submit(fn, *a)
+
+    def close(self) -> None:
+        if self._ex is not None:
+            self._ex.shutdown(wait=True)
+            self._ex = None
+
+
+def _write_stream(stream: Any, pieces: Iterator[memoryview], it: FileItem, block_bytes: int, hashed: bool,
+                  helper: _Helper) -> tuple[str, ...]:
+    """Write an item's bytes, given as pieces (each valid until the next is
+    asked for), and return its block digests (when ``hashed``). A piece of
+    at least 8 MiB is written in segments of 8 MiB, each hashed by the
+    helper thread while this thread writes it (xxh3 and ``write`` both
+    release the GIL: on two cores the hashing costs no wall time); smaller
+    pieces are hashed, then written.
 
     Raises:
         IntegrityError: the pieces' bytes are not the item's declared size."""
-    assert it.pieces is not None
     h = BlockHasher(block_bytes) if hashed else None
     got = 0
-    for mv in it.pieces():
-        if h is not None:
-            h.update(mv)
-        stream.write(mv)
-        got += len(mv)
-    if got != it.nbytes:
-        raise IntegrityError(f"{it.name}: {got} bytes were staged, {it.nbytes} declared")
+    for mv in pieces:
+        n = len(mv)
+        if h is None or n < _OVERLAP_BYTES:
+            if h is not None:
+                h.update(mv)
+            stream.write(mv)
+        else:
+            for a in range(0, n, _OVERLAP_BYTES):
+                seg = mv[a:a + _OVERLAP_BYTES]
+                fut = helper.submit(h.update, seg)
+                try:
+                    stream.write(seg)
+                finally:
+                    fut.result()
+        got += n
+    if got != it.length:
+        raise IntegrityError(f"{it.name}: {got} bytes were staged, {it.length} declared")
     return h.finish() if h is not None else ()
 
 

@@ -124,6 +124,8 @@ class Snapshot:
     #: come from ``source.chunk(i)`` (``tensors[i]`` holds an empty view) and
     #: their digests are computed while they are written
     source: Any = None
+    #: block digests computed (finish_digests); else they are computed while writing
+    hashed: bool = False
 
 
 def _storage_key(item: LocalTensorItem) -> str:
@@ -151,6 +153,7 @@ def collect(
     *,
     copy: Any = None,
     stage: Any = None,
+    digests: bool = True,
 ) -> Snapshot:
     """Flatten ``state`` and describe every local item.
 
@@ -159,6 +162,9 @@ def collect(
     :class:`~reshard.saving.staging_run.StagingRun`): each tensor is handed
     to ``stage.add(index, fqn, tensor)`` instead, which stages it under the
     budget; the snapshot then holds no bytes of it (``Snapshot.source``).
+    ``digests=False``: the views' block digests are left to the writer, which
+    computes them while it writes (a synchronous save: hashing then costs no
+    time of its own on two cores).
     """
     from ..adapters.dtensor import dtensor_shards
 
@@ -229,7 +235,7 @@ def collect(
     snap = Snapshot(tensors=tensors, objects=objects, values=leaves.values, values_json=values_json,
                     aliases=aliases, value_digests=value_digests, plain=plain_fqns,
                     adapters=leaves.adapters, source=stage)
-    if copy is None and stage is None:
+    if copy is None and stage is None and digests:
         finish_digests(snap, options)
     return snap
 
@@ -252,6 +258,7 @@ def finish_digests(snap: Snapshot, options: SaveOptions) -> None:
     is written instead."""
     if snap.source is not None:
         return
+    snap.hashed = True
     block = options.checksum_block_bytes
     for i, (item, mv, _) in enumerate(snap.tensors):
         # every holder must compute the digest when replicas are compared: replica_id 0
@@ -286,13 +293,14 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
     from ..state.sharding import itemsize as isz
 
     src = snap.source
+    lazy = src is not None or not snap.hashed  # digests computed here, while writing
     per_file: list[list[tuple[int, int, int]]] = [[] for _ in assignment.files]
     for pos, (kind, i, fi) in enumerate(assignment.writes):
         per_file[fi].append((pos, kind, i))
     placed: list[tuple[int, int, str, int]] = [(0, 0, "", -1)] * len(assignment.writes)
     digests_of: dict[int, str] = {}
     hash_only: list[int] = []
-    if src is not None:
+    if lazy:
         # every file in write order (the order the staging run stages in): tensors
         # by position (write_shard_file keeps it among equal item sizes), then objects
         for entries in per_file:
@@ -302,7 +310,12 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
                             if kind == 0 and i not in written_idx
                             and wants_digest(snap, snap.tensors[i][0], options)),
                            key=lambda i: (-isz(snap.tensors[i][0].dtype), i))
-        src.need(written_idx | set(hash_only))
+        if src is not None:
+            src.need(written_idx | set(hash_only))
+
+    def chunk(i: int) -> Any:
+        """The bytes of snapshot tensor ``i`` as pieces: its staged ones, or its view."""
+        return src.chunk(i) if src is not None else iter((snap.tensors[i][1],))
 
     def write_one(fi: int) -> tuple[int, str, int]:
         items: list[FileItem] = []
@@ -314,9 +327,9 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
                     items.append(FileItem(name=_storage_key(it), dtype=it.dtype, shape=tuple(shape), data=mv,
                                           itemsize=isz(it.dtype), pieces=partial(src.chunk, i),
                                           nbytes=it.nbytes))
-                else:
+                else:  # its view (computing its digests while writing it when lazy)
                     items.append(FileItem(name=_storage_key(it), dtype=it.dtype, shape=tuple(shape), data=mv,
-                                          itemsize=isz(it.dtype), checksums=sums))
+                                          itemsize=isz(it.dtype), checksums=None if lazy else sums))
             else:
                 ob, raw = snap.objects[i]
                 key = "__object__/" + ob.key + "@" + ",".join(map(str, ob.global_offset))
@@ -325,12 +338,12 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
         size, checksum, written = write_shard_file(
             storage, storage.join(attempt, assignment.files[fi]), items,
             block_bytes=options.checksum_block_bytes, checksums=options.checksums, durable=options.durable,
-            block_table=True, digests=src is not None and (options.verify_replicas or bool(snap.plain)))
+            block_table=True, digests=lazy and (options.verify_replicas or bool(snap.plain)))
         blocks = 0
         for (pos, kind, i), w in zip(per_file[fi], written, strict=True):
             placed[pos] = (w.offset, w.length, w.root, w.block_index)
             blocks += len(w.checksums) if w.block_index >= 0 else 0
-            if src is not None and kind == 0 and wants_digest(snap, snap.tensors[i][0], options):
+            if lazy and kind == 0 and wants_digest(snap, snap.tensors[i][0], options):
                 digests_of[i] = digest_of(w.checksums, w.length)
         return size, checksum, blocks
 
@@ -338,7 +351,7 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
         block = options.checksum_block_bytes
         for i in hash_only:
             h, n = BlockHasher(block), 0
-            for mv in src.chunk(i):
+            for mv in chunk(i):
                 h.update(mv)
                 n += len(mv)
             digests_of[i] = digest_of(h.finish(), n)
@@ -362,6 +375,7 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
                     hashed.result()
     if src is not None:
         src.finish()  # the mutation guard: a tensor changed before it was staged fails the save
+    if lazy:
         digests = [digests_of.get(i, "") if kind == 0 else snap.objects[i][0].digest
                    for kind, i in assignment.check]
     else:
@@ -448,8 +462,8 @@ def save(
     t0 = time.perf_counter()
     snap = None
     err: BaseException | None = None
-    try:
-        snap = collect(state, coll.rank, opts)
+    try:  # the block digests are computed while the writer writes (not before)
+        snap = collect(state, coll.rank, opts, digests=False)
     except Exception as e:  # noqa: BLE001 - reported to every rank
         err = e
     return run_save(coll, st, key, snap, err, step=step, options=opts, t0=t0)
