@@ -290,6 +290,8 @@ class Runner:
             out = self.run(world, ranks.train, tm, base + "-train", cfg["steps"], settle,
                            cfg.get("bg_saves", 1))
             self.record("train", "step", world, backend, out)
+        if "overlap" not in cfg["skip"]:
+            self.overlap(world, backend, base, peers, tc)
         fp = self.run(world, ranks.fingerprint)[0]
         # saves
         methods = [m for m in ranks.SAVE_METHODS if (peers or m.startswith("reshard")
@@ -386,6 +388,39 @@ class Runner:
                 continue
             self.reshard_to(world, backend, target, keep, fp)
         self._remove(keep, world)
+
+    def overlap(self, world: int, backend: str, base: str, peers: bool, tc: bool) -> None:
+        """The overlap phase (:mod:`reshard.bench.ranks_overlap`): K probed (or
+        ``--overlap-k``), then the training loop checkpointing every K steps
+        with each method, and the peak RSS of a save of the state with a
+        budget of a quarter of it."""
+        from . import ranks, ranks_overlap
+
+        cfg = self.cfg
+        self.tick(f"w{world} {backend}: overlap: the cadence K")
+        k = cfg.get("overlap_k") or max(p["k"] for p in self.run(world, ranks_overlap.probe_k,
+                                                                  base + "-probe"))
+        methods = ["none"] + [m for m in ranks_overlap.OVERLAP_METHODS if m not in cfg["skip"] and (
+            m.startswith("reshard") or (peers and not m.startswith("tc")) or (tc and m == "tc-async"))]
+        if "dcp-async-process" in methods:
+            try:
+                self.run(world, ranks.warm, base + "-warm-process", ["dcp-async-process"])
+            except BenchError as e:
+                self.notes.append(f"overlap: dcp-async-process not measured (world {world}): {str(e)[:300]}")
+                methods.remove("dcp-async-process")
+                self.pool.restart(world)
+                self.setup(world, cfg["layout"])
+        for m in methods:
+            self.tick(f"w{world} {backend}: overlap loop {m}")
+            out = self.run(world, ranks_overlap.loop, m, base + "-ov", k, cfg.get("overlap_cycles", 3))
+            if out[0].get("skipped"):
+                self.notes.append(f"overlap (w{world}): {m} not measured: {out[0]['skipped']}")
+                continue
+            self.record("overlap", m, world, backend, out, k=k)
+        self.run(world, ranks.end_dcp_process)
+        self.tick(f"w{world} {backend}: overlap: a state four times the budget")
+        self.record("overlap", "budget-rss", world, backend, self.run(world, ranks_overlap.budget_rss, base))
+        self.run(world, ranks.trim)
 
     def tc_ready(self, world: int, base: str) -> bool:
         """Whether torch_checkpointing is measured in this world (installed and

@@ -223,7 +223,10 @@ class Workload:
     def after_load(self) -> None:
         """What a training loop does after ``reshard.load`` (nothing here)."""
 
-    def step(self) -> float:
+    def step(self, before_update: Any = None) -> float:
+        """One training step; ``before_update()`` (if given) is called after
+        the backward, right before ``optimizer.step()`` mutates the state
+        (where a loop calls ``reshard.wait_for_staging()``)."""
         import torch.distributed as dist
 
         loss = self.model(self.batch)
@@ -235,6 +238,8 @@ class Workload:
                 if p.grad is not None:
                     dist.all_reduce(p.grad)
                     p.grad /= n
+        if before_update is not None:
+            before_update()
         self.opt.step()
         return float(loss.detach())
 
@@ -280,7 +285,9 @@ class GridWorkload(Workload):
 
     trainer: Any = None
 
-    def step(self) -> float:
+    def step(self, before_update: Any = None) -> float:
+        if before_update is not None:  # the trainer's step mutates as it goes: the wait comes first
+            before_update()
         loss = self.trainer.train_step().loss
         return 0.0 if loss is None else float(loss)
 

@@ -128,7 +128,7 @@ def trim() -> None:
 
     staging.wait_all()
     for saver in staging.SAVERS.values():
-        saver.pool.trim(set())
+        saver.pool.trim()
     tca = _W.pop("tc_async", None)  # torch_checkpointing's process and shared-memory buffers
     if tca is not None:
         tca.close()

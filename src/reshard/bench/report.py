@@ -58,7 +58,8 @@ def summarise(records: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, A
     for r in records:
         groups[(r["backend"], r["world"])].append(r)
     for (backend, world), recs in groups.items():
-        s: dict[str, Any] = {"save": {}, "async": {}, "load": {}, "reshard": {}, "rss": {}, "cold": {}}
+        s: dict[str, Any] = {"save": {}, "async": {}, "load": {}, "reshard": {}, "rss": {}, "cold": {},
+                             "overlap": {}}
         setup = next(r for r in recs if r["phase"] == "setup")
         logical = setup["logical_bytes"]
         s["logical_bytes"] = logical
@@ -134,6 +135,27 @@ def summarise(records: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, A
                 r = rs[-1]
                 s["rss"][m] = {"extra_per_rank": [p["extra"] for p in r["per_rank"]],
                                "state_bytes_per_rank": [p["state_bytes"] for p in r["per_rank"]]}
+            elif phase == "overlap" and m == "budget-rss":
+                per = rs[-1]["per_rank"]
+                worst = max(per, key=lambda p: max(p[k]["extra"] for k in ("default", "overlap")) - p["budget"])
+                s["overlap"]["budget_rss"] = {
+                    "budget": worst["budget"], "state_bytes": worst["state_bytes"], "rank": worst["rank"],
+                    "extra": max(worst[k]["extra"] for k in ("default", "overlap")),
+                    **{k: worst[k] for k in ("default", "overlap")},
+                    "per_rank": [{k: p[k] for k in ("rank", "budget", "state_bytes", "default", "overlap")}
+                                 for p in per]}
+            elif phase == "overlap":
+                per = rs[-1]["per_rank"]
+                means = [statistics.fmean(p["steps_s"]) for p in per]
+                stalls = [statistics.fmean(p["stalls_s"]) if p["stalls_s"] else 0.0 for p in per]
+                s["overlap"].setdefault("methods", {})[m] = {
+                    "k": rs[-1].get("k"), "steps": len(per[0]["steps_s"]), "saves": len(per[0]["stalls_s"]),
+                    "step_mean_s": max(means), "step_median_s": max(_med(p["steps_s"]) for p in per),
+                    "stall_mean_s": max(stalls), "stall_max_s": max(max(p["stalls_s"], default=0.0) for p in per),
+                    "cpu_s": max(p["cpu_s"] for p in per), "loop_s": max(p["loop_s"] for p in per),
+                    "peak_extra_rss": max(p["peak_extra_rss"] for p in per),
+                    "per_rank": [{k: p[k] for k in ("rank", "steps_s", "stalls_s", "cpu_s", "loop_s",
+                                                    "peak_extra_rss")} for p in per]}
             elif phase == "train":
                 r = rs[-1]
                 trows: list[dict[str, Any]] = []
@@ -161,6 +183,12 @@ def summarise(records: list[dict[str, Any]], cfg: dict[str, Any]) -> dict[str, A
         if rss_after:
             s["rss_after_max_per_rank"] = [max((x[i] or 0) for x in rss_after if len(x) > i)
                                            for i in range(max(len(x) for x in rss_after))]
+        om = s["overlap"].get("methods", {})
+        if "none" in om:  # each method against the loop without checkpoints
+            base = om["none"]
+            for e in om.values():
+                e["ratio"] = e["step_mean_s"] / base["step_mean_s"]
+                e["save_cpu_per_ckpt_s"] = max(0.0, e["cpu_s"] - base["cpu_s"]) / max(1, e["saves"])
         s["world"], s["cpus"] = world, cfg.get("cpus")
         s["ratios"] = _ratios(s)
         s["targets"] = targets.evaluate(s, world)
@@ -314,6 +342,7 @@ def table(doc: dict[str, Any]) -> str:
                     parts.append(f"during {NAMES[k]} {r0[k]['median_s'] * 1e3:.0f} ms (x{tr[k + '_ratio']:.2f} "
                                  f"worst rank, {r0[k]['steps']} steps, save {r0[k]['save_s']:.2f} s)")
             lines.append("training step (rank 0): " + "; ".join(parts))
+        lines.extend(overlap_lines(s))
         rss = {m: v for m, v in s["rss"].items() if "extra_per_rank" in v}
         if rss:
             lines.append("peak extra RSS per rank (MiB): " + "; ".join(
@@ -335,6 +364,46 @@ def table(doc: dict[str, Any]) -> str:
     for n in doc["notes"]:
         lines.append(f"note: {n}")
     return "\n".join(lines)
+
+
+#: the overlap phase's methods, as the table names them
+OVERLAP_NAMES = {"none": "no checkpoint", "reshard-async": "reshard.async_save (default mode)",
+                 "reshard-overlap": "reshard.async_save (overlap mode)",
+                 "reshard-overlap-split": "reshard overlap, step and save on their own cores",
+                 "dcp-async": "DCP async_save (thread)", "dcp-async-process": "DCP async_save (process, DefaultStager)",
+                 "tc-async": "torch_checkpointing async save (process)"}
+
+
+def overlap_lines(s: dict[str, Any]) -> list[str]:
+    """The overlap phase's block: per method the loop's mean step time and its
+    ratio to the loop without checkpoints, the visible stall per checkpoint,
+    the save's CPU per checkpoint, the loop's peak extra RSS; then the save
+    of a state four times its budget."""
+    ov = s.get("overlap") or {}
+    om = ov.get("methods")
+    out: list[str] = []
+    if om:
+        k = next(iter(om.values()))["k"]
+        rows: list[tuple[str, ...]] = [(f"training loop, checkpoint every K={k} steps", "step ms", "x none",
+                                        "stall ms", "max ms", "save CPU s", "RSS MiB",
+                                        "(mean step; visible stall per checkpoint; peak extra RSS)")]
+        for m, e in om.items():
+            rows.append((f"  {OVERLAP_NAMES.get(m, m)}", f"{e['step_mean_s'] * 1e3:.0f}",
+                         f"{e.get('ratio', float('nan')):.2f}",
+                         "" if m == "none" else f"{e['stall_mean_s'] * 1e3:.0f}",
+                         "" if m == "none" else f"{e['stall_max_s'] * 1e3:.0f}",
+                         "" if m == "none" else f"{e.get('save_cpu_per_ckpt_s', 0.0):.2f}",
+                         f"{e['peak_extra_rss'] / MiB:.0f}",
+                         f"{e['steps']} steps, {e['saves']} checkpoints; loop CPU {e['cpu_s']:.1f} s"))
+        out.extend(_grid(rows))
+    b = ov.get("budget_rss")
+    if b:
+        out.append(f"a state four times the staging budget (rank {b['rank']}: {b['state_bytes'] / MiB:.0f} MiB, budget "
+                   f"{b['budget'] / MiB:.0f} MiB): peak extra RSS of a save {b['default']['extra'] / MiB:.0f} MiB "
+                   f"(default mode, stall {b['default']['stall_s']:.2f} s), {b['overlap']['extra'] / MiB:.0f} MiB "
+                   f"(overlap mode, visible stall {b['overlap']['stall_s']:.2f} s); staging slabs at most "
+                   f"{max(b['default']['staging_peak'], b['overlap']['staging_peak']) / MiB:.0f} MiB")
+    return out
 
 
 def state_mismatches(doc: dict[str, Any]) -> list[str]:

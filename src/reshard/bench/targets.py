@@ -12,18 +12,31 @@ target                     what                                        goal
 =========================  ==========================================  =========
 ``stall_vs_memcpy``        async stall / preallocated memcpy           <= 1.1
 ``stall_vs_tc``            async stall / torch_checkpointing's stall   <= 0.8
-``save_vs_limit``          fsync'd write of the same bytes / save      >= 0.95
+``save_vs_limit``          fsync'd write of the same bytes / save      >= 0.9
 ``save_vs_tc``             torch_checkpointing save + os.sync / save   >= 2
 ``save_vs_dcp``            DCP save / save                             >= 1.5
-``load_vs_limit``          1-thread page-cache read / warm load        >= 0.85 (1 rank), 0.6 (more)
-``load_nocheck_vs_limit``  the same, no checksums                      >= 0.95
+``load_vs_limit``          1-thread page-cache read / warm load        >= 0.75 (1 rank), 0.6 (more)
+``load_nocheck_vs_limit``  the same, no checksums                      >= 0.9
 ``load_vs_tc``             torch_checkpointing load / load             >= 2
 ``load_vs_dcp``            DCP's best load / load                      >= 2
 ``step_slowdown``          step during a background save / without     <= 1.05 (1 rank; reported beyond)
 ``save_rss``               peak extra RSS of a save / the rank's bytes <= 10% + 64 MiB
 ``load_rss``               peak extra RSS of a load / the rank's bytes <= 10% + 64 MiB
 ``async_rss_growth``       RSS growth over ``--rss-saves`` async saves <= 1%
+``overlap_step``           loop's mean step, overlap mode, every K /   <= 1.10
+                           the loop without checkpoints
+``overlap_step_split``     the same, step and save on their own cores  reported
+``overlap_stall_vs_tc``    visible stall per checkpoint, overlap mode  <= 0.8
+                           / torch_checkpointing's in the same loop
+``overlap_stall_vs_dcp``   the same / DCP's (its better mode)          <= 0.8
+``budget_rss``             peak extra RSS of a save of a state four    <= budget + 64 MiB
+                           times the staging budget / the budget
 =========================  ==========================================  =========
+
+The save and load goals are issue 29's (an earlier issue set 0.95x for the
+save, 0.85x and 0.95x for the loads); the overlap phase's are issue 29's: K
+is the smallest cadence whose K steps outlast an overlapped save's
+background write (measured, or ``--overlap-k``).
 """
 
 from __future__ import annotations
@@ -132,16 +145,16 @@ def evaluate(s: dict[str, Any], world: int) -> list[dict[str, Any]]:
     sv, lw, tcs, dcp = t("save", "reshard"), t("save", "limit-write"), t("save", "tc+sync"), t("save", "dcp")
     bnd = _save_bound(s)
     out.append(_entry("save_vs_limit", "save speed / fsync'd write", lw / sv if sv and lw else None,
-                      ">=", 0.95, bnd))
+                      ">=", 0.9, bnd))
     out.append(_entry("save_vs_tc", "save speed / torch_checkpointing + os.sync()",
                       tcs / sv if sv and tcs else None, ">=", 2.0, bnd))
     out.append(_entry("save_vs_dcp", "save speed / DCP", dcp / sv if sv and dcp else None, ">=", 1.5, bnd))
     ld, lr, nc, tl = t("load", "reshard"), t("load", "limit-read"), t("load", "reshard-nocheck"), t("load", "tc")
     dl = min([x for x in (t("load", "dcp"), t("load", "dcp-threads")) if x] or [0.0]) or None
     out.append(_entry("load_vs_limit", "warm verified load speed / 1-thread page-cache read",
-                      lr / ld if ld and lr else None, ">=", 0.85 if world == 1 else 0.6, _load_bound(s, "reshard")))
+                      lr / ld if ld and lr else None, ">=", 0.75 if world == 1 else 0.6, _load_bound(s, "reshard")))
     out.append(_entry("load_nocheck_vs_limit", "warm load, no checksums / page-cache read",
-                      lr / nc if nc and lr else None, ">=", 0.95, _load_bound(s, "reshard-nocheck")))
+                      lr / nc if nc and lr else None, ">=", 0.9, _load_bound(s, "reshard-nocheck")))
     out.append(_entry("load_vs_tc", "load speed / torch_checkpointing", tl / ld if ld and tl else None,
                       ">=", 2.0, _load_bound(s, "reshard")))
     out.append(_entry("load_vs_dcp", "load speed / DCP's best", dl / ld if ld and dl else None,
@@ -167,7 +180,65 @@ def evaluate(s: dict[str, Any], world: int) -> list[dict[str, Any]]:
                           f"{g['growth_bytes'] / MiB:.1f} MiB ({g['growth_bytes'] / max(1, g['saves'] - 1) / 1024:.1f} "
                           f"KiB per save) from {g['rss_first'] / MiB:.0f} MiB, {g['seconds']:.0f} s",
                           unit="of the RSS"))
+    out.extend(_overlap_targets(s))
     return [e for e in out if e is not None]
+
+
+def _overlap_bound(s: dict[str, Any]) -> str | None:
+    om = (s.get("overlap") or {}).get("methods") or {}
+    r, base = om.get("reshard-overlap"), om.get("none")
+    if not r or not base:
+        return None
+    txt = (f"K={r['k']}; step {r['step_mean_s'] * 1e3:.0f} ms vs {base['step_mean_s'] * 1e3:.0f} ms without "
+           f"checkpoints; visible stall {r['stall_mean_s'] * 1e3:.0f} ms per checkpoint; the save's CPU "
+           f"{r.get('save_cpu_per_ckpt_s', 0.0):.2f} s per checkpoint ({s.get('cpus', '?')} cores for "
+           f"{s['world']} rank(s): the background write takes its CPU from the step)")
+    sp = om.get("reshard-overlap-split")
+    if sp:
+        txt += f"; with the step and the save on their own cores x{sp['ratio']:.2f}"
+    else:
+        txt += "; no core per rank to spare for the save: the split figure is not measured"
+    return txt
+
+
+def _overlap_targets(s: dict[str, Any]) -> list[dict[str, Any] | None]:
+    ov = s.get("overlap") or {}
+    om = ov.get("methods") or {}
+    out: list[dict[str, Any] | None] = []
+    r = om.get("reshard-overlap")
+    bnd = _overlap_bound(s)
+    if r and "ratio" in r:
+        out.append(_entry("overlap_step", f"loop's mean step, overlap mode, every K={r['k']} / without checkpoints",
+                          r["ratio"], "<=", 1.10, bnd))
+    sp = om.get("reshard-overlap-split")
+    if sp and "ratio" in sp:
+        out.append(_entry("overlap_step_split", "the same, step and save on their own cores", sp["ratio"],
+                          "report", 1.10, bnd))
+    if r:
+        stall = r["stall_mean_s"]
+        why = (f"reshard's visible stall {stall * 1e3:.0f} ms per checkpoint (the walk of the state, then "
+               "the wait before optimizer.step())")
+        tc = om.get("tc-async")
+        if tc and tc["stall_mean_s"] > 0:
+            out.append(_entry("overlap_stall_vs_tc", "visible stall per checkpoint / torch_checkpointing's",
+                              stall / tc["stall_mean_s"], "<=", 0.8,
+                              why + f"; torch_checkpointing's {tc['stall_mean_s'] * 1e3:.0f} ms"))
+        dcps = [om[m] for m in ("dcp-async", "dcp-async-process") if m in om and om[m]["stall_mean_s"] > 0]
+        if dcps:
+            best = min(dcps, key=lambda e: e["stall_mean_s"])
+            out.append(_entry("overlap_stall_vs_dcp", "visible stall per checkpoint / DCP's (its better mode)",
+                              stall / best["stall_mean_s"], "<=", 0.8,
+                              why + f"; DCP's {best['stall_mean_s'] * 1e3:.0f} ms"))
+    b = ov.get("budget_rss")
+    if b:
+        budget = b["budget"]
+        out.append(_entry("budget_rss", "peak extra RSS of a save of a state 4x the budget / the budget",
+                          b["extra"] / budget, "<=", 1 + 64 * MiB / budget,
+                          f"{b['extra'] / MiB:.0f} MiB for a budget of {budget / MiB:.0f} MiB and a state of "
+                          f"{b['state_bytes'] / MiB:.0f} MiB (goal {(budget + 64 * MiB) / MiB:.0f} MiB); staging "
+                          f"slabs at most {max(b['default']['staging_peak'], b['overlap']['staging_peak']) / MiB:.0f} MiB",
+                          unit="of the budget"))
+    return out
 
 
 def fmt(e: dict[str, Any]) -> str:

@@ -91,7 +91,7 @@ def rss_growth(layout: str, saves: int, path: str, state_mib: float = 4.0) -> di
         staging.wait_all()
         del state, w
         for saver in staging.SAVERS.values():  # the small state's staging buffers
-            saver.pool.trim(set())
+            saver.pool.trim()
         gc.collect()
     return {"rank": dist.get_rank(), "rss_after": after, "seconds": time.perf_counter() - t0,
             "state_bytes": int(3 * state_mib * (1 << 20))}

@@ -110,10 +110,10 @@ def bench_scale_cmd(tp: int, pp: int, dp: int, ep: int, model: str, optimizer: s
 def _methods() -> set[str]:
     """Every name ``--skip`` may give: the methods (the peers, the limits and
     reshard's own) and the phases :mod:`reshard.bench.io` checks for."""
-    from ..bench import ranks
+    from ..bench import ranks, ranks_overlap
 
-    return {*ranks.SAVE_METHODS, *ranks.ASYNC_METHODS, *ranks.LOAD_METHODS,
-            "save", "load", "async", "async-save", "rss", "rss-growth", "train"}
+    return {*ranks.SAVE_METHODS, *ranks.ASYNC_METHODS, *ranks.LOAD_METHODS, *ranks_overlap.OVERLAP_METHODS,
+            "save", "load", "async", "async-save", "rss", "rss-growth", "train", "overlap"}
 
 
 def _ints(text: str | None) -> list[int] | None:
@@ -159,7 +159,7 @@ def _ints(text: str | None) -> list[int] | None:
               callback=finite(0.0, open_low=False),
               help="Seconds of rest after os.sync() before each timed save.")
 @click.option("--skip", default="", help="Comma-separated methods (e.g. dcp-async-process, reshard-nocheck) "
-              "or phases (rss, train, async, save, load; no save: no load either) to leave out.")
+              "or phases (rss, train, overlap, async, save, load; no save: no load either) to leave out.")
 @click.option("--dir", "scratch_dir", type=click.Path(file_okay=False, exists=True), default=None,
               help="Scratch directory on the disk to measure (default: a temporary one).")
 @click.option("--json", "json_path", type=OutputPath(), default=None,
@@ -182,13 +182,18 @@ def _ints(text: str | None) -> list[int] | None:
 @click.option("--rss-saves", type=click.IntRange(0, 10000), default=100, show_default=True,
               help="Consecutive async saves of a small state (4 MiB of parameters, the run's layout) whose "
                    "resident memory is reported after each: its growth (0: not measured).")
+@click.option("--overlap-k", type=click.IntRange(1, 1000), default=None,
+              help="Checkpoint cadence of the overlap phase's training loop, in steps (default: the "
+                   "smallest K whose K steps outlast an overlapped save's background write, measured).")
+@click.option("--overlap-cycles", type=click.IntRange(1, 100), default=3, show_default=True,
+              help="Checkpoints per method in the overlap phase's loop (K steps each).")
 @click.option("--no-progress", is_flag=True,
               help="No progress bar (shown when stderr is a terminal or RESHARD_PROGRESS=1).")
 def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ...], backend: str,
            s3_endpoint: str | None, repeat: int, synthetic_mib: float, seq_len: int, steps: int,
            settle: float, skip: str, scratch_dir: str | None, json_path: str | None,
            plot_path: str | None, timeout: float, profile_dir: str | None, demo_report: str | None,
-           cold: bool, rss_saves: int, no_progress: bool) -> None:
+           cold: bool, rss_saves: int, overlap_k: int | None, overlap_cycles: int, no_progress: bool) -> None:
     """Measure save, async save, load and reshard of a model state, with DCP,
     torch.save, safetensors and the machine's limits in the same run.
 
@@ -272,7 +277,7 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
         "skip": {s.strip() for s in skip.split(",") if s.strip()}, "timeout": timeout, "layout_of": {},
         "argv": sys.argv[1:], "cpus": os.cpu_count(),
         "profile": os.path.abspath(profile_dir) if profile_dir else None, "cold": cold,
-        "rss_growth": rss_saves,
+        "rss_growth": rss_saves, "overlap_k": overlap_k, "overlap_cycles": overlap_cycles,
     }
     try:
         doc = run(cfg, progress=not no_progress and (interactive() or wanted(None)), json_path=json_path,

@@ -153,6 +153,14 @@ class SlabPool:
             self._free.append(s)
         self.cond.notify_all()
 
+    def trim(self) -> int:
+        """Free the slabs not in use now (the next save allocates again);
+        returns the bytes the pool still holds."""
+        with self.cond:
+            self._held -= sum(f.nbytes for f in self._free)
+            self._free.clear()
+            return self._held
+
     def prewarm(self, nbytes: int) -> int:
         """Allocate (and touch) slabs until the pool holds ``nbytes`` (at
         most the budget), so the first save faults no page; returns the

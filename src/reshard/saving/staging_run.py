@@ -5,9 +5,10 @@ group (its slab pool, copy threads and CUDA side streams) and the
 How one save stages (DESIGN.md section 2, "SaveHandle.staged"):
 
 1. **The walk** (caller's thread): :func:`reshard.saving.save.collect` describes
-   every tensor and hands it to :meth:`StagingRun.add`, which copies it at
-   once into slabs while the run holds at most half of the budget (the
-   "eager" half: the copies overlap the rest of the walk).
+   every tensor and hands it to :meth:`StagingRun.add`, which (in the default
+   mode) copies it at once into slabs while the run holds at most half of
+   the budget (the "eager" half: the copies overlap the rest of the walk);
+   the overlap mode copies nothing on the caller's thread.
 2. **The rest** (:meth:`StagingRun.stage_rest`; the caller's thread in the
    default mode, a staging thread in the overlap mode) copies every other
    tensor in **write order**: by descending item size, then by position in
@@ -235,7 +236,7 @@ class StagingRun:
     def add(self, index: int, fqn: str, tensor: torch.Tensor) -> None:
         """Take the source of snapshot tensor ``index``; copy it now while
         the eager half of the budget has room."""
-        src = _Source(index, fqn, tensor.detach())
+        src = _Source(index, fqn, tensor.detach() if tensor.requires_grad else tensor)
         if src.cuda and src.nbytes:
             dev = tensor.device
             if dev.index not in self._waited:  # the copies see every kernel the caller queued
@@ -243,7 +244,8 @@ class StagingRun:
                 self._waited.add(dev.index)
         self.sources.append(src)
         self._by_index[index] = src
-        if self._eager_open and src.nbytes:
+        # the overlap mode copies nothing on the caller's thread: it returns after the walk
+        if self._eager_open and src.nbytes and not self.overlap:
             try:
                 self._stage(src, eager=True)
             except BaseException as e:  # noqa: BLE001 - the save fails with it, on every rank
