@@ -248,7 +248,7 @@ class StagingRun:
         if self._eager_open and src.nbytes and not self.overlap:
             try:
                 self._stage(src, eager=True)
-            except BaseException as e:  # noqa: BLE001 - the save fails with it, on every rank
+            except Exception as e:  # noqa: BLE001 - the save fails with it, on every rank
                 self._fail(e)
 
     def nbytes(self) -> int:
@@ -261,13 +261,17 @@ class StagingRun:
         slabs as the writer frees them; then complete ``staged``."""
         try:
             for src in sorted(self.sources, key=lambda s: (-s.itemsize, s.index)):
-                if self._closing:
+                if self._closing or self._error is not None:
                     break
                 if src.needed is False or src.issued >= src.nbytes:
                     continue
                 self._stage(src, eager=False)
-        except BaseException as e:  # noqa: BLE001 - the save fails with it
+        except Exception as e:  # noqa: BLE001 - the save fails with it
             self._fail(e)
+        except BaseException as e:  # Ctrl-C in the stall: the save fails, the interrupt goes on
+            self._fail(e)
+            self._complete()
+            raise
         self._complete()
 
     def _fail(self, e: BaseException) -> None:
@@ -321,7 +325,7 @@ class StagingRun:
     def _stage(self, src: _Source, *, eager: bool) -> None:
         while src.issued < src.nbytes:
             with self.cond:
-                if self._closing or src.needed is False:
+                if self._closing or self._error is not None or src.needed is False:
                     return
                 got = self._alloc(eager, src.nbytes - src.issued, src.itemsize)
                 if got is None:
