@@ -107,6 +107,7 @@ def test_a_synchronous_save_hashes_while_it_writes(tmp_path: Path, monkeypatch: 
     # (a plain tensor: its digest is compared across ranks even without checksums)
     res = reshard.save({"w": w, "small": torch.arange(10.0)}, tmp_path / "c", step=1)
     assert res.total_bytes > 24 << 20
+    assert res.peak_rss_bytes > 24 << 20  # this rank's resident memory during the save (the state is in it)
     assert plans and all(t.digest == "" for t in plans[0].tensors)  # no digest before the plan
     assert any(n.startswith("reshard-hash") for n in helpers), helpers  # hashed beside the writes
     assert reshard.verify(tmp_path / "c").ok

@@ -63,6 +63,7 @@ from .attempt import (
     open_attempt,
     removed_error,
 )
+from .staging_budget import PeakRss
 
 log = logging.getLogger("reshard.save")
 
@@ -82,8 +83,8 @@ class SaveResult:
         timings: seconds spent per phase on this rank ("stage", "plan", "write", "commit").
         manifest: the published manifest (coordinator only, else None).
         peak_rss_bytes: this rank's process's highest resident memory while
-            the save ran (bytes; sampled every 5 ms and whenever staging
-            took a new slab, from the call to the commit; 0 where unknown).
+            the save ran (bytes; sampled every 5 ms, and whenever staging
+            took a new slab, from the call to the commit).
         staging_peak_bytes: the most bytes of staging slabs (pinned
             included) this rank's save held at once (asynchronous saves;
             0 for a synchronous one, which stages nothing).
@@ -460,13 +461,18 @@ def save(
     warn_pending_error(group, wait=True, step=step)
     st, key = resolve(path, storage)
     t0 = time.perf_counter()
+    rss = PeakRss().start()
     snap = None
     err: BaseException | None = None
-    try:  # the block digests are computed while the writer writes (not before)
-        snap = collect(state, coll.rank, opts, digests=False)
-    except Exception as e:  # noqa: BLE001 - reported to every rank
-        err = e
-    return run_save(coll, st, key, snap, err, step=step, options=opts, t0=t0)
+    try:
+        try:  # the block digests are computed while the writer writes (not before)
+            snap = collect(state, coll.rank, opts, digests=False)
+        except Exception as e:  # noqa: BLE001 - reported to every rank
+            err = e
+        res = run_save(coll, st, key, snap, err, step=step, options=opts, t0=t0)
+    finally:
+        peak = rss.stop()
+    return dataclasses.replace(res, peak_rss_bytes=peak)
 
 
 def run_save(

@@ -126,6 +126,8 @@ class _Slot:
     #: the longest one collective of the save waits (s; None: unknown) and its ranks
     timeout_s: float | None = None
     world_size: int = 1
+    #: set once ``thread`` is started (after staging, or when staging waits for it)
+    running: threading.Event = field(default_factory=threading.Event)
 
 
 class _Saver:
@@ -276,8 +278,9 @@ def async_save(
         res: SaveResult | None = None
         failure: BaseException | None = None
         try:
-            if prev is not None:
-                prev.join()
+            if prev is not None:  # the previous save of the group first (its thread once started)
+                prev.running.wait()
+                prev.thread.join()
             res = run_save(bg, st, key, snap, err, step=step, options=opts, t0=time.perf_counter(),
                            abort=handle._abort)
         except BaseException as e:  # noqa: BLE001
@@ -308,19 +311,41 @@ def async_save(
     # background saves of one group run one after another, in request order on
     # every rank: they share the background group, whose collectives must not
     # interleave between saves (concurrent ones mismatch across ranks)
-    prev = saver.pending[-1].thread if saver.pending else None
+    prev = saver.pending[-1] if saver.pending else None
     th = threading.Thread(target=work, name=f"reshard-async-save-{step}", daemon=True)
-    saver.pending.append(_Slot(handle=handle, thread=th, world_size=bg.world_size,
-                               timeout_s=group_timeout_s(bg.group) if isinstance(bg, TorchCollectives)
-                               else None))
-    # the writer starts before the rest is staged: a state larger than the
-    # budget is written piece by piece while later pieces are staged
-    th.start()
+    slot = _Slot(handle=handle, thread=th, world_size=bg.world_size,
+                 timeout_s=group_timeout_s(bg.group) if isinstance(bg, TorchCollectives) else None)
+    saver.pending.append(slot)
+    start_lock = threading.Lock()
+
+    def start_writer() -> None:
+        """Start the background save once: when staging finished, or earlier
+        when staging must wait for the writer to free a slab (a state larger
+        than the budget is written piece by piece while later pieces are
+        staged). Started later than that, its writes would compete with the
+        copies of the stall for the same cores."""
+        with start_lock:
+            if not slot.running.is_set():
+                th.start()
+                slot.running.set()
+
+    run.on_wait = start_writer
     if err is None:
         if opts.overlap_staging:
-            threading.Thread(target=run.stage_rest, name=f"reshard-stage-{step}", daemon=True).start()
+            def stage() -> None:
+                try:
+                    run.stage_rest()
+                finally:
+                    start_writer()
+
+            threading.Thread(target=stage, name=f"reshard-stage-{step}", daemon=True).start()
         else:
-            run.stage_rest()
+            try:
+                run.stage_rest()
+            finally:
+                start_writer()
+    else:
+        start_writer()
     handle.stall_s = time.perf_counter() - t0
     returned.set()
     return handle
@@ -477,7 +502,8 @@ def _at_exit() -> None:
         for slot in slots:
             slot.handle.abandon()
         for slot in slots:
-            slot.thread.join(timeout=30)
+            if slot.running.is_set():
+                slot.thread.join(timeout=30)
         for slot in slots:
             if not slot.handle.committed.done() or slot.handle.committed.exception() is not None:
                 _exit_note(slot.handle, "was abandoned at exit (interrupted; nothing published)")

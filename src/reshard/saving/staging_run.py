@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -227,6 +227,9 @@ class StagingRun:
         self._eager_open = True
         self._closing = False
         self._error: BaseException | None = None
+        #: called (once or more) when staging must wait for the writer to free a
+        #: slab: the save starts its writer then (it starts it anyway once staged)
+        self.on_wait: Callable[[], None] | None = None
         #: CUDA devices whose side stream waited for the caller's current stream
         #: (in add(), on the caller's thread: a staging thread's current stream is another)
         self._waited: set[int | None] = set()
@@ -309,7 +312,11 @@ class StagingRun:
                 return None
             self._eager_slabs += 1
         else:
-            got = self.pool.acquire(lambda: self._closing)
+            got = self.pool.try_acquire()
+            if got is None:  # the budget is full: the writer must run to free a slab
+                if self.on_wait is not None:
+                    self.on_wait()
+                got = self.pool.acquire(lambda: self._closing)
             if got is None:
                 return None
         slab = got
