@@ -146,8 +146,8 @@ def test_bench_io_smoke(tmp_path: Path) -> None:
     # the overlap phase: the loop without checkpoints and with each method, every K steps
     om = s["overlap"]["methods"]
     assert {"none", "reshard-async", "reshard-overlap", "dcp-async"} <= set(om)
-    assert all(e["k"] == 2 and e["steps"] == 4 for e in om.values())
-    assert all(e["saves"] == 2 and e["stall_mean_s"] > 0 for m, e in om.items() if m != "none")
+    assert all(e["k"] == 2 and e["steps"] == 6 for e in om.values())  # at least 6 steps: 3 cycles of K=2
+    assert all(e["saves"] == 3 and e["stall_mean_s"] > 0 for m, e in om.items() if m != "none")
     assert om["none"]["ratio"] == 1.0 and om["reshard-overlap"]["save_cpu_per_ckpt_s"] >= 0
     b = s["overlap"]["budget_rss"]
     assert b["budget"] * 4 <= b["state_bytes"] + 4 and 0 < b["default"]["staging_peak"] <= b["budget"]

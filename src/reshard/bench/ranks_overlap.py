@@ -172,11 +172,17 @@ def probe_k(base: str, max_k: int = 12) -> dict[str, Any]:
     return {"rank": _rank(), "k": max(1, steps), "step_s": step_s, "persist_s": persist_s}
 
 
+#: the fewest steps a loop runs (a mean over fewer is one step's noise)
+MIN_STEPS = 6
+
+
 def loop(method: str, base: str, k: int, cycles: int, budget: int | None = None) -> dict[str, Any]:
-    """``k * cycles`` training steps checkpointing every ``k`` steps with
+    """``k * cycles`` training steps (at least :data:`MIN_STEPS`: more
+    cycles when ``k`` is small) checkpointing every ``k`` steps with
     ``method`` (``"none"``: no checkpoint): per step its time, per
     checkpoint its visible stall, the loop's CPU seconds (every thread), its
     peak extra RSS, the save's CPU beyond the steps'."""
+    cycles = max(cycles, -(-MIN_STEPS // k))
     w = _w()
     split = split_cores(dist.get_world_size()) if method == "reshard-overlap-split" else None
     res: dict[str, Any] = {"rank": _rank(), "method": method, "k": k, "state_bytes": _nbytes(w.tensors())}
