@@ -316,3 +316,35 @@ def test_import_hf_undoes_export_with_no_argument(tmp_path: Path) -> None:
     import_hf({"a": reshard.ModelState(net(3)), "b": reshard.ModelState(net(4))}, tmp_path / "hf",
               subtree="b", strict=True, allow_missing=["a.*"])
     json.dumps(res.weight_map)
+
+
+# ----------------------------------------------------------------------------- benchmarks/gpu_integrations.py
+
+
+def _script(*args: str, env: dict[str, str] | None = None) -> Any:
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_integrations.py"), *args],
+                          capture_output=True, text=True, timeout=180, env={**os.environ, **(env or {})})
+
+
+def test_gpu_script_cpu_self_check_and_clean_skip_lines(tmp_path: Path) -> None:
+    p = _script("--cpu-self-check")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT:")] == [
+        ln for ln in p.stdout.splitlines() if ln.startswith("RESULT: SELF-CHECK OK")]
+    # where torchtitan does not import (a torch it does not support), one clean line, exit 0
+    fake = tmp_path / "site" / "torchtitan"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('built for another torch')\n")
+    p = _script(env={"PYTHONPATH": str(tmp_path / "site")})
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT:")]
+    assert p.returncode == 0 and lines == [
+        "RESULT: SKIP torchtitan does not import here (torch " + torch.__version__
+        + "): ImportError: built for another torch"], p.stdout + p.stderr
+    if not torch.cuda.is_available():  # the GPU check itself says why it does not run
+        p = _script()
+        assert p.returncode == 0 and p.stdout.strip().splitlines()[-1].startswith("RESULT: SKIP no CUDA")
