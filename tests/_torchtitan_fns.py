@@ -154,9 +154,12 @@ def build(d: str, *, folder: str, steps: int, interval: int, global_batch: int =
 
     from reshard.integrations.torchtitan import ReshardCheckpointManager
 
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        assets(d)
+    dist.barrier()
     hf, data = assets(d)
     _offline(d)
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
     cfg = model_config()
     with torch.device("meta"):
