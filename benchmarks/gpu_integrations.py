@@ -304,8 +304,8 @@ def cpu_self_check() -> int:
     # TorchTitan's command line over the registry function, as `torchtitan.train` parses it
     mod = os.path.join(work, "gpu_registry.py")
     with open(mod, "w") as f:
-        f.write("import os, sys\nsys.path.insert(0, %r)\nfrom gpu_integrations import reshard_debugmodel\n"
-                "def titan_reshard():\n    return reshard_debugmodel(%r)\n" % (HERE, work))
+        f.write(f"import sys\nsys.path.insert(0, {HERE!r})\nfrom gpu_integrations import reshard_debugmodel\n"
+                f"def titan_reshard():\n    return reshard_debugmodel({work!r})\n")
     sys.path.insert(0, work)
     parsed = ConfigManager().parse_args(["--module", "gpu_registry", "--config", "titan_reshard",
                                          "--checkpoint.interval", "3"])

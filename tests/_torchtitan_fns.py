@@ -142,7 +142,7 @@ def cursor_loader_cls() -> Any:
 
 def build(d: str, *, folder: str, steps: int, interval: int, global_batch: int = 4,
           ckpt: dict[str, Any] | None = None, cursor: bool = False, manager: str = "reshard",
-          seed: int = 0) -> dict[str, Any]:
+          seed: int = 0, hf: bool = False) -> dict[str, Any]:
     """The job's components on this process group (FSDP2 over all ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.components.checkpoint import CheckpointManager
@@ -194,9 +194,14 @@ def build(d: str, *, folder: str, steps: int, interval: int, global_batch: int =
     ts = TrainState()
     kw = {"enable": True, "folder": folder, "interval": interval, **(ckpt or {})}
     cls = ReshardCheckpointManager if manager == "reshard" else CheckpointManager
+    adapter = None
+    if hf:  # the model's Hugging Face state-dict adapter, as its ModelSpec gives it to the Trainer
+        from torchtitan.models.llama3.state_dict_adapter import Llama3StateDictAdapter
+
+        adapter = Llama3StateDictAdapter(cfg, None)
     checkpointer = cls.Config(**kw).build(
         dataloader=loader, model_parts=[model], optimizers=optimizers, lr_schedulers=lr,
-        states={"train_state": ts}, sd_adapter=None, base_folder=d)
+        states={"train_state": ts}, sd_adapter=adapter, base_folder=d)
     return {"model": model, "optimizers": optimizers, "lr": lr, "loader": loader, "ts": ts,
             "checkpointer": checkpointer, "steps": steps}
 
@@ -275,13 +280,13 @@ def loader_next(job: dict[str, Any], n: int = 2) -> list[str]:
 def r_run(d: str, folder: str, steps: int, interval: int, *, stop_after: int | None = None,
           ckpt: dict[str, Any] | None = None, cursor: bool = False, manager: str = "reshard",
           fixed_batch: bool = False, load_step: int = -1, fresh: bool = False,
-          state: bool = False) -> dict[str, Any]:
+          state: bool = False, hf: bool = False) -> dict[str, Any]:
     """Build the job, run its loop; ``fresh``: rank 0 empties ``d/folder`` first."""
     if fresh and dist.get_rank() == 0:
         shutil.rmtree(os.path.join(d, folder), ignore_errors=True)
     dist.barrier()
     job = build(d, folder=folder, steps=steps, interval=interval, ckpt=ckpt, cursor=cursor,
-                manager=manager)
+                manager=manager, hf=hf)
     curve = train(job, stop_after=stop_after, load_step=load_step, fixed_batch=fixed_batch)
     out: dict[str, Any] = {"curve": curve}
     if state:
@@ -291,9 +296,9 @@ def r_run(d: str, folder: str, steps: int, interval: int, *, stop_after: int | N
 
 
 def r_load_only(d: str, folder: str, steps: int, *, ckpt: dict[str, Any] | None = None,
-                cursor: bool = False) -> dict[str, Any]:
+                cursor: bool = False, hf: bool = False, seed: int = 0) -> dict[str, Any]:
     """Build the job and load its checkpoint (no training): the loaded full state."""
-    job = build(d, folder=folder, steps=steps, interval=1000, ckpt=ckpt, cursor=cursor)
+    job = build(d, folder=folder, steps=steps, interval=1000, ckpt=ckpt, cursor=cursor, hf=hf, seed=seed)
     loaded = job["checkpointer"].load()
     out = full_state(job)
     out["loaded"] = loaded

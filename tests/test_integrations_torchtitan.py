@@ -23,7 +23,6 @@ pytest.importorskip("torchtitan")
 pytest.importorskip("triton")  # torchtitan's model code imports it (no GPU needed)
 
 import _torchtitan_fns as F  # noqa: E402
-
 import reshard  # noqa: E402
 from reshard.testing.pool import WorkerError  # noqa: E402
 
@@ -189,9 +188,37 @@ def test_load_step_exclude_and_model_only_never_resumed(pool: Any, tmp_path: Pat
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == before
 
 
+def test_last_save_in_hf_and_initial_load_in_hf(pool: Any, tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    d = str(tmp_path)
+    saved = pool.run(2, F.r_run, d, "hfrun", 2, 5, fresh=True, state=True, hf=True, timeout=180,
+                     ckpt={"last_save_in_hf": True})
+    out = tmp_path / "hfrun" / "step-2"  # TorchTitan's path for it, beside the reshard checkpoints
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = sorted(f.keys())
+    assert "model.embed_tokens.weight" in names and "model.layers.0.self_attn.q_proj.weight" in names
+    assert _manifest_content(tmp_path / "hfrun") == {"step-00000002": "model_only"}
+    assert not list(tmp_path.glob("hfrun.hf-staging*"))
+    # another job starts from those weights (the sd_adapter's from_hf), on another number of ranks
+    ck = {"initial_load_path": str(out), "initial_load_in_hf": True}
+    got = pool.run(1, F.r_load_only, d, "fresh-folder", 2, ckpt=ck, hf=True, seed=5, timeout=120)[0]
+    assert got["loaded"]
+    for k, v in saved[0]["state"]["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    # initial_load_path (model only, the default) from the reshard model-only checkpoint
+    ck = {"initial_load_path": str(tmp_path / "hfrun" / "step-00000002")}
+    got = pool.run(1, F.r_load_only, d, "fresh-2", 2, ckpt=ck, seed=6, timeout=120)[0]
+    assert all(torch.equal(got["model"][k], v) for k, v in saved[0]["state"]["model"].items())
+
+
 def test_dataloader_blob_is_unpickled_only_with_trust(tmp_path: Path) -> None:
     from reshard.errors import CheckpointError
-    from reshard.integrations.torchtitan import _decode_loader_state, _encode_loader_state, decode_loader_blob
+    from reshard.integrations.torchtitan import (
+        _decode_loader_state,
+        _encode_loader_state,
+        decode_loader_blob,
+    )
 
     plain = {"_num_yielded": 3, "dataset_state": {"sample_idx": 6, "inputs_buffer": [1, 2]}, "s": None}
     assert decode_loader_blob(pickle.dumps(plain)) == plain

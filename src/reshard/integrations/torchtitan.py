@@ -92,6 +92,7 @@ from ..ondisk import codec
 from ..ondisk.manifest import Manifest
 from ..options import LoadOptions, SaveOptions
 from ..state.sharding import ShardedObject
+from ..storage import resolve
 
 log = logging.getLogger("reshard.integrations.torchtitan")
 
@@ -502,20 +503,25 @@ class ReshardCheckpointManager(BaseCheckpointManager):
 
     def _save_hf(self, step: int, model_sd: dict[str, Any]) -> None:
         """``last_save_in_hf``: the model under the sd_adapter's Hugging Face
-        names, as safetensors in ``<folder>/step-<step>`` (TorchTitan's path for
-        it): saved as a reshard checkpoint beside it, exported by rank 0."""
+        names (``to_hf``: renamed and permuted as the adapter does), as
+        safetensors in ``<folder>/step-<step>`` (TorchTitan's path for it; not
+        a reshard checkpoint, so never listed, resumed or collected): saved
+        sharded by every rank as a reshard checkpoint outside the root, then
+        streamed into the Hugging Face files by rank 0 and deleted."""
         from ..formats.hf_export import export_hf
         from ..saving.save import save
 
         hf_sd = self.sd_adapter.to_hf(model_sd)
-        tmp = self._mgr.storage.join(self.folder, f"hf-step-{step}.partial")
+        tmp = f"{self.folder.rstrip('/')}.hf-staging-step-{step}"
         out = filesystem.join(self.folder, f"step-{step}")
-        save({"hf": hf_sd}, tmp, step=step, options=SaveOptions(overwrite=True))
+        save({"hf": hf_sd}, tmp, step=step, group=self._mgr.group,
+             options=SaveOptions(overwrite=True, timeout_s=self._mgr.timeout_s))
         err: BaseException | None = None
         if self._mgr.coll.rank == 0:
             try:
                 export_hf(tmp, out, subtree="hf", overwrite=True)
-                self._mgr.storage.delete_tree(tmp)
+                st, key = resolve(tmp)
+                st.delete_tree(key)
             except Exception as e:  # noqa: BLE001 - raised on every rank by agree()
                 err = e
         self._mgr.coll.agree(f"last_save_in_hf export to {out}", err)
