@@ -272,10 +272,8 @@ def test_staging_wait_waits_on_the_handles_staged_future(tmp_path: Path) -> None
 
 
 def test_export_writes_model_tensors_only_whatever_the_source(pool: Any, tmp_path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
     from safetensors import safe_open
 
-    from reshard.collectives import SingleProcess
     from reshard.formats.hf_export import export_hf
 
     d = str(tmp_path)
@@ -293,6 +291,21 @@ def test_export_writes_model_tensors_only_whatever_the_source(pool: Any, tmp_pat
     assert sorted(ta) == sorted(tb) and "tok_embeddings.weight" in ta and "layers.0.attention.qkv_linear.wq.weight" in ta
     assert not [k for k in ta if k.startswith(("train_state", "optimizer", "lr_scheduler", "dataloader"))]
     assert a.files == b.files == ("model.safetensors",)
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k  # the same step of the same job, by either checkpointer
+
+
+def test_export_never_writes_trainer_scalars(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    from reshard.collectives import SingleProcess
+    from reshard.formats.hf_export import export_hf
+
+    def names(out: Path) -> list[str]:
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            return sorted(f.keys())
+
     # a trainer scalar saved as a tensor (older TorchTitan: train_state.step = torch.tensor(step)),
     # a counter beside a model.state_dict() at the root: never exported
     w = {"tok_embeddings.weight": torch.randn(8, 4), "norm.weight": torch.ones(4),
@@ -302,11 +315,13 @@ def test_export_writes_model_tensors_only_whatever_the_source(pool: Any, tmp_pat
               "optimizer": {"state.norm.weight.exp_avg": torch.zeros(4)}},
              checkpoint_id=str(tmp_path / "old-dcp"), no_dist=True)
     export_hf(tmp_path / "old-dcp", tmp_path / "out-old")
-    assert sorted(names(tmp_path / "out-old")) == sorted(w)
+    assert names(tmp_path / "out-old") == sorted(w)
+    export_hf(tmp_path / "old-dcp", tmp_path / "out-all", subtree="")  # every tensor: no trainer state
+    assert names(tmp_path / "out-all") == sorted(w)
     reshard.save({**w, "step": torch.tensor(7), "epoch": torch.tensor(1)}, tmp_path / "flat",
                  group=SingleProcess())
     export_hf(tmp_path / "flat", tmp_path / "out-flat")
-    assert sorted(names(tmp_path / "out-flat")) == sorted(w)
+    assert names(tmp_path / "out-flat") == sorted(w)
 
 
 def test_import_hf_undoes_export_with_no_argument(tmp_path: Path) -> None:

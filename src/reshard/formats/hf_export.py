@@ -140,8 +140,8 @@ class ExportResult:
 
 
 def _include_fn(include: Any) -> Callable[[str], bool]:
-    if include is None:
-        return lambda fqn: not fqn.startswith("optim.")
+    if include is None:  # optimizer state is never a weight (trainer state is left out by _subtree)
+        return lambda fqn: not fqn.startswith("optim.") and not _OPTIM_RX.search(fqn)
     if callable(include):
         return include
     pats = [include] if isinstance(include, str) else list(include)
@@ -429,7 +429,8 @@ def export_hf(
             and ``transforms`` then see the relative names.
         include: which checkpoint fqns (before transforms) to export: a glob,
             a list of globs, or a predicate. Default: every tensor whose fqn
-            does not start with ``"optim."`` (optimizer state, gradients).
+            does not start with ``"optim."`` (optimizer state, gradients) nor
+            names optimizer state (``optimizer.state.*``, TorchTitan's).
             Objects and plain values are never exported.
         transforms: transforms that act on saved names (``Rename``,
             ``Reset``), applied as at load: the output names are the names
