@@ -293,6 +293,14 @@ def test_export_writes_model_tensors_only_whatever_the_source(pool: Any, tmp_pat
     assert a.files == b.files == ("model.safetensors",)
     for k in ta:
         assert torch.equal(ta[k], tb[k]), k  # the same step of the same job, by either checkpointer
+    # the command docs/integrations.md shows
+    from click.testing import CliRunner
+
+    from reshard.cli import main
+
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "rs" / "step-00000003"), str(tmp_path / "cli")])
+    assert r.exit_code == 0, r.output
+    assert sorted(names(tmp_path / "cli")) == sorted(ta)
 
 
 def test_export_never_writes_trainer_scalars(tmp_path: Path) -> None:
