@@ -304,3 +304,17 @@ def r_load_only(d: str, folder: str, steps: int, *, ckpt: dict[str, Any] | None 
     out["loaded"] = loaded
     job["checkpointer"].close()
     return out
+
+
+def r_seed(d: str) -> dict[str, Any]:
+    """TorchTitan's create_seed_checkpoint flow (``torchtitan.train``: ``checkpointer.save(
+    curr_step=0, last_step=True)``), then a job of another seed loading it: both models."""
+    a = build(d, folder="seed", steps=2, interval=10, ckpt={"last_save_model_only": False}, seed=0)
+    a["checkpointer"].save(curr_step=0, last_step=True)
+    a["checkpointer"].close()
+    b = build(d, folder="seed", steps=2, interval=10, seed=9)
+    loaded = b["checkpointer"].load()
+    out = {"loaded": loaded, "a": full_state(a)["model"], "b": full_state(b)["model"],
+           "step": b["ts"].step}
+    b["checkpointer"].close()
+    return out

@@ -182,10 +182,17 @@ def test_load_step_exclude_and_model_only_never_resumed(pool: Any, tmp_path: Pat
     assert [r["step"] for r in res[0]["curve"]] == [2]
     with pytest.raises(WorkerError, match="no checkpoint of step 9"):
         pool.run(1, F.r_run, d, "c", 10, 2, load_step=9, timeout=120)
-    # load_only: loads, never saves
+    # load_only: loads, never saves, and leaves the root's HEAD alone
     before = sorted(p.name for p in (tmp_path / "c").iterdir())
+    head = (tmp_path / "c" / "HEAD").read_bytes()
     pool.run(1, F.r_run, d, "c", 8, 2, ckpt={"load_only": True}, timeout=120)
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == before
+    assert (tmp_path / "c" / "HEAD").read_bytes() == head
+    # create_seed_checkpoint: the seed save (step 0) is model-only and loads as initial weights
+    got = pool.run(1, F.r_seed, d, timeout=120)[0]
+    assert got["loaded"] and got["step"] == 0
+    assert all(torch.equal(got["b"][k], v) for k, v in got["a"].items())
+    assert _manifest_content(tmp_path / "seed") == {"step-00000000": "model_only"}
 
 
 def test_last_save_in_hf_and_initial_load_in_hf(pool: Any, tmp_path: Path) -> None:

@@ -641,8 +641,10 @@ class ReshardCheckpointManager(BaseCheckpointManager):
                       model_only: bool = False) -> bool:
         ex = () if model_only else self._exclude()
         tree, msd = self._tree(model_only=model_only, exclude=ex)
+        # a load_only job (an evaluation reading a live root) leaves the root's HEAD alone
         res = self._mgr.restore(tree, step=step, name=name, transforms=[_Exclude(ex)] if ex else [],
-                                accept=None if model_only or name is not None else _full_state)
+                                accept=None if model_only or name is not None else _full_state,
+                                record_head=not self.config.load_only)
         if res is None:
             return False
         self.states[MODEL].load_state_dict(msd)
