@@ -335,6 +335,46 @@ def hf_manifest(hf_dir: str | os.PathLike[str], *, storage: Storage | None = Non
     return st, key, m
 
 
+def find_subtree(state: Mapping[str, Any], m: Manifest, *, where: str = "") -> str:
+    """Where the model whose Hugging Face names ``m`` lists sits in the target
+    ``state``, as :func:`~reshard.formats.hf_export.export_hf` finds the model
+    of a checkpoint: ``""`` when the names are keys of ``state`` as they are;
+    else the one model subtree of ``state`` (a ``ModelState``, TorchState's
+    ``model``, a plain mapping of tensors; optimizer state, RNG and data cursor
+    are not models, see :func:`~reshard.formats.hf_export.model_candidates`)
+    under which they are keys.
+
+    Raises:
+        ShardingError: none or several subtrees hold the names: the error names
+            the candidates and ``subtree=``.
+    """
+    from ..adapters.model import ModelState
+    from ..state.tree import flatten
+    from .hf_export import model_candidates
+
+    leaves = flatten(state, module_adapter=ModelState)
+    keys = {t.fqn for t in leaves.tensors} | set(leaves.plain) | set(leaves.dtensors)
+    names = set(m.tensors) | set(m.aliases)
+    if not names or keys & names:
+        return ""
+
+    class _Saved:  # what model_candidates reads of a manifest
+        adapters = leaves.adapters
+        tensors = dict.fromkeys(keys)
+        aliases: dict[str, str] = {}
+
+    cands, _ = model_candidates(_Saved)  # type: ignore[arg-type]
+    hits = [c for c in cands if c and any(f"{c}.{n}" in keys for n in names)]
+    if len(hits) == 1:
+        return hits[0]
+    shown = ", ".join(repr(c) for c in (hits or cands)) or "none"
+    raise ShardingError(
+        f"import_hf {where}: cannot tell where the model sits in the target state "
+        f"({'several model subtrees hold its names' if hits else 'no model subtree holds its names'}: "
+        f"{shown}; saved e.g. {sorted(names)[:3]}, the state holds e.g. {sorted(keys)[:3]}); pass "
+        "subtree= (the tree path of the model, e.g. subtree='model'), or transforms=[Rename(...)]")
+
+
 def import_hf(
     state: Mapping[str, Any],
     hf_dir: str | os.PathLike[str],
@@ -359,7 +399,10 @@ def import_hf(
     in ``state`` (``"model"`` for ``{"model": ModelState(m)}``): the
     directory's names (the model's own parameter names, as
     :func:`~reshard.formats.hf_export.export_hf` writes them) are read as
-    ``subtree.<name>``. Tied weights the export recorded are restored: the
+    ``subtree.<name>``; None (the default, without a ``Rename`` transform):
+    found as the export found it (:func:`find_subtree`), so importing into the
+    state tree an export came from needs no argument; ``""``: the names as
+    they are. Tied weights the export recorded are restored: the
     tied copy is filled from its target (the same tensor again when the
     target model ties them). Hugging Face files carry no checksums: the
     bytes are read as they are.
@@ -369,12 +412,17 @@ def import_hf(
         raised on every rank of ``group``.
     """
     coll = get_collectives(group)
+    auto = subtree is None and not any(type(t).__name__ == "Rename" for t in transforms)
     if coll.world_size == 1:
         st, key, m = hf_manifest(hf_dir, storage=storage)
+        if auto:
+            subtree = find_subtree(state, m, where=key)
     else:
         err: BaseException | None = None
         try:
             st, key, m = hf_manifest(hf_dir, storage=storage)
+            if auto:
+                subtree = find_subtree(state, m, where=key)
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             err = e
         coll.agree(f"import_hf {os.fspath(hf_dir)}", err)

@@ -557,7 +557,8 @@ class CheckpointManager(RetentionMixin):
 
     def restore(self, state: Mapping[str, Any], *, step: int | None = None,
                 name: str | None = None, allow_fresh_start: bool = False,
-                record_head: bool = True, **load_kwargs: Any) -> LoadResult | None:
+                record_head: bool = True, accept: Callable[[Any], bool] | None = None,
+                **load_kwargs: Any) -> LoadResult | None:
         """Load the newest checkpoint of the current lineage that loads (or
         the checkpoint of ``step``: the current lineage's first when several
         hold it; or the checkpoint called ``name``); collective: every rank
@@ -575,6 +576,9 @@ class CheckpointManager(RetentionMixin):
         of an older step then never rolls the training run's lineage back.
         A manager restored that way must not save (its saves would join the
         lineage of the existing ``HEAD``, not of the checkpoint it loaded).
+        ``accept(manifest) -> bool``: only checkpoints it accepts are
+        candidates (e.g. a TorchTitan model-only save, marked in its
+        manifest's ``extra``, is never resumed as a full state).
 
         Returns:
             The LoadResult (``notes["fallback"]`` lists what was skipped), or
@@ -597,7 +601,7 @@ class CheckpointManager(RetentionMixin):
             load_kwargs = {**load_kwargs, "options": LoadOptions(timeout_s=self.timeout_s)}
         return restore_collective(self, state, step=step, name=name,
                                   allow_fresh_start=allow_fresh_start, load_kwargs=load_kwargs,
-                                  record_head=record_head)
+                                  record_head=record_head, accept=accept)
 
     def _resumed(self, head: Head) -> None:
         self._lineage, self._parent, self._joined = head.id, head.name, True
