@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # imported on first use (below), so `import reshard` does not
     from .adapters.torch_native import TorchState
     from .catalog.verify import VerifyReport, inspect, latest, verify
     from .loading.load import LoadResult, load
+    from .loading.read_state import read_state
     from .manager.manager import CheckpointManager
     from .ondisk.manifest import Manifest
     from .options import LoadOptions, SaveOptions
@@ -53,6 +54,7 @@ _LAZY: dict[str, str] = {
     "verify": ".catalog.verify",
     "LoadResult": ".loading.load",
     "load": ".loading.load",
+    "read_state": ".loading.read_state",
     "CheckpointManager": ".manager.manager",
     "Manifest": ".ondisk.manifest",
     "LoadOptions": ".options",
@@ -116,6 +118,7 @@ __all__ = [
     "inspect",
     "latest",
     "load",
+    "read_state",
     "save",
     "verify",
 ]
