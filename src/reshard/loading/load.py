@@ -14,7 +14,7 @@ import msgspec
 import torch
 
 from ..adapters.model import ModelState
-from ..collectives import Collectives, timed_collectives, watch
+from ..collectives import Arrival, Collectives, timed_collectives, watch
 from ..errors import (
     CheckpointNotFoundError,
     IntegrityError,
@@ -167,7 +167,9 @@ def load(
         Every failure is raised on every rank of ``group``.
     """
     opts = options or LoadOptions()
-    coll = timed_collectives(group, opts.timeout_s)
+    # every rank checks in first: a load called on some ranks only fails there, naming the others
+    coll = timed_collectives(group, opts.timeout_s, arrival=Arrival(
+        kind="load", what=f"load of {os.fspath(path)}", timeout_s=opts.arrival_timeout_s))
     # progress lines and collective failures name the load and its phase
     doing = {"what": f"load of {path}", "phase": "manifest"}
     watch(coll, lambda: (doing["what"], doing["phase"]))
