@@ -211,3 +211,20 @@ def test_s3_url(pool: WorkerPool, s3e: Any) -> None:
     out = reshard.read_state(url, keys=["emb", "model.0.weight"])
     assert torch.equal(out["emb"], ref[0]["emb"])
     assert torch.equal(out["model"]["0.weight"], ref[0]["model"]["0.weight"])
+
+
+def test_tied_weights_are_one_tensor(tmp_path: Path) -> None:
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(5, 3)
+            self.head = torch.nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+
+    m = Tied()
+    reshard.save({"model": reshard.ModelState(m)}, tmp_path / "tied", step=0)
+    out = reshard.read_state(tmp_path / "tied")
+    assert out["model"]["head.weight"] is out["model"]["emb.weight"]  # read once, tied as saved
+    assert torch.equal(out["model"]["emb.weight"], m.emb.weight)
+    alone = reshard.read_state(tmp_path / "tied", keys="model.head.weight")  # the alias alone
+    assert list(alone["model"]) == ["head.weight"] and torch.equal(alone["model"]["head.weight"], m.emb.weight)
