@@ -5,13 +5,13 @@ so that a half-written checkpoint never passes for a good one, and load it
 into a different parallel layout. See DESIGN.md for the contract.
 """
 
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING, Any
+
 from . import _moved
-from .adapters.data import DataCursor
-from .adapters.model import ModelState
-from .adapters.optimizer import OptimizerState
-from .adapters.rng import RNGState
-from .adapters.torch_native import TorchState
-from .catalog.verify import VerifyReport, inspect, latest, verify
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -22,13 +22,69 @@ from .errors import (
     ShardingError,
     StorageError,
 )
-from .loading.load import LoadResult, load
-from .manager.manager import CheckpointManager
-from .ondisk.manifest import Manifest
-from .options import LoadOptions, SaveOptions
-from .saving.save import SaveResult, save
-from .saving.staging import SaveHandle, async_save
-from .state.sharding import ShardedObject, ShardedTensor
+
+if TYPE_CHECKING:  # imported on first use (below), so `import reshard` does not import torch
+    from .adapters.data import DataCursor
+    from .adapters.model import ModelState
+    from .adapters.optimizer import OptimizerState
+    from .adapters.rng import RNGState
+    from .adapters.torch_native import TorchState
+    from .catalog.verify import VerifyReport, inspect, latest, verify
+    from .loading.load import LoadResult, load
+    from .loading.read_state import read_state
+    from .manager.manager import CheckpointManager
+    from .ondisk.manifest import Manifest
+    from .options import LoadOptions, SaveOptions
+    from .saving.save import SaveResult, save
+    from .saving.staging import SaveHandle, async_save
+    from .state.sharding import ShardedObject, ShardedTensor
+
+#: public name -> the module that defines it; imported when the name is first
+#: used (PEP 562), so that ``import reshard`` and the ``reshard`` command's
+#: listing and inspection import no torch (the CLI starts in a fraction of a second)
+_LAZY: dict[str, str] = {
+    "DataCursor": ".adapters.data",
+    "ModelState": ".adapters.model",
+    "OptimizerState": ".adapters.optimizer",
+    "RNGState": ".adapters.rng",
+    "TorchState": ".adapters.torch_native",
+    "VerifyReport": ".catalog.verify",
+    "inspect": ".catalog.verify",
+    "latest": ".catalog.verify",
+    "verify": ".catalog.verify",
+    "LoadResult": ".loading.load",
+    "load": ".loading.load",
+    "read_state": ".loading.read_state",
+    "CheckpointManager": ".manager.manager",
+    "Manifest": ".ondisk.manifest",
+    "LoadOptions": ".options",
+    "SaveOptions": ".options",
+    "SaveResult": ".saving.save",
+    "save": ".saving.save",
+    "SaveHandle": ".saving.staging",
+    "async_save": ".saving.staging",
+    "ShardedObject": ".state.sharding",
+    "ShardedTensor": ".state.sharding",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A public name, imported from its module on first use; a subpackage or
+    module of reshard (``reshard.collectives`` after a bare ``import reshard``),
+    imported when first named."""
+    mod = _LAZY.get(name)
+    if mod is not None:
+        value = getattr(importlib.import_module(mod, __name__), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("__") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __version__ = "0.1.0"
 
@@ -62,6 +118,7 @@ __all__ = [
     "inspect",
     "latest",
     "load",
+    "read_state",
     "save",
     "verify",
 ]

@@ -22,6 +22,16 @@ class DefaultSeconds(float):
 DEFAULT_TIMEOUT_S: float = DefaultSeconds(600.0)
 
 
+#: seconds a save or load waits, before its first collective, for every rank
+#: of its group to arrive at the same call (``SaveOptions.arrival_timeout_s``,
+#: ``LoadOptions.arrival_timeout_s``): a call made on some ranks only (a
+#: plug-in point run on rank 0 alone) fails on those ranks after this long,
+#: naming the absent ranks, instead of waiting the checkpoint timeout. A
+#: minute: far above the skew between ranks reaching a save at a step
+#: boundary, far below ``DEFAULT_TIMEOUT_S``.
+DEFAULT_ARRIVAL_TIMEOUT_S: float = 60.0
+
+
 def check_timeout(v: Any, name: str) -> None:
     """None, or a finite number of seconds > 0.
 
@@ -95,6 +105,15 @@ class SaveOptions:
             (600 s, or the group's own timeout when that is shorter); None:
             the group's own timeout (the background group of ``async_save``
             takes the training group's).
+        arrival_timeout_s: seconds every rank waits, before the save's first
+            collective (and before its checkpoint group is created), for
+            the other ranks of ``group`` to call the save too (a check-in
+            through the job's store: :func:`reshard.collectives.arrive`); a
+            rank that does not call it (a plug-in point run on rank 0 only)
+            fails the save on the ranks that did, with a CheckpointError
+            naming the absent ranks and the phase "arrival". Capped at
+            ``timeout_s``. Default :data:`DEFAULT_ARRIVAL_TIMEOUT_S` (60 s);
+            None: no check (the first collective waits up to ``timeout_s``).
         staging_threads: threads that copy CPU tensors into the staging
             buffers during ``async_save``'s stall (tensors of at least 1 MiB,
             in slices of 16 MiB; smaller ones and the state walk stay on the
@@ -122,9 +141,11 @@ class SaveOptions:
     lineage: str | None = None
     timeout_s: float | None = DEFAULT_TIMEOUT_S
     staging_threads: int | None = None
+    arrival_timeout_s: float | None = DEFAULT_ARRIVAL_TIMEOUT_S
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s, "SaveOptions.timeout_s")
+        check_timeout(self.arrival_timeout_s, "SaveOptions.arrival_timeout_s")
         t = self.staging_threads
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"SaveOptions.staging_threads must be an int >= 1 (or None), got {t!r}")
@@ -204,10 +225,15 @@ class LoadOptions:
             the load's phase: manifest, plan, read, load_state_dict).
             Default :data:`DEFAULT_TIMEOUT_S` (600 s, or the group's own
             timeout when shorter); None: the group's own timeout.
+        arrival_timeout_s: seconds every rank waits, before the load's first
+            collective, for the other ranks of ``group`` to call the load
+            too (as ``SaveOptions.arrival_timeout_s``). Default
+            :data:`DEFAULT_ARRIVAL_TIMEOUT_S` (60 s); None: no check.
 
     Raises:
         ValueError: ``verify_first`` without ``checksums``, ``threads < 1``,
-            or a ``timeout_s`` that is not a positive number.
+            or a ``timeout_s`` or ``arrival_timeout_s`` that is not a
+            positive number.
     """
 
     checksums: bool = True
@@ -220,9 +246,11 @@ class LoadOptions:
     timeout_s: float | None = DEFAULT_TIMEOUT_S
     read_once: bool | str = "auto"
     read_once_min_bytes: int = 64 << 10
+    arrival_timeout_s: float | None = DEFAULT_ARRIVAL_TIMEOUT_S
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s, "LoadOptions.timeout_s")
+        check_timeout(self.arrival_timeout_s, "LoadOptions.arrival_timeout_s")
         if self.read_once not in (True, False, "auto"):
             raise ValueError(f"LoadOptions.read_once must be True, False or 'auto', got {self.read_once!r}")
         if self.read_once_min_bytes < 0:

@@ -16,12 +16,8 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
-
-from ..collectives import SingleProcess
 from ..commit.listing import Entry
 from ..errors import CheckpointError, StorageError
-from ..loading.load import load
 from ..ondisk.committed import (
     manifest_digest,
     read_manifest_bytes,
@@ -31,7 +27,6 @@ from ..ondisk.committed import (
 )
 from ..ondisk.manifest import MANIFEST_NAME, Manifest, decode_manifest
 from ..options import LoadOptions
-from ..state.sharding import ShardedTensor, torch_dtype
 from ..storage import Storage
 from .verify import verify
 
@@ -46,6 +41,12 @@ def record_path(storage: Storage, root: str, name: str) -> str:
 
 def _smoke_load(storage: Storage, path: str, m: Manifest, k: int) -> None:
     """Trial-load the ``k`` smallest and largest tensors with checksums on."""
+    import torch  # (here: `reshard ls`, which reads records, imports no torch)
+
+    from ..collectives import SingleProcess
+    from ..loading.load import load
+    from ..state.sharding import ShardedTensor, torch_dtype
+
     names = sorted(m.tensors, key=lambda t: (sum(c.length for c in m.tensors[t].chunks), t))
     k = min(k, len(names))
     pick = names[: k // 2] + names[len(names) - (k - k // 2):]

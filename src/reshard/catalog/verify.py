@@ -69,10 +69,12 @@ def inspect(path: str | os.PathLike[str], *, storage: Storage | None = None) -> 
     try:
         return read_manifest(st, key)
     except CheckpointNotFoundError:
-        from ..ondisk.dcp import is_dcp_checkpoint, open_dcp
+        from ..ondisk.dcp_metadata import is_dcp_checkpoint
 
         if not is_dcp_checkpoint(key, storage=st):
             raise
+        from ..ondisk.dcp import open_dcp
+
         return open_dcp(key, storage=st)[1]
 
 

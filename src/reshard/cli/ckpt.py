@@ -57,6 +57,28 @@ def _manager_for(root: str, keep_last: int | None, keep_every: int | None, keep_
                              metric_mode=metric_mode, gc_grace_s=grace, preempt_signals=())
 
 
+def _root_view(root: str, keep_last: int | None, keep_every: int | None, keep_best: int,
+               metric_mode: str) -> Any:
+    """What ``ls`` asks of a root (retention's view of its checkpoints, the
+    attempts in progress), without a CheckpointManager, which would join the
+    process group and import torch: ``ls`` only reads."""
+    from ..catalog.records import record_holds
+    from ..commit.retention import Policy
+    from ..manager.retention import RetentionMixin
+
+    class RootView(RetentionMixin):
+        def __init__(self) -> None:
+            self.storage, self.root = resolve(root)
+            self.policy = Policy(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
+                                 mode=metric_mode)
+            self._pending = []
+
+        def is_verified(self, name: str, entry: Any = None) -> bool:  # as CheckpointManager's
+            return record_holds(self.storage, self.root, name, entry)
+
+    return RootView()
+
+
 @click.command("ls")
 @click.argument("root")
 @_retention_opts
@@ -99,7 +121,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
     if done:
         from ..commit.retention import decide
 
-        mgr = _manager_for(root, keep_last, keep_every, keep_best, metric_mode)
+        mgr = _root_view(root, keep_last, keep_every, keep_best, metric_mode)
         cands = {c.name: c for c in mgr.candidates(done)}
         decision = decide(list(cands.values()), mgr.policy)
         lin = lineage_of(done, head)
@@ -131,7 +153,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
                 click.echo(f"  torn {e.name}: {problem}")
     else:
         click.echo(f"no committed checkpoint under {st.url(key)}")
-    live = _manager_for(root, None, None, 0, "min").attempts_in_progress()
+    live = _root_view(root, None, None, 0, "min").attempts_in_progress()
     quarantined = [e for e in others if e.quarantined]
     abandoned = [e for e in others if e.abandoned and not e.quarantined and e.name not in live]
     if live:
@@ -164,7 +186,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
 
 
 def _ls_dcp(st: Any, key: str) -> None:
-    from ..ondisk.dcp import dcp_checkpoints
+    from ..ondisk.dcp_metadata import dcp_checkpoints
 
     found = dcp_checkpoints(st, key)
     if found:
@@ -257,19 +279,27 @@ def inspect_cmd(ckpt: str, as_json: bool) -> None:
         return
     na = "-"
     click.echo(f"{_url(ckpt)}")
-    if m.extra.get("source") == "dcp":
-        click.echo("  DCP checkpoint (torch.distributed.checkpoint, read through restricted "
-                   "unpicklers; no checksums; values listed by their DCP keys)")
-    click.echo(f"  format {m.format} v{m.format_version}  step {na if m.step is None else m.step}  "
-               f"schema_version {m.schema_version or na}  world_size {m.world_size}  "
-               f"mesh {json.dumps(m.mesh) if m.mesh else na}")
-    dcp = m.extra.get("source") == "dcp"
-    nfiles = int(m.extra.get("dcp_files") or 0) if dcp else len(m.files)  # DCP: its own files
-    sums = ("no checksums (DCP records none)" if dcp else
-            f"checksums {m.checksum_algorithm}/{human_bytes(m.checksum_block_bytes)} blocks")
-    click.echo(f"  committed {_when(m.created_at)}  attempt {m.attempt_id}  "
-               f"{nfiles} file{'' if nfiles == 1 else 's'}, {human_bytes(m.total_bytes)}  {sums}"
-               + ("  signed" if "hmac_sha256" in m.extra else ""))
+    if m.extra.get("source") == "dcp":  # a PyTorch DCP folder, described as DCP describes itself
+        nfiles = int(m.extra.get("dcp_files") or 0)  # its own files (not the chunks served)
+        version = m.extra.get("dcp_version")
+        click.echo("  PyTorch DCP checkpoint (torch.distributed.checkpoint; its .metadata read through "
+                   "restricted unpicklers; values listed by their DCP keys)")
+        click.echo(f"  format dcp{f' (metadata version {version})' if version else ''}  "
+                   f"step {na if m.step is None else m.step}  world_size {m.world_size}")
+        click.echo(f"  .metadata written {_when(m.created_at)} (complete as DCP counts it: its "
+                   "coordinator writes .metadata after every rank's files; nothing checks them against it)  "
+                   f"{nfiles} file{'' if nfiles == 1 else 's'}, {human_bytes(m.total_bytes)} of tensors  "
+                   "no checksums (DCP records none)")
+    else:
+        click.echo(f"  format {m.format} v{m.format_version}  step {na if m.step is None else m.step}  "
+                   f"schema_version {m.schema_version or na}  world_size {m.world_size}  "
+                   f"mesh {json.dumps(m.mesh) if m.mesh else na}")
+        click.echo(f"  committed {_when(m.created_at)}  attempt {m.attempt_id}  "
+                   f"{len(m.files)} file{'' if len(m.files) == 1 else 's'}, {human_bytes(m.total_bytes)}  "
+                   f"checksums {m.checksum_algorithm}/{human_bytes(m.checksum_block_bytes)} blocks"
+                   + ("  signed" if "hmac_sha256" in m.extra else ""))
+        if m.extra.get("converted_from") == "dcp":
+            click.echo("  converted from a PyTorch DCP checkpoint (reshard convert --from dcp)")
     if m.required_features:
         click.echo(f"  required features: {', '.join(m.required_features)}")
     click.echo(f"tensors ({len(m.tensors)}):")

@@ -15,6 +15,10 @@ from ..storage import Storage, resolve
 
 # --------------------------------------------------------------------------- conversion
 
+#: ``Manifest.extra`` keys that describe a DCP folder as read (:func:`reshard.ondisk.dcp.open_dcp`),
+#: not the checkpoint a conversion writes
+_DCP_ONLY = frozenset({"source", "dcp_files"})
+
 
 def convert_dcp(
     src: str | os.PathLike[str],
@@ -45,7 +49,9 @@ def convert_dcp(
     one it runs in this process.
 
     Args:
-        step: recorded in the new manifest.
+        step: recorded in the new manifest; None (default): the source's own
+            step (what :func:`reshard.ondisk.dcp.open_dcp` reads: the state
+            dict's top-level ``step``, or TorchTitan's ``train_state.step``).
         options: :class:`reshard.SaveOptions` (checksums, block size,
             durable, overwrite, schema_version, extra, hmac_key, progress).
         file_bytes: target size of one shard file.
@@ -172,11 +178,14 @@ def convert_dcp(
                         chunks[fqn].append(Chunk(global_offset=c.global_offset, local_shape=c.local_shape,
                                                  file=f["name"], offset=off, length=length,
                                                  checksums=tuple(sums)))
-            extra = {**m.extra, "converted_from": "dcp", **opts.extra}
+            # a native checkpoint now (checksummed, its own files): what described the DCP
+            # folder itself goes ("source", its file count); its values' DCP paths stay
+            extra = {**{k: v for k, v in m.extra.items() if k not in _DCP_ONLY}, "converted_from": "dcp",
+                     **opts.extra}
             out = Manifest(
                 attempt_id=attempt_id, created_at=round(time.time(), 3), world_size=m.world_size,
                 checksum_block_bytes=opts.checksum_block_bytes, schema_version=opts.schema_version,
-                step=step, mesh=opts.mesh,
+                step=step if step is not None else m.step, mesh=opts.mesh,
                 tensors={fqn: TensorEntry(dtype=te.dtype, global_shape=te.global_shape,
                                           chunks=tuple(sorted(chunks[fqn], key=lambda c: c.global_offset)))
                          for fqn, te in m.tensors.items()},
@@ -192,7 +201,7 @@ def convert_dcp(
                      attempt_id=attempt_id)
     total = sum(f["size"] for r in reports for f in r["written"])
     nfiles = sum(len(r["written"]) for r in reports)
-    return SaveResult(path=dst_key, step=step, attempt_id=attempt_id,
+    return SaveResult(path=dst_key, step=step if step is not None else m.step, attempt_id=attempt_id,
                       bytes_written=sum(f["size"] for f in written), total_bytes=total, num_files=nfiles,
                       timings={"open": t1 - t0, "write": t2 - t1, "commit": time.perf_counter() - t2},
                       manifest=out)

@@ -14,7 +14,7 @@ import msgspec
 import torch
 
 from ..adapters.model import ModelState
-from ..collectives import Collectives, timed_collectives, watch
+from ..collectives import Arrival, Collectives, timed_collectives, watch
 from ..errors import (
     CheckpointNotFoundError,
     IntegrityError,
@@ -47,6 +47,8 @@ class LoadResult:
         initialized: missing keys filled by an ``allow_missing`` rule.
         values: common values by tree path, and object elements this rank
             requested by key.
+        objects: every object element this rank requested, by ``(key,
+            global_offset)`` (``values`` keeps one element per key).
         bytes_read: bytes this rank read from storage (everything: chunks,
             checksum tables, objects, the manifest on the coordinator).
         chunk_bytes_read: the part of ``bytes_read`` that is saved tensor
@@ -74,6 +76,7 @@ class LoadResult:
     unexpected: tuple[str, ...] = ()
     initialized: tuple[str, ...] = ()
     values: dict[str, Any] = field(default_factory=dict)
+    objects: dict[tuple[str, tuple[int, ...]], Any] = field(default_factory=dict)
     bytes_read: int = 0
     chunk_bytes_read: int = 0
     bytes_received: int = 0
@@ -164,7 +167,9 @@ def load(
         Every failure is raised on every rank of ``group``.
     """
     opts = options or LoadOptions()
-    coll = timed_collectives(group, opts.timeout_s)
+    # every rank checks in first: a load called on some ranks only fails there, naming the others
+    coll = timed_collectives(group, opts.timeout_s, arrival=Arrival(
+        kind="load", what=f"load of {os.fspath(path)}", timeout_s=opts.arrival_timeout_s))
     # progress lines and collective failures name the load and its phase
     doing = {"what": f"load of {path}", "phase": "manifest"}
     watch(coll, lambda: (doing["what"], doing["phase"]))
@@ -420,7 +425,8 @@ def _finish(plan: _Plan, ctx: dict[str, Any], key: str) -> LoadResult:
         if p in leaves.values:
             ctx["loaded_values"][p] = plan.values[p]
     return LoadResult(path=key, step=m.step, missing=plan.missing, unexpected=plan.unexpected,
-                      initialized=tuple(initialized), values=plan.values, manifest=m,
+                      initialized=tuple(initialized), values=plan.values, objects=dict(plan.objects),
+                      manifest=m,
                       notes=dict(ctx["notes"]))
 
 

@@ -59,8 +59,14 @@ from ..state.sharding import dtype_name, itemsize, numel
 from ..storage import Capabilities, Storage, WriteStream, resolve
 from . import codec
 from .dcp_blob import decode_tensor_blob
-from .dcp_metadata import DCP_METADATA, _read_metadata, read_dcp_metadata
-from .dcp_values import DCP_VALUES
+from .dcp_metadata import (  # noqa: F401 - the listing helpers live there (no torch)
+    DCP_METADATA,
+    _read_metadata,
+    dcp_checkpoints,
+    is_dcp_checkpoint,
+    read_dcp_metadata,
+)
+from .dcp_values import DCP_TENSOR_PATHS, DCP_VALUES
 from .manifest import Chunk, FileEntry, Manifest, TensorEntry, check_file_name, validate_manifest
 
 __all__ = [
@@ -76,14 +82,6 @@ __all__ = [
 WHOLE_BLOB_BYTES = 16 << 20
 #: default bound of the decoded-chunk cache of :class:`DCPStorage`, in bytes
 DEFAULT_CACHE_BYTES = 256 << 20
-def is_dcp_checkpoint(path: str | os.PathLike[str], *, storage: Storage | None = None) -> bool:
-    """``path`` holds a DCP ``.metadata`` (and no reshard ``manifest.json``)."""
-    from .manifest import MANIFEST_NAME
-
-    st, key = resolve(path, storage)
-    return st.exists(st.join(key, DCP_METADATA)) and not st.exists(st.join(key, MANIFEST_NAME))
-
-
 # --------------------------------------------------------------------------- storage
 
 
@@ -491,6 +489,9 @@ def _build(st: Storage, key: str, md: Any, *, values: bool) -> tuple[dict[str, _
                              "dcp_files": len(file_sizes)}
     if table:
         extra[DCP_VALUES] = table
+    tensor_paths = {f: list(paths[f]) for f in tensors if paths[f] != (f,)}
+    if tensor_paths:
+        extra[DCP_TENSOR_PATHS] = tensor_paths
     if skipped:
         extra["dcp_skipped_values"] = skipped
     if skipped_tensors:
@@ -500,9 +501,10 @@ def _build(st: Storage, key: str, md: Any, *, values: bool) -> tuple[dict[str, _
     except Exception:  # noqa: BLE001
         created = 0.0
     # the training step the state dict saved at its top level ({"app": ..., "step": 5}), as DCP's
-    # own tutorials do; reshard's manifests carry it as `step`
-    saved_step = vals.get("step")
-    step = saved_step if type(saved_step) is int else None
+    # own tutorials do, or in TorchTitan's train state ({"train_state": {"step": 5, ...}});
+    # reshard's manifests carry it as `step`
+    found = [v for v in (vals.get("step"), vals.get("train_state.step")) if type(v) is int]
+    step = found[0] if found else None
     m = Manifest(
         attempt_id=f"dcp-{save_id}" if type(save_id) is str else "dcp",
         created_at=round(created, 3), world_size=world, checksum_block_bytes=1 << 20,
@@ -557,22 +559,3 @@ def open_dcp(
         raise ManifestError(f"{st.join(key, DCP_METADATA)}: malformed DCP metadata: "
                             f"{type(e).__name__}: {e}") from None
     return DCPStorage(st, key, items, cache_bytes=cache_bytes), m
-
-
-def dcp_checkpoints(storage: Storage, root: str) -> list[tuple[str, float | None]]:
-    """``(name, modified time)`` of every child of ``root`` that is a DCP
-    checkpoint (a ``.metadata`` and no reshard manifest), by name."""
-    from .manifest import MANIFEST_NAME
-
-    try:
-        names = storage.list_dir(root)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    out = []
-    for name in sorted(names):
-        p = storage.join(root, name)
-        if storage.exists(storage.join(p, DCP_METADATA)) and not storage.exists(
-                storage.join(p, MANIFEST_NAME)):
-            out.append((name, storage.modified_time(storage.join(p, DCP_METADATA))))
-    return out
-

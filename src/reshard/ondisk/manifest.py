@@ -25,7 +25,7 @@ import msgspec
 import xxhash
 
 from ..errors import CoverageError, IntegrityError, ManifestError
-from ..state.sharding import DTYPE_NAMES, itemsize, numel
+from ..state.geometry import DTYPE_NAMES, itemsize, numel
 
 FORMAT = "reshard"
 #: 2: a leaf's key is its tree path (DESIGN.md section 2); 1 named a

@@ -28,14 +28,16 @@ import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
 
 from ..errors import IntegrityError
-from ..state.sharding import VIEW_METADATA_PREFIX, safetensors_entry
+from ..state.geometry import VIEW_METADATA_PREFIX, safetensors_entry
 from ..storage import Storage
+
+if TYPE_CHECKING:
+    import torch
 
 #: name of the block-digest table entry of a shard file
 BLOCK_TABLE = "__reshard__/blocks"
@@ -44,6 +46,8 @@ BLOCK_TABLE = "__reshard__/blocks"
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A byte view of a CPU tensor's elements in row-major order (copies only
     when ``t`` is not contiguous or not on the CPU)."""
+    import torch  # (here: listing and inspection, which use this module, need no torch)
+
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()

@@ -31,7 +31,7 @@ from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..collectives import Collectives, Request, drive
+from ..collectives_base import Collectives, Request, drive
 from ..errors import CheckpointError
 from ..ondisk.committed import check_signature
 from ..ondisk.manifest import MANIFEST_NAME, Manifest, decode_manifest

@@ -31,7 +31,7 @@ import msgspec
 
 from ..errors import CoverageError, ShardingError
 from ..ondisk.manifest import Chunk, TensorEntry
-from ..state.sharding import box_intersection, itemsize, numel
+from ..state.geometry import box_intersection, itemsize, numel
 
 Shape = tuple[int, ...]
 Replica = int | tuple[int, ...]

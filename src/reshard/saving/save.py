@@ -16,6 +16,7 @@ import xxhash
 
 from ..adapters.model import ModelState
 from ..collectives import (
+    Arrival,
     Collectives,
     drive,
     get_collectives,
@@ -341,7 +342,9 @@ def save(
 
     step = check_step(step)
     opts = options or SaveOptions()
-    coll = timed_collectives(group, opts.timeout_s)
+    # every rank checks in first: a save called on some ranks only fails there, naming the others
+    coll = timed_collectives(group, opts.timeout_s, arrival=Arrival(
+        kind="save", what=f"save of step {step} at {os.fspath(path)}", timeout_s=opts.arrival_timeout_s))
     if coll.rank != 0 and opts.progress is not False:  # one progress bar: rank 0's
         opts = dataclasses.replace(opts, progress=False)
     warn_pending_error(group, wait=True, step=step)

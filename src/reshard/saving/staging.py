@@ -38,9 +38,11 @@ from typing import Any
 import torch
 
 from ..collectives import (
+    Arrival,
     Collectives,
     SingleProcess,
     TorchCollectives,
+    arrive,
     checkpoint_timeout_s,
     get_collectives,
     group_timeout_s,
@@ -248,6 +250,9 @@ def async_save(
     t0 = time.perf_counter()
     step = check_step(step)
     opts = options or SaveOptions()
+    # every rank checks in before its first async_save makes the background groups
+    arrive(group, Arrival(kind="async_save", what=f"async_save of step {step} at {os.fspath(path)}",
+                          timeout_s=opts.arrival_timeout_s), checkpoint_timeout_s(group, opts.timeout_s))
     saver = _saver(group)
     saver.reclaim()
     st, key = resolve(path, storage)
