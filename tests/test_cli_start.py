@@ -91,3 +91,33 @@ def test_inspect_and_convert_say_what_is_on_disk(root: Path, tmp_path: Path) -> 
     # a step given on the command line wins
     run("convert", "--from", "dcp", root / "dcp-6", tmp_path / "root" / "x", "--step", "9")
     assert reshard.inspect(tmp_path / "root" / "x").step == 9
+
+
+STEP_FIRST = """
+import reshard            # before torch, as isort orders the imports of a training script
+import torch
+
+m = torch.nn.Linear(3, 2)
+opt = torch.optim.AdamW(m.parameters())
+m(torch.randn(2, 3)).sum().backward()
+opt.step()                # no reshard adapter touched before the first step
+from reshard.collectives import SingleProcess
+reshard.save({"optim": reshard.OptimizerState(m, opt)}, {path!r}, group=SingleProcess())
+m(torch.randn(2, 3)).sum().backward()   # accumulation since the step: refused
+try:
+    reshard.save({"optim": reshard.OptimizerState(m, opt)}, {path!r} + "-2", group=SingleProcess())
+except reshard.CheckpointError as e:
+    print("refused:", "accumulated" in str(e))
+"""
+
+
+def test_a_lazy_import_still_sees_every_optimizer_step(tmp_path: Path) -> None:
+    """`import reshard` imports no torch, yet the step-boundary check of
+    OptimizerState sees a step taken before any adapter was used (the post-import
+    hook on torch.optim.optimizer): the save after step() is taken, the one after
+    a further backward() refused."""
+    code = STEP_FIRST.replace("{path!r}", repr(str(tmp_path / "ck")))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "refused: True", p.stdout + p.stderr
+    assert reshard.verify(tmp_path / "ck").ok

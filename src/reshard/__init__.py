@@ -11,6 +11,8 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
+import wrapt
+
 from . import _moved
 from .errors import (
     CheckpointError,
@@ -89,6 +91,18 @@ def __dir__() -> list[str]:
 __version__ = "0.1.0"
 
 _moved.install()  # the module paths before the package layout still import (with a warning)
+
+
+def _watch_optimizer_steps(optimizer_module: Any) -> None:
+    from .adapters import grads
+
+    grads.install(optimizer_module)
+
+
+# OptimizerState tells a step boundary from gradient accumulation by a global
+# optimizer step post-hook: installed as soon as torch.optim is imported (at once
+# when it already is), so every step is seen without `import reshard` importing torch
+wrapt.register_post_import_hook(_watch_optimizer_steps, "torch.optim.optimizer")
 
 __all__ = [
     "CheckpointError",
