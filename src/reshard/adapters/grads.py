@@ -64,9 +64,10 @@ def install(optimizer_module: ModuleType | None = None) -> None:
     with _lock:
         if _handle is not None:
             return
-        if optimizer_module is None:
-            from torch.optim import optimizer as optimizer_module
-        _handle = optimizer_module.register_optimizer_step_post_hook(_after_step)
+        mod: Any = optimizer_module
+        if mod is None:
+            from torch.optim import optimizer as mod
+        _handle = mod.register_optimizer_step_post_hook(_after_step)
 
 
 def accumulated_since_step(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> bool:
