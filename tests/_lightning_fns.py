@@ -176,7 +176,14 @@ def fit(cfg: dict[str, Any]) -> dict[str, Any]:
     val_every = cfg.get("val_every", 0)
     val = ({"val_check_interval": val_every, "check_val_every_n_epoch": None, "limit_val_batches": 2,
             "num_sanity_val_steps": 0} if val_every else {"limit_val_batches": 0})
+    plugins = []
+    if cfg.get("fp16"):  # a GradScaler whose state changes every few steps
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        plugins.append(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler(
+            "cpu", init_scale=2.0**10, growth_interval=3)))
     trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=cfg["steps"],
+                         plugins=plugins,
                          callbacks=cbs, logger=False, enable_progress_bar=False,
                          enable_model_summary=False,
                          accumulate_grad_batches=cfg.get("accumulate", 1), **val)
@@ -209,6 +216,7 @@ def fit(cfg: dict[str, Any]) -> dict[str, Any]:
         params.append((t.full_tensor() if hasattr(t, "full_tensor") else t).flatten().tolist())
     return {"records": model.records, "params": params, "lines": lines.lines, "raised": raised,
             "resumed_from": cb.resumed_from, "global_step": trainer.global_step,
+            "precision": trainer.precision_plugin.state_dict(),
             "warnings": [str(w.message) for w in caught]}
 
 

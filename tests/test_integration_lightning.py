@@ -129,10 +129,13 @@ def test_fsdp2_resume_same_layout_and_two_to_one(pool: WorkerPool, tmp_path: Pat
 
 def test_gradient_accumulation_saves_and_resumes_at_optimizer_steps(pool: WorkerPool,
                                                                      tmp_path: Path) -> None:
-    """accumulate_grad_batches=2: a checkpoint is taken at the micro-batch that
-    completes a step (never inside one), and the resume continues bitwise."""
-    cfg = {"steps": 5, "every": 2, "accumulate": 2, "dropout": 0.2}
-    full = _run(pool, 1, {**cfg, "root": str(tmp_path / "full")})[0]["records"]
+    """accumulate_grad_batches=2 and 16-mixed precision with a GradScaler: a
+    checkpoint is taken at the micro-batch that completes a step (never inside
+    one), and the resume continues bitwise, the scaler's scale and growth
+    tracker (the precision plugin's state) included."""
+    cfg = {"steps": 5, "every": 2, "accumulate": 2, "dropout": 0.2, "fp16": True}
+    whole = _run(pool, 1, {**cfg, "root": str(tmp_path / "full")})[0]
+    full = whole["records"]
     part1 = _run(pool, 1, {**cfg, "root": str(tmp_path / "run"), "stop_at": 3})[0]
     part2 = _run(pool, 1, {**cfg, "root": str(tmp_path / "run")})[0]
     assert part2["resumed_from"].endswith("step-00000002")
@@ -140,6 +143,8 @@ def test_gradient_accumulation_saves_and_resumes_at_optimizer_steps(pool: Worker
     assert [(r["epoch"], r["batch"], r["loss"], r["ids"]) for r in got] == \
         [(r["epoch"], r["batch"], r["loss"], r["ids"]) for r in full]
     assert len(full) == 10
+    assert part1["precision"]["scale"] != 2.0**10  # it grew before the save
+    assert part2["precision"] == whole["precision"]
 
 
 def test_an_explicit_ckpt_path_wins_over_dirpath(pool: WorkerPool, tmp_path: Path) -> None:
