@@ -143,3 +143,16 @@ def internals_missing(drop: str | None = None) -> list[str]:
 
     cls = Trainer if drop is None else type("Changed", (Trainer,), {drop: None})
     return missing_trainer_internals(cls)
+
+
+def run_recipe(directory: str, code: str) -> bool:
+    """Run a documented recipe on this rank (a torchrun job) in ``directory``."""
+    _torchrun_env()
+    here = os.getcwd()
+    os.makedirs(directory, exist_ok=True)
+    os.chdir(directory)
+    try:
+        exec(compile(code, "docs/integrations.md", "exec"), {"__name__": "__main__"})  # noqa: S102
+    finally:
+        os.chdir(here)
+    return True

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from _lightning_fns import fresh_group
-from _transformers_fns import N, internals_missing, train
+from _transformers_fns import N, internals_missing, run_recipe, train
 from reshard.testing.pool import WorkerPool
 
 pytest.importorskip("transformers")
@@ -147,3 +147,25 @@ def test_refusals_and_the_internals(pool: WorkerPool, tmp_path: Path) -> None:
         _run(pool, 1, {"steps": 2, "out": str(tmp_path / "empty"), "resume": True})
     with pytest.raises(Exception, match="save_only_model=True makes checkpoints a run cannot resume"):
         _run(pool, 1, {"steps": 2, "out": str(tmp_path / "m"), "save_only_model": True})
+
+
+def test_the_accelerate_recipe_on_two_ranks(pool: WorkerPool, tmp_path: Path) -> None:
+    """docs/integrations.md's accelerate recipe under DDP on 2 gloo ranks: run
+    to step 5 then resumed to 8, against the same code run to 8 at once: the
+    checkpoints of step 8 are identical (weights, moments, scheduler, RNG
+    streams of both ranks, data position)."""
+    from reshard.catalog.diff import diff
+    from test_readme import ROOT, blocks
+
+    code = next(b.code for b in blocks(ROOT / "docs" / "integrations.md")
+                if "accelerate_state(accelerator" in b.code)
+    assert code.rstrip().endswith("assert main(max_steps=8) == 8   # resumes from step 4")
+    once = code[:code.index("main(max_steps=5)")] + "assert main(max_steps=8) == 8\n"
+    pool.run(2, fresh_group)
+    assert pool.run(2, run_recipe, str(tmp_path / "twice"), code, timeout=120.0) == [True, True]
+    pool.run(2, fresh_group)
+    assert pool.run(2, run_recipe, str(tmp_path / "once"), once, timeout=120.0) == [True, True]
+    a = tmp_path / "twice" / "accelerate-ckpt" / "step-00000008"
+    b = tmp_path / "once" / "accelerate-ckpt" / "step-00000008"
+    d = diff(a, b)
+    assert d.identical, d

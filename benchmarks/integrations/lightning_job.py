@@ -5,7 +5,10 @@ run under torchrun the way users run it (benchmarks/bench_integrations.py kills 
 
 Every rank appends one JSON line per training step to ``--out``: step, rank, world, loss
 (this rank's), lr, the sample ids of its batch. ``--kill-at K`` SIGKILLs the process after
-step K's batch (a crash between checkpoints).
+step K's batch (a crash between checkpoints; the benchmark kills from outside instead);
+``--step-sleep S`` sleeps S seconds per step (so an outside kill lands mid-run);
+``--naive-rng`` restores the RNG streams in ``on_fit_start``, where the model first exists and
+before Lightning creates the DataLoader iterator (the natural, wrong moment).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import json
 import os
 import signal
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -58,7 +62,10 @@ class Net(pl.LightningModule):
                     fully_shard(m, mesh=mesh)
             fully_shard(self.net, mesh=mesh)
 
+    sleep = 0.0
+
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        time.sleep(self.sleep)
         ids, x, y = batch
         loss = (self.net(x) - y).pow(2).mean()
         rec = {"step": self.trainer.global_step + 1, "rank": self.global_rank,
@@ -76,6 +83,12 @@ class Net(pl.LightningModule):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class NaiveRNG(ReshardCheckpoint):
+    def on_fit_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        super().on_fit_start(trainer, pl_module)
+        self._apply_rng()
 
 
 class Kill(pl.Callback):
@@ -99,12 +112,15 @@ def main() -> None:
     p.add_argument("--noise", type=float, default=0.05)
     p.add_argument("--kill-at", type=int, default=0)
     p.add_argument("--val-every", type=int, default=0, help="validate every K batches (0: never)")
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--naive-rng", action="store_true")
     a = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     pl.seed_everything(0, verbose=False)
     strategy = (ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
                 if a.strategy == "fsdp2" else DDPStrategy(process_group_backend="gloo"))
-    cbs: list[pl.Callback] = [ReshardCheckpoint(a.root, every_n_train_steps=a.every)]
+    cls = NaiveRNG if a.naive_rng else ReshardCheckpoint
+    cbs: list[pl.Callback] = [cls(a.root, every_n_train_steps=a.every)]
     if a.kill_at:
         cbs.append(Kill(a.kill_at))
     val = {"val_check_interval": a.val_every, "check_val_every_n_epoch": None, "limit_val_batches": 2,
@@ -114,7 +130,9 @@ def main() -> None:
                          enable_model_summary=False, **val)
     loader = DataLoader(Points(a.noise), batch_size=a.batch, shuffle=True)
     val_loader = DataLoader(Points(0.0), batch_size=a.batch, shuffle=True)
-    trainer.fit(Net(a.dropout, a.strategy == "fsdp2", a.out), loader,
+    net = Net(a.dropout, a.strategy == "fsdp2", a.out)
+    net.sleep = a.step_sleep
+    trainer.fit(net, loader,
                 val_loader if a.val_every else None)
 
 

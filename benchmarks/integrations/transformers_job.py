@@ -5,7 +5,9 @@ run under torchrun the way users run it (benchmarks/bench_integrations.py kills 
 
 Every rank appends one JSON line per training micro-batch to ``--records``: step, rank, world, loss
 (this rank's), lr, the sample ids of its batch. ``--kill-at K`` SIGKILLs the process when step
-K ends (a crash between checkpoints).
+K ends (a crash between checkpoints; the benchmark kills from outside instead); ``--step-sleep S``
+sleeps S seconds per step; ``--naive-rng`` restores the RNG streams where the checkpoint is read,
+before the resumed epoch's iterator exists (the natural, wrong moment).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import json
 import os
 import signal
+import time
 
 import torch
 from torch import nn
@@ -41,17 +44,25 @@ class Net(nn.Module):
     def __init__(self, dropout: float, log: str) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(D, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 1))
-        self.log, self.step = log, 0
+        self.log, self.step, self.lr, self.sleep = log, 0, 0.0, 0.0
 
     def forward(self, ids: torch.Tensor, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         loss = (self.net(x) - labels).pow(2).mean()
         if self.training:
+            time.sleep(self.sleep)
             rank = int(os.environ.get("RANK", 0))
             with open(f"{self.log}.{rank}", "a") as f:
                 f.write(json.dumps({"step": self.step + 1, "rank": rank,
                                     "world": int(os.environ.get("WORLD_SIZE", 1)),
-                                    "loss": loss.item(), "ids": ids.tolist()}) + "\n")
+                                    "loss": loss.item(), "lr": self.lr, "ids": ids.tolist()}) + "\n")
         return {"loss": loss}
+
+
+class NaiveRNG(ReshardTrainer):
+    def _load_optimizer_and_scheduler(self, checkpoint):  # type: ignore[no-untyped-def]
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if self._rng is not None:
+            self._rng.apply()
 
 
 class Track(TrainerCallback):  # type: ignore[misc]
@@ -60,6 +71,7 @@ class Track(TrainerCallback):  # type: ignore[misc]
 
     def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         self.net.step = state.global_step
+        self.net.lr = kwargs["optimizer"].param_groups[0]["lr"]
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         if state.global_step == self.kill_at:
@@ -75,6 +87,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=4, help="per-device batch as written")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--kill-at", type=int, default=0)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--naive-rng", action="store_true")
     a = p.parse_args()
     args = TrainingArguments(output_dir=a.out_dir, use_cpu=True, max_steps=a.steps,
                              per_device_train_batch_size=a.batch, learning_rate=1e-2,
@@ -83,7 +97,9 @@ def main() -> None:
                              dataloader_num_workers=0, disable_tqdm=True)
     set_seed(0)
     net = Net(a.dropout, a.records)
-    trainer = ReshardTrainer(model=net, args=args, train_dataset=Points(),
+    net.sleep = a.step_sleep
+    cls = NaiveRNG if a.naive_rng else ReshardTrainer
+    trainer = cls(model=net, args=args, train_dataset=Points(),
                              callbacks=[Track(net, a.kill_at)])
     trainer.train(resume_from_checkpoint=trainer.last_checkpoint)
 
