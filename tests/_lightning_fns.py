@@ -162,8 +162,16 @@ def fit(cfg: dict[str, Any]) -> dict[str, Any]:
 
     cls = Naive if cfg.get("naive_rng") else ReshardCheckpoint
     cb = cls(cfg["root"], every_n_train_steps=cfg.get("every", 3), use_async=cfg.get("use_async", False),
-             keep_last=cfg.get("keep_last"), manage_data=cfg.get("manage_data", True))
-    cbs: list[Any] = [cb]
+             keep_last=cfg.get("keep_last"), manage_data=cfg.get("manage_data", True),
+             keep_best=cfg.get("keep_best", 0), monitor=cfg.get("monitor"), mode=cfg.get("mode", "min"))
+    metrics: dict[int, float] = {}
+
+    class Metrics(pl.Callback):  # what callback_metrics holds at each step's end (what a save carries)
+        def on_train_batch_end(self, trainer: Any, *a: Any) -> None:
+            if "val_loss" in trainer.callback_metrics:
+                metrics[trainer.global_step] = float(trainer.callback_metrics["val_loss"])
+
+    cbs: list[Any] = [cb, Metrics()]
     if cfg.get("stop_at"):
         cbs.append(Stop(cfg["stop_at"]))
     if cfg.get("save_lightning"):
@@ -197,6 +205,8 @@ def fit(cfg: dict[str, Any]) -> dict[str, Any]:
     else:
         loader = DataLoader(data, batch_size=cfg.get("batch", 4), shuffle=cfg.get("shuffle", True))
     model = Net(cfg.get("dropout", 0.0), fsdp)
+    if cfg.get("drop_internal") == "batch_progress":
+        del trainer.fit_loop.epoch_loop.batch_progress
     lines = _Lines()
     logger = logging.getLogger("lightning.pytorch")
     logger.addHandler(lines)
@@ -216,7 +226,7 @@ def fit(cfg: dict[str, Any]) -> dict[str, Any]:
         params.append((t.full_tensor() if hasattr(t, "full_tensor") else t).flatten().tolist())
     return {"records": model.records, "params": params, "lines": lines.lines, "raised": raised,
             "resumed_from": cb.resumed_from, "global_step": trainer.global_step,
-            "precision": trainer.precision_plugin.state_dict(),
+            "precision": trainer.precision_plugin.state_dict(), "metrics": metrics,
             "warnings": [str(w.message) for w in caught]}
 
 

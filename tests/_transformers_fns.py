@@ -145,6 +145,23 @@ def internals_missing(drop: str | None = None) -> list[str]:
     return missing_trainer_internals(cls)
 
 
+def construct_on(drop: str, out: str) -> str:
+    """The error a ReshardTrainer over a Trainer whose method ``drop`` is gone raises."""
+    from transformers import Trainer, TrainingArguments
+
+    from reshard.integrations.transformers import ReshardTrainerMixin
+
+    _torchrun_env()
+    _, Net, _ = _classes()
+    changed = type("Changed", (Trainer,), {drop: None})
+    broken = type("Broken", (ReshardTrainerMixin, changed), {})
+    try:
+        broken(model=Net(0.0), args=TrainingArguments(output_dir=out, use_cpu=True, report_to=[]))
+    except Exception as e:  # noqa: BLE001 - the test checks its type and message
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
 def run_recipe(directory: str, code: str) -> bool:
     """Run a documented recipe on this rank (a torchrun job) in ``directory``."""
     _torchrun_env()

@@ -188,8 +188,33 @@ def test_loaders_the_cursor_drops_from_refuses_or_leaves_alone(pool: WorkerPool,
     assert [r["ids"] for r in res["records"]] == [lightnings[:4], lightnings[4:8]]
 
 
-def test_the_lightning_internals_are_there_and_a_missing_one_is_named(pool: WorkerPool) -> None:
+def test_keep_best_keeps_the_best_checkpoint_by_the_monitored_metric(pool: WorkerPool,
+                                                                     tmp_path: Path) -> None:
+    """keep_last=1, keep_best=1, monitor="val_loss", mode="max": the newest
+    checkpoint and the one whose metric (callback_metrics at its save: the
+    last validation's; none yet at step 2) is the highest are kept."""
+    import reshard
+
+    res = _run(pool, 1, {"steps": 8, "every": 2, "val_every": 2, "keep_last": 1, "keep_best": 1,
+                         "monitor": "val_loss", "mode": "max", "root": str(tmp_path / "b")})[0]
+    saved = {s: v for s, v in res["metrics"].items() if s % 2 == 0}
+    assert sorted(saved) == [4, 6, 8], res["metrics"]
+    best = max(saved, key=lambda s: saved[s])
+    assert best != 8, saved
+    kept = sorted(p.name for p in (tmp_path / "b").iterdir() if p.name.startswith("step-")
+                  and "." not in p.name)
+    assert kept == sorted({f"step-{best:08d}", "step-00000008"}), (kept, saved)
+    assert reshard.inspect(tmp_path / "b" / f"step-{best:08d}").extra["metric"] == saved[best]
+
+
+def test_the_lightning_internals_are_there_and_a_missing_one_is_named(pool: WorkerPool,
+                                                                      tmp_path: Path) -> None:
+    """missing_lightning_internals names what a Trainer lacks, and a fit with
+    such a Trainer fails in setup with that name and Lightning's version."""
     assert pool.run(1, internals_of_a_trainer) == [[]]
+    with pytest.raises(Exception, match=r"the installed Lightning \(2\.[\d.]+\) lacks .*"
+                                        r"batch_progress\.current\.processed"):
+        _run(pool, 1, {"steps": 2, "drop_internal": "batch_progress", "root": str(tmp_path / "x")})
     missing = pool.run(1, internals_of_a_trainer, "data_source")[0]
     assert len(missing) == 1 and missing[0].startswith("Trainer.fit_loop._data_source.dataloader()")
     missing = pool.run(1, internals_of_a_trainer, "batch_progress")[0]

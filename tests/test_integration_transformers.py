@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from _lightning_fns import fresh_group
-from _transformers_fns import N, internals_missing, run_recipe, train
+from _transformers_fns import N, construct_on, internals_missing, run_recipe, train
 from reshard.testing.pool import WorkerPool
 
 pytest.importorskip("transformers")
@@ -143,6 +143,9 @@ def test_refusals_and_the_internals(pool: WorkerPool, tmp_path: Path) -> None:
     assert pool.run(1, internals_missing) == [[]]
     missing = pool.run(1, internals_missing, "_load_rng_state")[0]
     assert len(missing) == 1 and missing[0].startswith("Trainer._load_rng_state(checkpoint)")
+    err = pool.run(1, construct_on, "_load_optimizer_and_scheduler", str(tmp_path / "x"))[0]
+    assert err.startswith("CheckpointError: ReshardTrainer: the installed transformers (5.") and \
+        "Trainer._load_optimizer_and_scheduler(checkpoint)" in err, err
     with pytest.raises(Exception, match="No valid checkpoint found in .*reshard.latest"):
         _run(pool, 1, {"steps": 2, "out": str(tmp_path / "empty"), "resume": True})
     with pytest.raises(Exception, match="save_only_model=True makes checkpoints a run cannot resume"):

@@ -265,7 +265,14 @@ class ReshardCheckpoint(Checkpoint):
         every_n_train_steps: save when ``trainer.global_step`` is a multiple
             of it (at the batch that completed the optimizer step, after the
             scheduler stepped); None: only at the end of ``fit``.
-        keep_last, keep_every: retention (:class:`reshard.CheckpointManager`).
+        every_seconds: also save when this many seconds passed since the
+            last save (the coordinator's clock decides, agreed across ranks).
+        keep_last, keep_every, keep_best: retention (:class:`reshard.CheckpointManager`:
+            nothing is deleted before a newer checkpoint verified; the
+            checkpoint the run resumed from is kept for the run).
+        monitor, mode: with ``keep_best``, the metric of ``trainer.callback_metrics``
+            each save carries (its value at the save: the last validation's)
+            and whether higher (``"max"``) or lower (``"min"``) is better.
         use_async: save in the background (:func:`reshard.async_save`); the
             step waits for staging only (:meth:`before_state_mutation`).
         save_on_train_end: save the last step when ``fit`` ends normally (if
@@ -292,8 +299,9 @@ class ReshardCheckpoint(Checkpoint):
     """
 
     def __init__(self, dirpath: str | os.PathLike[str], *, every_n_train_steps: int | None = None,
-                 keep_last: int | None = None, keep_every: int | None = None,
-                 use_async: bool = False, save_on_train_end: bool = True, manage_data: bool = True,
+                 every_seconds: float | None = None, keep_last: int | None = None,
+                 keep_every: int | None = None, keep_best: int = 0, monitor: str | None = None,
+                 mode: str = "min", use_async: bool = False, save_on_train_end: bool = True, manage_data: bool = True,
                  data_seed: int | None = None, base_seed: int | None = None,
                  timeout_s: float | None = None, options: SaveOptions | None = None):
         super().__init__()
@@ -302,9 +310,15 @@ class ReshardCheckpoint(Checkpoint):
                                                 or every_n_train_steps < 1):
             raise ValueError(f"ReshardCheckpoint(every_n_train_steps=...) must be an int >= 1 or None, "
                              f"got {every_n_train_steps!r}")
+        if keep_best and not monitor:
+            raise ValueError("ReshardCheckpoint(keep_best=...) needs monitor= (a key of "
+                             "trainer.callback_metrics, e.g. 'val_loss')")
+        if mode not in ("min", "max"):
+            raise ValueError(f"ReshardCheckpoint(mode=...) must be 'min' or 'max', got {mode!r}")
         self.dirpath = os.fspath(dirpath)
-        self.every_n_train_steps = every_n_train_steps
+        self.every_n_train_steps, self.every_seconds = every_n_train_steps, every_seconds
         self.keep_last, self.keep_every = keep_last, keep_every
+        self.keep_best, self.monitor, self.mode = keep_best, monitor, mode
         self.use_async, self.save_on_train_end = use_async, save_on_train_end
         self.manage_data = manage_data
         self.data_seed, self.base_seed = data_seed, base_seed
@@ -383,8 +397,9 @@ class ReshardCheckpoint(Checkpoint):
                                          base_seed=seed if self.base_seed is None else self.base_seed))
         # the manager takes the root when it is made: here, once the process group exists
         self.manager = CheckpointManager(
-            self.dirpath, every_steps=self.every_n_train_steps, keep_last=self.keep_last,
-            keep_every=self.keep_every, use_async=self.use_async, preempt_signals=(),
+            self.dirpath, every_steps=self.every_n_train_steps, every_seconds=self.every_seconds,
+            keep_last=self.keep_last, keep_every=self.keep_every, keep_best=self.keep_best,
+            metric_mode=self.mode, use_async=self.use_async, preempt_signals=(),
             options=self.options, timeout_s=self.timeout_s)
         if self.manage_data:
             src = trainer.fit_loop._data_source
@@ -461,7 +476,7 @@ class ReshardCheckpoint(Checkpoint):
         if step == self._last_step:  # inside gradient accumulation, or no optimizer step
             return
         self._last_step = step
-        out = self.manager.maybe_save(step, self._state(trainer))
+        out = self.manager.maybe_save(step, self._state(trainer), metric=self._metric(trainer))
         if out is not None:
             self._saved_step = step
             if isinstance(out, SaveHandle):
@@ -481,7 +496,7 @@ class ReshardCheckpoint(Checkpoint):
         assert self.manager is not None
         step = trainer.global_step
         if self.save_on_train_end and step and step != self._saved_step:
-            self.manager.save(step, self._state(trainer), sync=True)
+            self.manager.save(step, self._state(trainer), sync=True, metric=self._metric(trainer))
             self._saved_step = step
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -504,6 +519,12 @@ class ReshardCheckpoint(Checkpoint):
         self._inflight = None
         if mgr is not None:
             mgr.close()
+
+    def _metric(self, trainer: Any) -> float | None:
+        if not self.monitor:
+            return None
+        v = trainer.callback_metrics.get(self.monitor)
+        return None if v is None else float(v)
 
     # ------------------------------------------------------------ RNG
     def _apply_rng(self) -> None:

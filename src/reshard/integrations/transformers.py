@@ -148,8 +148,13 @@ TRAINER_INTERNALS: tuple[Internal, ...] = (
 
 def missing_trainer_internals(trainer_cls: type = Trainer) -> list[str]:
     """The :data:`TRAINER_INTERNALS` that ``trainer_cls`` lacks (as
-    ``"name (what for)"``); empty when all are there."""
-    return missing_internals(TRAINER_INTERNALS, trainer_cls)
+    ``"name (what for)"``); empty when all are there. For a class made with
+    :class:`ReshardTrainerMixin`, the Trainer classes after the mixin are
+    probed (what its overrides call and stand in for)."""
+    subject: Any = trainer_cls
+    if isinstance(trainer_cls, type) and issubclass(trainer_cls, ReshardTrainerMixin):
+        subject = super(ReshardTrainerMixin, trainer_cls)
+    return missing_internals(TRAINER_INTERNALS, subject)
 
 
 class _TrainerValues:
@@ -315,13 +320,27 @@ class ReshardTrainerMixin:
             return super().train(  # type: ignore[misc]
                 resume_from_checkpoint=view, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
                 **kwargs)
+        except BaseException:
+            self._close(raising=False)  # the training's own exception is the one to raise
+            raise
         finally:
             if view is not None:
                 shutil.rmtree(view, ignore_errors=True)
-            mgr, self.manager = self.manager, None
-            self._inflight = None
-            if mgr is not None:
-                mgr.close()
+            self._close(raising=True)
+
+    def _close(self, *, raising: bool) -> None:
+        """Close the manager (it waits for the saves in flight); its failure is
+        raised, or logged when another exception is already on its way."""
+        mgr, self.manager = self.manager, None
+        self._inflight = None
+        if mgr is None:
+            return
+        try:
+            mgr.close()
+        except CheckpointError as e:
+            if raising:
+                raise
+            log.warning("ReshardTrainer: closing the checkpoint manager after a failed train(): %s", e)
 
     def _inner_training_loop(self, batch_size: int | None = None, args: Any = None,
                              resume_from_checkpoint: str | None = None, trial: Any = None,
