@@ -20,6 +20,9 @@ ModelParallelStrategy / FSDP2, the Hugging Face Trainer), a small job under
   resume at a validation step; the Lightning callback's own training loader
   draws nothing from the global generator): same samples and learning rate,
   other losses (what the integrations avoid);
+* **Lightning's default** (the DDP entry): the same job checkpointed by
+  Lightning's ``ModelCheckpoint(save_last=True)`` and resumed with
+  ``fit(ckpt_path="last")``, against its own uninterrupted run;
 * **2 -> 1**: without randomness in the step (dropout 0), uninterrupted on 2
   ranks against the job killed on 2 ranks and resumed on 1 (the same command:
   the per-device batch as written, the global batch kept by the
@@ -217,10 +220,20 @@ def torchrun_matrix(job: Job, work: Path, steps: int, every: int, kill_after: in
 
 def lightning_ddp(work: Path, steps: int, every: int, kill_after: int) -> list[Case]:
     """PyTorch Lightning, DDPStrategy: ReshardCheckpoint, dropout, noise drawn in
-    the dataset's __getitem__, validation at the checkpoint steps."""
+    the dataset's __getitem__, validation at the checkpoint steps; and the
+    same job with Lightning's own checkpointing, the baseline."""
     job = Job("lightning-ddp", "lightning_job.py", "--root", "--out",
               extra=("--strategy", "ddp", "--val-every", str(every)))
-    return torchrun_matrix(job, work, steps, every, kill_after)
+    cases = torchrun_matrix(job, work, steps, every, kill_after)
+    d = work / job.name
+    base = ["--steps", str(steps), "--every", str(every), "--step-sleep", "0.15", "--lightning-default"]
+    _torchrun(job, 2, d / "pl-full", d / "pl-full.jsonl", base)
+    _torchrun(job, 2, d / "pl-run", d / "pl-run.jsonl", base, kill_after=kill_after)
+    _, log = _torchrun(job, 2, d / "pl-run", d / "pl-run.jsonl", base)
+    at = _resumed_at(log)
+    resumed = {k: v for k, v in _read(d / "pl-run.jsonl").items() if k[0] > at}
+    cases.append(Case("lightning-ddp", "baseline", _read(d / "pl-full.jsonl"), resumed, at))
+    return cases
 
 
 def lightning_fsdp2(work: Path, steps: int, every: int, kill_after: int) -> list[Case]:
@@ -251,7 +264,7 @@ def report(c: Case) -> tuple[bool, str]:
     lines = [f"\n== {c.entry}: {c.kind} (resumed after step {c.resumed_at})"]
     ok, worst = True, 0.0
     steps = sorted({s for s, _ in c.resumed})
-    if c.kind in ("bitwise", "naive"):
+    if c.kind in ("bitwise", "naive", "baseline"):
         lines.append(f"{'step':>4} {'rank':>4} {'uninterrupted':>14} {'resumed':>14} {'|d|':>10} lr ids")
         diff_steps = 0
         for s in steps:
@@ -266,6 +279,11 @@ def report(c: Case) -> tuple[bool, str]:
         if c.kind == "bitwise":
             ok = diff_steps == 0
             summary = f"{c.entry} same layout: {'bitwise' if ok else f'{diff_steps} steps differ'}"
+        elif c.kind == "baseline":
+            same_ids = sum(c.reference[k]["ids"] == v["ids"] for k, v in c.resumed.items())
+            summary = (f"{c.entry} Lightning's own ModelCheckpoint + fit(ckpt_path='last') (baseline, "
+                       f"not judged): {diff_steps} of {len(c.resumed)} rank-steps differ, max |d| loss "
+                       f"{worst:.3g}, {same_ids} with the same samples")
         else:
             ok = diff_steps > 0 and all(c.reference[k]["ids"] == v["ids"] and c.reference[k]["lr"] == v["lr"]
                                         for k, v in c.resumed.items())

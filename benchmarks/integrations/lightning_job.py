@@ -8,7 +8,9 @@ Every rank appends one JSON line per training step to ``--out``: step, rank, wor
 step K's batch (a crash between checkpoints; the benchmark kills from outside instead);
 ``--step-sleep S`` sleeps S seconds per step (so an outside kill lands mid-run);
 ``--naive-rng`` restores the RNG streams in ``on_fit_start``, where the model first exists and
-before Lightning creates the DataLoader iterator (the natural, wrong moment).
+before Lightning creates the DataLoader iterator (the natural, wrong moment);
+``--lightning-default`` checkpoints with Lightning's own ``ModelCheckpoint(save_last=True)`` and
+resumes with ``fit(ckpt_path="last")`` instead (the baseline).
 """
 
 from __future__ import annotations
@@ -91,6 +93,14 @@ class NaiveRNG(ReshardCheckpoint):
         self._apply_rng()
 
 
+class SayResumed(pl.Callback):
+    """The baseline's "resuming from PATH (step N)" line (ReshardCheckpoint prints its own)."""
+
+    def on_train_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        if trainer.ckpt_path and trainer.is_global_zero:
+            print(f"resuming from {trainer.ckpt_path} (step {trainer.global_step})", flush=True)
+
+
 class Kill(pl.Callback):
     def __init__(self, at: int) -> None:
         self.at = at
@@ -114,6 +124,7 @@ def main() -> None:
     p.add_argument("--val-every", type=int, default=0, help="validate every K batches (0: never)")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--naive-rng", action="store_true")
+    p.add_argument("--lightning-default", action="store_true")
     a = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     pl.seed_everything(0, verbose=False)
@@ -121,6 +132,13 @@ def main() -> None:
                 if a.strategy == "fsdp2" else DDPStrategy(process_group_backend="gloo"))
     cls = NaiveRNG if a.naive_rng else ReshardCheckpoint
     cbs: list[pl.Callback] = [cls(a.root, every_n_train_steps=a.every)]
+    ckpt_path = None
+    if a.lightning_default:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        cbs = [ModelCheckpoint(dirpath=a.root, every_n_train_steps=a.every, save_last=True, save_top_k=-1),
+               SayResumed()]
+        ckpt_path = "last"
     if a.kill_at:
         cbs.append(Kill(a.kill_at))
     val = {"val_check_interval": a.val_every, "check_val_every_n_epoch": None, "limit_val_batches": 2,
@@ -132,8 +150,7 @@ def main() -> None:
     val_loader = DataLoader(Points(0.0), batch_size=a.batch, shuffle=True)
     net = Net(a.dropout, a.strategy == "fsdp2", a.out)
     net.sleep = a.step_sleep
-    trainer.fit(net, loader,
-                val_loader if a.val_every else None)
+    trainer.fit(net, loader, val_loader if a.val_every else None, ckpt_path=ckpt_path)
 
 
 if __name__ == "__main__":
