@@ -28,11 +28,13 @@ class Crash(RuntimeError):
 
 def fresh_group() -> int:
     """Make this worker group look like a restarted job: a new default process
-    group (a new store on a new port) and reshard's per-process caches empty
-    (the checkpoint groups and background savers made from the old default
-    group: reshard keeps them per process, keyed by "default", so they would
-    outlive a destroyed default group); returns the port."""
-    from reshard import collectives
+    group (a new store on a new port) and reshard's per-process group state as
+    a new process has it (empty). reshard keeps that state per process, keyed
+    by "default", group names or store ids: the checkpoint groups and
+    background savers made from the default group, broken-group marks,
+    per-group sequence numbers, bounded store wrappers; made from a destroyed
+    default group, they would outlive it. Returns the port."""
+    from reshard import collectives, collectives_base
     from reshard.saving import pending
 
     port = 0
@@ -48,6 +50,9 @@ def fresh_group() -> int:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{box[0]}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=30))
     collectives._TIMED_GROUPS.clear()
+    collectives._BROKEN.clear()
+    collectives._SEQ.clear()
+    collectives_base._BOUNDED.clear()
     with pending.SAVERS_LOCK:
         pending.SAVERS.clear()
     return int(box[0])

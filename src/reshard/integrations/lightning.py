@@ -38,16 +38,19 @@ start a fine-tuning from a Lightning checkpoint and resume it later from
 reshard's, pass ``ckpt_path`` only when ``reshard.latest(dirpath)`` is None.
 
 **RNG timing.** The restored streams are applied after the DataLoader
-iterator exists, just before the first resumed batch is fetched (the
+iterators exist, just before the first resumed batch is fetched (the
 callback's own loader, fetching in the main process: before the dataset's
 ``__getitem__`` runs) or, with worker processes or ``manage_data=False``, in
-the first resumed ``on_train_batch_start``. Restored in ``on_fit_start``
-they would be one draw off: ``iter(DataLoader)`` draws its base seed from
-the global torch generator after that hook (see
-:class:`reshard.integrations._common.DeferredRNG`). Validation during ``fit``
-runs on a copy of the streams (restored at ``on_validation_end``, as
-Lightning's sanity check does), so a resume at a validation step, which
-Lightning does not repeat, stays bitwise equal.
+the first resumed ``on_train_batch_start``. Restored in ``on_fit_start`` they
+would be off by the draws of the iterators Lightning creates after that hook
+(``iter(DataLoader)`` draws its base seed from the global torch generator):
+the validation loader's, when a resume at a validation step makes Lightning
+fast-forward that validation, and the training loader's with
+``manage_data=False`` (the callback's own loader has a generator of its own
+and draws nothing); see :class:`reshard.integrations._common.DeferredRNG`.
+Validation during ``fit`` runs on a copy of the streams (restored at
+``on_validation_end``, as Lightning's sanity check does), so a resume at a
+validation step, which Lightning does not repeat, stays bitwise equal.
 
 **Data position.** With ``manage_data=True`` (default), the training
 DataLoader as written (a map-style dataset; the default sampler, shuffled or
