@@ -170,6 +170,9 @@ def fit(cfg: dict[str, Any]) -> dict[str, Any]:
              keep_last=cfg.get("keep_last"), manage_data=cfg.get("manage_data", True),
              keep_best=cfg.get("keep_best", 0), monitor=cfg.get("monitor"), mode=cfg.get("mode", "min"))
     metrics: dict[int, float] = {}
+    pre: list[int] = []
+    orig = cb.before_state_mutation
+    cb.before_state_mutation = lambda: (pre.append(1), orig())[1]  # type: ignore[method-assign]
 
     class Metrics(pl.Callback):  # what callback_metrics holds at each step's end (what a save carries)
         def on_train_batch_end(self, trainer: Any, *a: Any) -> None:
@@ -199,7 +202,8 @@ def fit(cfg: dict[str, Any]) -> dict[str, Any]:
                          plugins=plugins,
                          callbacks=cbs, logger=False, enable_progress_bar=False,
                          enable_model_summary=False,
-                         accumulate_grad_batches=cfg.get("accumulate", 1), **val)
+                         accumulate_grad_batches=cfg.get("accumulate", 1),
+                         reload_dataloaders_every_n_epochs=cfg.get("reload", 0), **val)
     n = cfg.get("n", N)
     data = Points(cfg.get("noise", 0.0), n)
     if cfg.get("weighted"):
@@ -232,6 +236,7 @@ def fit(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"records": model.records, "params": params, "lines": lines.lines, "raised": raised,
             "resumed_from": cb.resumed_from, "global_step": trainer.global_step,
             "precision": trainer.precision_plugin.state_dict(), "metrics": metrics,
+            "pre_mutation_calls": len(pre),
             "warnings": [str(w.message) for w in caught]}
 
 

@@ -72,6 +72,7 @@ def test_ddp_resume_same_layout_is_bitwise(pool: WorkerPool, tmp_path: Path) -> 
                                                                   want[k]["ids"]), k
     assert [r["params"] for r in part2] == [r["params"] for r in full]
     assert part2[0]["global_step"] == 10
+    assert part2[0]["pre_mutation_calls"] == 6  # before each of the 6 optimizer steps of the resumed run
     names = sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("step-")
                    and "." not in p.name)
     assert names == ["step-00000004", "step-00000008", "step-00000010"], names  # 4: the resume source
@@ -84,14 +85,18 @@ def test_ddp_resume_same_layout_is_bitwise(pool: WorkerPool, tmp_path: Path) -> 
 def _two_to_one(pool: WorkerPool, tmp_path: Path, strategy: str) -> None:
     """2 ranks stopped after step 9 (checkpoint 8, two steps into epoch 1),
     resumed on 1 rank with the same code (per-device batch 4 as written: the
-    callback keeps the global batch of 8)."""
-    cfg = {"steps": 12, "every": 4, "strategy": strategy}
+    callback keeps the global batch of 8); the loader is made again at every
+    epoch (reload_dataloaders_every_n_epochs=1) and continues the cursor."""
+    cfg = {"steps": 12, "every": 4, "strategy": strategy, "reload": 1}
     full = _run(pool, 2, {**cfg, "root": str(tmp_path / "full")})
     part1 = _run(pool, 2, {**cfg, "root": str(tmp_path / "run"), "stop_at": 9})
     one = _run(pool, 1, {**cfg, "root": str(tmp_path / "run")})
     assert one[0]["resumed_from"].endswith("step-00000008")
     assert any(ln.startswith("global batch 8 kept: per-device batch 4 -> 8") for ln in one[0]["lines"])
     want = _by_step(full)
+    e0, e1 = ([i for s in steps for rk in (0, 1) for i in want[(s, rk)]["ids"]]
+              for steps in (range(1, 7), range(7, 13)))
+    assert sorted(e0) == sorted(e1) == list(range(N)) and e0 != e1  # each epoch its own permutation
     got = _by_step(one)
     assert sorted(s for s, _ in got) == list(range(9, 13))
     for step in range(9, 13):

@@ -560,7 +560,8 @@ class ReshardCheckpoint(Checkpoint):
         n = len(loader.dataset)
         per_device = int(loader.batch_size)
         shuffle = isinstance(loader.sampler, RandomSampler)
-        saved = self._saved_position
+        # made again (reload_dataloaders_every_n_epochs): the cursor continues where it is
+        saved = self._position() if self._cursor is not None else self._saved_position
         if saved is None and self._lightning_restored:
             saved = self._derived_position(trainer, n, per_device * dp_size, shuffle)
         g = int(saved["global_batch_size"]) if saved else per_device * dp_size
