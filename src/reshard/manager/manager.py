@@ -318,8 +318,11 @@ class CheckpointManager(RetentionMixin):
         if self.coll.rank == 0:
             self._make_room(step)
         name = self._agreed_name(step)
+        # incremental by default: every checkpoint stays self-contained (linked or
+        # copied inside the store, docs/design.md); SaveOptions(incremental=False) opts out
         opts = SaveOptions(**{**self.options.__dict__, "extra": extra, "parent": self._parent,
-                              "lineage": self._lineage})
+                              "lineage": self._lineage,
+                              "incremental": self.options.incremental is not False})
         path = self.storage.join(self.root, name)
         t0 = time.perf_counter()
         self.last_save_time = time.monotonic()
