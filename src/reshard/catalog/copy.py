@@ -35,15 +35,10 @@ from ..ondisk.committed import read_manifest, sign_manifest
 from ..ondisk.manifest import Manifest
 from ..ondisk.shardfile import BlockTables, block_digests, file_checksum
 from ..options import SaveOptions
+from ..saving.incremental import plain_name as _plain
 from ..storage import Storage, resolve
 
 _READ = 8 << 20
-
-
-def _plain(name: str) -> str:
-    """A data file's name without the attempt prefix an object store gave it."""
-    a = attempts.attempt_of(name)
-    return name[len(attempts.PREFIX) + len(a) + 1:] if a else name
 
 
 def copy_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,

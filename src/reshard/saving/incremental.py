@@ -68,9 +68,16 @@ def remember(st: Storage, target: str, m: Manifest) -> None:
             _RECENT.popitem(last=False)
 
 
+def plain_name(name: str) -> str:
+    """A data file's name as the plan gave it (without the ``att-<id>.``
+    prefix of an attempt's keys where attempts share a prefix)."""
+    a = attempts.attempt_of(name)
+    return name[len(attempts.PREFIX) + len(a) + 1:] if a else name
+
+
 def is_chunk_file(name: str) -> bool:
     """Whether ``name`` is the file of one chunk (the only files ever linked)."""
-    return name.startswith(CHUNK_FILE_PREFIX)
+    return plain_name(name).startswith(CHUNK_FILE_PREFIX)
 
 
 def link_source(st: Storage, key: str, parent: str | None, *,
@@ -96,7 +103,9 @@ def link_source(st: Storage, key: str, parent: str | None, *,
 
 
 def source_key(st: Storage, src: dict[str, Any], name: str) -> str:
-    """The key of the parent's file ``name`` (as the plan names it)."""
+    """The key of the parent's file ``name`` (as the plan names it, or as
+    this attempt's key)."""
+    name = plain_name(name)
     if st.capabilities.atomic_rename:
         return st.join(src["path"], name)
     return st.join(src["path"], attempts.data_name(src["attempt"], name))
@@ -104,6 +113,7 @@ def source_key(st: Storage, src: dict[str, Any], name: str) -> str:
 
 def _parent_name(st: Storage, parent: Manifest, name: str) -> str | None:
     """The name under which ``parent`` lists the plan's file ``name``."""
+    name = plain_name(name)
     if name in parent.files:
         return name
     if not st.capabilities.atomic_rename:
