@@ -227,7 +227,7 @@ def r_block_load(path: str, trainable_only: bool, base_seed: int = 0,
     rank, tp = dist.get_rank(), dist.get_world_size()
     pm = lora_block(tp, rank, base_seed, getattr(torch, dtype))
     with torch.no_grad():
-        for n, p in pm.named_parameters():
+        for p in pm.parameters():
             if p.requires_grad:
                 p.zero_()
     opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=0.1, foreach=False)
