@@ -256,12 +256,30 @@ def link_shard_file(
             return None
         if storage.read_bytes(src, 0, len(lay.prefix)) != lay.prefix:
             return None
+        sums = _linked_sums(storage, src, items, lay, block_bytes, checksums)
         if not storage.link_file(src, path):
             return None
     except Exception:  # noqa: BLE001 - any doubt: the caller writes the file
         return None
-    sums = {i: _item_sums(items[i], block_bytes, checksums) for i in lay.order}
     return _written(items, lay, sums, checksums)
+
+
+def _linked_sums(storage: Storage, src: str, items: Sequence[FileItem], lay: FileLayout, block_bytes: int,
+                 checksums: bool) -> dict[int, tuple[str, ...]]:
+    """The block digests of ``items`` in the file ``src`` that holds them:
+    given, or read from its block table (8 bytes a block, at its end), so a
+    linked file's bytes are never hashed again."""
+    if not checksums or all(it.checksums is not None for it in items):
+        return {i: _item_sums(items[i], block_bytes, checksums) for i in lay.order}
+    if not lay.table:
+        return {i: _item_sums(items[i], block_bytes, checksums) for i in lay.order}
+    count = sum(nblocks(len(it.data), block_bytes) for it in items)
+    raw = storage.read_bytes(src, lay.size - 8 * count, 8 * count)
+    out = {}
+    for i in lay.order:
+        k, n = lay.first[i], nblocks(len(items[i].data), block_bytes)
+        out[i] = tuple(raw[8 * j:8 * j + 8].hex() for j in range(k, k + n))
+    return out
 
 
 def file_checksum(prefix: bytes, block_digests_in_file_order: Sequence[Sequence[str]]) -> str:

@@ -110,6 +110,8 @@ class Snapshot:
     #: index into ``tensors`` -> xxh3_128 of the chunk's bytes (incremental
     #: saves: the chunks that get a file of their own, :func:`finish_digests`)
     content: dict[int, str] = field(default_factory=dict)
+    #: seconds :func:`finish_digests` took (``SaveResult.timings["hash"]``)
+    hash_s: float = 0.0
 
 
 def _storage_key(item: LocalTensorItem) -> str:
@@ -227,26 +229,35 @@ def finish_digests(snap: Snapshot, options: SaveOptions) -> None:
 
     def one(i: int) -> None:
         item, mv, _ = snap.tensors[i]
+        compare = options.checksums or options.verify_replicas or item.fqn in snap.plain
+        if own and len(mv) >= own:
+            # a chunk with a file of its own: one pass, its xxh3_128, which decides the link and
+            # stands for it among replicas; its block checksums are computed where it is written
+            # (or read from the parent's block table where it is linked)
+            c = snap.content[i] = content_digest(mv)
+            if compare:
+                snap.tensors[i] = (msgspec.structs.replace(item, digest=f"x128:{c}"), mv, None)
+            return
         # every holder must compute the digest when replicas are compared: replica_id 0
         # does not mean "not replicated" (another rank may hold the same chunk), and a
         # holder without a digest ("") would disagree with one that has it
-        if options.checksums or options.verify_replicas or item.fqn in snap.plain:
+        if compare:
             sums = block_digests(mv, block)
             item = msgspec.structs.replace(item, digest=digest_of(sums, len(mv)))
             snap.tensors[i] = (item, mv, sums if options.checksums else None)
-        if own and len(mv) >= own:
-            snap.content[i] = content_digest(mv)
 
+    t0 = time.perf_counter()
     n = len(snap.tensors)
     total = sum(len(mv) for _, mv, _ in snap.tensors)
     threads = min(options.staging_threads or _cpus(), n)
     if threads <= 1 or total < _PARALLEL_HASH_BYTES:
         for i in range(n):
             one(i)
-        return
-    order = sorted(range(n), key=lambda i: -len(snap.tensors[i][1]))  # largest first: balanced
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reshard-hash") as ex:
-        list(ex.map(one, order))
+    else:
+        order = sorted(range(n), key=lambda i: -len(snap.tensors[i][1]))  # largest first: balanced
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reshard-hash") as ex:
+            list(ex.map(one, order))
+    snap.hash_s = time.perf_counter() - t0
 
 
 #: hashing on several threads only pays beyond this many bytes
@@ -558,6 +569,8 @@ def run_save(
     if ctx.new_cache is not None:
         PLAN_CACHE[gkey] = ctx.new_cache
     timings.update(ctx.timings)
+    if snap is not None:
+        timings["hash"] = snap.hash_s
     timings["cached_plan"] = float(out.cached)
     timings["plan_from_parent"] = float(out.cached and restored)
     return SaveResult(path=st.url(key), step=step, attempt_id=out.attempt_id, bytes_written=out.bytes_written,
