@@ -105,7 +105,7 @@ def _init_dist() -> None:
 
 
 def _files(path: str) -> list[str]:
-    out = []
+    out: list[str] = []
     for dirpath, _, names in os.walk(path):
         out.extend(os.path.join(dirpath, n) for n in names)
     return out
@@ -330,11 +330,15 @@ def _lora_checks(rep: Report, root: str, kept: dict[int, dict[str, torch.Tensor]
 
     inc = [r for r in rep.rows if r.workload == "lora" and r.system == "reshard incremental"]
     full = {r.step: r for r in rep.rows if r.workload == "lora" and r.system == "reshard full"}
-    target_bytes = trainable + moments + 8 * 4096  # + the non-tensor state: steps, hyperparameters
+    newest = max(n for n in os.listdir(root) if os.path.isfile(os.path.join(root, n, "manifest.json")))
+    import msgspec
+
+    values = len(msgspec.json.encode(reshard.inspect(os.path.join(root, newest)).values))
+    target_bytes = trainable + moments + values  # + the non-tensor state: hyperparameters, as encoded
     later = [r for r in inc if r.step > 1]
     worst_bytes = max(r.bytes_written for r in later)
-    time_ratios = [r.save_seconds / full[r.step].save_seconds for r in later if r.step in full
-                   and r.save_seconds and full[r.step].save_seconds]
+    time_ratios = [r.save_seconds / fs for r in later if r.step in full and r.save_seconds
+                   and (fs := full[r.step].save_seconds)]
     wall_ratios = [r.seconds / full[r.step].seconds for r in later if r.step in full]
     names = sorted(n for n in os.listdir(root) if os.path.isfile(os.path.join(root, n, "manifest.json")))
     stored = sum({(s.st_dev, s.st_ino): s.st_size for n in names for f in _files(os.path.join(root, n))
@@ -372,7 +376,8 @@ def _lora_checks(rep: Report, root: str, kept: dict[int, dict[str, torch.Tensor]
         say(f"lora: {n}: verify {'ok' if ok else 'FAILED'}, row-split load bit-exact {exact} "
             f"({compared} tensors)")
     ls = subprocess.run([sys.executable, "-m", "reshard.cli", "ls", root], capture_output=True, text=True).stdout
-    return {"trainable_bytes": trainable, "optimizer_bytes": moments, "target_bytes": target_bytes,
+    return {"trainable_bytes": trainable, "optimizer_bytes": moments, "non_tensor_bytes": values,
+            "target_bytes": target_bytes,
             "worst_bytes_after_first": worst_bytes,
             "bytes_ratio": worst_bytes / target_bytes,
             "state_bytes": base_bytes + trainable + moments,
