@@ -33,7 +33,7 @@ from ..commit.protocol import publish
 from ..errors import CheckpointError, IntegrityError
 from ..ondisk.committed import read_manifest, sign_manifest
 from ..ondisk.manifest import Manifest
-from ..ondisk.shardfile import BlockTables, block_digests, file_checksum
+from ..ondisk.shardfile import BlockTables, block_digests, file_checksum, note_rotten
 from ..options import SaveOptions
 from ..saving.incremental import plain_name as _plain
 from ..storage import Storage, resolve
@@ -153,6 +153,7 @@ def _copy_file(sst: Storage, skey: str, dst: Storage, to: str, name: str, size: 
                     if progress is not None:
                         progress(len(data))
                 if want and tuple(got) != tuple(want):
+                    note_rotten(sst, src)
                     bad = next(i for i, (x, y) in enumerate(zip(got, want, strict=True)) if x != y)
                     raise IntegrityError(f"{src}: checksum mismatch in {what} block {bad}: not copied")
                 tree.append(tuple(got))

@@ -78,8 +78,9 @@ def incremental_cmd(scratch_dir: str | None, lora_saves: int, keep_last: int, pe
          lc["time_ratio_median"], TARGETS["lora_time_ratio"]),
         ("full fine-tune, frozen embedding: embedding bytes written after the first save",
          fc["after_first_max"], TARGETS["ft_embedding_bytes"]),
-        ("hashing overhead on a save where every byte is new (first full-ft save)",
-         hc.get("overhead"), TARGETS["hash_overhead"]),
+        ("hashing overhead on a save where every byte is new (the xxh3_128 of the first full-ft "
+         "state on every CPU, as a share of that incremental save's time)",
+         hc.get("hash_share_of_save"), TARGETS["hash_overhead"]),
     ]
     missed = 0
     for what, got, bound in verdicts:
@@ -94,6 +95,11 @@ def incremental_cmd(scratch_dir: str | None, lora_saves: int, keep_last: int, pe
                f"{lc['stored_bytes'] / 2**20:.1f} MiB for a base of {lc['base_bytes'] / 2**20:.1f} MiB "
                f"({lc['logical_bytes'] / 2**20:.1f} MiB named by {len(lc['kept'])} checkpoints); every kept "
                "checkpoint verifies and loads bit-exact in a row split")
+    if hc.get("overhead") is not None:
+        click.echo(f"first full-ft save (every byte new): incremental {hc['first_save_incremental_s']:.2f} s, "
+                   f"full {hc['first_save_full_s']:.2f} s (incremental {100 * hc['overhead']:+.0f}%: its "
+                   "chunks' files are written in parallel); the state's xxh3_128: "
+                   f"{hc['one_thread_s']:.2f} s on one thread, {hc['all_cpus_s']:.2f} s on {hc['cpus']}")
     click.echo(f"load averages: {rep.load_avg}")
     click.echo(lc["ls"])
     write_json(json_path, rep.to_json())

@@ -97,6 +97,40 @@ class WrittenItem:
 #: header metadata key prefix of an item's content digest (``reshard.content:<item name>``)
 CONTENT_META_PREFIX = "reshard.content:"
 
+#: data files this process found rotten (a checksum mismatch while loading,
+#: verifying or copying), by the store's identity of their bytes (a local
+#: file's inode: every name of it): never linked by a later incremental save,
+#: which writes those bytes again from its staged copy instead
+_ROTTEN: set[object] = set()
+_ROTTEN_LOCK = threading.Lock()
+
+
+def _identity(storage: Storage, path: str) -> object:
+    try:
+        ident = storage.file_identity(path)
+    except Exception:  # noqa: BLE001 - gone or unreadable: known by its key
+        ident = None
+    return ("key", path) if ident is None else ident[0]
+
+
+def note_rotten(storage: Storage, path: str) -> None:
+    """Remember that the bytes of the data file ``path`` do not match their
+    checksums (called where a mismatch is found), so that no incremental
+    save of this process links them again."""
+    ident = _identity(storage, path)
+    with _ROTTEN_LOCK:
+        _ROTTEN.add(ident)
+
+
+def is_rotten(storage: Storage, path: str) -> bool:
+    """Whether this process found the bytes of ``path`` rotten (:func:`note_rotten`)."""
+    with _ROTTEN_LOCK:
+        if not _ROTTEN:
+            return False
+    ident = _identity(storage, path)
+    with _ROTTEN_LOCK:
+        return ident in _ROTTEN
+
 
 def content_digest(data: memoryview) -> str:
     """xxh3_128 (hex, 32 digits) of ``data``: the digest an incremental save
@@ -245,14 +279,18 @@ def link_shard_file(
     the store).
 
     Returns what :func:`write_shard_file` returns, or None when ``src`` is
-    another file, is missing or unreadable, or the store could not link
-    (the caller then writes the file).
+    another file, is missing or unreadable, was found rotten by this process
+    (:func:`note_rotten`), or the store could not link (the caller then
+    writes the file). A file that rotted on the store since it was written
+    and that nothing has read since is linked as it is: the rot is then in
+    every checkpoint naming it, and ``verify`` and every load of any of them
+    find it.
     """
     if not items or any(it.content is None for it in items):
         return None
     lay = layout_shard_file(items, block_bytes=block_bytes, checksums=checksums, block_table=block_table)
     try:
-        if storage.is_link(src) or storage.size(src) != lay.size:
+        if storage.is_link(src) or storage.size(src) != lay.size or is_rotten(storage, src):
             return None
         if storage.read_bytes(src, 0, len(lay.prefix)) != lay.prefix:
             return None
@@ -345,6 +383,7 @@ class BlockTables:
         n = nblocks(c.length, self.m.checksum_block_bytes)
         raw = self._table(c.file)[8 * c.block_index:8 * (c.block_index + n)]
         if len(raw) != 8 * n or block_root(raw) != c.digest:
+            note_rotten(self.st, self.st.join(self.ckpt, c.file))
             raise IntegrityError(
                 f"{self.st.join(self.ckpt, c.file)}: checksum mismatch: the block digests of the chunk "
                 f"at file bytes [{c.offset}, {c.offset + c.length}) do not match the manifest's digest "
