@@ -309,3 +309,26 @@ def test_cli_copy_help_and_bad_source(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "reshard.cli", "copy", str(tmp_path / "none"),
                         str(tmp_path / "dst")], capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_copy_keeps_a_signature(tmp_path: Path) -> None:
+    """``reshard copy`` of a signed checkpoint checks the signature with the
+    key given (``--hmac-key-file``) and signs the copy with it; without the
+    key it refuses, never dropping the signature."""
+    import torch
+
+    key = b"k" * 32
+    src = str(tmp_path / "signed")
+    reshard.save({"w": torch.arange(6.0)}, src, options=reshard.SaveOptions(hmac_key=key))
+    kf = tmp_path / "key"
+    kf.write_bytes(key)
+    runner = CliRunner()
+    r = runner.invoke(main, ["copy", src, str(tmp_path / "nokey")])
+    assert r.exit_code == 1 and "signed" in r.output and not (tmp_path / "nokey").exists(), r.output
+    r = runner.invoke(main, ["copy", "--hmac-key-file", str(kf), src, str(tmp_path / "copy")])
+    assert r.exit_code == 0, r.output
+    tgt = {"w": torch.zeros(6)}
+    reshard.load(tgt, str(tmp_path / "copy"), options=reshard.LoadOptions(hmac_key=key))
+    assert torch.equal(tgt["w"], torch.arange(6.0))
+    with pytest.raises(reshard.CheckpointError):
+        reshard.load({"w": torch.zeros(6)}, str(tmp_path / "copy"), options=reshard.LoadOptions(hmac_key=b"x" * 32))

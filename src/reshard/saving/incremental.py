@@ -54,7 +54,7 @@ CHUNK_FILE_PREFIX = "data-c"
 #: manifest): a managed save's parent is the previous save, whose manifest the
 #: coordinator built; after a restart it is read from storage once
 _RECENT: OrderedDict[str, Manifest] = OrderedDict()
-_RECENT_MAX = 4
+_RECENT_MAX = 2
 _LOCK = threading.Lock()
 
 
