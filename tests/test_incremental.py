@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 import reshard
@@ -150,10 +151,17 @@ def test_incremental_checkpoints_stay_checkpoints(pool: Any, tmp_path: Path) -> 
     assert reshard.verify(str(dst)).ok
     assert all(pool.run(N, r_load, str(dst), 3, timeout=60.0))
     assert all(not fe.origin for fe in reshard.inspect(str(dst)).files.values())
-    for cmd in (["inspect", str(c3)], ["diff", str(c2), str(c3)], ["plan", str(c3), "--layout", "dp4", "--read-rate", "100"]):
+    for cmd in (["inspect", str(c3)], ["diff", str(c2), str(c3)], ["plan", str(c3), "--layout", "dp4", "--read-rate", "100"],
+                ["export", str(c3), str(tmp_path / "hf"), "--subtree", "model"]):
         r = runner.invoke(main, cmd)
         assert r.exit_code in (0, 1), (cmd, r.output)
         assert "Error" not in r.output, (cmd, r.output)
+    from safetensors.torch import load_file
+
+    exported = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    from _incremental_fns import full
+
+    assert exported.keys() >= {"base", "emb", "lora"} and torch.equal(exported["base"], full(3)["base"])
     # a corrupted byte of a shared file: every checkpoint naming it fails verify; copy refuses it
     name = _base_files(c3)["model.base@512"]
     with open(c3 / name, "r+b") as f:
@@ -315,8 +323,6 @@ def test_copy_keeps_a_signature(tmp_path: Path) -> None:
     """``reshard copy`` of a signed checkpoint checks the signature with the
     key given (``--hmac-key-file``) and signs the copy with it; without the
     key it refuses, never dropping the signature."""
-    import torch
-
     key = b"k" * 32
     src = str(tmp_path / "signed")
     reshard.save({"w": torch.arange(6.0)}, src, options=reshard.SaveOptions(hmac_key=key))
