@@ -340,6 +340,15 @@ def _lora_checks(rep: Report, root: str, kept: dict[int, dict[str, torch.Tensor]
     time_ratios = [r.save_seconds / fs for r in later if r.step in full and r.save_seconds
                    and (fs := full[r.step].save_seconds)]
     wall_ratios = [r.seconds / full[r.step].seconds for r in later if r.step in full]
+
+    def median(xs: list[float]) -> float:
+        xs = sorted(xs)
+        return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2
+
+    # the typical incremental save against the typical full save: medians of every
+    # save of each (a shared machine's bursts hit single saves, not the medians)
+    inc_median = median([r.save_seconds or r.seconds for r in later])
+    full_median = median([r.save_seconds or r.seconds for r in full.values()])
     names = sorted(n for n in os.listdir(root) if os.path.isfile(os.path.join(root, n, "manifest.json")))
     stored = sum({(s.st_dev, s.st_ino): s.st_size for n in names for f in _files(os.path.join(root, n))
                   if (s := os.lstat(f))}.values())
@@ -381,9 +390,9 @@ def _lora_checks(rep: Report, root: str, kept: dict[int, dict[str, torch.Tensor]
             "worst_bytes_after_first": worst_bytes,
             "bytes_ratio": worst_bytes / target_bytes,
             "state_bytes": base_bytes + trainable + moments,
-            "time_ratio_median": sorted(time_ratios)[len(time_ratios) // 2] if time_ratios else None,
-            "time_ratio_max": max(time_ratios) if time_ratios else None,
-            "wall_ratio_median": sorted(wall_ratios)[len(wall_ratios) // 2] if wall_ratios else None,
+            "incremental_median_s": inc_median, "full_median_s": full_median,
+            "time_ratio": inc_median / full_median,
+            "paired_time_ratios": time_ratios, "paired_wall_ratios": wall_ratios,
             "kept": names, "stored_bytes": stored, "base_bytes": base_bytes, "logical_bytes": logical,
             "base_stored_once": base_bytes <= stored < base_bytes + len(names) * (target_bytes + (4 << 20)),
             "loads": loads, "ls": ls}
