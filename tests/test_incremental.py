@@ -317,6 +317,8 @@ def test_cli_copy_help_and_bad_source(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "reshard.cli", "copy", str(tmp_path / "none"),
                         str(tmp_path / "dst")], capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert str(tmp_path / "none") in r.stderr and "no committed checkpoint" in r.stderr, r.stderr
+    assert not (tmp_path / "dst").exists()
 
 
 def test_copy_keeps_a_signature(tmp_path: Path) -> None:
