@@ -156,6 +156,8 @@ def test_incremental_checkpoints_stay_checkpoints(pool: Any, tmp_path: Path) -> 
         r = runner.invoke(main, cmd)
         assert r.exit_code in (0, 1), (cmd, r.output)
         assert "Error" not in r.output, (cmd, r.output)
+        if cmd[0] == "inspect":
+            assert "unchanged since an earlier checkpoint, linked" in r.output, r.output
     from safetensors.torch import load_file
 
     exported = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(str(f)).items()}

@@ -295,6 +295,13 @@ def inspect_cmd(ckpt: str, as_json: bool) -> None:
     click.echo(f"  committed {_when(m.created_at)}  attempt {m.attempt_id}  "
                f"{nfiles} file{'' if nfiles == 1 else 's'}, {human_bytes(m.total_bytes)}  {sums}"
                + ("  signed" if "hmac_sha256" in m.extra else ""))
+    linked = [fe for fe in m.files.values() if fe.origin]
+    if linked:
+        origins = sorted({fe.origin for fe in linked})
+        click.echo(f"  {len(linked)} file{'' if len(linked) == 1 else 's'} "
+                   f"({human_bytes(sum(fe.size for fe in linked))}) unchanged since an earlier checkpoint, "
+                   f"linked by the incremental save (written by attempt{'' if len(origins) == 1 else 's'} "
+                   f"{', '.join(origins[:3])}{' ...' if len(origins) > 3 else ''}); every file is in this checkpoint")
     if m.required_features:
         click.echo(f"  required features: {', '.join(m.required_features)}")
     click.echo(f"tensors ({len(m.tensors)}):")
