@@ -121,6 +121,24 @@ class SaveOptions:
             as the CPUs this process may run on, at most 4; 1: every copy on
             the caller's thread. The threads live as long as the process
             group's saver and run nothing after the stall.
+        incremental: write once the bytes a save shares with its parent
+            (``parent``): every tensor chunk of at least ``own_file_bytes``
+            gets a data file of its own, and such a file is linked from the
+            parent checkpoint instead of written when the chunk's xxh3_128
+            (computed from the staged copy, in the background for an
+            asynchronous save) equals the parent's (a hard link on a local
+            file system, a copy inside the store on S3, where the store then
+            holds the bytes again). Every checkpoint stays self-contained
+            (docs/design.md, "Incremental checkpoints"). None (default): on
+            for the saves of a ``CheckpointManager``, off for a plain
+            ``save``; True: on (a plain ``save`` then links from the
+            ``parent`` it names; without one it only groups its files so
+            that the next save can link); False: off. The first save after
+            a change of the chunk boxes (a TP, PP or FSDP resize; a DP
+            resize keeps them) is written in full.
+        own_file_bytes: the smallest chunk, in bytes, that gets a file of
+            its own in an incremental save (smaller chunks share the
+            writer's files and are written every time).
     """
 
     checksums: bool = True
@@ -142,10 +160,17 @@ class SaveOptions:
     timeout_s: float | None = DEFAULT_TIMEOUT_S
     staging_threads: int | None = None
     arrival_timeout_s: float | None = DEFAULT_ARRIVAL_TIMEOUT_S
+    incremental: bool | None = None
+    own_file_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s, "SaveOptions.timeout_s")
         check_timeout(self.arrival_timeout_s, "SaveOptions.arrival_timeout_s")
+        if self.incremental not in (None, True, False):
+            raise ValueError(f"SaveOptions.incremental must be None, True or False, got {self.incremental!r}")
+        if isinstance(self.own_file_bytes, bool) or not isinstance(self.own_file_bytes, int) \
+                or self.own_file_bytes < 1:
+            raise ValueError(f"SaveOptions.own_file_bytes must be an int >= 1 (bytes), got {self.own_file_bytes!r}")
         t = self.staging_threads
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"SaveOptions.staging_threads must be an int >= 1 (or None), got {t!r}")

@@ -12,7 +12,7 @@ from ..errors import CheckpointError, CheckpointNotFoundError, IntegrityError, S
 from ..ondisk import codec
 from ..ondisk.committed import read_manifest, torn_files
 from ..ondisk.manifest import Manifest
-from ..ondisk.shardfile import BlockTables, block_digests, file_checksum
+from ..ondisk.shardfile import BlockTables, block_digests, file_checksum, note_rotten
 from ..planning.planner import _check_coverage
 from ..storage import Storage, resolve
 
@@ -207,6 +207,7 @@ def _verify_checksums(st: Storage, key: str, m: Manifest, files: set[str], probl
             if want and tuple(got) != tuple(want):
                 bad = next(i for i, (x, y) in enumerate(zip(got, want, strict=True)) if x != y)
                 problems.append(f"{p}: checksum mismatch in {what} block {bad}")
+                note_rotten(st, p)  # no incremental save of this process links it again
         if fe.checksum and all(i[2] for i in items) and file_checksum(prefix, tree) != fe.checksum:
             problems.append(f"{p}: file checksum mismatch (header or layout changed)")
     return checked

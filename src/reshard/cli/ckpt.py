@@ -85,7 +85,10 @@ def _root_view(root: str, keep_last: int | None, keep_every: int | None, keep_be
 def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: int,
            metric_mode: str) -> None:
     """List committed checkpoints under ROOT by step (never by name) with
-    their status (verified: a verification record that still matches;
+    their size (the bytes of every file the manifest names), the bytes each
+    holds alone ("own": what deleting it alone frees; the rest it shares
+    with other checkpoints, whose incremental saves linked unchanged files)
+    and status (verified: a verification record that still matches;
     torn: a file missing or not of its declared size), lineage (parent,
     branch, HEAD: the checkpoint the current lineage resumed from) and what
     retention would do with the given policy; then quarantined, abandoned
@@ -125,6 +128,9 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         cands = {c.name: c for c in mgr.candidates(done)}
         decision = decide(list(cands.values()), mgr.policy)
         lin = lineage_of(done, head)
+        from ..commit.sharing import census, holding, stored_bytes
+
+        held = {e.name: holding(st, e.path, e.manifest) for e in done if e.manifest is not None}
         click.echo(f"committed ({len(done)}) under {st.url(key)}:")
         rows = []
         failed: list[tuple[str, str]] = []
@@ -139,11 +145,18 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
             status = ("torn" if torn[e.name] else "verified" if c.verified
                       else "failed" if bad is not None else "unverified")
             branch = lin.branch(e.name) + (" HEAD" if e.name == lin.source else "")
-            rows.append(["-" if e.step is None else e.step, human_bytes(em.total_bytes), len(em.files),
+            rows.append(["-" if e.step is None else e.step, human_bytes(em.total_bytes),
+                         human_bytes(held[e.name].own), len(em.files),
                          _when(em.created_at), status, em.parent or "-", branch,
                          "-" if c.metric is None else f"{c.metric:.4g}", fate, e.name])
-        table(["step", "size", "files", "committed", "status", "parent", "branch", "metric",
-                "retention", "name"], rows, right=(0, 1, 2))
+        table(["step", "size", "own", "files", "committed", "status", "parent", "branch", "metric",
+                "retention", "name"], rows, right=(0, 1, 2, 3))
+        logical = sum(h.logical for h in held.values())
+        stored = stored_bytes(census(st, [e.path for e in done],
+                                     {e.path: e.manifest for e in done if e.manifest is not None}))
+        click.echo(f"bytes: {human_bytes(logical)} named by {len(done)} checkpoint(s), "
+                   f"{human_bytes(stored)} stored (a file several checkpoints share is stored once; "
+                   "own: what deleting that checkpoint alone frees)")
         for name, why in failed:
             click.echo(f"failed: {name} failed its last verification: {one_line(why)[:300]}")
         if head is not None and lin.source is None:
@@ -224,6 +237,12 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         if not st.exists(key):
             _fail(2, f"{st.url(key)}: no such directory")
         mgr = _manager_for(root, keep_last, keep_every, keep_best, metric_mode, grace)
+        from ..commit.sharing import census, freed
+
+        # what every child names before anything is deleted: the bytes freed are
+        # those whose every name was deleted (files incremental saves link are kept)
+        before = census(st, [st.join(key, n) for n in (st.list_dir(key) if st.exists(key) else [])],
+                        {e.path: e.manifest for e in committed(st, key) if e.manifest is not None})
         decision = mgr.apply_retention(dry_run=dry_run, checksums=not no_checksums, smoke_newer=True)
         gone = mgr.gc_abandoned(dry_run=dry_run)
         live = mgr.last_in_progress
@@ -260,6 +279,12 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
                    "a save still running; pass --grace 0 once no job writes here)")
     if not decision.delete and not gone:
         click.echo("nothing to delete")
+    else:
+        deleted = [st.join(key, n) for n in decision.delete] + [st.join(key, n) for n in gone]
+        free, named = freed(before, deleted)
+        click.echo(f"{'would free' if dry_run else 'freed'} {human_bytes(free)} "
+                   f"(of {human_bytes(named)} named by what {'would be' if dry_run else 'was'} deleted; "
+                   "the rest is shared with kept checkpoints)")
     for note in mgr.storage.notes:  # what the store could not do (e.g. list multipart uploads)
         click.echo(f"note: {note}")
     failed = [f"{name} ({what})" for name, what, ok in mgr.last_plan.checks if not ok]
@@ -300,6 +325,13 @@ def inspect_cmd(ckpt: str, as_json: bool) -> None:
                    + ("  signed" if "hmac_sha256" in m.extra else ""))
         if m.extra.get("converted_from") == "dcp":
             click.echo("  converted from a PyTorch DCP checkpoint (reshard convert --from dcp)")
+        linked = [fe for fe in m.files.values() if fe.origin]
+        if linked:
+            origins = sorted({fe.origin for fe in linked})
+            click.echo(f"  {len(linked)} file{'' if len(linked) == 1 else 's'} "
+                       f"({human_bytes(sum(fe.size for fe in linked))}) unchanged since an earlier checkpoint, "
+                       f"linked by the incremental save (written by attempt{'' if len(origins) == 1 else 's'} "
+                       f"{', '.join(origins[:3])}{' ...' if len(origins) > 3 else ''}); every file is in this checkpoint")
     if m.required_features:
         click.echo(f"  required features: {', '.join(m.required_features)}")
     click.echo(f"tensors ({len(m.tensors)}):")

@@ -231,3 +231,38 @@ def diff_cmd(a: str, b: str, json_path: str | None) -> None:
     click.echo("IDENTICAL" if r.identical else "DIFFERENT")
     if not r.identical:
         sys.exit(CHECK_FAILED)
+
+
+@click.command("copy")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--hmac-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A file holding the HMAC key of a signed SRC: its signature is checked and the "
+                   "copy signed with it (a signed SRC without it is refused).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace a checkpoint already at DST (local file system only).")
+def copy_cmd(src: str, dst: str, hmac_key_file: str | None, overwrite: bool) -> None:
+    """Copy the checkpoint SRC to DST (a path or URL: another root, another
+    store) as a checkpoint of its own: every byte is checked against its
+    checksum while it is copied, the copy is published manifest-last (a
+    copy that fails leaves no checkpoint at DST) and holds its own bytes.
+    Exits 1 if a byte of SRC does not match its checksum (nothing is
+    published), 2 if SRC is not a checkpoint or DST is taken."""
+    from ..catalog.copy import copy_checkpoint
+    from ..errors import IntegrityError
+
+    key = None
+    if hmac_key_file is not None:
+        with open(hmac_key_file, "rb") as f:
+            key = f.read().strip()
+    t0 = time.perf_counter()
+    try:
+        m = copy_checkpoint(src, dst, hmac_key=key, overwrite=overwrite)
+    except (CheckpointNotFoundError, FileExistsError, ValueError) as e:
+        _fail(USAGE, str(e))
+    except IntegrityError as e:
+        _fail(CHECK_FAILED, f"{type(e).__name__}: {e}")
+    except CheckpointError as e:
+        _fail(USAGE, f"{type(e).__name__}: {e}")
+    click.echo(f"copied {src} to {dst}: {len(m.files)} file(s), {human_bytes(m.total_bytes)} checked "
+               f"and written ({time.perf_counter() - t0:.2f} s)")

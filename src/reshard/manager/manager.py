@@ -318,8 +318,11 @@ class CheckpointManager(RetentionMixin):
         if self.coll.rank == 0:
             self._make_room(step)
         name = self._agreed_name(step)
+        # incremental by default: every checkpoint stays self-contained (linked or
+        # copied inside the store, docs/design.md); SaveOptions(incremental=False) opts out
         opts = SaveOptions(**{**self.options.__dict__, "extra": extra, "parent": self._parent,
-                              "lineage": self._lineage})
+                              "lineage": self._lineage,
+                              "incremental": self.options.incremental is not False})
         path = self.storage.join(self.root, name)
         t0 = time.perf_counter()
         self.last_save_time = time.monotonic()
@@ -338,8 +341,9 @@ class CheckpointManager(RetentionMixin):
 
     def _make_room(self, step: int) -> None:
         """Coordinator, before a save: when the store reports free space
-        (local: ``statvfs``) and it is less than the newest checkpoint's
-        size (the expected size of this one), apply retention first, so the
+        (local: ``statvfs``) and it is less than the bytes the newest
+        checkpoint's save wrote (the expected size of this one: the files an
+        incremental save linked are not counted), apply retention first, so the
         checkpoints it no longer keeps free their space (never the newest
         verified one, the resume source or the lineage's newest: the
         retention rules); newer checkpoints left unverified (their record's
@@ -352,7 +356,10 @@ class CheckpointManager(RetentionMixin):
             entries = committed(self.storage, self.root)
             if not entries or entries[-1].manifest is None:
                 return
-            need = entries[-1].manifest.total_bytes
+            # the bytes the newest save wrote itself (an incremental save links the
+            # unchanged files: they need no space, and deleting a checkpoint that
+            # shares them frees none of them: reshard.commit.sharing)
+            need = sum(fe.size for fe in entries[-1].manifest.files.values() if not fe.origin)
             if free >= need:
                 return
             log.warning("%s: %d bytes free, the save of step %d needs about %d: applying "

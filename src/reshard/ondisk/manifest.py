@@ -14,6 +14,14 @@ holds instead one ``digest``, the root of its block digests, and
 ``block_index``, where they start in its file's block table (the file's last
 ``8 * blocks`` bytes; see :mod:`reshard.ondisk.shardfile`): the manifest then holds
 one digest per chunk, not one per MiB.
+
+Incremental saves (:mod:`reshard.saving.incremental`) add ``content`` to a
+chunk: the xxh3_128 (hex, 32 digits) of its bytes, the digest a later save
+compares to decide that the chunk is unchanged; and ``origin`` to a data file
+that repeats, byte for byte, a file of an earlier checkpoint of the lineage
+(linked on a local file system, copied inside the store on S3): the identity
+(``attempt_id``) of the checkpoint whose save first wrote those bytes. The
+file itself is in this checkpoint: a reader never follows ``origin``.
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ SEAL_FEATURE = "manifest-seal"
 KNOWN_FEATURES: frozenset[str] = frozenset({SEAL_FEATURE})
 # A declared dimension above this is refused before anything is allocated.
 MAX_DIM = 2**48
+_CONTENT_RE = re.compile(r"^[0-9a-f]{32}$")
+_ATTEMPT_RE = re.compile(r"^[0-9A-Za-z_-]{1,128}$")
 # The leaf records below hold only ints, strs and tuples of them (no reference
 # cycles), so they opt out of the cyclic GC: decoding a 100k-chunk manifest is
 # then 3-10x faster (the GC no longer rescans the growing heap during decode).
@@ -59,6 +69,8 @@ class Chunk(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False, 
     flattened_range: tuple[int, int] | None = None
     digest: str = ""
     block_index: int = -1
+    #: xxh3_128 (hex) of the chunk's bytes (incremental saves; "" otherwise)
+    content: str = ""
 
     @property
     def numel(self) -> int:
@@ -92,11 +104,16 @@ class ObjectEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=F
 class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False, omit_defaults=True):
     """A data file: ``size`` in bytes, whole-file ``checksum``, and ``blocks``:
     the entries of its block table (the last ``8 * blocks`` bytes of the file;
-    0: no table, the chunks then carry their block digests themselves)."""
+    0: no table, the chunks then carry their block digests themselves).
+    ``origin``: the ``attempt_id`` of the earlier checkpoint whose save wrote
+    this file's bytes, when this checkpoint's save linked (or copied inside
+    the store) that file instead of writing it ("": written by this save).
+    Provenance only: the file is in this checkpoint like any other."""
 
     size: int
     checksum: str = ""
     blocks: int = 0
+    origin: str = ""
 
 
 class PlanIndex(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False):
@@ -351,6 +368,8 @@ def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
         if fe.blocks < 0 or 8 * fe.blocks > fe.size:
             raise ManifestError(f"{where}: file {name!r}: block table of {fe.blocks} entries does not fit "
                                 f"its {fe.size} bytes")
+        if fe.origin and not _ATTEMPT_RE.match(fe.origin):
+            raise ManifestError(f"{where}: file {name!r}: origin {fe.origin[:80]!r} is not an attempt id")
         sizes[name] = fe.size
         tables[name] = fe.blocks
 
@@ -403,6 +422,8 @@ def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
                     f"{te.dtype} need {n * isz}"
                 )
             check_range(key, c.file, c.offset, c.length, c.checksums, c)
+            if c.content and not _CONTENT_RE.match(c.content):
+                raise ManifestError(f"{where}: {key}: content digest {c.content[:80]!r} is not 32 hex digits")
             volume += n
         if volume != numel(gshape):
             raise CoverageError(

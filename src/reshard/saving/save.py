@@ -35,7 +35,15 @@ from ..ondisk.committed import sign_manifest
 from ..ondisk.manifest import (
     Manifest,
 )
-from ..ondisk.shardfile import FileItem, block_digests, digest_of, tensor_bytes, write_shard_file
+from ..ondisk.shardfile import (
+    FileItem,
+    block_digests,
+    content_digest,
+    digest_of,
+    link_shard_file,
+    tensor_bytes,
+    write_shard_file,
+)
 from ..options import SaveOptions
 from ..planning.coordination import PLAN_CACHE, Assignment
 from ..planning.coordination_save import (
@@ -100,6 +108,11 @@ class Snapshot:
     plain: set[str] = field(default_factory=set)
     #: tree path -> kind of what saved it (Manifest.adapters)
     adapters: dict[str, str] = field(default_factory=dict)
+    #: index into ``tensors`` -> xxh3_128 of the chunk's bytes (incremental
+    #: saves: the chunks that get a file of their own, :func:`finish_digests`)
+    content: dict[int, str] = field(default_factory=dict)
+    #: seconds :func:`finish_digests` took (``SaveResult.timings["hash"]``)
+    hash_s: float = 0.0
 
 
 def _storage_key(item: LocalTensorItem) -> str:
@@ -203,32 +216,80 @@ def collect(
 
 
 def finish_digests(snap: Snapshot, options: SaveOptions) -> None:
-    """Compute block checksums (and replica digests) of the snapshot's tensors.
+    """Compute block checksums (and replica digests) of the snapshot's tensors,
+    and, in an incremental save, the xxh3_128 of every chunk that gets a
+    file of its own (``Snapshot.content``: what decides that it is unchanged).
 
     Runs on the caller's thread for a synchronous save and in the background
-    for an asynchronous one (the stall then only covers the copies)."""
+    for an asynchronous one (the stall then only covers the copies), on up
+    to ``staging_threads`` threads (default: every CPU the process may use,
+    at most 4) when there is more than 64 MiB to hash (xxhash releases the
+    GIL: the chunks hash in parallel)."""
     block = options.checksum_block_bytes
-    for i, (item, mv, _) in enumerate(snap.tensors):
+    own = options.own_file_bytes if options.incremental else 0
+
+    def one(i: int) -> None:
+        item, mv, _ = snap.tensors[i]
+        compare = options.checksums or options.verify_replicas or item.fqn in snap.plain
+        if own and len(mv) >= own:
+            # a chunk with a file of its own: one pass, its xxh3_128, which decides the link and
+            # stands for it among replicas; its block checksums are computed where it is written
+            # (or read from the parent's block table where it is linked)
+            c = snap.content[i] = content_digest(mv)
+            if compare:
+                snap.tensors[i] = (msgspec.structs.replace(item, digest=f"x128:{c}"), mv, None)
+            return
         # every holder must compute the digest when replicas are compared: replica_id 0
         # does not mean "not replicated" (another rank may hold the same chunk), and a
         # holder without a digest ("") would disagree with one that has it
-        if options.checksums or options.verify_replicas or item.fqn in snap.plain:
+        if compare:
             sums = block_digests(mv, block)
             item = msgspec.structs.replace(item, digest=digest_of(sums, len(mv)))
             snap.tensors[i] = (item, mv, sums if options.checksums else None)
 
+    t0 = time.perf_counter()
+    n = len(snap.tensors)
+    total = sum(len(mv) for _, mv, _ in snap.tensors)
+    threads = min(options.staging_threads or _cpus(), n)
+    if threads <= 1 or total < _PARALLEL_HASH_BYTES:
+        for i in range(n):
+            one(i)
+    else:
+        order = sorted(range(n), key=lambda i: -len(snap.tensors[i][1]))  # largest first: balanced
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reshard-hash") as ex:
+            list(ex.map(one, order))
+    snap.hash_s = time.perf_counter() - t0
+
+
+#: hashing on several threads only pays beyond this many bytes
+_PARALLEL_HASH_BYTES = 64 << 20
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on, at most 4."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(4, n))
+
 
 def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignment,
-            options: SaveOptions) -> tuple[bytes, int]:
+            options: SaveOptions, link_from: dict[str, Any] | None = None) -> tuple[bytes, int]:
     """Write this rank's files of ``assignment``; returns the write report for
     the coordinator (see :class:`reshard.planning.coordination.Report`) and the bytes
-    written."""
+    written. ``link_from`` (an incremental save with a parent,
+    :func:`reshard.saving.incremental.link_source`): a file of one chunk
+    whose bytes the parent's file of the same name already holds is linked
+    from there, not written."""
     from ..state.sharding import itemsize as isz
+    from . import incremental
 
     per_file: list[list[tuple[int, int, int]]] = [[] for _ in assignment.files]
     for pos, (kind, i, fi) in enumerate(assignment.writes):
         per_file[fi].append((pos, kind, i))
     placed: list[tuple[int, int, str, int]] = [(0, 0, "", -1)] * len(assignment.writes)
+    linked: list[int] = []
 
     def write_one(fi: int) -> tuple[int, str, int]:
         items: list[FileItem] = []
@@ -237,16 +298,28 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
                 it, mv, sums = snap.tensors[i]
                 shape = (it.flattened_range[1] - it.flattened_range[0],) if it.flattened_range else it.local_shape
                 items.append(FileItem(name=_storage_key(it), dtype=it.dtype, shape=tuple(shape), data=mv,
-                                      itemsize=isz(it.dtype), checksums=sums))
+                                      itemsize=isz(it.dtype), checksums=sums, content=snap.content.get(i)))
             else:
                 ob, raw = snap.objects[i]
                 key = "__object__/" + ob.key + "@" + ",".join(map(str, ob.global_offset))
                 items.append(FileItem(name=key, dtype="uint8", shape=(len(raw),),
                                       data=memoryview(raw), itemsize=1))
-        size, checksum, written = write_shard_file(
-            storage, storage.join(attempt, assignment.files[fi]), items,
-            block_bytes=options.checksum_block_bytes, checksums=options.checksums, durable=options.durable,
-            block_table=True)
+        name = assignment.files[fi]
+        dst = storage.join(attempt, name)
+        got = None
+        if link_from is not None and len(items) == 1 and incremental.is_chunk_file(name):
+            # the per-chunk decision: the staged bytes' digest against the parent's file
+            got = link_shard_file(storage, incremental.source_key(storage, link_from, name), dst, items,
+                                  block_bytes=options.checksum_block_bytes, checksums=options.checksums,
+                                  block_table=True)
+            if got is not None:
+                linked.append(fi)
+        if got is None:
+            got = write_shard_file(
+                storage, dst, items,
+                block_bytes=options.checksum_block_bytes, checksums=options.checksums,
+                durable=options.durable, block_table=True)
+        size, checksum, written = got
         blocks = 0
         for (pos, _, _), w in zip(per_file[fi], written, strict=True):
             placed[pos] = (w.offset, w.length, w.root, w.block_index)
@@ -265,11 +338,18 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
         if n <= 1:
             files = [write_counted(k) for k in range(n)]
         else:
-            with ThreadPoolExecutor(max_workers=n, thread_name_prefix="reshard-write") as ex:
+            # one thread per file (files_per_rank), at most 16 (an incremental
+            # save gives large chunks files of their own: there may be many)
+            with ThreadPoolExecutor(max_workers=min(n, max(16, options.files_per_rank)),
+                                    thread_name_prefix="reshard-write") as ex:
                 files = list(ex.map(write_counted, range(n)))
     digests = [snap.tensors[i][0].digest if kind == 0 else snap.objects[i][0].digest
                for kind, i in assignment.check]
-    return report_bytes(files, placed, digests), sum(f[0] for f in files)
+    contents = [snap.content.get(i, "") if kind == 0 else "" for kind, i, _ in assignment.writes] \
+        if snap.content else []
+    gone = set(linked)
+    return (report_bytes(files, placed, digests, contents, sorted(linked)),
+            sum(f[0] for k, f in enumerate(files) if k not in gone))
 
 
 def check_step(step: Any) -> int | None:
@@ -367,8 +447,12 @@ def run_save(
     ``save`` and the background thread of ``async_save``), through the
     coordinator protocol of :func:`reshard.planning.coordination.save_steps`; the
     plan is reused from the cache when no rank's structure changed."""
+    from . import incremental
+
     timings: dict[str, float] = {"stage": time.perf_counter() - t0}
     rank = coll.rank
+    inc = options.incremental is True
+    parent_m: list[Manifest] = []  # the coordinator's view of the parent it links from
     lp = None
     if snap is not None:
         lp = LocalPlan(rank=rank, tensors=tuple(t for t, _, _ in snap.tensors),
@@ -393,7 +477,7 @@ def run_save(
         if on_attempt is not None:
             on_attempt(attempt)
         try:  # into the coordinator's attempt, which this rank has been shown to see
-            return persist(st, attempt, snap, assignment, options)
+            return persist(st, attempt, snap, assignment, options, link_from=info.get("link_from"))
         except Exception as e:
             gone = removed_error(st, info, e)
             if gone is not e:
@@ -417,13 +501,16 @@ def run_save(
         except Exception as e:
             _raise_removed(st, info, e)
         published.append(manifest)
+        if inc:
+            incremental.remember(st, info["target"], manifest)
 
     def manifest_args() -> dict[str, Any]:
         assert snap is not None
         return dict(step=step, checksum_block_bytes=options.checksum_block_bytes,
                     schema_version=options.schema_version, mesh=options.mesh,
                     values=snap.values_json, extra=dict(options.extra), parent=options.parent,
-                    lineage=options.lineage, adapters=snap.adapters)
+                    lineage=options.lineage, adapters=snap.adapters,
+                    origin_of=incremental.origin_of(st, parent_m[0]) if parent_m else None)
 
     published: list[Manifest] = []
     cache = PLAN_CACHE.pop(gkey, None)
@@ -447,7 +534,13 @@ def run_save(
         # the lease is held by the coordinator until publish (and rename) or
         # discard; it is written before the attempt exists, so no gc ever
         # sees the attempt without it
-        return open_attempt(st, key, options, leases=leases)
+        info = open_attempt(st, key, options, leases=leases)
+        if inc:  # the parent to link unchanged chunks from (none: everything is written)
+            src, pm = incremental.link_source(st, key, options.parent, hmac_key=options.hmac_key)
+            if src is not None and pm is not None:
+                info["link_from"] = src
+                parent_m.append(pm)
+        return info
 
     def check_space(info: dict[str, Any], needed: int) -> None:
         free = st.free_bytes(info["attempt_path"])
@@ -464,6 +557,9 @@ def run_save(
                    discard=lambda info: discard_attempt(coll, st, info["attempt_path"],
                                                         attempt_id=info["attempt"]),
                    manifest_args=manifest_args, cache=cache, check_space=check_space,
+                   own_file_bytes=options.own_file_bytes if inc else 0,
+                   linkable=(lambda info, layout: incremental.linkable_bytes(st, parent_m[0], layout)
+                             if parent_m else 0) if inc else None,
                    # attempts share the final prefix without rename: no plan kept there
                    write_plan=write_plan if st.capabilities.atomic_rename else None)
     # progress lines and collective failures name the save and its phase
@@ -476,6 +572,8 @@ def run_save(
     if ctx.new_cache is not None:
         PLAN_CACHE[gkey] = ctx.new_cache
     timings.update(ctx.timings)
+    if snap is not None:
+        timings["hash"] = snap.hash_s
     timings["cached_plan"] = float(out.cached)
     timings["plan_from_parent"] = float(out.cached and restored)
     return SaveResult(path=st.url(key), step=step, attempt_id=out.attempt_id, bytes_written=out.bytes_written,

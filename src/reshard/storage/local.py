@@ -60,7 +60,7 @@ class _LocalWrite(WriteStream):
 
 class LocalStorage(Storage):
     capabilities = Capabilities(atomic_rename=True, listing=True, ranged_reads=True, durable_sync=True,
-                                conditional_put=True)
+                                conditional_put=True, file_links=True)
 
     def makedirs(self, path: str) -> None:
         try:
@@ -84,6 +84,33 @@ class LocalStorage(Storage):
             raise _storage_error("link", path, e) from e
         finally:
             os.unlink(tmp)
+
+    def link_file(self, src: str, dst: str) -> bool:
+        """A hard link (``os.link``): ``dst`` is a second name of ``src``'s
+        inode, whose bytes the file system keeps while any name remains.
+        False where the file system refuses one (another device, no hard
+        links: some FUSE and object-store mounts, too many links) or ``src``
+        is gone. The link's directory entry is made durable by the caller's
+        ``fsync_dir`` of ``dst``'s directory (the publish does it)."""
+        try:
+            os.link(src, dst, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP,
+                           errno.ENOSYS, errno.EACCES, errno.EEXIST, errno.EINVAL):
+                return False
+            raise _storage_error("link", f"{src} -> {dst}", e) from e
+        return True
+
+    def file_identity(self, path: str) -> tuple[object, int] | None:
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            raise
+        except OSError as e:
+            raise _storage_error("stat", path, e) from e
+        return (st.st_dev, st.st_ino), st.st_nlink
 
     def rename_dir(self, src: str, dst: str) -> None:
         try:
