@@ -85,7 +85,8 @@ def test_inspect_and_convert_say_what_is_on_disk(root: Path, tmp_path: Path) -> 
     assert "committed" in head[1] and "1 file," in head[1] and "checksums xxh3_64" in head[1], head
     assert head[2] == "  converted from a PyTorch DCP checkpoint (reshard convert --from dcp)", head
     rows = run("ls", tmp_path / "root").splitlines()
-    assert rows[2].split()[:3] == ["6", "224", "B"] and rows[2].split()[3] == "1", rows
+    cols = dict(zip(rows[1].split(), rows[2].replace(" B", "B").split(), strict=False))
+    assert cols["step"] == "6" and cols["size"] == "224B" and cols["files"] == "1", rows
     assert "checksummed" in run("verify", conv)
     assert reshard.inspect(conv).step == 6
     # a step given on the command line wins
