@@ -21,7 +21,8 @@ N = 2
 
 
 def _names(root: Path) -> set[str]:
-    return {p.name for p in root.iterdir()}
+    """The root's entries, less the owner record of the job saving there (and its lock)."""
+    return {p.name for p in root.iterdir() if p.name not in ("OWNER", "OWNER.lock")}
 
 
 def _ckpts(root: Path) -> set[str]:

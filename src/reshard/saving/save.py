@@ -35,7 +35,7 @@ from ..ondisk.manifest import (
     Manifest,
 )
 from ..ondisk.shardfile import FileItem, block_digests, digest_of, tensor_bytes, write_shard_file
-from ..options import SaveOptions
+from ..options import SaveOptions, hmac_key_of
 from ..planning.coordination import PLAN_CACHE, Assignment
 from ..planning.coordination_save import (
     RankSave,
@@ -341,6 +341,8 @@ def save(
 
     step = check_step(step)
     opts = options or SaveOptions()
+    if opts.hmac_key is None or not opts.hmac_key:  # the environment's key (NO_HMAC_KEY: none)
+        opts = dataclasses.replace(opts, hmac_key=hmac_key_of(opts.hmac_key))
     coll = timed_collectives(group, opts.timeout_s)
     if coll.rank != 0 and opts.progress is not False:  # one progress bar: rank 0's
         opts = dataclasses.replace(opts, progress=False)
