@@ -12,6 +12,7 @@ from .adapters.optimizer import OptimizerState
 from .adapters.rng import RNGState
 from .adapters.torch_native import TorchState
 from .catalog.verify import VerifyReport, inspect, latest, verify
+from .commit.leases import pin
 from .errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -19,11 +20,13 @@ from .errors import (
     IntegrityError,
     ManifestError,
     RankFailure,
+    RootOwnedError,
     ShardingError,
     StorageError,
 )
 from .loading.load import LoadResult, load
 from .manager.manager import CheckpointManager
+from .ondisk.limits import ReadLimits
 from .ondisk.manifest import Manifest
 from .options import LoadOptions, SaveOptions
 from .saving.save import SaveResult, save
@@ -49,6 +52,8 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "RankFailure",
+    "ReadLimits",
+    "RootOwnedError",
     "SaveOptions",
     "SaveResult",
     "SaveHandle",
@@ -62,6 +67,7 @@ __all__ = [
     "inspect",
     "latest",
     "load",
+    "pin",
     "save",
     "verify",
 ]

@@ -120,6 +120,9 @@ if hasattr(os, "register_at_fork"):
 
 
 _WARNED: set[str] = set()  # roots whose unwritable lease was warned about (once per root)
+#: names of this process's reader leases that were released but could not be
+#: deleted (EIO, a full disk): over, whatever they say (gc removes them)
+_ENDED: set[str] = set()
 
 
 def lease_name(name: str) -> str:
@@ -235,7 +238,8 @@ class ReaderLease:
         try:
             self.storage.delete_tree(key)
         except Exception as e:  # noqa: BLE001
-            log.warning("deleting the reader lease %s failed (it expires by itself): %s", key, e)
+            _ENDED.add(self.storage.basename(key))  # over now: no deleter waits for it, gc removes it
+            log.warning("deleting the reader lease %s failed (it counts as released): %s", key, e)
 
 
 def _deleting(st: Storage, path: str) -> bool:
@@ -269,9 +273,11 @@ def reader_lease(storage: Storage, path: str, *, what: str = "read", ttl_s: floa
         lease.release()
 
 
-def _alive(rec: dict[str, Any], now: float) -> bool:
+def _alive(rec: dict[str, Any], now: float, name: str = "") -> bool:
     from .attempts import _pid_alive
 
+    if name in _ENDED and rec.get("pid") == os.getpid() and rec.get("host") == socket.gethostname():
+        return False
     try:
         if float(rec.get("expires", 0)) <= now:
             return False
@@ -300,7 +306,7 @@ def live_readers(storage: Storage, root: str, names: Any = None,
         if names is not None and base not in names:
             continue
         rec = read_record(storage, storage.join(root, child))
-        if rec is not None and _alive(rec, now):
+        if rec is not None and _alive(rec, now, child):
             out[base] = out.get(base, 0) + 1
     return out
 
@@ -325,7 +331,7 @@ def expired_leases(storage: Storage, root: str, now: float | None = None) -> lis
                 mtime = storage.modified_time(key)
                 if mtime is not None and now - mtime < reader_ttl_s():
                     continue  # being written, or unreadable but young
-            elif _alive(rec, now):
+            elif _alive(rec, now, child):
                 continue
             out.append(key)
     return out
@@ -334,3 +340,30 @@ def expired_leases(storage: Storage, root: str, now: float | None = None) -> lis
 def pin_finalizer(obj: Any, lease: ReaderLease) -> None:
     """Release ``lease`` when ``obj`` is garbage-collected."""
     weakref.finalize(obj, lease.release)
+
+
+@contextlib.contextmanager
+def pin(path: str | os.PathLike[str], *, ttl_s: float | None = None, storage: Storage | None = None,
+        required: bool = True, what: str = "pin") -> Iterator[ReaderLease]:
+    """Pin the checkpoint at ``path`` for a longer task (an evaluation, an
+    export by hand, a copy to another store): a reader lease held and
+    renewed (every ``ttl_s / 3`` seconds; default :func:`reader_ttl_s`) for
+    the block, so no retention or gc deletes the checkpoint meanwhile (they
+    report it "in use by N readers" and delete it once released). A pinning
+    process that dies releases it by dying (on its host at once, elsewhere
+    after ``ttl_s``).
+
+    Example::
+
+        with reshard.pin(reshard.latest(root)) as lease:
+            evaluate(lease.path)
+
+    Raises:
+        CheckpointError: ``required`` (the default) and the lease could not
+            be written (a read-only mount or credentials, a full disk).
+    """
+    from ..storage import resolve
+
+    st, key = resolve(path, storage)
+    with reader_lease(st, key, what=what, ttl_s=ttl_s, required=required) as lease:
+        yield lease

@@ -303,7 +303,8 @@ class RetentionMixin:
                 continue
             if e.name.split(INCOMPLETE, 1)[0] in inflight or e.name in live:
                 continue
-            if e.mtime is not None and now - e.mtime < grace:
+            # a deletion's leftover (``.incomplete-deleting-``) is never a running save: at once
+            if e.mtime is not None and now - e.mtime < grace and f"{INCOMPLETE}deleting-" not in e.name:
                 continue
             out.append(e.name)
             if not dry_run:

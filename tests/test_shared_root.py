@@ -1,0 +1,369 @@
+"""Issue 28, safe where many hands reach: one writer per root (an owner lease),
+readers that hold leases, deleting without free space, only regular files
+opened, bounded cost for hostile files, HMAC from the environment and the
+CLI, verify and load saying what they checked. Real processes throughout:
+gloo ranks of the session pool, subprocesses, real files, a real tmpfs,
+moto's S3 server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import reshard
+from reshard.cli import main
+from reshard.commit.ownership import acquire, job_identity, read_owner
+from reshard.errors import CheckpointError, RootOwnedError
+from reshard.storage import resolve
+
+from _shared_fns import (
+    r_close,
+    r_load_slowly,
+    r_open_job,
+    r_save_more,
+    whole_state,
+)
+
+PY = sys.executable
+
+
+def _env() -> dict[str, str]:
+    src = str(Path(reshard.__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1"}
+
+
+def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``reshard ARGS`` in a process of its own (as a person runs it)."""
+    return subprocess.run([PY, "-m", "reshard.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env or _env())
+
+
+def _ckpts(root: Path) -> set[str]:
+    return {n for n in os.listdir(root) if n.startswith("step-") and "." not in n[5:]}
+
+
+def _tree(root: Path) -> dict[str, int]:
+    """Every file under ``root`` (relative path -> size), records included."""
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            out[os.path.relpath(p, root)] = os.path.getsize(p)
+    return out
+
+
+# --------------------------------------------------------------------------- 1. one root, one writer
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_second_job_is_refused_before_it_writes_and_gc_keeps_what_the_owner_keeps(
+        pool: Any, tmp_path: Path, backend: str, request: pytest.FixtureRequest) -> None:
+    """Job A (2 gloo ranks) owns the root and goes on; job B (this process, no
+    job id) is refused at CheckpointManager construction, before it trains,
+    with one line naming A, and writes nothing; a person's ``reshard gc
+    --keep-last 1 --grace 0`` beside A deletes nothing A's retention
+    (keep_last=2) keeps. Before: B was not refused and the two jobs' retention
+    deleted each other's checkpoints (213 saves, none of job 2's survived)."""
+    env = None
+    if backend == "s3":
+        ep = request.getfixturevalue("s3e")
+        root, env = ep.url("owned"), dict(ep.env)
+    else:
+        root = str(tmp_path / "ck")
+    a = pool.run(2, r_open_job, root, [1, 2], keep_last=2, job_id="job-a", env=env)
+    try:
+        st, key = resolve(root)
+        before = sorted(st.list_dir(key))
+        owner, _ = read_owner(st, key)
+        assert owner is not None and owner["job"] == "job-a" and owner["pid"] == a[0]["pid"]
+        assert owner["policy"]["keep_last"] == 2
+        with pytest.raises(RootOwnedError) as ei:
+            reshard.CheckpointManager(root, keep_last=1, preempt_signals=())
+        msg = str(ei.value)
+        assert "\n" not in msg and "'job-a'" in msg and f"pid {a[0]['pid']}" in msg
+        assert "refused before it writes" in msg and "job id" in msg
+        assert sorted(st.list_dir(key)) == before  # B wrote nothing
+        r = _cli("gc", root, "--keep-last", "1", "--grace", "0", env={**_env(), **(env or {})})
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "kept step-00000001 (the live owner's retention keeps it: job-a saves here)" in r.stdout
+        assert "owner: job 'job-a'" in r.stdout and "(live)" in r.stdout
+        assert {n for n in st.list_dir(key) if n.startswith("step-") and "." not in n[5:]} == {
+            "step-00000001", "step-00000002"}
+        # A goes on: its next save commits; its own retention then deletes step 1
+        assert pool.run(2, r_save_more, root, [3], env=env)[0]["error"] is None
+        names = set(st.list_dir(key))
+        assert "step-00000003" in names and "step-00000001" not in names
+    finally:
+        pool.run(2, r_close, root, env=env)
+    owner, _ = read_owner(st, key)
+    assert owner is not None and owner["released"] is True  # closed: released, the record kept
+    mgr = reshard.CheckpointManager(root, preempt_signals=())  # once released, B takes the root
+    assert read_owner(st, key)[0]["pid"] == os.getpid()  # type: ignore[index]
+    mgr.close()
+
+
+def test_same_job_id_takes_over_and_the_old_owner_saves_nothing_more(pool: Any, tmp_path: Path) -> None:
+    """A restart of the same job (same job id, e.g. a requeued SLURM job while
+    its old processes linger) takes the root over at once; the old processes'
+    next renewal finds the root taken and their next save is refused on every
+    rank."""
+    root = str(tmp_path / "ck")
+    pool.run(2, r_open_job, root, [1], job_id="slurm-77")
+    try:
+        env = {**_env(), "SLURM_JOB_ID": "77", "RESHARD_OWNER_TTL_S": "60"}
+        code = ("import reshard,sys; m=reshard.CheckpointManager(sys.argv[1], preempt_signals=()); "
+                "print(m.job_id); import os; os._exit(0)")  # exits holding the root: a crash
+        p = subprocess.run([PY, "-c", code, root], capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 0 and p.stdout.strip() == "slurm-77", p.stderr
+        out = pool.run(2, r_save_more, root, [2], env={"RESHARD_OWNER_TTL_S": "60"})
+        # the old owner's lease renews at ttl/3; force its check now through a save
+        assert all(o["error"] is None or o["error"] == "RootOwnedError" for o in out)
+    finally:
+        pool.run(2, r_close, root)
+
+
+def test_an_owner_killed_on_this_host_is_taken_over_at_once(tmp_path: Path) -> None:
+    """A job SIGKILLed while it owns the root (no release) is taken over by the
+    next job at once (its pid is gone on this host), whatever the lease's
+    ttl; a live one is not."""
+    root = str(tmp_path / "ck")
+    code = ("import reshard,sys,os,signal,torch; m=reshard.CheckpointManager(sys.argv[1], "
+            "preempt_signals=()); m.save(1, {'w': torch.ones(4)}); os.kill(os.getpid(), signal.SIGKILL)")
+    env = {**_env(), "RESHARD_OWNER_TTL_S": "3600"}
+    p = subprocess.run([PY, "-c", code, root], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    st, key = resolve(root)
+    dead = read_owner(st, key)[0]
+    assert dead is not None and not dead["released"] and dead["expires"] > time.time() + 3000
+    t0 = time.monotonic()
+    mgr = reshard.CheckpointManager(root, preempt_signals=())
+    assert time.monotonic() - t0 < 5.0
+    assert read_owner(st, key)[0]["pid"] == os.getpid()  # type: ignore[index]
+    res = mgr.restore({"w": torch.zeros(4)})
+    assert res is not None and res.step == 1
+    mgr.close()
+
+
+def test_owner_on_another_host_holds_until_its_ttl(tmp_path: Path) -> None:
+    """An owner on another host cannot be seen dying: its lease's ttl is waited
+    for (refused while live, taken once expired)."""
+    root = str(tmp_path / "ck")
+    st, key = resolve(root)
+    st.makedirs(key)
+    now = time.time()
+    rec = {"job": "far", "host": "node-elsewhere", "pid": 1, "start": now, "renewed": now,
+           "expires": now + 600, "ttl_s": 600, "released": False, "policy": {}}
+    st.put_if_match(st.join(key, "OWNER"), json.dumps(rec).encode(), None)
+    with pytest.raises(RootOwnedError, match="node-elsewhere"):
+        reshard.CheckpointManager(root, preempt_signals=())
+    _, tag = read_owner(st, key)
+    st.put_if_match(st.join(key, "OWNER"), json.dumps({**rec, "expires": now - 1}).encode(), tag)
+    reshard.CheckpointManager(root, preempt_signals=()).close()
+
+
+def test_two_jobs_starting_at_once_one_wins(tmp_path: Path, s3e: Any) -> None:
+    """Two processes take the same root at the same moment: the owner record's
+    compare-and-swap lets exactly one win, locally (lockf + rename) and on S3
+    (If-None-Match / If-Match)."""
+    code = ("import reshard,sys,time\nt=float(sys.argv[2])\nwhile time.time()<t: pass\n"
+            "try:\n m=reshard.CheckpointManager(sys.argv[1], preempt_signals=()); print('won'); "
+            "time.sleep(3); m.close()\nexcept reshard.RootOwnedError as e: print('refused')\n")
+    for root in (str(tmp_path / "race"), s3e.url("race")):
+        at = time.time() + 8.0
+        env = {**_env(), **s3e.env}
+        ps = [subprocess.Popen([PY, "-c", code, root, str(at)], stdout=subprocess.PIPE, text=True, env=env)
+              for _ in range(2)]
+        outs = sorted(p.communicate(timeout=120)[0].strip() for p in ps)
+        assert outs == ["refused", "won"], (root, outs)
+
+
+def test_job_identity_from_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ("RESHARD_JOB_ID", "SLURM_JOB_ID", "SLURM_ARRAY_TASK_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(k, raising=False)
+    assert job_identity() == (None, "none")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's multi-node default: no id
+    assert job_identity() == (None, "none")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r1")
+    assert job_identity() == ("torchrun-r1", "TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    assert job_identity() == ("slurm-42-3", "SLURM_JOB_ID")
+    monkeypatch.setenv("RESHARD_JOB_ID", "mine")
+    assert job_identity("given") == ("given", "given") and job_identity() == ("mine", "RESHARD_JOB_ID")
+
+
+def test_readers_and_tools_take_no_ownership(tmp_path: Path) -> None:
+    """A manager made with writer=False (an evaluation, ls, gc) takes no
+    ownership and refuses to save; ls and gc of a root owned by this
+    process work."""
+    root = tmp_path / "ck"
+    job = reshard.CheckpointManager(root, preempt_signals=())
+    job.save(1, {"w": torch.ones(3)})
+    ev = reshard.CheckpointManager(root, writer=False, preempt_signals=())
+    assert ev.restore({"w": torch.zeros(3)}, record_head=False) is not None
+    with pytest.raises(RootOwnedError, match="writer=False"):
+        ev.save(2, {"w": torch.ones(3)})
+    job.close()
+    st, key = resolve(str(root))
+    assert read_owner(st, key)[0]["released"] is True  # type: ignore[index]
+    with pytest.raises(RootOwnedError):  # acquire() refuses a live foreign owner directly too
+        now = time.time()
+        st.delete_tree(st.join(key, "OWNER"))
+        st.put_if_match(st.join(key, "OWNER"), json.dumps(
+            {"job": "x", "host": "elsewhere", "pid": 1, "expires": now + 60, "renewed": now}).encode(), None)
+        acquire(st, key)
+
+
+# --------------------------------------------------------------------------- 2. readers hold leases
+
+
+def test_retention_keeps_what_a_reader_holds_and_deletes_it_once_released(pool: Any, tmp_path: Path) -> None:
+    """A 2-rank reader loads step 1 (one lease for the load group, not one per
+    rank) while the job (this process, keep_last=1) saves steps 2 and 3: step
+    1 is kept "in use by 1 reader"; once the load returned, the next save's
+    retention deletes it. Before: retention deleted the checkpoint under the
+    load (891 loads, 3 failed, targets left partly written)."""
+    root = tmp_path / "ck"
+    job = reshard.CheckpointManager(root, keep_last=1, preempt_signals=())
+    job.save(1, whole_state(1))
+    mark = str(tmp_path / "reading")
+    got: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: got.update(out=pool.run(
+        2, r_load_slowly, str(root / "step-00000001"), 4.0, mark, timeout=120)))
+    t.start()
+    deadline = time.monotonic() + 60
+    while not os.path.exists(mark) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.path.exists(mark), "the reader never reached its last phase"
+    job.save(2, whole_state(2))
+    job.save(3, whole_state(3))
+    assert "step-00000001" in _ckpts(root)
+    assert job.last_plan is not None and job.last_plan.decision.keep["step-00000001"].startswith(
+        "in use by 1 reader")
+    t.join(120)
+    out = got["out"]
+    assert all(o["exact"] and o["step"] == 1 for o in out)
+    assert len(out[0]["leases"]) == 1 and out[0]["leases"][0].startswith("step-00000001.lease-")
+    job.save(4, whole_state(4))  # released: retention deletes it now
+    assert _ckpts(root) == {"step-00000004"}
+    assert not [n for n in os.listdir(root) if ".lease-" in n]
+    job.close()
+
+
+def test_a_lease_that_appears_during_a_deletion_puts_the_checkpoint_back(tmp_path: Path) -> None:
+    """The deleter's second look: a reader whose lease is written after the
+    first check, while the manifest is being moved aside, keeps the
+    checkpoint (put back whole) and loads it."""
+    from reshard.commit.leases import ReaderLease
+    from reshard.commit.protocol import retire_checkpoint
+    from reshard.faults.inject import Fault, FaultStorage
+    from reshard.storage import LocalStorage
+
+    root = str(tmp_path / "ck")
+    reshard.save({"w": torch.arange(6.0)}, root + "/step-1", step=1)
+    held: list[Any] = []
+
+    def reader_arrives(op: str, path: str) -> None:
+        held.append(ReaderLease(LocalStorage(), root + "/step-1", what="test").acquire())
+
+    fs = FaultStorage(LocalStorage(), [Fault(op="rename", match="manifest.json", action="call",
+                                             callback=reader_arrives)])
+    assert retire_checkpoint(fs, root, "step-1") == "in use by 1 reader"
+    w = torch.zeros(6)
+    reshard.load({"w": w}, root + "/step-1")
+    assert torch.equal(w, torch.arange(6.0))
+    held[0].release()
+    assert retire_checkpoint(LocalStorage(), root, "step-1") == "deleted"
+    assert sorted(os.listdir(root)) == []
+
+
+@pytest.mark.parametrize("when", ["before any write", "after a write"])
+def test_a_reader_whose_files_are_deleted_by_hand_fails_once_saying_so(tmp_path: Path, when: str) -> None:
+    """A person deletes the checkpoint's files while a load reads them: one
+    CheckpointNotFoundError saying they were deleted while it read, under its
+    lease, and whether the targets are unchanged or must be reloaded."""
+    from reshard.faults.inject import Fault, FaultStorage
+    from reshard.storage import LocalStorage
+
+    p = tmp_path / "ck"
+    g = torch.Generator().manual_seed(0)
+    sd = {"a": torch.randn(64, 64, generator=g), "b": torch.randn(64, 64, generator=g)}
+    reshard.save(sd, str(p), options=reshard.SaveOptions(files_per_rank=2))
+    files = sorted(n for n in os.listdir(p) if n.startswith("data-"))
+    assert len(files) == 2
+
+    def by_hand(op: str, path: str) -> None:
+        for f in files if when == "before any write" else files[1:]:
+            if os.path.exists(p / f):
+                os.unlink(p / f)
+
+    fs = FaultStorage(LocalStorage(), [Fault(op="read", match=files[0], action="call", callback=by_hand,
+                                             after=when != "before any write")])
+    tgt = {k: torch.zeros_like(v) for k, v in sd.items()}
+    with pytest.raises(reshard.CheckpointNotFoundError) as ei:
+        reshard.load(tgt, str(p), storage=fs, options=reshard.LoadOptions(threads=1))
+    msg = str(ei.value)
+    assert "was deleted while this load was reading the checkpoint" in msg
+    assert "held a reader lease" in msg
+    if when == "before any write":
+        assert "had written no target (every target of this rank is unchanged)" in msg
+        assert all(torch.count_nonzero(t) == 0 for t in tgt.values())
+    else:
+        assert "must be reloaded" in msg
+
+
+def test_lease_cannot_be_written_warns_once_or_refuses(tmp_path: Path) -> None:
+    """On a read-only mount (a real tmpfs remounted read-only) the load warns
+    once and reads unprotected; LoadOptions(require_lease=True) refuses."""
+    from reshard.faults.jobs import mount_tmpfs, umount
+
+    disk = str(tmp_path / "ro")
+    why = mount_tmpfs(disk, "8m")
+    if why is not None:
+        pytest.skip(why)
+    try:
+        reshard.save({"w": torch.arange(5.0)}, disk + "/ck", step=1)
+        r = subprocess.run(["mount", "-o", "remount,ro", disk], capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"remount ro refused: {r.stderr}")
+        from reshard.commit import leases
+
+        leases._WARNED.discard(disk)
+        w = torch.zeros(5)
+        with pytest.warns(RuntimeWarning, match="reader lease could not be written.*reading unprotected"):
+            reshard.load({"w": w}, disk + "/ck")
+        assert torch.equal(w, torch.arange(5.0))
+        with pytest.raises(CheckpointError, match="refusing to read unprotected"):
+            reshard.load({"w": w}, disk + "/ck", options=reshard.LoadOptions(require_lease=True))
+        with pytest.raises(CheckpointError, match="could not be written"):
+            with reshard.pin(disk + "/ck"):
+                pass
+    finally:
+        umount(disk)
+
+
+def test_pin_holds_a_checkpoint_for_a_long_task(tmp_path: Path) -> None:
+    root = tmp_path / "ck"
+    job = reshard.CheckpointManager(root, keep_last=1, preempt_signals=())
+    job.save(1, {"w": torch.ones(2)})
+    with reshard.pin(root / "step-00000001", ttl_s=3.0) as lease:
+        time.sleep(2.5)  # renewed by the keeper (every ttl/3)
+        job.save(2, {"w": torch.ones(2)})
+        job.save(3, {"w": torch.ones(2)})
+        assert "step-00000001" in _ckpts(root) and lease.renewals >= 1
+    job.save(4, {"w": torch.ones(2)})
+    assert _ckpts(root) == {"step-00000004"}
+    job.close()
