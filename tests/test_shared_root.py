@@ -367,3 +367,202 @@ def test_pin_holds_a_checkpoint_for_a_long_task(tmp_path: Path) -> None:
     job.save(4, {"w": torch.ones(2)})
     assert _ckpts(root) == {"step-00000004"}
     job.close()
+
+
+# --------------------------------------------------------------------------- 3. deleting needs no free space
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Any:
+    """A real 6 MiB tmpfs (skipped where mount is refused)."""
+    from reshard.faults.jobs import mount_tmpfs, umount
+
+    disk = str(tmp_path / "disk")
+    why = mount_tmpfs(disk, "6m")
+    if why is not None:
+        pytest.skip(why)
+    try:
+        yield disk
+    finally:
+        umount(disk)
+
+
+def _free(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _mib(step: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((256 << 10,), float(step))}  # 1 MiB
+
+
+def test_gc_frees_a_full_disk_and_a_job_saves_on_one(tmpfs: str) -> None:
+    """At 0 bytes free (a real tmpfs), ``reshard gc --keep-last 1 --grace 0``
+    (a process of its own) frees what retention allows: it writes nothing
+    before deleting (its verification records after). A job then restarting
+    on the full disk saves: ownership and retention first, then the save.
+    Before: gc exited 2 with ``verified.json.tmp: no space left on device``
+    and deleted nothing; the manager's "apply retention first" failed the
+    same way at every save."""
+    from reshard.faults.ranks import fill
+
+    root = os.path.join(tmpfs, "ck")
+    job = reshard.CheckpointManager(root, preempt_signals=())
+    for s in (1, 2, 3):
+        job.save(s, _mib(s))
+    job.close()
+    fill(tmpfs, leave=0)
+    assert _free(tmpfs) == 0
+    r = _cli("gc", root, "--keep-last", "1", "--grace", "0")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "deleted step-00000001" in r.stdout and "deleted step-00000002" in r.stdout, r.stdout
+    assert _free(tmpfs) >= 2 << 20
+    assert _ckpts(Path(root)) == {"step-00000003"}
+    assert reshard.verify(os.path.join(root, "step-00000003")).ok
+    # full again: a job restarting there (keep_last=1) takes the root and saves
+    job = reshard.CheckpointManager(root, preempt_signals=())  # (ours: released above)
+    job.save(4, _mib(4))
+    job.close()
+    fill(tmpfs, leave=0)
+    assert _free(tmpfs) == 0
+    env = {**_env()}
+    code = ("import reshard,sys,torch; m=reshard.CheckpointManager(sys.argv[1], keep_last=1, "
+            "preempt_signals=()); m.save(5, {'w': torch.full((256 << 10,), 5.0)}); m.close(); print('saved')")
+    p = subprocess.run([PY, "-c", code, root], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0 and "saved" in p.stdout, p.stderr
+    assert _ckpts(Path(root)) == {"step-00000005"}
+
+
+def test_a_race_with_another_deleter_is_already_removed(tmp_path: Path) -> None:
+    """Two deleters of one checkpoint (a job's retention, a person's gc):
+    the second finds it gone and says "already removed", never a raw
+    ``rename ... No such file or directory`` (before: gc exited 2 so)."""
+    from reshard.faults.inject import Fault, FaultStorage
+    from reshard.storage import LocalStorage
+
+    root = tmp_path / "ck"
+    job = reshard.CheckpointManager(root, preempt_signals=())
+    for s in (1, 2, 3):
+        job.save(s, {"w": torch.full((4,), float(s))})
+    other = reshard.CheckpointManager(root, writer=False, keep_last=1, preempt_signals=())
+
+    def first(op: str, path: str) -> None:  # the other deleter gets there first
+        assert other._delete_checkpoint("step-00000001") == "deleted"
+
+    job.storage = FaultStorage(LocalStorage(), [Fault(op="rename", match="manifest.json", action="call",
+                                                      callback=first)])
+    assert job._delete_checkpoint("step-00000001") == "already removed"
+    job.storage = LocalStorage()
+    job.close()
+    r = CliRunner().invoke(main, ["gc", str(root), "--keep-last", "1", "--grace", "0"],
+                           catch_exceptions=False)
+    assert r.exit_code == 0 and "deleted step-00000002" in r.stdout, r.output
+    assert _ckpts(root) == {"step-00000003"}
+    assert sorted(n for n in os.listdir(root) if "deleting" in n or n.endswith(".verified.json")) == [
+        "step-00000003.verified.json"]
+
+
+# --------------------------------------------------------------------------- 4. only regular files
+
+
+def _fifo(path: str) -> None:
+    if os.path.lexists(path):
+        os.unlink(path)
+    os.mkfifo(path)
+
+
+def _socket(path: str) -> Any:
+    if os.path.lexists(path):
+        os.unlink(path)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(path)
+    return s
+
+
+def _timed(fn: Any) -> tuple[float, BaseException | None, Any]:
+    """Run ``fn`` in a thread; (seconds, its exception, its result); a
+    call still blocked after 20 s counts as 20 s (it hangs)."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["r"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            out["e"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    t.join(20)
+    return time.monotonic() - t0, out.get("e"), out.get("r")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket"])
+@pytest.mark.parametrize("where", ["manifest.json", "data", "HEAD", "verified", "lease", "OWNER",
+                                   "root-child"])
+def test_a_fifo_or_socket_anywhere_is_refused_or_skipped_within_2s(
+        tmp_path: Path, kind: str, where: str) -> None:
+    """A FIFO or a socket at each path the library opens: load, latest, ls, gc,
+    verify and inspect answer within 2 s (refused with one error naming it,
+    or skipped with one line), never waiting on it. Before: ``reshard.load``
+    was still blocked after 180 s on a FIFO manifest; one FIFO in a
+    checkpoint of the root hung ``latest``, ``reshard ls`` and ``reshard gc``."""
+    root = tmp_path / "ck"
+    job = reshard.CheckpointManager(root, preempt_signals=())
+    for s in (1, 2):
+        job.save(s, {"w": torch.full((4,), float(s))})
+    job.restore({"w": torch.zeros(4)})  # writes HEAD
+    job.close()
+    ck = root / "step-00000002"
+    target = {"manifest.json": ck / "manifest.json",
+              "data": ck / next(n for n in os.listdir(ck) if n.startswith("data-")),
+              "HEAD": root / "HEAD", "verified": root / "step-00000002.verified.json",
+              "lease": root / "step-00000002.lease-1-deadbeef.json", "OWNER": root / "OWNER",
+              "root-child": root / "a-pipe"}[where]
+    keep = _fifo(str(target)) if kind == "fifo" else _socket(str(target))
+    calls = {
+        "load": lambda: reshard.load({"w": torch.zeros(4)}, str(ck)),
+        "latest": lambda: reshard.latest(root),
+        "verify": lambda: reshard.verify(ck),
+        "inspect": lambda: reshard.inspect(ck),
+        "ls": lambda: CliRunner().invoke(main, ["ls", str(root)]),
+        "gc": lambda: CliRunner().invoke(main, ["gc", str(root), "--keep-last", "1", "--grace", "0"]),
+        "restore": lambda: reshard.CheckpointManager(root, preempt_signals=()).restore({"w": torch.zeros(4)}),
+    }
+    for name, fn in calls.items():
+        secs, err, res = _timed(fn)
+        assert secs < 2.0, f"{name} took {secs:.1f} s with a {kind} at {where}"
+        if err is not None:
+            assert isinstance(err, CheckpointError), (name, err)
+            assert str(target) in str(err) or target.name in str(err), (name, err)
+        if name in ("ls", "gc"):
+            assert res.exception is None or isinstance(res.exception, SystemExit), (name, res.output)
+            if where == "root-child":
+                assert f"skipped {target.name}: a {'FIFO' if kind == 'fifo' else 'socket'}" in res.output
+    if keep is not None:
+        keep.close()
+
+
+def test_character_device_and_fifo_in_foreign_formats_are_refused(tmp_path: Path) -> None:
+    """A character device as a shard file, a FIFO as a DCP ``.metadata`` and
+    as a Hugging Face ``model.safetensors``: refused at once."""
+    import stat as st_
+
+    from reshard.formats.hf_import import hf_manifest
+    from reshard.ondisk.dcp import open_dcp
+
+    ck = tmp_path / "ck"
+    reshard.save({"w": torch.ones(3)}, str(ck))
+    data = ck / next(n for n in os.listdir(ck) if n.startswith("data-"))
+    os.unlink(data)
+    os.mknod(data, st_.S_IFCHR | 0o600, os.makedev(1, 3))  # /dev/null's numbers
+    secs, err, _ = _timed(lambda: reshard.load({"w": torch.zeros(3)}, str(ck)))
+    assert secs < 2.0 and isinstance(err, CheckpointError) and "character device" in str(err), err
+    (tmp_path / "dcp").mkdir()
+    _fifo(str(tmp_path / "dcp" / ".metadata"))
+    secs, err, _ = _timed(lambda: open_dcp(str(tmp_path / "dcp")))
+    assert secs < 2.0 and isinstance(err, CheckpointError), err
+    (tmp_path / "hf").mkdir()
+    _fifo(str(tmp_path / "hf" / "model.safetensors"))
+    secs, err, _ = _timed(lambda: hf_manifest(str(tmp_path / "hf")))
+    assert secs < 2.0 and isinstance(err, CheckpointError) and "not a regular file" in str(err), err

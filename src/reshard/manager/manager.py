@@ -218,15 +218,23 @@ class CheckpointManager(RetentionMixin):
         self._owner: OwnerLease | None = None
         self._owner_done: Any = None
         self.storage.makedirs(self.root)
+        self._owner_args: dict[str, Any] | None = None
         if writer and self.coll.rank == 0:  # ownership before the job trains (other ranks: at restore/save)
             if not self.storage.capabilities.atomic_rename:
                 self.storage.check_publish(self.storage.join(self.root, OWNER_NAME))
-            self._owner = ownership.acquire(
-                self.storage, self.root, job_id=job_id, require_signed=require_signed,
-                hmac_key=hmac_key_of(self.options.hmac_key),
+            self._owner_args = dict(
+                job_id=job_id, require_signed=require_signed, hmac_key=hmac_key_of(self.options.hmac_key),
                 policy={"keep_last": keep_last, "keep_every": keep_every, "keep_best": keep_best,
                         "mode": metric_mode, "collect_other_lineages": collect_other_lineages})
-            self._owner_done = weakref.finalize(self, ownership.drop, self._owner)
+            try:
+                self._take_root()
+            except StorageError as e:
+                if "no space left on device" not in str(e):
+                    raise
+                # the root is free for this job (a live foreign owner is refused before any write),
+                # but full: ownership is recorded at the first save, once retention freed space
+                log.warning("%s: the disk is full: this job's ownership of the root is recorded "
+                            "at its first save, after retention frees space (%s)", self.root, e)
         self._old_handlers: dict[int, Any] = {}
         if preempt_signals and threading.current_thread() is threading.main_thread():
             for sig in preempt_signals:
@@ -436,6 +444,12 @@ class CheckpointManager(RetentionMixin):
                                f"on the coordinator: {got['error']}")
         return str(got["name"])
 
+    def _take_root(self) -> None:
+        """Coordinator: take ownership of the root (see ``writer``)."""
+        assert self._owner_args is not None
+        self._owner = ownership.acquire(self.storage, self.root, **self._owner_args)
+        self._owner_done = weakref.finalize(self, ownership.drop, self._owner)
+
     def _check_writer(self) -> None:
         """Coordinator: this manager may save (it owns the root, or was not
         made to own it only because it is a reader).
@@ -445,6 +459,8 @@ class CheckpointManager(RetentionMixin):
         if not self.writer:
             raise RootOwnedError(f"{self.root}: this CheckpointManager was made with writer=False "
                                  "(a reader); it takes no ownership of the root and does not save")
+        if self._owner is None and self._owner_args is not None:  # a full disk at construction
+            self._take_root()
         if self._owner is not None:
             self._owner.check()
 

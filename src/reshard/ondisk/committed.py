@@ -140,6 +140,9 @@ def torn_files(storage: Storage, path: str, m: Manifest) -> dict[str, str]:
         except (FileNotFoundError, NotADirectoryError):
             problems[name] = f"{p}: missing (manifest declares {fe.size} bytes)"
             continue
+        except ManifestError as e:  # a FIFO, a socket, a device: never opened
+            problems[name] = str(e)
+            continue
         if size != fe.size:
             problems[name] = f"{p}: {size} bytes, manifest declares {fe.size}"
     return problems

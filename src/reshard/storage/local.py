@@ -237,12 +237,20 @@ class LocalStorage(Storage):
         self._count_read(want)
 
     def size(self, path: str) -> int:
+        """Bytes of the file at ``path`` (a stat: never opens it).
+
+        Raises:
+            NotARegularFileError: a FIFO, a socket or a device is there."""
         try:
-            return os.stat(path).st_size
+            st = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):  # a missing key, as the protocol says
             raise
         except OSError as e:
             raise _storage_error("stat", path, e) from e
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            raise NotARegularFileError(f"{path}: is {file_kind(st.st_mode)}, not a regular file "
+                                       "(refused: only regular files and directories are opened)")
+        return st.st_size
 
     def exists(self, path: str) -> bool:
         return os.path.lexists(path)
