@@ -566,3 +566,101 @@ def test_character_device_and_fifo_in_foreign_formats_are_refused(tmp_path: Path
     _fifo(str(tmp_path / "hf" / "model.safetensors"))
     secs, err, _ = _timed(lambda: hf_manifest(str(tmp_path / "hf")))
     assert secs < 2.0 and isinstance(err, CheckpointError) and "not a regular file" in str(err), err
+
+
+# --------------------------------------------------------------------------- 5. bounded cost for hostile files
+
+
+@pytest.fixture(scope="module")
+def bomb_base(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, bytes]]:
+    from reshard.fuzz.hostile import base_checkpoint
+
+    d = str(tmp_path_factory.mktemp("bomb") / "base")
+    base = base_checkpoint(d)
+    return base, {n: open(os.path.join(d, n), "rb").read() for n in os.listdir(d) if n != "manifest.json"}
+
+
+def _target() -> dict[str, Any]:
+    return {"w": torch.zeros(4, 6), "meta": {"lr": 0.0}}
+
+
+@pytest.mark.parametrize("field,limit,size", [
+    ("tensor-name", "name_bytes", 70 << 10), ("file-name", "name_bytes", 70 << 10),
+    ("attempt-id", "name_bytes", 70 << 10), ("lineage", "name_bytes", 70 << 10),
+    ("extra-keys", "field_bytes", 2 << 20), ("value-string", "field_bytes", 2 << 20),
+    ("aliases", "field_bytes", 2 << 20), ("mesh", "field_bytes", 2 << 20),
+    ("adapters", "field_bytes", 2 << 20), ("empty-tensors", "manifest_bytes", 3 << 20)])
+def test_every_parsed_field_has_a_limit_checked_before_parsing(
+        tmp_path: Path, bomb_base: Any, field: str, limit: str, size: int) -> None:
+    """A bomb in each parsed field is refused by load, verify and inspect
+    alike, naming the field and the limit (here lowered so the inputs stay
+    small: the defaults are measured in benchmarks/bench_hostile.py)."""
+    from reshard.fuzz.hostile import write_bomb
+
+    base, files = bomb_base
+    d = str(tmp_path / "b")
+    write_bomb(d, base, files, field, size)
+    lim = reshard.ReadLimits(name_bytes=64 << 10, field_bytes=1 << 20, manifest_bytes=(2 << 20) + (64 << 10))
+    with pytest.raises(reshard.ManifestError, match=rf"more than the \d+ a reader parses.*{limit}"):
+        reshard.load(_target(), d, options=reshard.LoadOptions(limits=lim))
+    os.environ[f"RESHARD_LIMIT_{limit.upper()}"] = str(getattr(lim, limit))
+    try:
+        rep = reshard.verify(d)
+        assert not rep.ok and limit in rep.problems[0], rep.problems
+        with pytest.raises(reshard.ManifestError, match=limit):
+            reshard.inspect(d)
+    finally:
+        del os.environ[f"RESHARD_LIMIT_{limit.upper()}"]
+
+
+def test_hostile_sizes_cost_bounded_memory_and_time(tmp_path: Path, bomb_base: Any) -> None:
+    """At the default limits: an 80 MiB manifest (the issue's 200 MiB name and
+    500 MiB value string are refused the same way, measured in
+    benchmarks/bench_hostile.py) is refused before a byte is parsed; 17 MiB
+    of extra keys (3M keys were 2.2 GiB before) is refused by the outline
+    pass; a 17 MiB safetensors header (a 1M-entry one ran past 60 s and
+    1 GiB before) is refused from its length prefix. Each within a few MiB
+    of memory and well under a second."""
+    from reshard.formats.hf_import import hf_manifest
+    from reshard.fuzz.hostile import hf_header_bomb, write_bomb
+    from reshard.testing.memory import PeakRSS
+
+    base, files = bomb_base
+    cases = [("value-string", 80 << 20, "manifest_bytes"), ("extra-keys", 17 << 20, "field_bytes")]
+    for field, size, limit in cases:
+        d = str(tmp_path / field)
+        write_bomb(d, base, files, field, size)
+        with PeakRSS() as m:
+            t0 = time.perf_counter()
+            with pytest.raises(reshard.ManifestError, match=limit):
+                reshard.load(_target(), d)
+            secs = time.perf_counter() - t0
+        extra = max(m.sampled_extra, m.hwm_extra or 0)
+        raw = os.path.getsize(os.path.join(d, "manifest.json"))
+        assert extra < (8 << 20 if limit == "manifest_bytes" else 3 * raw), (field, extra)
+        assert secs < 5.0, (field, secs)
+    d = str(tmp_path / "hf")
+    hf_header_bomb(d, 180_000)  # 17.6 MiB of header
+    with PeakRSS() as m:
+        with pytest.raises(reshard.ManifestError, match="header_bytes"):
+            hf_manifest(d)
+    assert max(m.sampled_extra, m.hwm_extra or 0) < 8 << 20
+
+
+def test_object_values_and_dcp_metadata_are_bounded(tmp_path: Path) -> None:
+    """An encoded object element read from a shard file, and a DCP
+    ``.metadata``, are checked against their limits before they are read."""
+    import torch.distributed.checkpoint as dcp
+
+    from reshard import ShardedObject
+
+    p = str(tmp_path / "obj")
+    reshard.save({"o": ShardedObject("o", {"blob": "x" * (300 << 10)})}, p)
+    small = reshard.ReadLimits(value_bytes=100 << 10)
+    with pytest.raises(reshard.ManifestError, match="value_bytes"):
+        reshard.load({"o": ShardedObject("o", None)}, p, options=reshard.LoadOptions(limits=small))
+    q = str(tmp_path / "dcp")
+    dcp.save({"w": torch.ones(64)}, checkpoint_id=q)
+    with pytest.raises(reshard.ManifestError, match="dcp_metadata_bytes"):
+        reshard.load({"w": torch.zeros(64)}, q,
+                     options=reshard.LoadOptions(limits=reshard.ReadLimits(dcp_metadata_bytes=64)))

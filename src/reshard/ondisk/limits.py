@@ -7,8 +7,8 @@ and a parser's memory grows with what it parses (a JSON dict of ``"k":0``
 entries costs 15-20 bytes of Python objects per byte of text). Every such
 input is therefore checked against a limit *before* a byte of it is parsed:
 its declared or stored size first (a stat or a length prefix), then, for a
-manifest above :data:`OUTLINE_MIN_BYTES`, the size of each free-form field
-and of each name from a cheap outline pass (``msgspec.Raw`` views, nothing
+manifest larger than a name may be, the size of each free-form field and of
+each name from a cheap outline pass (``msgspec.Raw`` views, nothing
 decoded) before the full decode.
 
 The defaults are derived from real checkpoints (see ``docs/faults.md``,
@@ -22,9 +22,9 @@ and time per MiB they bound):
   ``aliases`` together (real ones: a few KiB; 4096 adapters entries ~200 KiB).
 * ``name_bytes`` 64 KiB: one name (a tensor, object, value or alias key, a
   file name, an attempt id, a parent or lineage; real ones are under 300 bytes).
-* ``header_bytes`` 32 MiB: one safetensors header (a 94k-tensor MoE saved as
-  one unsharded file needs ~11 MB; sharded files are under 1 MiB each; the
-  safetensors format itself caps headers at 100 MB).
+* ``header_bytes`` 16 MiB: one safetensors header (a 94k-tensor MoE saved as
+  one unsharded file needs ~11 MB at ~120 bytes a tensor; sharded files are
+  under 1 MiB each; the safetensors format itself caps headers at 100 MB).
 * ``index_bytes`` 64 MiB: a ``model.safetensors.index.json``.
 * ``dcp_metadata_bytes`` 1 GiB: a PyTorch DCP ``.metadata`` (a pickle that
   repeats every chunk's full record: far larger than a reshard manifest of
@@ -40,8 +40,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-#: manifests at least this large get the outline pass (field and name sizes)
-#: before the full decode; below it, a full decode costs a few MiB at most
+#: manifests larger than this (or than ``name_bytes``, if smaller) get the
+#: outline pass (field and name sizes) before the full decode
 OUTLINE_MIN_BYTES = 1 << 20
 
 
@@ -69,7 +69,7 @@ class ReadLimits:
     manifest_bytes: int = 64 << 20
     field_bytes: int = 16 << 20
     name_bytes: int = 64 << 10
-    header_bytes: int = 32 << 20
+    header_bytes: int = 16 << 20
     index_bytes: int = 64 << 20
     dcp_metadata_bytes: int = 1 << 30
     value_bytes: int = 64 << 20

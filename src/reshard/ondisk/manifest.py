@@ -339,7 +339,7 @@ def check_limits(raw: bytes, limits: Any = None, *, where: str = MANIFEST_NAME) 
     if len(raw) > lim.manifest_bytes:
         raise ManifestError(too_large(where, "the manifest", len(raw), lim.manifest_bytes,
                                       "manifest_bytes"))
-    if len(raw) < OUTLINE_MIN_BYTES:
+    if len(raw) <= min(OUTLINE_MIN_BYTES, lim.name_bytes):  # no field or name can be too large
         return
     try:
         o = _OUTLINE.decode(raw)
