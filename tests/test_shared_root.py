@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,11 +22,6 @@ import torch
 from click.testing import CliRunner
 
 import reshard
-from reshard.cli import main
-from reshard.commit.ownership import acquire, job_identity, read_owner
-from reshard.errors import CheckpointError, RootOwnedError
-from reshard.storage import resolve
-
 from _shared_fns import (
     r_close,
     r_load_slowly,
@@ -35,6 +29,9 @@ from _shared_fns import (
     r_save_more,
     whole_state,
 )
+from reshard.cli import main
+from reshard.errors import CheckpointError
+from reshard.storage import resolve
 
 PY = sys.executable
 
@@ -53,6 +50,16 @@ def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) ->
 
 def _ckpts(root: Path) -> set[str]:
     return {n for n in os.listdir(root) if n.startswith("step-") and "." not in n[5:]}
+
+
+def read_owner(st: Any, key: str) -> Any:
+    from reshard.commit.ownership import read_owner as read
+
+    return read(st, key)
+
+
+def _owned() -> Any:
+    return reshard.errors.RootOwnedError  # (imported here: a test of the base commit fails in its body)
 
 
 def _tree(root: Path) -> dict[str, int]:
@@ -90,7 +97,7 @@ def test_second_job_is_refused_before_it_writes_and_gc_keeps_what_the_owner_keep
         owner, _ = read_owner(st, key)
         assert owner is not None and owner["job"] == "job-a" and owner["pid"] == a[0]["pid"]
         assert owner["policy"]["keep_last"] == 2
-        with pytest.raises(RootOwnedError) as ei:
+        with pytest.raises(_owned()) as ei:
             reshard.CheckpointManager(root, keep_last=1, preempt_signals=())
         msg = str(ei.value)
         assert "\n" not in msg and "'job-a'" in msg and f"pid {a[0]['pid']}" in msg
@@ -167,7 +174,7 @@ def test_owner_on_another_host_holds_until_its_ttl(tmp_path: Path) -> None:
     rec = {"job": "far", "host": "node-elsewhere", "pid": 1, "start": now, "renewed": now,
            "expires": now + 600, "ttl_s": 600, "released": False, "policy": {}}
     st.put_if_match(st.join(key, "OWNER"), json.dumps(rec).encode(), None)
-    with pytest.raises(RootOwnedError, match="node-elsewhere"):
+    with pytest.raises(_owned(), match="node-elsewhere"):
         reshard.CheckpointManager(root, preempt_signals=())
     _, tag = read_owner(st, key)
     st.put_if_match(st.join(key, "OWNER"), json.dumps({**rec, "expires": now - 1}).encode(), tag)
@@ -191,6 +198,8 @@ def test_two_jobs_starting_at_once_one_wins(tmp_path: Path, s3e: Any) -> None:
 
 
 def test_job_identity_from_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    from reshard.commit.ownership import job_identity
+
     for k in ("RESHARD_JOB_ID", "SLURM_JOB_ID", "SLURM_ARRAY_TASK_ID", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(k, raising=False)
     assert job_identity() == (None, "none")
@@ -209,17 +218,19 @@ def test_readers_and_tools_take_no_ownership(tmp_path: Path) -> None:
     """A manager made with writer=False (an evaluation, ls, gc) takes no
     ownership and refuses to save; ls and gc of a root owned by this
     process work."""
+    from reshard.commit.ownership import acquire
+
     root = tmp_path / "ck"
     job = reshard.CheckpointManager(root, preempt_signals=())
     job.save(1, {"w": torch.ones(3)})
     ev = reshard.CheckpointManager(root, writer=False, preempt_signals=())
     assert ev.restore({"w": torch.zeros(3)}, record_head=False) is not None
-    with pytest.raises(RootOwnedError, match="writer=False"):
+    with pytest.raises(_owned(), match="writer=False"):
         ev.save(2, {"w": torch.ones(3)})
     job.close()
     st, key = resolve(str(root))
     assert read_owner(st, key)[0]["released"] is True  # type: ignore[index]
-    with pytest.raises(RootOwnedError):  # acquire() refuses a live foreign owner directly too
+    with pytest.raises(_owned()):  # acquire() refuses a live foreign owner directly too
         now = time.time()
         st.delete_tree(st.join(key, "OWNER"))
         st.put_if_match(st.join(key, "OWNER"), json.dumps(
@@ -472,11 +483,11 @@ def _fifo(path: str) -> None:
 
 
 def _socket(path: str) -> Any:
+    from reshard.faults.shared import bind_socket
+
     if os.path.lexists(path):
         os.unlink(path)
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.bind(path)
-    return s
+    return bind_socket(path)
 
 
 def _timed(fn: Any) -> tuple[float, BaseException | None, Any]:
@@ -664,3 +675,187 @@ def test_object_values_and_dcp_metadata_are_bounded(tmp_path: Path) -> None:
     with pytest.raises(reshard.ManifestError, match="dcp_metadata_bytes"):
         reshard.load({"w": torch.zeros(64)}, q,
                      options=reshard.LoadOptions(limits=reshard.ReadLimits(dcp_metadata_bytes=64)))
+
+
+# --------------------------------------------------------------------------- 6. HMAC where it matters
+
+
+def _edit_manifest(ckpt: Path, fn: Any) -> None:
+    """Edit a manifest as one who has no key would: change it, reseal it."""
+    from reshard.ondisk.manifest import reseal
+
+    m = json.loads((ckpt / "manifest.json").read_bytes())
+    fn(m)
+    (ckpt / "manifest.json").write_bytes(reseal(json.dumps(m).encode()))
+
+
+@pytest.fixture
+def key_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    p = tmp_path / "key"
+    p.write_bytes(b"s3cret-key\n")
+    for k in ("RESHARD_HMAC_KEY", "RESHARD_HMAC_KEY_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    return str(p)
+
+
+def test_a_key_set_once_is_checked_by_every_entry_point(
+        tmp_path: Path, key_file: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key given once (RESHARD_HMAC_KEY_FILE, or --hmac-key-file) signs
+    every save and is checked by ls, verify, inspect, export, diff, gc's
+    checks, latest and the manager: a checkpoint whose step was edited (and
+    its manifest resealed) or whose signature was removed is refused, and
+    latest raises naming the newest such one (never skips it). Before: only
+    load(key) refused them; verify said OK, export exported, latest returned it."""
+    root = tmp_path / "ck"
+    monkeypatch.setenv("RESHARD_HMAC_KEY_FILE", key_file)
+    job = reshard.CheckpointManager(root, preempt_signals=())
+    for s in (1, 2, 3):
+        job.save(s, {"w": torch.full((4,), float(s))})
+    job.close()
+    assert all("hmac_sha256" in reshard.inspect(root / f"step-0000000{s}").extra for s in (1, 2, 3))
+    _edit_manifest(root / "step-00000003", lambda m: m.update(step=30))  # tampered
+    _edit_manifest(root / "step-00000002", lambda m: m["extra"].pop("hmac_sha256"))  # unsigned
+    with pytest.raises(reshard.IntegrityError, match="step-00000003.*newest checkpoint.*refusing"):
+        reshard.latest(root)
+    monkeypatch.delenv("RESHARD_HMAC_KEY_FILE")
+    assert reshard.latest(root) == str(root / "step-00000003")  # without a key: as before
+    # the CLI in a process of its own, the key from the environment
+    env = {**_env(), "RESHARD_HMAC_KEY_FILE": key_file}
+    r = _cli("verify", str(root / "step-00000003"), env=env)
+    assert r.returncode == 1 and "FAILED" in r.stdout and "HMAC does not match" in r.stdout, r.stdout
+    r = _cli("verify", str(root / "step-00000001"), env=env)
+    assert r.returncode == 0 and r.stdout.startswith("OK"), r.stdout + r.stderr
+    # in-process, the key from --hmac-key-file (the environment left as it was)
+    k = ["--hmac-key-file", key_file]
+    for args in (["inspect", str(root / "step-00000002")],
+                 ["export", str(root / "step-00000003"), str(tmp_path / "hf")],
+                 ["diff", str(root / "step-00000001"), str(root / "step-00000002")]):
+        os.environ.pop("RESHARD_HMAC_KEY_FILE", None)
+        r = CliRunner().invoke(main, [args[0], *k, *args[1:]])
+        assert r.exit_code == 2 and ("not signed" in r.output or "HMAC" in r.output), (args, r.output)
+    os.environ.pop("RESHARD_HMAC_KEY_FILE", None)
+    r = CliRunner().invoke(main, ["ls", *k, str(root)])
+    assert r.exit_code == 1, r.output
+    lines = {ln.split()[-1]: ln for ln in r.stdout.splitlines() if " step-0000" in ln}
+    assert "bad signature" in lines["step-00000003"] and "unsigned" in lines["step-00000002"]
+    os.environ.pop("RESHARD_HMAC_KEY_FILE", None)
+    r = CliRunner().invoke(main, ["gc", *k, str(root), "--keep-last", "1", "--grace", "0"])
+    assert r.exit_code == 1 and "step-00000003: FAILED" in r.output, r.output
+    assert _ckpts(root) == {"step-00000001", "step-00000002", "step-00000003"}  # nothing deleted
+    os.environ.pop("RESHARD_HMAC_KEY_FILE", None)
+    monkeypatch.setenv("RESHARD_HMAC_KEY", "s3cret-key")  # the key's text itself
+    with pytest.raises(reshard.IntegrityError, match="HMAC key given does not verify"):
+        reshard.CheckpointManager(root, writer=False, preempt_signals=()).restore({"w": torch.zeros(4)})
+    assert not [n for n in os.listdir(root) if "quarantined" in n]
+    with pytest.raises(reshard.IntegrityError, match="not signed"):
+        reshard.load({"w": torch.zeros(4)}, root / "step-00000002")
+
+
+def test_a_root_can_require_signing(tmp_path: Path, key_file: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CheckpointManager(require_signed=True)`` records it in the signed
+    owner record: no later job resumes there without the key (its own
+    construction or restore is refused), and a wrong key is refused too."""
+    root = tmp_path / "ck"
+    monkeypatch.setenv("RESHARD_HMAC_KEY_FILE", key_file)
+    job = reshard.CheckpointManager(root, require_signed=True, preempt_signals=())
+    job.save(1, {"w": torch.ones(4)})
+    job.close()
+    st, key = resolve(str(root))
+    rec = read_owner(st, key)[0]
+    assert rec is not None and rec["require_signed"] and "hmac_sha256" in rec
+    monkeypatch.delenv("RESHARD_HMAC_KEY_FILE")
+    with pytest.raises(reshard.IntegrityError, match="requires signed checkpoints.*no HMAC key"):
+        reshard.CheckpointManager(root, preempt_signals=())
+    with pytest.raises(reshard.IntegrityError, match="requires signed checkpoints"):
+        reshard.CheckpointManager(root, writer=False, preempt_signals=()).restore({"w": torch.zeros(4)})
+    monkeypatch.setenv("RESHARD_HMAC_KEY", "another-key")
+    with pytest.raises(reshard.IntegrityError, match="signature does not verify"):
+        reshard.CheckpointManager(root, preempt_signals=())
+    monkeypatch.setenv("RESHARD_HMAC_KEY", "s3cret-key")
+    again = reshard.CheckpointManager(root, preempt_signals=())
+    assert again.restore({"w": torch.zeros(4)}) is not None
+    again.close()
+    assert read_owner(st, key)[0]["require_signed"] is True  # type: ignore[index]
+
+
+# --------------------------------------------------------------------------- 7. verify and load say what they checked
+
+
+def test_verify_says_not_checked_and_load_warns_or_refuses(tmp_path: Path) -> None:
+    """A checkpoint saved with checksums=False, and one whose digests were
+    removed (manifest resealed) after a byte was flipped: verify reports NOT
+    CHECKED and exits 1 (0 with --accept-unchecked); load warns once naming
+    it, or refuses with LoadOptions(unchecked="refuse"). An empty file
+    checksum is NOT CHECKED too. Before: verify said OK and the flipped byte
+    loaded without a word."""
+    from reshard.loading import check
+
+    plain = tmp_path / "plain"
+    reshard.save({"w": torch.arange(8.0)}, str(plain), options=reshard.SaveOptions(checksums=False))
+    r = CliRunner().invoke(main, ["verify", str(plain)])
+    assert r.exit_code == 1 and r.stdout.startswith("NOT CHECKED") and "carry no checksum" in r.stdout
+    r = CliRunner().invoke(main, ["verify", "--accept-unchecked", str(plain)])
+    assert r.exit_code == 0 and "NOT CHECKED accepted" in r.stdout, r.output
+    rep = reshard.verify(plain)
+    assert rep.ok and not rep.checked and "chunk(s) carry no checksum" in rep.unchecked[0]
+    edited = tmp_path / "edited"
+    reshard.save({"w": torch.arange(8.0)}, str(edited))
+    data = edited / next(n for n in os.listdir(edited) if n.startswith("data-"))
+
+    def strip(m: dict[str, Any]) -> None:
+        for te in m["tensors"].values():
+            for c in te["chunks"]:
+                c.pop("digest", None), c.pop("checksums", None), c.pop("block_index", None)
+        for fe in m["files"].values():
+            fe["checksum"], fe["blocks"] = "", 0
+
+    _edit_manifest(edited, strip)
+    raw = bytearray(data.read_bytes())
+    m = json.loads((edited / "manifest.json").read_bytes())
+    off = m["tensors"]["w"]["chunks"][0]["offset"]
+    raw[off] ^= 0x40
+    data.write_bytes(bytes(raw))
+    r = CliRunner().invoke(main, ["verify", str(edited)])
+    assert r.exit_code == 1 and "NOT CHECKED" in r.stdout and "file(s) have an empty checksum" in r.stdout
+    check._UNCHECKED_WARNED.clear()
+    w = torch.zeros(8)
+    with pytest.warns(RuntimeWarning, match=f"{edited}.*carry no checksum"):
+        reshard.load({"w": w}, edited)
+    with pytest.raises(reshard.IntegrityError, match="unchecked='refuse'"):
+        reshard.load({"w": torch.zeros(8)}, edited, options=reshard.LoadOptions(unchecked="refuse"))
+
+
+@pytest.mark.parametrize("case", ["zero-chunks", "world-size", "overlap"])
+def test_load_verify_and_inspect_agree(tmp_path: Path, bomb_base: Any, case: str) -> None:
+    """One validation: 3000 zero-size chunks (the chunk count the files cannot
+    hold), a world size of 2^24 for a 1-rank checkpoint, and chunks that
+    overlap are refused by load, verify and inspect alike. Before: load
+    passed the zero-size chunks that verify failed, 2^24 ranks were
+    accepted, and inspect succeeded on all three."""
+    from reshard.fuzz.hostile import write_bomb
+
+    base, files = bomb_base
+    d = tmp_path / "c"
+    if case == "zero-chunks":
+        write_bomb(str(d), base, files, "zero-chunks", 3000 * 120)
+    else:
+        write_bomb(str(d), base, files, "lineage", 1)
+        if case == "world-size":
+            _edit_manifest(d, lambda m: m.update(world_size=1 << 24))
+        else:
+            def overlap(m: dict[str, Any]) -> None:  # rows 0-1 and 1-2: the right volume, row 1
+                te = m["tensors"]["w"]                  # twice and row 3 never
+                c = {k: v for k, v in te["chunks"][0].items() if k not in ("digest", "block_index")}
+                te["chunks"] = [{**c, "global_offset": [0, 0], "local_shape": [2, 6], "length": 48},
+                                {**c, "global_offset": [1, 0], "local_shape": [2, 6], "length": 48,
+                                 "offset": c["offset"] + 48}]
+            _edit_manifest(d, overlap)
+    with pytest.raises(CheckpointError) as e_load:
+        reshard.load({"w": torch.zeros(4, 6), "meta": {"lr": 0.0}}, d)
+    rep = reshard.verify(d)
+    with pytest.raises(CheckpointError) as e_inspect:
+        reshard.inspect(d)
+    assert not rep.ok
+    if case == "world-size":
+        for text in (str(e_load.value), rep.problems[0], str(e_inspect.value)):
+            assert "world_size 16777216" in text, text
