@@ -150,8 +150,15 @@ def job_main(cell: Cell, rank: int, world: int, port: int, cdir: str, spec: dict
             result["next_save"] = "committed"
         elif role == "saver":  # reader-retention: keep_last=1 while the reader loads
             mgr = CheckpointManager(root, keep_last=1, preempt_signals=(), storage=st)
+            import torch
+            import torch.distributed as dist
+
             s = 0
-            while not os.path.exists(os.path.join(cdir, "reader-done")) and s < 400:
+            while s < 400:
+                done = torch.tensor([int(os.path.exists(os.path.join(cdir, "reader-done")))])
+                dist.all_reduce(done, op=dist.ReduceOp.MAX)  # every rank stops at the same save
+                if done.item():
+                    break
                 s += 1
                 mgr.save(s, _state(s, rank, world))
                 time.sleep(0.05)
@@ -199,20 +206,21 @@ def reader_main(root: str, cdir: str, env: dict[str, str], n: int) -> None:
     from ..storage import resolve
     from .ranks import full
 
-    st, key = resolve(root if "://" in root or root.startswith("/") else "s3://" + root)
+    url = root if "://" in root or root.startswith("/") else "s3://" + root
+    st, key = resolve(url)
     counts = {"ok": 0, "gone_before_lease": 0, "failed_after_lease": 0, "partial": 0, "wrong": 0,
               "no_checkpoint": 0}
     examples: list[str] = []
     _touch(os.path.join(cdir, "reader-started"))
     for _ in range(n):
-        path = reshard.latest(key, storage=st)
+        path = reshard.latest(url)  # a URL (or a local path): load resolves it
         if path is None:
             counts["no_checkpoint"] += 1
             time.sleep(0.02)
             continue
         tgt = {"w": torch.zeros(8, 64), "b": torch.zeros(32), "meta": {"step": 0}}
         try:
-            res = reshard.load(tgt, path, storage=st)
+            res = reshard.load(tgt, path)
         except reshard.CheckpointNotFoundError as e:
             msg = str(e)
             if "no committed checkpoint here" in msg:
