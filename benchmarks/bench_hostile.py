@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(d, ignore_errors=True)
             nbytes = hf_header_bomb(d, size)
         else:
-            write_bomb(d, base, files, field, size)
+            write_bomb(d, base, files, field, size, exact=label.startswith("issue"))
             nbytes = os.path.getsize(os.path.join(d, "manifest.json"))
         r = _run(kind, d)
         rows.append({"input": label, "bytes": nbytes, **r})

@@ -631,7 +631,7 @@ def test_hostile_sizes_cost_bounded_memory_and_time(tmp_path: Path, bomb_base: A
     of extra keys (3M keys were 2.2 GiB before) is refused by the outline
     pass; a 17 MiB safetensors header (a 1M-entry one ran past 60 s and
     1 GiB before) is refused from its length prefix. Each within a few MiB
-    of memory and well under a second."""
+    of memory (time: measured by the benchmark, not asserted here)."""
     from reshard.formats.hf_import import hf_manifest
     from reshard.fuzz.hostile import hf_header_bomb, write_bomb
     from reshard.testing.memory import PeakRSS
@@ -642,14 +642,11 @@ def test_hostile_sizes_cost_bounded_memory_and_time(tmp_path: Path, bomb_base: A
         d = str(tmp_path / field)
         write_bomb(d, base, files, field, size)
         with PeakRSS() as m:
-            t0 = time.perf_counter()
             with pytest.raises(reshard.ManifestError, match=limit):
                 reshard.load(_target(), d)
-            secs = time.perf_counter() - t0
         extra = max(m.sampled_extra, m.hwm_extra or 0)
         raw = os.path.getsize(os.path.join(d, "manifest.json"))
         assert extra < (8 << 20 if limit == "manifest_bytes" else 3 * raw), (field, extra)
-        assert secs < 5.0, (field, secs)
     d = str(tmp_path / "hf")
     hf_header_bomb(d, 180_000)  # 17.6 MiB of header
     with PeakRSS() as m:

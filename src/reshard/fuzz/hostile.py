@@ -39,12 +39,14 @@ def _sealed(doc: dict[str, Any]) -> bytes:
     return reseal(json.dumps(doc, separators=(",", ":")).encode())
 
 
-def bomb_manifest(doc: dict[str, Any], field: str, size: int) -> bytes:
+def bomb_manifest(doc: dict[str, Any], field: str, size: int, *, exact: bool = False) -> bytes:
     """The manifest ``doc`` with ``field`` (see :data:`FIELDS`) grown until the
     manifest is about ``size`` bytes (never more, for a field of many
-    entries), every other part consistent, resealed."""
+    entries, unless ``exact``: then the count of entries is the one ``size``
+    implies, e.g. ``13 * N`` for N extra keys), every other part consistent,
+    resealed."""
     raw = _bomb(doc, field, size)
-    if field in _COUNTED and len(raw) > size:  # entries cost more than guessed: scale down once
+    if field in _COUNTED and len(raw) > size and not exact:  # entries cost more than guessed: scale down once
         base = len(_sealed(json.loads(json.dumps(doc))))
         raw = _bomb(doc, field, max(1, int(size * (size - base) / max(1, len(raw) - base)) - 4096))
     return raw
@@ -101,7 +103,8 @@ def _bomb(doc: dict[str, Any], field: str, size: int) -> bytes:
     return _sealed(m)
 
 
-def write_bomb(d: str, base: dict[str, Any], files: dict[str, bytes], field: str, size: int) -> None:
+def write_bomb(d: str, base: dict[str, Any], files: dict[str, bytes], field: str, size: int, *,
+               exact: bool = False) -> None:
     """A checkpoint directory ``d``: the base's data files and a bombed manifest."""
     if os.path.exists(d):
         shutil.rmtree(d)
@@ -109,7 +112,7 @@ def write_bomb(d: str, base: dict[str, Any], files: dict[str, bytes], field: str
     for name, raw in files.items():
         with open(os.path.join(d, name), "wb") as f:
             f.write(raw)
-    raw = bomb_manifest(base, field, size)
+    raw = bomb_manifest(base, field, size, exact=exact)
     with open(os.path.join(d, "manifest.json"), "wb") as f:
         f.write(raw)
 
