@@ -92,7 +92,7 @@ def check_and_record(storage: Storage, root: str, name: str, *, smoke_tensors: i
         problems.append(f"{type(e).__name__}: {e}")
     ok = not problems
     if record:
-        kw = dict(ok=ok, problems=problems, how=how, digest=digest, files=files)
+        kw: dict[str, Any] = dict(ok=ok, problems=problems, how=how, digest=digest, files=files)
         if deferred is not None:
             deferred.append((name, kw))
         else:

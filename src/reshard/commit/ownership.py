@@ -254,9 +254,16 @@ def _release_all() -> None:
         _HELD.clear()
     if not held:
         return
-    t = threading.Thread(target=lambda: [x.release() for x in held], daemon=True,
-                         name="reshard-release-owner")
-    t.start()
+    def release() -> None:
+        for x in held:
+            x.release()
+
+    t = threading.Thread(target=release, daemon=True, name="reshard-release-owner")
+    try:
+        t.start()
+    except RuntimeError:  # no new threads at this point of the interpreter's shutdown
+        release()
+        return
     t.join(EXIT_RELEASE_S)
 
 

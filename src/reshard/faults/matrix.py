@@ -306,7 +306,7 @@ def _run(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[str, Any], 
     be.before_gc(st, root)
     from ..manager.manager import CheckpointManager
 
-    CheckpointManager(root, storage=st, preempt_signals=()).gc_abandoned(grace_s=0.0)
+    CheckpointManager(root, storage=st, preempt_signals=(), writer=False).gc_abandoned(grace_s=0.0)
     res.after_gc = be.after_gc(st, root)
     if res.after_gc:
         res.problems.append(f"gc left {res.after_gc[:6]}")

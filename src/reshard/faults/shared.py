@@ -218,7 +218,7 @@ def reader_main(root: str, cdir: str, env: dict[str, str], n: int) -> None:
             counts["no_checkpoint"] += 1
             time.sleep(0.02)
             continue
-        tgt = {"w": torch.zeros(8, 64), "b": torch.zeros(32), "meta": {"step": 0}}
+        tgt: dict[str, Any] = {"w": torch.zeros(8, 64), "b": torch.zeros(32), "meta": {"step": 0}}
         try:
             res = reshard.load(tgt, path)
         except reshard.CheckpointNotFoundError as e:
@@ -473,12 +473,10 @@ def _timed(fn: Any) -> tuple[float, BaseException | None, Any]:
 
 
 def _fifo(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[str, Any]) -> None:
-
-    from click.testing import CliRunner
-
     import reshard
 
-    from ..cli import main
+    from ..commit.listing import committed, scan
+    from ..manager.manager import CheckpointManager
 
     st, root = be.storage(), spec["root"]
     setup = _job(cell, cdir, spec, "setup", n=2, head=True)
@@ -502,17 +500,19 @@ def _fifo(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[str, Any])
         t = tgt(0, 1, 8)
         return reshard.load(t, ck, storage=st)
 
+    def gc() -> Any:  # what `reshard gc --keep-last 2 --grace 0` runs (the CLI itself: tests/test_shared_root.py)
+        m = CheckpointManager(root, keep_last=2, writer=False, gc_grace_s=0.0, preempt_signals=(), storage=st)
+        m.apply_retention(smoke_newer=True)
+        return m.gc_abandoned()
+
     calls = {"load": load, "latest": lambda: reshard.latest(root, storage=st),
              "verify": lambda: reshard.verify(ck, storage=st), "inspect": lambda: reshard.inspect(ck, storage=st),
-             "ls": lambda: CliRunner().invoke(main, ["ls", root]),
-             "gc": lambda: CliRunner().invoke(main, ["gc", root, "--keep-last", "2", "--grace", "0"])}
+             "ls": lambda: (scan(st, root), committed(st, root)), "gc": gc}
     slowest = 0.0
     for name, fn in calls.items():
         secs, err, out = _timed(fn)
         slowest = max(slowest, secs)
         what = "ok" if err is None else f"{type(err).__name__}"
-        if name in ("ls", "gc") and out is not None:
-            what = f"exit {out.exit_code}"
         res.ranks[len(res.ranks)] = f"{name}: {what} in {secs:.2f} s"
         if secs > ANSWER_S:
             res.liveness.append(f"{name} took {secs:.1f} s beside a {cell.action} at {cell.phase}")
@@ -523,7 +523,7 @@ def _fifo(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[str, Any])
         keep.close()
     # the job goes on: its next save commits (beside the FIFO, or once a person removed it)
     if cell.phase in ("manifest", "data"):
-        listed = [e.name for e in __import__("reshard.commit.listing", fromlist=["committed"]).committed(st, root)]
+        listed = [e.name for e in committed(st, root)]
         if "step-00000002" in listed and cell.phase == "manifest":
             res.problems.append("a checkpoint whose manifest is a FIFO is listed as committed")
     os.unlink(target)
@@ -543,8 +543,8 @@ def _mis_signed(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[str,
     from ..ondisk.manifest import reseal
 
     key_file = os.path.join(cdir, "key")
-    with open(key_file, "w") as f:
-        f.write("fault-matrix-key\n")
+    with open(key_file, "w") as kf:
+        kf.write("fault-matrix-key\n")
     spec = {**spec, "env": {**spec.get("env", {}), "RESHARD_HMAC_KEY_FILE": key_file}}
     st, root = be.storage(), spec["root"]
     setup = _job(cell, cdir, spec, "setup", n=2)

@@ -215,9 +215,9 @@ def _convert_dcp(
                          for fqn, te in m.tensors.items()},
                 values=m.values, files=dict(sorted(new_files.items())), extra=extra,
             )
-            key = hmac_key_of(opts.hmac_key)  # the caller's, else the environment's
-            if key is not None:
-                out = sign_manifest(out, key)
+            mac_key = hmac_key_of(opts.hmac_key)  # the caller's, else the environment's
+            if mac_key is not None:
+                out = sign_manifest(out, mac_key)
             validate_manifest(out, where=f"{dst_key}/{MANIFEST_NAME}")
             publish(dst_st, attempt, target, out, overwrite=opts.overwrite, durable=opts.durable)
         except Exception as e:  # noqa: BLE001
