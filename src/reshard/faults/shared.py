@@ -307,10 +307,25 @@ def _cli_root(be: Any, root: str) -> str:
 
 
 def run(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[str, Any]) -> None:
-    """Run and judge one shared-root cell (``spec``: backend, env, root)."""
+    """Run and judge one shared-root cell (``spec``: backend, env, root).
+    ``detect_s``: how long the judged operation took (the refusal, the
+    reader's loads, gc, the slowest answer beside a FIFO); ``exit_s``: until
+    every process of the cell had exited; ``space_back``: no attempt left
+    behind under the root once the jobs ended."""
     fn = {"two-jobs": _two_jobs, "reader-retention": _reader_retention, "gc-full-disk": _gc_full_disk,
           "fifo": _fifo, "mis-signed": _mis_signed}[cell.fault_class]
+    t0 = time.time()
     fn(cell, res, be, cdir, spec)
+    if res.skipped:
+        return
+    res.exit_s = time.time() - t0
+    if cell.fault_class != "gc-full-disk":  # (its tmpfs is gone: judged inside)
+        st = be.storage()
+        left = be.stray(st, spec["root"], None)
+        res.left_behind = left
+        res.space_back = "yes" if not left else "NO"
+        if left:
+            res.liveness.append(f"left behind under the root: {left[:5]}")
 
 
 def _two_jobs(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[str, Any]) -> None:
