@@ -100,7 +100,7 @@ def cells(work: str, loads: int) -> list[dict]:
     for r in run_matrix(chosen, workdir=os.path.join(work, "cells")):
         out.append({"cell": r.cell.name, "safe": r.safe, "live": r.live, "skipped": r.skipped,
                     "notes": r.notes, "answers": r.ranks, "seconds": round(r.seconds, 1),
-                    "bytes_free_before_gc": r.bytes_before, "bytes_free_after_gc": r.bytes_after,
+                    "bytes_under_root_before": r.bytes_before, "bytes_under_root_after": r.bytes_after,
                     "problems": r.problems, "liveness": r.liveness})
     return out
 

@@ -173,7 +173,7 @@ class ReaderLease:
             return self
         self.key = self.storage.join(root, lease_name(name))
         try:
-            self.storage.write_bytes(self.key, self._record())
+            self.storage.write_bytes(self.key, self._record(), durable=False)
         except (CheckpointError, OSError) as e:
             self.key, self.why_not = None, f"{type(e).__name__}: {e}"
             msg = (f"{self.path}: the reader lease could not be written ({self.why_not}); "
@@ -196,7 +196,7 @@ class ReaderLease:
         if self.key is None:
             return
         try:
-            self.storage.write_bytes(self.key, self._record())
+            self.storage.write_bytes(self.key, self._record(), durable=False)
             self.renewals += 1
         except Exception as e:  # noqa: BLE001 - a lapse only makes the checkpoint deletable
             log.warning("renewing the reader lease %s failed: %s", self.key, e)

@@ -321,6 +321,9 @@ def run(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[str, Any]) -
     res.exit_s = time.time() - t0
     if cell.fault_class != "gc-full-disk":  # (its tmpfs is gone: judged inside)
         st = be.storage()
+        res.bytes_after, res.stray_bytes = be.usage(st, spec["root"])
+        if res.bytes_before is None:
+            res.bytes_before = res.bytes_after
         left = be.stray(st, spec["root"], None)
         res.left_behind = left
         res.space_back = "yes" if not left else "NO"
@@ -336,6 +339,7 @@ def _two_jobs(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[str, A
         _join(a, 1)
         return
     before = _names(st, root)
+    res.bytes_before = be.usage(st, root)[0]
     t0 = time.time()
     b = _job(cell, cdir, spec, "B")
     b_ok = _join(b, 120)
@@ -390,10 +394,11 @@ def _reader_retention(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dic
            "OMP_NUM_THREADS": "1"}
     code = ("import sys, json; from reshard.faults.shared import reader_main; "
             "reader_main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]))")
+    res.bytes_before = be.usage(st, root)[0]
     t0 = time.time()
     r = subprocess.run([sys.executable, "-c", code, root, cdir, json.dumps(be.env), str(READER_LOADS)],
                        capture_output=True, text=True, env=env, timeout=900)
-    res.detect_s = time.time() - t0
+    res.notes.append(f"{READER_LOADS} loads in {time.time() - t0:.1f} s")  # (no fault to detect)
     _touch(os.path.join(cdir, "reader-done"))
     ok = _join(saver, 180)
     if r.returncode != 0 or not os.path.exists(os.path.join(cdir, "reader.json")):
@@ -438,16 +443,19 @@ def _gc_full_disk(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[st
         _join(setup, 180)
         fill(disk, leave=0)
         stv = os.statvfs(disk)
-        res.bytes_before = stv.f_bavail * stv.f_frsize
+        free0 = stv.f_bavail * stv.f_frsize
+        res.bytes_before = be.usage(st, root)[0]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         t0 = time.time()
         r = subprocess.run([sys.executable, "-m", "reshard.cli", "gc", root, "--keep-last", "2",
                             "--grace", "0"], capture_output=True, text=True, env=env, timeout=300)
-        res.detect_s = time.time() - t0
+        res.notes.append(f"gc took {time.time() - t0:.1f} s")
         stv = os.statvfs(disk)
-        res.bytes_after = stv.f_bavail * stv.f_frsize
+        free1 = stv.f_bavail * stv.f_frsize
+        res.bytes_after, res.stray_bytes = be.usage(st, root)
+        res.notes.append(f"bytes free before gc {free0}, after {free1}")
         res.notes.append(f"gc exit {r.returncode}: " + " | ".join(r.stdout.splitlines()[:4]))
-        if r.returncode != 0 or not res.bytes_after:
+        if r.returncode != 0 or not free1:
             res.problems.append(f"gc at 0 bytes free failed: exit {r.returncode}: {r.stdout[-300:]} {r.stderr[-300:]}")
         listed = _verify_all(res, st, root)
         if listed != ["step-00000003", "step-00000004"]:
@@ -462,7 +470,7 @@ def _gc_full_disk(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[st
         listed = _verify_all(res, st, root)
         if listed != ["step-00000005"]:
             res.problems.append(f"after the save with keep_last=1: {listed}")
-        res.space_back = "yes" if res.bytes_after else "NO"
+        res.space_back = "yes" if free1 else "NO"
         from ..catalog.verify import latest
 
         res.latest = latest(root, storage=st)
@@ -509,6 +517,7 @@ def _fifo(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[str, Any])
         os.mkfifo(target)
     else:
         keep = bind_socket(target)
+    res.bytes_before = be.usage(st, root)[0]
     from .ranks import target as tgt
 
     def load() -> Any:
@@ -568,6 +577,7 @@ def _mis_signed(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[str,
     doc = json.loads(st.read_bytes(mp))
     doc["step"] = 7
     st.write_bytes(mp, reseal(json.dumps(doc).encode()))
+    res.bytes_before = be.usage(st, root)[0]
     os.environ["RESHARD_HMAC_KEY_FILE"] = key_file
     try:
         try:
