@@ -40,7 +40,6 @@ def test_fault_matrix_s3_quick(tmp_path, half: str) -> None:
     moto server per run), safe and live: the next save commits (a restarted
     job's after the kill), and every survivor saw the fault."""
     from reshard.faults.matrix import cells, run_matrix
-
     from reshard.faults.shared import CLASSES as SHARED  # (their S3 cells: the full matrix)
 
     quick = cells(quick=True, backend="s3")
