@@ -217,9 +217,11 @@ class OwnerLease:
         if self.lost is not None:
             raise RootOwnedError(self.lost)
 
-    def release(self) -> None:
+    def release(self, *, quiet: bool = False) -> None:
         """Mark the root released (the record stays: what the root requires
-        outlives the job); nothing when ownership was lost."""
+        outlives the job); nothing when ownership was lost. ``quiet``: a
+        failure is logged at debug level (the interpreter's exit, when the
+        store may be gone: the lease expires by itself)."""
         KEEPER.remove(self)
         with self._lock:
             if self.lost is not None:
@@ -228,8 +230,8 @@ class OwnerLease:
             try:
                 self._write({**self.record, "released": True, "renewed": now, "expires": now})
             except Exception as e:  # noqa: BLE001 - a lapsed lease ends by itself
-                log.warning("releasing the owner lease of %s failed (it expires by itself): %s",
-                            self.root, e)
+                (log.debug if quiet else log.warning)(
+                    "releasing the owner lease of %s failed (it expires by itself): %s", self.root, e)
             self.lost = f"{self.root}: released by this job"
 
 
@@ -256,7 +258,7 @@ def _release_all() -> None:
         return
     def release() -> None:
         for x in held:
-            x.release()
+            x.release(quiet=True)
 
     t = threading.Thread(target=release, daemon=True, name="reshard-release-owner")
     try:
