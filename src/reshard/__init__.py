@@ -21,6 +21,7 @@ from .errors import (
     IntegrityError,
     ManifestError,
     RankFailure,
+    RootOwnedError,
     ShardingError,
     StorageError,
 )
@@ -32,9 +33,11 @@ if TYPE_CHECKING:  # imported on first use (below), so `import reshard` does not
     from .adapters.rng import RNGState
     from .adapters.torch_native import TorchState
     from .catalog.verify import VerifyReport, inspect, latest, verify
+    from .commit.leases import pin
     from .loading.load import LoadResult, load
     from .loading.read_state import read_state
     from .manager.manager import CheckpointManager
+    from .ondisk.limits import ReadLimits
     from .ondisk.manifest import Manifest
     from .options import LoadOptions, SaveOptions
     from .saving.save import SaveResult, save
@@ -54,10 +57,12 @@ _LAZY: dict[str, str] = {
     "inspect": ".catalog.verify",
     "latest": ".catalog.verify",
     "verify": ".catalog.verify",
+    "pin": ".commit.leases",
     "LoadResult": ".loading.load",
     "load": ".loading.load",
     "read_state": ".loading.read_state",
     "CheckpointManager": ".manager.manager",
+    "ReadLimits": ".ondisk.limits",
     "Manifest": ".ondisk.manifest",
     "LoadOptions": ".options",
     "SaveOptions": ".options",
@@ -119,6 +124,8 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "RankFailure",
+    "ReadLimits",
+    "RootOwnedError",
     "SaveOptions",
     "SaveResult",
     "SaveHandle",
@@ -132,6 +139,7 @@ __all__ = [
     "inspect",
     "latest",
     "load",
+    "pin",
     "read_state",
     "save",
     "verify",

@@ -46,6 +46,65 @@ def check_timeout(v: Any, name: str) -> None:
         raise ValueError(f"{name} must be a number of seconds > 0 (or None), got {v!r}")
 
 
+#: environment variables that give an HMAC key to every entry point (a
+#: caller's ``SaveOptions``/``LoadOptions(hmac_key=...)`` wins over them):
+#: the key's text itself, or the path of a file holding it
+HMAC_KEY_ENV = "RESHARD_HMAC_KEY"
+HMAC_KEY_FILE_ENV = "RESHARD_HMAC_KEY_FILE"
+#: ``hmac_key=NO_HMAC_KEY``: no key, whatever the environment says (a
+#: converter reading a foreign checkpoint, which carries no signature)
+NO_HMAC_KEY = b""
+
+
+def read_key_file(path: str) -> bytes:
+    """The HMAC key held by the file ``path``: its bytes without trailing
+    whitespace (a newline an editor added), at most 4 KiB; only a regular
+    file is read (a FIFO is refused, never waited on).
+
+    Raises:
+        ValueError: the file is missing, unreadable, not a regular file, empty or too large.
+    """
+    import os
+
+    from .storage.local import open_regular
+
+    try:
+        fd = open_regular(os.path.expanduser(path), os.O_RDONLY)
+    except Exception as e:  # noqa: BLE001 - one message, whatever went wrong
+        raise ValueError(f"HMAC key file {path!r}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        raw = os.read(fd, 4097)
+    finally:
+        os.close(fd)
+    key = raw.rstrip()
+    if not key or len(raw) > 4096:
+        raise ValueError(f"HMAC key file {path!r}: {'empty' if not key else 'more than 4 KiB'}")
+    return key
+
+
+def env_hmac_key() -> bytes | None:
+    """The key the environment gives (``RESHARD_HMAC_KEY_FILE``: a file
+    holding it, else ``RESHARD_HMAC_KEY``: its text, UTF-8), or None.
+
+    Raises:
+        ValueError: ``RESHARD_HMAC_KEY_FILE`` names a file that cannot be read."""
+    import os
+
+    path = os.environ.get(HMAC_KEY_FILE_ENV)
+    if path:
+        return read_key_file(path)
+    text = os.environ.get(HMAC_KEY_ENV)
+    return text.encode() if text else None
+
+
+def hmac_key_of(given: bytes | None) -> bytes | None:
+    """The key an entry point uses: ``given`` when set (``NO_HMAC_KEY``: none
+    at all), else the environment's (:func:`env_hmac_key`)."""
+    if given is not None:
+        return given or None
+    return env_hmac_key()
+
+
 @dataclass(frozen=True, kw_only=True)
 class SaveOptions:
     """How a save runs.
@@ -69,6 +128,8 @@ class SaveOptions:
             checksum: ValueError).
         hmac_key: when set, the manifest carries an HMAC-SHA256 over its
             contents; a load given the same key refuses a manifest that fails it.
+            None (default): the key of the environment (``RESHARD_HMAC_KEY_FILE``
+            or ``RESHARD_HMAC_KEY``), if any; ``NO_HMAC_KEY``: none.
         verify_replicas: compare checksums of every replica of every chunk
             across ranks (a mismatch is a ShardingError). Plain tensors and
             common values are always compared.
@@ -205,6 +266,22 @@ class LoadOptions:
         schema_version: the schema the caller expects; a checkpoint recorded
             with another one raises unless a transform migrates it.
         hmac_key: verify the manifest's HMAC with this key (refuse unsigned).
+            None (default): the key of the environment (``RESHARD_HMAC_KEY_FILE``
+            or ``RESHARD_HMAC_KEY``), if any; ``NO_HMAC_KEY``: none.
+        limits: the size limits of what the load parses, checked before
+            parsing (:class:`~reshard.ondisk.limits.ReadLimits`: manifest,
+            names, free-form fields, safetensors headers, DCP metadata,
+            encoded values); None: the defaults (or ``RESHARD_LIMIT_*``).
+        require_lease: refuse to load when the reader lease on the
+            checkpoint cannot be written (a read-only mount, read-only
+            credentials, a full disk); by default the load warns once and
+            reads unprotected (retention may then delete it under the load).
+        unchecked: what a load does with chunks it reads that carry no
+            checksum (saved with ``checksums=False``, or a manifest edited to
+            drop them): "warn" (default: one warning naming the checkpoint),
+            "refuse" (IntegrityError before any target is written) or
+            "accept". Without an HMAC key this is honesty, not security: who
+            can edit a manifest can also drop its digests.
         progress: a progress bar on stderr for rank 0's reads; None: only when
             the environment variable ``RESHARD_PROGRESS=1``.
         verify_first: before any target is written, read every block the
@@ -272,10 +349,20 @@ class LoadOptions:
     read_once: bool | str = "auto"
     read_once_min_bytes: int = 64 << 10
     arrival_timeout_s: float | None = DEFAULT_ARRIVAL_TIMEOUT_S
+    limits: Any = None
+    require_lease: bool = False
+    unchecked: str = "warn"
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s, "LoadOptions.timeout_s")
         check_timeout(self.arrival_timeout_s, "LoadOptions.arrival_timeout_s")
+        if self.unchecked not in ("warn", "refuse", "accept"):
+            raise ValueError(f"LoadOptions.unchecked must be 'warn', 'refuse' or 'accept', "
+                             f"got {self.unchecked!r}")
+        from .ondisk.limits import ReadLimits
+
+        if self.limits is not None and not isinstance(self.limits, ReadLimits):
+            raise ValueError(f"LoadOptions.limits must be a ReadLimits (or None), got {self.limits!r}")
         if self.read_once not in (True, False, "auto"):
             raise ValueError(f"LoadOptions.read_once must be True, False or 'auto', got {self.read_once!r}")
         if self.read_once_min_bytes < 0:

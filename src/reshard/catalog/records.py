@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from ..commit.listing import Entry
 from ..errors import CheckpointError, StorageError
@@ -61,11 +62,15 @@ def _smoke_load(storage: Storage, path: str, m: Manifest, k: int) -> None:
 
 
 def check_and_record(storage: Storage, root: str, name: str, *, smoke_tensors: int,
-                     how: str = "smoke", record: bool = True) -> bool:
+                     how: str = "smoke", record: bool = True,
+                     deferred: list[Any] | None = None) -> bool:
     """Verify ``root/name`` and, with ``record``, write its bound verification
     record. ``how``: "smoke" (structure and sizes, then a checksummed trial
     load of ``smoke_tensors`` tensors), "checksums" (every byte) or
     "structure" (structure and sizes only). Returns whether it passed.
+    ``deferred``: append ``(name, record)`` there instead of writing it (the
+    caller writes it after it freed space). With an HMAC key (the
+    environment's), an unsigned or mis-signed manifest fails the check.
     StorageError propagates (no record then)."""
     if how not in ("smoke", "checksums", "structure"):
         raise ValueError(f"how must be 'smoke', 'checksums' or 'structure', not {how!r}")
@@ -88,8 +93,11 @@ def check_and_record(storage: Storage, root: str, name: str, *, smoke_tensors: i
         problems.append(f"{type(e).__name__}: {e}")
     ok = not problems
     if record:
-        write_outcome(storage, root, name, ok=ok, problems=problems, how=how, digest=digest,
-                      files=files)
+        kw: dict[str, Any] = dict(ok=ok, problems=problems, how=how, digest=digest, files=files)
+        if deferred is not None:
+            deferred.append((name, kw))
+        else:
+            write_outcome(storage, root, name, **kw)
     if not ok:
         log.warning("checkpoint %s failed its %s check: %s", path, how, problems[:3])
     return ok

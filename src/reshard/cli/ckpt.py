@@ -25,6 +25,7 @@ from .support import (
     _shape,
     _url,
     _when,
+    hmac_option,
     human_bytes,
     json_option,
     one_line,
@@ -50,11 +51,75 @@ def _retention_opts(f: Any) -> Any:
 
 
 def _manager_for(root: str, keep_last: int | None, keep_every: int | None, keep_best: int,
-                 metric_mode: str, grace: float = 3600.0) -> Any:
+                 metric_mode: str, grace: float = 3600.0, collect_other_lineages: bool = False) -> Any:
+    """A manager that reads, lists and collects ROOT for a person: it takes
+    no ownership of the root (``writer=False``) and never saves."""
     from ..manager.manager import CheckpointManager
 
     return CheckpointManager(root, keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
-                             metric_mode=metric_mode, gc_grace_s=grace, preempt_signals=())
+                             metric_mode=metric_mode, gc_grace_s=grace, preempt_signals=(),
+                             writer=False, collect_other_lineages=collect_other_lineages)
+
+
+def _owner_lines(st: Any, key: str) -> tuple[dict[str, Any] | None, bool, list[str]]:
+    """The root's owner record, whether it is live, and what ``ls``/``gc`` say of it."""
+    from ..commit.ownership import describe, is_live, read_owner
+
+    rec, _ = read_owner(st, key)
+    if rec is None:
+        return None, False, []
+    live = is_live(rec)
+    state = "live" if live else "released" if rec.get("released") else "expired"
+    lines = [f"owner: {describe(rec)} ({state})"]
+    if rec.get("require_signed"):
+        lines.append("owner: the root requires signed checkpoints (HMAC)")
+    return rec, live, lines
+
+
+def _strange_children(st: Any, key: str) -> list[str]:
+    """One line per child of a local root that is neither a regular file, a
+    directory nor a symbolic link (a FIFO, a socket, a device): skipped by
+    every listing, never opened."""
+    import os
+    import stat
+
+    from ..storage.local import LocalStorage, file_kind
+
+    if not isinstance(st, LocalStorage):
+        return []
+    out = []
+    try:
+        names = sorted(os.listdir(key))
+    except OSError:
+        return []
+    for n in names:
+        try:
+            mode = os.lstat(os.path.join(key, n)).st_mode
+        except OSError:
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+            out.append(f"skipped {n}: {file_kind(mode)}, not a checkpoint (never opened)")
+    return out
+
+
+def _signature_problems(st: Any, done: list[Any]) -> dict[str, str]:
+    """With an HMAC key (``--hmac-key-file`` or the environment): name ->
+    why the checkpoint's manifest is refused (unsigned or mis-signed)."""
+    from ..errors import IntegrityError
+    from ..ondisk.committed import check_signature
+    from ..ondisk.manifest import MANIFEST_NAME
+    from ..options import hmac_key_of
+
+    key = hmac_key_of(None)
+    if key is None:
+        return {}
+    out = {}
+    for e in done:
+        try:
+            check_signature(e.manifest, key, where=st.join(e.path, MANIFEST_NAME))
+        except IntegrityError as err:
+            out[e.name] = "unsigned" if "not signed" in str(err) else "bad signature"
+    return out
 
 
 def _root_view(root: str, keep_last: int | None, keep_every: int | None, keep_best: int,
@@ -82,6 +147,7 @@ def _root_view(root: str, keep_last: int | None, keep_every: int | None, keep_be
 @click.command("ls")
 @click.argument("root")
 @_retention_opts
+@hmac_option
 def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: int,
            metric_mode: str) -> None:
     """List committed checkpoints under ROOT by step (never by name) with
@@ -92,7 +158,10 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
     torn: a file missing or not of its declared size), lineage (parent,
     branch, HEAD: the checkpoint the current lineage resumed from) and what
     retention would do with the given policy; then quarantined, abandoned
-    and invalid ones."""
+    and invalid ones, the root's owner (the job that saves there) and
+    anything that is not a checkpoint (a FIFO, never opened). With an HMAC
+    key, unsigned or mis-signed checkpoints are marked so and the command
+    exits 1."""
     from ..catalog.records import record_failed
     from ..commit.lineage import Head, lineage_of
     from ..commit.listing import read_head
@@ -106,6 +175,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         others = [e for e in scan(st, key) if e.manifest is None or e.quarantined]
         head = Head.from_record(read_head(st, key))
         torn = {e.name: torn_files(st, e.path, e.manifest) for e in done if e.manifest is not None}
+        unsigned = _signature_problems(st, done)
     except ValueError as err:
         _fail(2, str(err))
     except CheckpointError as err:
@@ -142,8 +212,8 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
             bad = None if torn[e.name] or c.verified else record_failed(st, key, e.name, e)
             if bad is not None:
                 failed.append((e.name, bad))
-            status = ("torn" if torn[e.name] else "verified" if c.verified
-                      else "failed" if bad is not None else "unverified")
+            status = (unsigned[e.name] if e.name in unsigned else "torn" if torn[e.name]
+                      else "verified" if c.verified else "failed" if bad is not None else "unverified")
             branch = lin.branch(e.name) + (" HEAD" if e.name == lin.source else "")
             rows.append(["-" if e.step is None else e.step, human_bytes(em.total_bytes),
                          human_bytes(held[e.name].own), len(em.files),
@@ -195,7 +265,35 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
     for name in linked_children(st, key):
         click.echo(f"link {name} ignored: a symbolic link inside a root is not one of its checkpoints "
                    "(latest, restore, retention and gc skip it; load its target by its own path)")
+    for line in _strange_children(st, key):
+        click.echo(line)
     _ls_dcp(st, key)
+    for line in _owner_lines(st, key)[2]:
+        click.echo(line)
+    if unsigned:
+        _fail(1, f"{len(unsigned)} checkpoint(s) under {st.url(key)} are refused with the HMAC key "
+                 f"given: {', '.join(f'{n} ({why})' for n, why in sorted(unsigned.items())[:5])}")
+
+
+def _this_process(rec: dict[str, Any]) -> bool:
+    import os
+    import socket
+
+    return rec.get("pid") == os.getpid() and rec.get("host") == socket.gethostname()
+
+
+def _owner_allows(root: str, owner: dict[str, Any]) -> set[str]:
+    """What the live owner's own retention would delete (its policy, as its
+    owner record states it), on the checkpoints as they are now: ``reshard
+    gc`` beside a live job deletes no more than that."""
+    from ..commit.retention import decide
+
+    pol = owner.get("policy") or {}
+    kw = {k: pol.get(k) for k in ("keep_last", "keep_every")}
+    om = _manager_for(root, kw["keep_last"], kw["keep_every"], int(pol.get("keep_best") or 0),
+                      str(pol.get("mode") or "min"),
+                      collect_other_lineages=bool(pol.get("collect_other_lineages")))
+    return set(decide(om.candidates(), om.policy).delete)
 
 
 def _ls_dcp(st: Any, key: str) -> None:
@@ -219,31 +317,48 @@ def _ls_dcp(st: Any, key: str) -> None:
 @click.option("--no-checksums", is_flag=True,
               help="Re-verify the checkpoint kept in place of deleted ones by structure and sizes "
                    "only (default: every checksum).")
+@click.option("--collect-other-lineages", is_flag=True,
+              help="Also delete checkpoints of other lineages (a rollback's abandoned branch, a "
+                   "finished job's) once the current lineage passed them; by default they are kept.")
+@hmac_option
 def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: int,
-           metric_mode: str, grace: float, dry_run: bool, no_checksums: bool) -> None:
+           metric_mode: str, grace: float, dry_run: bool, no_checksums: bool,
+           collect_other_lineages: bool) -> None:
     """Apply retention under ROOT, following the lineage: first run the
     restore smoke test on checkpoints newer than the newest verified one
     (nothing is deleted before a newer checkpoint passed it); before the last
     older verified checkpoint goes, verify the one kept in its place again
     (every checksum unless --no-checksums; if it fails, nothing it would
     replace is deleted); then delete what the policy does not keep and
-    abandoned attempts older than --grace. Leases, HEAD's checkpoint and
-    quarantined checkpoints are never deleted. --dry-run runs the same checks
-    and predicts exactly what would be deleted. Exits 1 when a check failed
-    or a checkpoint's manifest is invalid (damaged, or of a newer format):
-    those are kept and named; the rest of retention still applies."""
+    abandoned attempts older than --grace. Checkpoints in use by readers
+    (their leases), HEAD's checkpoint, other lineages (unless
+    --collect-other-lineages) and quarantined checkpoints are never deleted;
+    beside a live owner (a job saving into ROOT) nothing its own retention
+    keeps is deleted either. Deleting writes nothing first, so gc frees a
+    full disk; a checkpoint another deleter removed first is reported as
+    already removed. --dry-run runs the same checks and predicts exactly
+    what would be deleted. Exits 1 when a check failed or a checkpoint's
+    manifest is invalid (damaged, or of a newer format): those are kept and
+    named; the rest of retention still applies."""
     try:
         st, key = resolve(root)
         if not st.exists(key):
             _fail(2, f"{st.url(key)}: no such directory")
-        mgr = _manager_for(root, keep_last, keep_every, keep_best, metric_mode, grace)
+        mgr = _manager_for(root, keep_last, keep_every, keep_best, metric_mode, grace,
+                           collect_other_lineages)
+        owner, live_owner, owner_lines = _owner_lines(st, key)
+        # beside a live owner in another process (a job saving here), delete no more than its
+        # own retention would; an owner in this very process is the caller itself
+        foreign = live_owner and owner is not None and not _this_process(owner)
+        allowed = _owner_allows(root, owner) if foreign and owner is not None else None
         from ..commit.sharing import census, freed
 
         # what every child names before anything is deleted: the bytes freed are
         # those whose every name was deleted (files incremental saves link are kept)
         before = census(st, [st.join(key, n) for n in (st.list_dir(key) if st.exists(key) else [])],
                         {e.path: e.manifest for e in committed(st, key) if e.manifest is not None})
-        decision = mgr.apply_retention(dry_run=dry_run, checksums=not no_checksums, smoke_newer=True)
+        decision = mgr.apply_retention(dry_run=dry_run, checksums=not no_checksums, smoke_newer=True,
+                                       allowed=allowed)
         gone = mgr.gc_abandoned(dry_run=dry_run)
         live = mgr.last_in_progress
         entries = scan(st, key)
@@ -261,10 +376,28 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
     for name, what, ok in mgr.last_plan.checks:
         click.echo(f"{what} {name}: {'passed' if ok else 'FAILED'}")
     verb = "would delete" if dry_run else "deleted"
+    outcomes = mgr.last_outcomes
+    deleted = []
     for name in decision.delete:
-        click.echo(f"{verb} {name}")
+        if allowed is not None and name not in allowed:
+            click.echo(f"kept {name} (the live owner's retention keeps it: "
+                       f"{(owner or {}).get('job') or 'an unnamed job'} saves here)")
+            continue
+        out = outcomes.get(name, "deleted")
+        if dry_run or out == "deleted":
+            click.echo(f"{verb} {name}")
+            deleted.append(name)
+        elif out == "already removed":
+            click.echo(f"already removed {name} (another deleter got there first)")
+        else:
+            click.echo(f"kept {name} ({out}; deleted once released)")
     for name in gone:
         click.echo(f"{verb} abandoned attempt {name}")
+    for name in getattr(mgr, "last_litter", []):
+        click.echo(f"{'would remove' if dry_run else 'removed'} {name} (left by an interrupted "
+                   "deletion, an expired reader lease, or a checkpoint already gone)")
+    for line in owner_lines + _strange_children(st, key):
+        click.echo(line)
     for name, why in sorted(decision.keep.items()):
         click.echo(f"kept {name} ({why})")
     for name in quarantined:
@@ -277,11 +410,10 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
     for name in young:
         click.echo(f"kept abandoned attempt {name} (younger than --grace {grace:g} s: it may be "
                    "a save still running; pass --grace 0 once no job writes here)")
-    if not decision.delete and not gone:
+    if not deleted and not gone:
         click.echo("nothing to delete")
     else:
-        deleted = [st.join(key, n) for n in decision.delete] + [st.join(key, n) for n in gone]
-        free, named = freed(before, deleted)
+        free, named = freed(before, [st.join(key, n) for n in [*deleted, *gone]])
         click.echo(f"{'would free' if dry_run else 'freed'} {human_bytes(free)} "
                    f"(of {human_bytes(named)} named by what {'would be' if dry_run else 'was'} deleted; "
                    "the rest is shared with kept checkpoints)")
@@ -296,8 +428,11 @@ def gc_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
 @click.command("inspect")
 @click.argument("ckpt")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+@hmac_option
 def inspect_cmd(ckpt: str, as_json: bool) -> None:
-    """Describe the checkpoint CKPT: metadata, tensors, objects, values, aliases."""
+    """Describe the checkpoint CKPT: metadata, tensors, objects, values,
+    aliases. A checkpoint that load and verify refuse (structure, signature
+    with a key) is refused here too (exit 2)."""
     m = _manifest(ckpt)
     if as_json:
         click.echo(json.dumps(json.loads(encode_manifest(m)), indent=2))
@@ -357,15 +492,23 @@ def inspect_cmd(ckpt: str, as_json: bool) -> None:
 @click.command("verify")
 @click.argument("ckpt")
 @click.option("--no-checksums", is_flag=True, help="Check structure and sizes only.")
+@click.option("--accept-unchecked", is_flag=True,
+              help="Exit 0 for a checkpoint whose chunks or files carry no checksum (saved with "
+                   "checksums=False): reported NOT CHECKED and exit 1 otherwise.")
+@hmac_option
 @json_option
-def verify_cmd(ckpt: str, no_checksums: bool, json_path: str | None) -> None:
+def verify_cmd(ckpt: str, no_checksums: bool, accept_unchecked: bool, json_path: str | None) -> None:
     """Check CKPT's manifest, coverage, files and (by default) every checksum.
 
     The outcome (passed or failed) is recorded in CKPT's verification record
     beside it (``<name>.verified.json``, bound to the manifest checked), so
     ``reshard ls``, retention and the manager see a failed checkpoint as
-    failed; nothing is renamed or deleted. Exits 1 if any problem is found,
-    2 if there is no checkpoint at CKPT.
+    failed; nothing is renamed or deleted. A checkpoint whose chunks carry
+    no checksum (saved with checksums=False, or edited to drop them) or
+    whose files have empty checksums is reported NOT CHECKED: its bytes
+    could not be compared (without an HMAC key that is honesty, not
+    security). Exits 1 if any problem is found or something was NOT CHECKED
+    (unless --accept-unchecked), 2 if there is no checkpoint at CKPT.
     """
     from ..catalog.verify import verify
     from ..ondisk.committed import read_manifest_bytes
@@ -388,10 +531,23 @@ def verify_cmd(ckpt: str, no_checksums: bool, json_path: str | None) -> None:
     dcp = DCP_NOTE in rep.notes  # DCP records no checksums: none were compared
     if raw is not None:
         _record_verification(st, key, raw, rep, "structure" if no_checksums else "checksums")
+    unchecked = list(rep.unchecked) if not no_checksums else []
     write_json(json_path, {"path": rep.path, "ok": rep.ok, "problems": list(rep.problems),
-                           "notes": list(rep.notes),
+                           "notes": list(rep.notes), "unchecked": unchecked,
                            "bytes_checked": rep.bytes_checked, "checksums": not no_checksums and not dcp,
                            "seconds": round(secs, 6)})
+    if rep.ok and unchecked:
+        head = "OK (NOT CHECKED accepted)" if accept_unchecked else "NOT CHECKED"
+        click.echo(f"{head} {rep.path}: structure and sizes passed, but these bytes carry no "
+                   f"checksum and were not checked ({human_bytes(rep.bytes_checked)} checksummed, "
+                   f"{secs:.2f} s):")
+        for u in unchecked:
+            click.echo(f"  {u}")
+        click.echo("  note: saved with checksums=False, or its manifest was edited to drop them; "
+                   "without an HMAC key the two look alike (pass --accept-unchecked to accept)")
+        if not accept_unchecked:
+            sys.exit(CHECK_FAILED)
+        return
     if rep.ok:
         what = ("structure and sizes only" if no_checksums
                 else f"{human_bytes(rep.bytes_checked)} decoded, no checksums" if dcp

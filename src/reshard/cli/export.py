@@ -18,6 +18,7 @@ from .support import (
     USAGE,
     _fail,
     _progress,
+    hmac_option,
     human_bytes,
     json_option,
     table,
@@ -43,6 +44,7 @@ from .support import (
                    "a saved model.state_dict(); exit 2 naming the candidates when it holds several; "
                    "'' = every name as saved).")
 @click.option("--overwrite", is_flag=True, help="Replace model files already in OUT.")
+@hmac_option
 @json_option
 def export_cmd(ckpt: str, out: str, fmt: str, dtype: str | None, max_shard_size: str,
                copies: tuple[str, ...], includes: tuple[str, ...], subtree: str | None,
@@ -100,6 +102,7 @@ def export_cmd(ckpt: str, out: str, fmt: str, dtype: str | None, max_shard_size:
 @click.option("--overwrite", is_flag=True, help="Replace a committed checkpoint at DST.")
 @click.option("--skip-unsafe-values", is_flag=True,
               help="dcp: leave out values that cannot be decoded with weights_only (default: refuse SRC).")
+@hmac_option
 @json_option
 def convert_cmd(src_format: str, src: str, dst: str, step: int | None, overwrite: bool,
                 skip_unsafe_values: bool, json_path: str | None) -> None:
@@ -109,7 +112,9 @@ def convert_cmd(src_format: str, src: str, dst: str, step: int | None, overwrite
     weights) holds the model in memory once.
 
     Exits 2 if there is no checkpoint at SRC, SRC is refused or unreadable, or
-    DST already holds a checkpoint (without --overwrite).
+    DST already holds a checkpoint (without --overwrite). A reader lease is
+    held on SRC while it is read; with an HMAC key (--hmac-key-file or the
+    environment's) DST is signed with it.
     """
     from ..commit.protocol import check_target
     from ..options import SaveOptions
@@ -175,15 +180,20 @@ def _convert_hf(src: str, dst: str, step: int | None, opts: Any) -> Any:
         t = by_fqn[target]
         state[f"~tied{i:09d}"] = ShardedTensor(alias, t.data, global_shape=t.global_shape,
                                                global_offset=t.global_offset)
-    from ..options import LoadOptions
+    from ..commit.leases import reader_lease
+    from ..options import NO_HMAC_KEY, LoadOptions
 
-    import_hf(state, src, group=SingleProcess(), options=LoadOptions(progress=opts.progress))
+    src_st, src_key = resolve(src)
+    with reader_lease(src_st, src_key, what="convert"):  # a foreign directory: it carries no HMAC
+        import_hf(state, src_key, group=SingleProcess(), storage=src_st,
+                  options=LoadOptions(progress=opts.progress, hmac_key=NO_HMAC_KEY))
     return save(state, dst, step=step, group=SingleProcess(), options=opts)
 
 
 @click.command("diff")
 @click.argument("a")
 @click.argument("b")
+@hmac_option
 @json_option
 def diff_cmd(a: str, b: str, json_path: str | None) -> None:
     """Compare checkpoints A and B (reshard checkpoints or DCP folders) by

@@ -21,7 +21,11 @@ the fault while saving (sync or async) or loading step 2 (rank side:
   0`` beside the saves;
 * integrity faults on a committed checkpoint: truncated or bit-flipped shard
   file, missing / truncated / corrupted manifest, a manifest or a shard file
-  from another attempt, a missing file, an extra file.
+  from another attempt, a missing file, an extra file;
+* many hands on one root (:mod:`reshard.faults.shared`): two jobs on one
+  root (both orders, sync and async, local and S3), a reader beside
+  retention, ``gc`` at 0 bytes free, a FIFO or socket at each opened path, a
+  mis-signed checkpoint with a key configured.
 
 A cell is **safe** when: every surviving rank raised a
 :class:`~reshard.errors.CheckpointError` (where the fault must fail the
@@ -75,15 +79,18 @@ def cells(*, quick: bool = False, backend: str = "local") -> list[Cell]:
     comma-separated."""
     if "," in backend:
         return [c for b in backend.split(",") for c in cells(quick=quick, backend=b.strip())]
+    from .shared import cells as shared_cells
+
     if backend == "s3":
         from .matrix_s3 import cells as s3_cells
 
-        return s3_cells(quick=quick)
+        # the shared-root cells on S3 run in the full matrix (quick: their local side does)
+        return s3_cells(quick=quick) + ([] if quick else shared_cells("s3"))
     if backend != "local":
         raise ValueError(f"unknown fault-matrix backend {backend!r} (local, s3)")
     from .local import cells as local_cells
 
-    out = local_cells()
+    out = local_cells() + shared_cells("local")
     if not quick:
         return out
     seen: set[str] = set()
@@ -218,7 +225,12 @@ def run_cell(cell: Cell, workdir: str, *, world: int = WORLD, backend: Any = Non
         os.makedirs(root, exist_ok=True)
     try:
         with mock.patch.dict(os.environ, be.env):  # the judge talks to the same store
-            _run(cell, res, be, cdir, spec, world)
+            from .shared import CLASSES, run
+
+            if cell.fault_class in CLASSES:  # many hands on one root: jobs, readers, a person
+                run(cell, res, be, cdir, spec)
+            else:
+                _run(cell, res, be, cdir, spec, world)
     except Exception as e:  # noqa: BLE001 - a judge that cannot look is an unsafe cell
         res.problems.append(f"judging failed: {type(e).__name__}: {e}")
     finally:
@@ -295,7 +307,7 @@ def _run(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[str, Any], 
     be.before_gc(st, root)
     from ..manager.manager import CheckpointManager
 
-    CheckpointManager(root, storage=st, preempt_signals=()).gc_abandoned(grace_s=0.0)
+    CheckpointManager(root, storage=st, preempt_signals=(), writer=False).gc_abandoned(grace_s=0.0)
     res.after_gc = be.after_gc(st, root)
     if res.after_gc:
         res.problems.append(f"gc left {res.after_gc[:6]}")

@@ -44,6 +44,9 @@ def convert_dcp(
     :func:`open_dcp`; skipped ones are listed in ``manifest.extra``). The
     manifest is published last (:func:`reshard.commit.protocol.publish`).
 
+    Rank 0 holds a reader lease on ``src`` while it is read (warned and
+    read unprotected where it cannot be written).
+
     With ``group`` (or an initialised default group) every rank of it calls
     this; the files are shared out round-robin and rank 0 publishes. Without
     one it runs in this process.
@@ -71,13 +74,43 @@ def convert_dcp(
         error) and publishes nothing.
     """
     from ..collectives import get_collectives
+    from ..commit.leases import ReaderLease
+
+    lease = None
+    if get_collectives(group).rank == 0:
+        st, key = resolve(src, src_storage)
+        src, src_storage = key, st
+        lease = ReaderLease(st, key, what="convert").acquire()
+    try:
+        return _convert_dcp(src, dst, group=group, step=step, options=options, file_bytes=file_bytes,
+                            src_storage=src_storage, dst_storage=dst_storage,
+                            skip_unsafe_values=skip_unsafe_values)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def _convert_dcp(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    group: Any = None,
+    step: int | None = None,
+    options: Any = None,
+    file_bytes: int = 256 << 20,
+    src_storage: Storage | None = None,
+    dst_storage: Storage | None = None,
+    skip_unsafe_values: bool = False,
+) -> Any:
+    """The body of :func:`convert_dcp` (the lease is the caller's)."""
+    from ..collectives import get_collectives
     from ..commit import attempts
     from ..commit.protocol import publish
     from ..errors import outcome, raise_agreed
     from ..ondisk.committed import sign_manifest
     from ..ondisk.manifest import MANIFEST_NAME
     from ..ondisk.shardfile import FileItem, tensor_bytes, write_shard_file
-    from ..options import SaveOptions
+    from ..options import SaveOptions, hmac_key_of
     from ..saving.attempt import (
         agree_attempt_location,
         agree_or_discard,
@@ -191,8 +224,9 @@ def convert_dcp(
                          for fqn, te in m.tensors.items()},
                 values=m.values, files=dict(sorted(new_files.items())), extra=extra,
             )
-            if opts.hmac_key is not None:
-                out = sign_manifest(out, opts.hmac_key)
+            mac_key = hmac_key_of(opts.hmac_key)  # the caller's, else the environment's
+            if mac_key is not None:
+                out = sign_manifest(out, mac_key)
             validate_manifest(out, where=f"{dst_key}/{MANIFEST_NAME}")
             publish(dst_st, attempt, target, out, overwrite=opts.overwrite, durable=opts.durable)
         except Exception as e:  # noqa: BLE001

@@ -26,6 +26,7 @@ index is the sum of tensor bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 import os
@@ -461,7 +462,10 @@ def export_hf(
             ``RESHARD_PROGRESS=1`` (see :mod:`reshard.progress`).
 
     Shards are written under temporary names, fsync'd, validated, renamed
-    into place; the index is written last.
+    into place; the index is written last. A reader lease on ``ckpt`` is
+    held while it is read (retention and gc keep it); with an HMAC key
+    (``options.hmac_key``, else the environment's) an unsigned or mis-signed
+    checkpoint is refused.
 
     Raises:
         CheckpointNotFoundError, ManifestError, IntegrityError: as ``load``
@@ -472,6 +476,38 @@ def export_hf(
         ValueError: a bad argument, a transform that is not name-level,
             ``include`` selects nothing.
     """
+    from ..commit.leases import reader_lease
+    from ..options import hmac_key_of
+
+    opts = options or LoadOptions()
+    if opts.hmac_key is None or not opts.hmac_key:
+        opts = dataclasses.replace(opts, hmac_key=hmac_key_of(opts.hmac_key))
+    st, key = resolve(ckpt, storage)
+    with reader_lease(st, key, what="export", required=opts.require_lease):
+        return _export_hf(key, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes, include=include,
+                          transforms=transforms, copy_files=copy_files, include_aliases=include_aliases,
+                          subtree=subtree, overwrite=overwrite, validate=validate, options=opts,
+                          storage=st, progress=progress)
+
+
+def _export_hf(
+    ckpt: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_bytes: int | str = 2 * 1024**3,
+    include: str | Sequence[str] | Callable[[str], bool] | None = None,
+    transforms: Sequence[Any] = (),
+    copy_files: Sequence[str | os.PathLike[str]] = (),
+    include_aliases: bool = False,
+    subtree: str | None = None,
+    overwrite: bool = False,
+    validate: bool = True,
+    options: LoadOptions | None = None,
+    storage: Storage | None = None,
+    progress: bool | None = None,
+) -> ExportResult:
+    """The body of :func:`export_hf` (the lease is the caller's)."""
     t0 = time.perf_counter()
     opts = options or LoadOptions()
     out_dtype = None if dtype is None else parse_dtype(dtype)

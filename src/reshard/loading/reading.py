@@ -226,6 +226,8 @@ class Reader:
                 return "missing", f"{p}: data file named by the manifest is missing"
             except IntegrityError as e:  # a store that checks more than a size (DCP items)
                 return "size", str(e)
+            except ManifestError as e:  # a FIFO, a socket, a device: refused, never opened
+                return "link", str(e)
             want = self.m.files[name].size
             if size != want:
                 return "size", f"{p}: file is {size} bytes, the manifest declares {want}"

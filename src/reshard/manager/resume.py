@@ -59,6 +59,7 @@ from ..ondisk.committed import (
     torn_files,
 )
 from ..ondisk.manifest import FORMAT, FORMAT_VERSION, KNOWN_FEATURES, MANIFEST_NAME, Manifest
+from ..options import hmac_key_of
 from ..storage import Storage
 
 
@@ -80,6 +81,8 @@ class Managed(Protocol):
     def group(self) -> Any: ...
 
     def _resumed(self, head: Head) -> None: ...
+
+    def _check_owner(self, hmac_key: bytes | None) -> None: ...
 
 
 def _probe(mgr: Managed, path: str,
@@ -191,6 +194,10 @@ def restore_collective(mgr: Managed, state: Mapping[str, Any], *, step: int | No
                        load_kwargs: dict[str, Any], record_head: bool = True,
                        accept: Callable[[Manifest], bool] | None = None) -> LoadResult | None:
     coll, st, root = mgr.coll, mgr.storage, mgr.root
+    opts = load_kwargs.get("options")
+    hmac_key = hmac_key_of(getattr(opts, "hmac_key", None))  # the caller's, else the environment's
+    # this job still owns the root; a root that requires signing is resumed with a key only
+    _coordinated(mgr, f"restore {root} (owner)", mgr._check_owner, hmac_key)
     if record_head:  # the HEAD write needs a conditional replace: a store without one is refused first
         _coordinated(mgr, f"restore {root} (store check)", st.check_publish, st.join(root, HEAD_NAME))
     plan = _coordinated(mgr, f"restore {root} (listing)", _plan, mgr, step, name, accept)
@@ -208,8 +215,6 @@ def restore_collective(mgr: Managed, state: Mapping[str, Any], *, step: int | No
             raise CheckpointNotFoundError(f"{root}: no committed checkpoint of step {step}")
         raise CheckpointNotFoundError(f"{root}: no committed checkpoint named {name!r}")
     failures: list[str] = list(plan["notes"])
-    opts = load_kwargs.get("options")
-    hmac_key = getattr(opts, "hmac_key", None)
     for cname in plan["order"]:
         path = st.join(root, cname)
         status, detail, exc = _probe(mgr, path, hmac_key)

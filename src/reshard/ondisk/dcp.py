@@ -365,7 +365,8 @@ def _value_paths(md: Any, byte_fqns: list[str], tensor_fqns: list[str]) -> dict[
     return out
 
 
-def _build(st: Storage, key: str, md: Any, *, values: bool) -> tuple[dict[str, _Item], Manifest]:
+def _build(st: Storage, key: str, md: Any, *, values: bool,
+           limits: Any = None) -> tuple[dict[str, _Item], Manifest]:
     from torch.distributed.checkpoint import metadata as dm
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -477,6 +478,12 @@ def _build(st: Storage, key: str, md: Any, *, values: bool) -> tuple[dict[str, _
                 info = infos.get((fqn, None))
                 if info is None:
                     raise ManifestError(f"{fqn}: no storage_data entry")
+                from .limits import default_limits, too_large
+
+                cap = (limits if limits is not None else default_limits()).value_bytes
+                if isinstance(info.length, int) and info.length > cap:
+                    raise ManifestError(too_large(f"{where}: value {fqn!r}", "the encoded value",
+                                                  info.length, cap, "value_bytes"))
                 raw = st.read_bytes(st.join(key, info.relative_path), info.offset, info.length)
                 vals[fqn] = codec.to_json(_torch_load(raw, where=f"{where}: value {fqn!r}"), path=fqn)
             except (CheckpointError, TypeError, ValueError) as e:
@@ -521,6 +528,7 @@ def open_dcp(
     storage: Storage | None = None,
     cache_bytes: int = DEFAULT_CACHE_BYTES,
     values: bool = True,
+    limits: Any = None,
 ) -> tuple[DCPStorage, Manifest]:
     """Present the DCP checkpoint at ``path`` as ``(storage, manifest)`` for
     ``reshard.load(state, path, storage=storage, manifest=manifest)``.
@@ -543,6 +551,8 @@ def open_dcp(
         storage: backend holding the DCP directory (default: resolve ``path``).
         cache_bytes: bound of the decoded-chunk LRU (see :class:`DCPStorage`).
         values: decode the BYTE_IO values (False: list them all as skipped).
+        limits: :class:`~reshard.ondisk.limits.ReadLimits` (``dcp_metadata_bytes``,
+            ``value_bytes``); None: the defaults.
 
     Raises:
         CheckpointNotFoundError: no ``.metadata`` at ``path``.
@@ -552,9 +562,9 @@ def open_dcp(
         IntegrityError: a declared byte range reaches past its data file.
     """
     st, key = resolve(path, storage)
-    md = _read_metadata(st, key)
+    md = _read_metadata(st, key, limits)
     try:
-        items, m = _build(st, key, md, values=values)
+        items, m = _build(st, key, md, values=values, limits=limits)
     except (AttributeError, TypeError, KeyError) as e:  # records of the right class, wrong contents
         raise ManifestError(f"{st.join(key, DCP_METADATA)}: malformed DCP metadata: "
                             f"{type(e).__name__}: {e}") from None

@@ -203,17 +203,19 @@ def read_dcp_metadata(path: str | os.PathLike[str], *, storage: Storage | None =
     return _read_metadata(st, key)
 
 
-def _read_metadata(st: Storage, key: str) -> Any:
+def _read_metadata(st: Storage, key: str, limits: Any = None) -> Any:
     from ..errors import CheckpointNotFoundError
+    from .limits import default_limits, too_large
+
+    cap = (limits if limits is not None else default_limits()).dcp_metadata_bytes
 
     mpath = st.join(key, DCP_METADATA)
     if st.is_link(mpath):
         raise ManifestError(f"{mpath}: DCP metadata is a symbolic link (refused)")
     try:
         size = st.size(mpath)
-        if size > MAX_METADATA_BYTES:
-            raise ManifestError(f"{mpath}: DCP metadata is {size} bytes, more than the "
-                                f"{MAX_METADATA_BYTES} this reader accepts")
+        if size > cap:
+            raise ManifestError(too_large(mpath, "the DCP metadata", size, cap, "dcp_metadata_bytes"))
         raw = st.read_bytes(mpath, 0, size)
     except (FileNotFoundError, NotADirectoryError):
         raise CheckpointNotFoundError(f"{key}: no DCP checkpoint here (no {DCP_METADATA})") from None

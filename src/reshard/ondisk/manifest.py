@@ -319,18 +319,85 @@ def check_file_name(name: str, *, where: str) -> None:
         raise ManifestError(f"{where}: file name {name!r} is not a plain file inside the checkpoint")
 
 
-def decode_manifest(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
-    """Parse and validate manifest bytes.
+class _Outline(msgspec.Struct, forbid_unknown_fields=False):
+    """What the outline pass of :func:`check_limits` looks at: views of the
+    free-form fields (``msgspec.Raw``: nothing decoded) and the names."""
+
+    tensors: dict[str, msgspec.Raw] = {}
+    objects: dict[str, msgspec.Raw] = {}
+    files: dict[str, msgspec.Raw] = {}
+    values: msgspec.Raw = msgspec.Raw()
+    extra: msgspec.Raw = msgspec.Raw()
+    mesh: msgspec.Raw = msgspec.Raw()
+    adapters: msgspec.Raw = msgspec.Raw()
+    aliases: msgspec.Raw = msgspec.Raw()
+    attempt_id: msgspec.Raw = msgspec.Raw()
+    parent: msgspec.Raw = msgspec.Raw()
+    lineage: msgspec.Raw = msgspec.Raw()
+    schema_version: msgspec.Raw = msgspec.Raw()
+
+
+_OUTLINE = msgspec.json.Decoder(_Outline)
+
+
+def check_limits(raw: bytes, limits: Any = None, *, where: str = MANIFEST_NAME) -> None:
+    """Refuse manifest bytes that exceed ``limits``
+    (:class:`~reshard.ondisk.limits.ReadLimits`; None: the defaults) before
+    they are decoded: the whole size, then (above
+    :data:`~reshard.ondisk.limits.OUTLINE_MIN_BYTES`) the free-form fields
+    together and every name, from an outline pass that decodes nothing.
 
     Raises:
-        ManifestError: not JSON, fails the schema, unsupported format or
-            version, unknown required feature, bad dtype/shape, a file name
-            outside the checkpoint, or a chunk naming an undeclared file.
+        ManifestError: a limit is exceeded (naming the field, its size and the limit).
+    """
+    from .limits import OUTLINE_MIN_BYTES, default_limits, too_large
+
+    lim = limits if limits is not None else default_limits()
+    if len(raw) > lim.manifest_bytes:
+        raise ManifestError(too_large(where, "the manifest", len(raw), lim.manifest_bytes,
+                                      "manifest_bytes"))
+    if len(raw) <= min(OUTLINE_MIN_BYTES, lim.name_bytes):  # no field or name can be too large
+        return
+    try:
+        o = _OUTLINE.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ManifestError(f"{where}: invalid manifest: {e}") from None
+    except RecursionError:
+        raise ManifestError(f"{where}: invalid manifest: nested too deeply") from None
+    free = {k: len(getattr(o, k)) for k in ("extra", "values", "mesh", "adapters", "aliases")}
+    if sum(free.values()) > lim.field_bytes:
+        big = max(free, key=lambda k: free[k])
+        raise ManifestError(too_large(where, f"its free-form fields (extra, values, mesh, adapters, "
+                                      f"aliases; the largest: {big}, {free[big]} bytes)",
+                                      sum(free.values()), lim.field_bytes, "field_bytes"))
+    for k in ("attempt_id", "parent", "lineage", "schema_version"):
+        v = getattr(o, k)
+        if len(v) > lim.name_bytes:
+            raise ManifestError(too_large(where, f"its {k}", len(v), lim.name_bytes, "name_bytes"))
+    for what, d in (("tensor", o.tensors), ("object", o.objects), ("file", o.files)):
+        for n in d:
+            if len(n) > lim.name_bytes // 4:  # chars: at most 4 bytes each; encode only the long ones
+                size = len(n.encode("utf-8", "surrogatepass"))
+                if size > lim.name_bytes:
+                    raise ManifestError(too_large(where, f"a {what} name ({n[:40]!r}...)", size,
+                                                  lim.name_bytes, "name_bytes"))
+
+
+def decode_manifest(raw: bytes, *, where: str = MANIFEST_NAME, limits: Any = None) -> Manifest:
+    """Parse and validate manifest bytes (first :func:`check_limits` against
+    ``limits``, :class:`~reshard.ondisk.limits.ReadLimits`; None: the defaults).
+
+    Raises:
+        ManifestError: larger than a limit; not JSON, fails the schema,
+            unsupported format or version, unknown required feature, bad
+            dtype/shape, a file name outside the checkpoint, or a chunk naming
+            an undeclared file.
         IntegrityError: the manifest's own checksum does not match its bytes
             (:func:`check_seal`); a chunk's declared byte length disagrees
             with its shape and dtype, or reaches past the declared size of
             its file.
     """
+    check_limits(raw, limits, where=where)
     try:
         m = _DECODER.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:

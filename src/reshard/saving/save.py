@@ -44,7 +44,7 @@ from ..ondisk.shardfile import (
     tensor_bytes,
     write_shard_file,
 )
-from ..options import SaveOptions
+from ..options import SaveOptions, hmac_key_of
 from ..planning.coordination import PLAN_CACHE, Assignment
 from ..planning.coordination_save import (
     RankSave,
@@ -422,6 +422,8 @@ def save(
 
     step = check_step(step)
     opts = options or SaveOptions()
+    if opts.hmac_key is None or not opts.hmac_key:  # the environment's key (NO_HMAC_KEY: none)
+        opts = dataclasses.replace(opts, hmac_key=hmac_key_of(opts.hmac_key))
     # every rank checks in first: a save called on some ranks only fails there, naming the others
     coll = timed_collectives(group, opts.timeout_s, arrival=Arrival(
         kind="save", what=f"save of step {step} at {os.fspath(path)}", timeout_s=opts.arrival_timeout_s))

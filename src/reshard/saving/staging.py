@@ -23,6 +23,7 @@ with the training step for the same cores, and the step should win.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import sys
@@ -48,7 +49,7 @@ from ..collectives import (
     group_timeout_s,
     is_broken,
 )
-from ..options import SaveOptions
+from ..options import SaveOptions, hmac_key_of
 from ..storage import Storage, resolve
 from .pending import SAVERS, SAVERS_LOCK, warn_pending_error
 from .pending import raise_pending_error as raise_pending_error  # re-exported
@@ -250,6 +251,8 @@ def async_save(
     t0 = time.perf_counter()
     step = check_step(step)
     opts = options or SaveOptions()
+    if opts.hmac_key is None or not opts.hmac_key:  # the environment's key (NO_HMAC_KEY: none)
+        opts = dataclasses.replace(opts, hmac_key=hmac_key_of(opts.hmac_key))
     # every rank checks in before its first async_save makes the background groups
     arrive(group, Arrival(kind="async_save", what=f"async_save of step {step} at {os.fspath(path)}",
                           timeout_s=opts.arrival_timeout_s), checkpoint_timeout_s(group, opts.timeout_s))
