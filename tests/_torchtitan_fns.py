@@ -216,7 +216,11 @@ def train(job: dict[str, Any], *, stop_after: int | None = None, load_step: int 
     ``stop_after``: leave the loop after that step (a killed run: no close);
     ``fixed_batch``: every step trains on one fixed global batch (layout-independent)."""
     model, opt, lr, ts, ck = job["model"], job["optimizers"], job["lr"], job["ts"], job["checkpointer"]
-    ck.load(step=load_step)
+    try:
+        ck.load(step=load_step)
+    except BaseException:
+        ck.close()  # TorchTitan's train.py closes the trainer (its checkpointer) in a finally
+        raise
     rank, world = dist.get_rank(), dist.get_world_size()
     it = iter(job["loader"])
     out = []

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ..errors import NotARegularFileError
 from ..ondisk.manifest import Manifest
 from ..storage import Storage
 
@@ -98,7 +99,8 @@ def tracks_links(st: Storage) -> bool:
 def census(st: Storage, paths: Iterable[str], manifests: dict[str, Manifest] | None = None) -> Census:
     """For each of ``paths`` (checkpoint directories, attempts), its files'
     identities, link counts and sizes (one ``lstat`` per file), taken before
-    a deletion so that what it freed can be told after it. On a store that
+    a deletion so that what it freed can be told after it (only regular
+    files: a FIFO, socket or device among them is skipped). On a store that
     does not track links (S3) nothing is listed: a path's files are those its
     manifest in ``manifests`` names (none without one)."""
     out: Census = {}
@@ -113,8 +115,8 @@ def census(st: Storage, paths: Iterable[str], manifests: dict[str, Manifest] | N
             try:
                 size = st.size(f)
                 ident = st.file_identity(f)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
+            except (FileNotFoundError, NotADirectoryError, NotARegularFileError):
+                continue  # gone meanwhile, or a FIFO/socket/device: holds no bytes, never opened
             rows.append((None, 1, size) if ident is None else (ident[0], ident[1], size))
     return out
 

@@ -277,7 +277,8 @@ class ReshardCheckpointManager(BaseCheckpointManager):
         self._mgr = CheckpointManager(
             self.folder, keep_last=config.keep_latest_k or None,
             use_async=config.async_mode != "disabled", preempt_signals=(),
-            timeout_s=config.timeout_s)
+            timeout_s=config.timeout_s,
+            writer=not config.load_only)  # a load_only job (an evaluation) never owns the root
         self._handle: Any = None
         self._resumed_from: str | None = None
         log.info("reshard checkpoints in %s (every %d steps%s)", self.folder, self.interval,
