@@ -177,6 +177,7 @@ def read_state(
     """
     import torch
 
+    from ..commit.leases import reader_lease
     from ..state.sharding import ShardedObject, torch_dtype
     from .load import _read_or_dcp, load
 
@@ -187,57 +188,60 @@ def read_state(
     pats, selected = _selector(keys)
     st, key = resolve(path, storage)
     where = st.url(key)
-    st, m = _read_or_dcp(st, key, opts)  # the manifest, or a DCP folder presented as one
-    tensors = [k for k in m.tensors if selected(k)]
-    aliases = {a: t for a, t in m.aliases.items() if selected(a)}
-    objects = [k for k in m.objects if selected(k)]
-    values = [k for k in (m.values or {}) if selected(k)]
-    # a DCP folder's values and tensors only an unrestricted unpickler (or another dtype) could
-    # read (a conversion that left them out records them too: they are not there to return)
-    refused = ({**(m.extra.get("dcp_skipped_values") or {}), **(m.extra.get("dcp_skipped_tensors") or {})}
-               if m.extra.get("source") == "dcp" else {})
-    bad = sorted(k for k in refused if selected(k))
-    if bad:
-        raise IntegrityError(
-            f"{where}: {len(bad)} selected key(s) can only be read by an unrestricted unpickler or are of "
-            f"an unsupported dtype, and are refused: {bad[:5]} ({refused[bad[0]]}); select the rest with "
-            "keys=[...]")
-    every = [*m.tensors, *m.aliases, *m.objects, *(m.values or {}), *refused]
-    for p in pats:
-        if not any(_selector(p)[1](k) for k in every):
-            raise ShardingError(f"{where}: read_state(keys=...): {p!r} selects no saved key (saved e.g. "
-                                f"{sorted(every)[:5]})")
-    _check_size(m, where, tensors, aliases, objects, opts, max_bytes)
-    # the target: every selected tensor whole (an alias whose target is not selected too,
-    # as itself), every selected object element, every selected value
-    state: dict[str, Any] = {}
-    out_t: dict[str, torch.Tensor] = {}
-    for k in tensors:
-        te = m.tensors[k]
-        out_t[k] = state[k] = torch.empty(tuple(te.global_shape), dtype=torch_dtype(te.dtype))
-    for a, t in aliases.items():
-        if t not in out_t:
-            te = m.tensors[t]
-            out_t[a] = state[a] = torch.empty(tuple(te.global_shape), dtype=torch_dtype(te.dtype))
-    grids: dict[str, tuple[int, ...]] = {}
-    for k in objects:
-        oe = m.objects[k]
-        grids[k] = tuple(oe.global_shape)
-        state[k] = [ShardedObject(k, None, global_shape=tuple(oe.global_shape),
-                                  global_offset=tuple(c.global_offset)) for c in oe.chunks]
-    for k in values:
-        state[k] = None
-    res = load(state, key, group=SingleProcess(), strict=False, options=opts, storage=st, manifest=m)
-    if res.missing:  # never hand back an element that was not read
-        raise CheckpointError(f"{where}: {len(res.missing)} key(s) were not read: {list(res.missing)[:5]}")
-    flat: dict[str, Any] = dict(out_t)
-    for a, t in aliases.items():
-        flat[a] = out_t[t] if t in out_t else out_t[a]
-    for k in objects:
-        flat[k] = _grid(grids[k], {off: v for (ok, off), v in res.objects.items() if ok == k})
-    for k in values:
-        flat[k] = res.values[k]
-    return nest(m, flat)
+    # one reader lease for the whole read, the manifest's included: retention and gc keep the
+    # checkpoint meanwhile (a lease that cannot be written: one warning, unless required)
+    with reader_lease(st, key, what="read_state", required=opts.require_lease):
+        st, m = _read_or_dcp(st, key, opts)  # the manifest, or a DCP folder presented as one
+        tensors = [k for k in m.tensors if selected(k)]
+        aliases = {a: t for a, t in m.aliases.items() if selected(a)}
+        objects = [k for k in m.objects if selected(k)]
+        values = [k for k in (m.values or {}) if selected(k)]
+        # a DCP folder's values and tensors only an unrestricted unpickler (or another dtype) could
+        # read (a conversion that left them out records them too: they are not there to return)
+        refused = ({**(m.extra.get("dcp_skipped_values") or {}), **(m.extra.get("dcp_skipped_tensors") or {})}
+                   if m.extra.get("source") == "dcp" else {})
+        bad = sorted(k for k in refused if selected(k))
+        if bad:
+            raise IntegrityError(
+                f"{where}: {len(bad)} selected key(s) can only be read by an unrestricted unpickler or are of "
+                f"an unsupported dtype, and are refused: {bad[:5]} ({refused[bad[0]]}); select the rest with "
+                "keys=[...]")
+        every = [*m.tensors, *m.aliases, *m.objects, *(m.values or {}), *refused]
+        for p in pats:
+            if not any(_selector(p)[1](k) for k in every):
+                raise ShardingError(f"{where}: read_state(keys=...): {p!r} selects no saved key (saved e.g. "
+                                    f"{sorted(every)[:5]})")
+        _check_size(m, where, tensors, aliases, objects, opts, max_bytes)
+        # the target: every selected tensor whole (an alias whose target is not selected too,
+        # as itself), every selected object element, every selected value
+        state: dict[str, Any] = {}
+        out_t: dict[str, torch.Tensor] = {}
+        for k in tensors:
+            te = m.tensors[k]
+            out_t[k] = state[k] = torch.empty(tuple(te.global_shape), dtype=torch_dtype(te.dtype))
+        for a, t in aliases.items():
+            if t not in out_t:
+                te = m.tensors[t]
+                out_t[a] = state[a] = torch.empty(tuple(te.global_shape), dtype=torch_dtype(te.dtype))
+        grids: dict[str, tuple[int, ...]] = {}
+        for k in objects:
+            oe = m.objects[k]
+            grids[k] = tuple(oe.global_shape)
+            state[k] = [ShardedObject(k, None, global_shape=tuple(oe.global_shape),
+                                      global_offset=tuple(c.global_offset)) for c in oe.chunks]
+        for k in values:
+            state[k] = None
+        res = load(state, key, group=SingleProcess(), strict=False, options=opts, storage=st, manifest=m)
+        if res.missing:  # never hand back an element that was not read
+            raise CheckpointError(f"{where}: {len(res.missing)} key(s) were not read: {list(res.missing)[:5]}")
+        flat: dict[str, Any] = dict(out_t)
+        for a, t in aliases.items():
+            flat[a] = out_t[t] if t in out_t else out_t[a]
+        for k in objects:
+            flat[k] = _grid(grids[k], {off: v for (ok, off), v in res.objects.items() if ok == k})
+        for k in values:
+            flat[k] = res.values[k]
+        return nest(m, flat)
 
 
 def _grid(shape: tuple[int, ...], elements: dict[tuple[int, ...], Any]) -> Any:
