@@ -38,6 +38,11 @@ def r_load_relative_per_cwd(dirs: list[str], rel: str) -> dict[str, Any]:
     return out
 
 
+def _listing(root: str) -> list[str]:
+    """The root's entries, less the owner record of the job saving there (and its lock)."""
+    return sorted(n for n in os.listdir(root) if n not in ("OWNER", "OWNER.lock"))
+
+
 def _rows(value: float) -> dict[str, Any]:
     """This rank's row of a (2, 3) tensor filled with ``value``."""
     rank = dist.get_rank()
@@ -254,7 +259,7 @@ def r_housekeeping_fails_after_commit(root: str) -> dict[str, Any]:
             out[f"raised {step}"] = raised
             out[f"ranks raised {step}"] = int(flags)
             dist.barrier()
-            out[f"after {step}"] = sorted(os.listdir(root))
+            out[f"after {step}"] = _listing(root)
             if raised is not None:
                 break
     finally:

@@ -21,7 +21,8 @@ N = 2
 
 
 def _names(root: Path) -> set[str]:
-    return {p.name for p in root.iterdir()}
+    """The root's entries, less the owner record of the job saving there (and its lock)."""
+    return {p.name for p in root.iterdir() if p.name not in ("OWNER", "OWNER.lock")}
 
 
 def _ckpts(root: Path) -> set[str]:
@@ -108,8 +109,13 @@ def test_rollback_keeps_resume_source_and_new_lineage(pool: Any, tmp_path: Path)
     lines = {ln.split()[-1]: ln for ln in r.stdout.splitlines() if " step-0000" in ln}
     assert "other" in lines["step-00000150"] and "current" in lines["step-00000150.1"]
     assert "HEAD" in lines["step-00000110"] and "step-00000110" in lines["step-00000150.1"]
-    # restart: resumes the current lineage's 150 (run 3), not the abandoned one; once the lineage
-    # has a verified checkpoint past 150, the abandoned branch falls under keep_last
+    # restart: resumes the current lineage's 150 (run 3), not the abandoned one; a run's
+    # retention deletes its own lineage only: the abandoned branch stays until collected
     last = _run(pool, root, restore=True, saves=[(160, 4)], keep_last=1)
     assert last["restored"] == ("step-00000150.1", 150, 3)
-    assert _ckpts(root) == {"step-00000150.1", "step-00000160"}
+    assert _ckpts(root) == {"step-00000150", "step-00000150.1", "step-00000160"}
+    # collected explicitly: once the lineage has a verified checkpoint past it
+    r = CliRunner().invoke(main, ["gc", str(root), "--keep-last", "1", "--grace", "0",
+                                  "--collect-other-lineages"], catch_exceptions=False)
+    assert r.exit_code == 0 and "deleted step-00000150\n" in r.stdout, r.output
+    assert _ckpts(root) == {"step-00000150.1", "step-00000160"}  # (150.1: the resume source)

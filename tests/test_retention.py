@@ -157,13 +157,17 @@ def test_rollback_keeps_the_abandoned_branch_until_passed() -> None:
         return Candidate(name=name, step=step, verified=True, created_at=t, **kw)  # type: ignore[arg-type]
 
     base = [c("s100", 100, 1, resume_source=True), c("s150", 150, 2, current=False)]
-    d = decide([*base, c("s110", 110, 3)], Policy(keep_last=1))
+    collect = Policy(keep_last=1, collect_other_lineages=True)  # collected explicitly
+    d = decide([*base, c("s110", 110, 3)], collect)
     assert d.delete == () and d.keep["s100"] == "resume source of the current run"
     assert d.keep["s150"].startswith("other lineage")
-    d = decide([*base, c("s110", 110, 3), c("s150.1", 150, 4)], Policy(keep_last=1))
+    d = decide([*base, c("s110", 110, 3), c("s150.1", 150, 4)], collect)
     assert d.delete == ("s110",)  # same step as the abandoned one: not yet passed
-    d = decide([*base, c("s150.1", 150, 4), c("s160", 160, 5)], Policy(keep_last=1))
+    d = decide([*base, c("s150.1", 150, 4), c("s160", 160, 5)], collect)
     assert set(d.delete) == {"s150", "s150.1"} and d.keep["s160"] == "newest verified"
+    # by default a run's retention deletes its own lineage only: the other branch stays
+    d = decide([*base, c("s150.1", 150, 4), c("s160", 160, 5)], Policy(keep_last=1))
+    assert d.delete == ("s150.1",) and d.keep["s150"].startswith("another lineage: never deleted")
     # the order is by step then commit time, never by name
     d = decide([c("b", 1, 2), c("a", 1, 1)], Policy(keep_last=1))
     assert d.delete == ("a",)

@@ -27,7 +27,9 @@ import functools
 import logging
 import os
 import time
+import zlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -49,7 +51,8 @@ from .errors import CheckpointError, rank_ranges
 
 __all__ = ["MAX_SHIPPED_FAILURES", "MAX_SHIPPED_TRACEBACK", "OPS", "Collectives", "Counting",
            "Request", "SingleProcess", "TorchCollectives", "agree_steps", "drive",
-           "checkpoint_timeout_s", "get_collectives", "group_key", "group_timeout_s", "new_checkpoint_group",
+           "Arrival", "arrive", "checkpoint_timeout_s", "get_collectives", "group_key", "group_timeout_s",
+           "new_checkpoint_group",
            "is_broken", "timed_collectives", "timed_keys", "wait_report_s", "watch"]
 
 
@@ -549,7 +552,128 @@ def is_broken(coll: Collectives) -> bool:
     return isinstance(inner, TorchCollectives) and inner.name in _BROKEN
 
 
-def timed_collectives(group: Any, timeout_s: float | None) -> Collectives:
+@dataclass(frozen=True, kw_only=True)
+class Arrival:
+    """What a save or load checks before its first collective (:func:`arrive`).
+
+    Attributes:
+        kind: the call (``"save"``, ``"async_save"``, ``"load"``): ranks meet
+            only at the same kind of call.
+        what: the call as the error names it (``"save of step 3 at /ckpt/x"``).
+        timeout_s: seconds to wait for every rank of the group (None: no
+            check); capped at the call's checkpoint timeout.
+    """
+
+    kind: str
+    what: str
+    timeout_s: float | None
+
+
+#: (kind, global ranks) -> (the job's store, arrivals completed with it): the same on every
+#: rank of a group (a failed arrival is not counted); counted again from 0 with a new store
+_ARRIVED: dict[tuple[str, tuple[int, ...]], tuple[Any, int]] = {}
+
+
+def arrive(group: Any, arrival: Arrival, timeout_s: float | None = None) -> None:
+    """Every rank of ``group`` checks in through the job's key-value store
+    before a save or load issues its first collective or creates its
+    checkpoint group, and waits at most ``arrival.timeout_s`` seconds (or
+    ``timeout_s``, the call's checkpoint timeout, when shorter) for the other
+    ranks to arrive at the same kind of call. A call made on some ranks only
+    (a plug-in point that runs on rank 0 alone, such as Lightning's
+    ``CheckpointIO.save_checkpoint``) then fails on the ranks that called it,
+    within that bound, instead of hanging in ``dist.new_group`` or in its first
+    collective for the checkpoint timeout.
+
+    Store traffic: one ``set``, one ``add`` and, until every rank arrived, one
+    ``check`` per poll (every 1 ms at first, backing off to 50 ms, and to
+    250 ms after 2 s) per rank; O(world) reads only on a failure (to name the
+    absent ranks) and on the progress line. A rank that gives up takes its
+    arrival back atomically (``add -1``; if every rank had arrived by then it
+    goes ahead instead), so the ranks stay usable: the next call of every
+    rank meets as usual. A no-op for one rank, no process group, a
+    :class:`Collectives` passed as ``group``, or ``arrival.timeout_s`` None.
+
+    Raises:
+        CheckpointError: ranks did not arrive within the bound (the error
+            names them, in the group and globally, the call and the phase
+            "arrival"; their ranks in ``absent_ranks``), or the job's store
+            did not answer (its host is stopped or gone).
+    """
+    if arrival.timeout_s is None or isinstance(group, Collectives):
+        return
+    import torch.distributed as dist
+
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return
+    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
+        range(dist.get_world_size()))
+    n = len(ranks)
+    if n <= 1:
+        return
+    bound = float(arrival.timeout_s) if timeout_s is None else min(float(arrival.timeout_s), float(timeout_s))
+    me = dist.get_rank(group) if group is not None else dist.get_rank()
+    raw = dist.distributed_c10d._get_default_store()
+    ident = (arrival.kind, ranks)
+    known = _ARRIVED.get(ident)
+    seq = (known[1] if known is not None and known[0] is raw else 0) + 1
+    prefix = f"reshard/arrive/{arrival.kind}/{zlib.crc32(repr(ranks).encode()):08x}-{n}/{seq}/"
+    store = bounded_store(raw)
+
+    def absent() -> list[int]:
+        return [r for r in range(n) if r != me and not (
+            store.check([f"{prefix}r{r}"]) and store.get(f"{prefix}r{r}") == b"1")]
+
+    try:
+        store.set(f"{prefix}r{me}", "1")
+        if store.add(f"{prefix}n", 1) == n:  # the last to arrive tells the others
+            store.set(f"{prefix}done", "1")
+        t0 = time.monotonic()
+        poll, every, reported = 0.001, wait_report_s(), 0
+        while not store.check([f"{prefix}done"]):
+            waited = time.monotonic() - t0
+            if waited >= bound:
+                if store.add(f"{prefix}n", -1) == n - 1:  # every rank had arrived: go ahead
+                    store.add(f"{prefix}n", 1)
+                    break
+                store.set(f"{prefix}r{me}", "0")
+                missing = absent()
+                names = _arrival_names(ranks, missing)
+                err = CheckpointError(
+                    f"{arrival.what}: {names} of the {n} ranks of the group did not arrive within "
+                    f"{bound:g} s (phase arrival: before any collective or checkpoint group). save, "
+                    "async_save and load are collective: every rank of the group calls them. A plug-in "
+                    "point called on one rank only (Lightning's CheckpointIO.save_checkpoint runs on "
+                    "rank 0 alone) must pass group=reshard.collectives.SingleProcess() (and read with "
+                    "reshard.read_state); a rank that arrives later than this on purpose needs a larger "
+                    "SaveOptions/LoadOptions(arrival_timeout_s=...)")
+                err.absent_ranks = tuple(missing)  # type: ignore[attr-defined]
+                raise err
+            if waited >= (reported + 1) * every:
+                reported = int(waited // every)
+                late = absent()  # as the collectives' progress line words it
+                who = (f"ranks {late}" if 0 < len(late) <= 16 else
+                       f"{len(late)} ranks ({rank_ranges(late)})" if late else "the other ranks")
+                log.warning("%s: waiting %.0f s for %s in phase arrival", arrival.what, waited, who)
+            time.sleep(poll)
+            poll = min(poll * 2, 0.05 if waited < 2.0 else 0.25)
+    except TimeoutError as e:  # BoundedStore: the store's host is stopped or gone
+        raise CheckpointError(f"{arrival.what}: the job's store did not answer while the ranks "
+                              f"checked in (phase arrival): {e}") from None
+    _ARRIVED[ident] = (raw, seq)
+
+
+def _arrival_names(ranks: tuple[int, ...], group_ranks: list[int]) -> str:
+    """``rank 1`` / ``ranks 1-3`` (group ranks), with their global ranks where they differ."""
+    if not group_ranks:
+        return "no rank"
+    text = f"rank {rank_ranges(group_ranks)}" if len(group_ranks) == 1 else f"ranks {rank_ranges(group_ranks)}"
+    glob = [ranks[r] for r in group_ranks]
+    return text if glob == group_ranks else f"{text} (global {rank_ranges(glob)})"
+
+
+def timed_collectives(group: Any, timeout_s: float | None, *,
+                      arrival: Arrival | None = None) -> Collectives:
     """Collectives for a save or load of ``group`` bounded by ``timeout_s``
     seconds: over a gloo checkpoint group created (once per group and
     timeout, every rank of ``group`` calling) with that timeout, so neither
@@ -559,7 +683,9 @@ def timed_collectives(group: Any, timeout_s: float | None) -> Collectives:
     never costs the next. Plain :func:`get_collectives` when ``timeout_s`` is
     None, ``group`` is already a :class:`Collectives` (used as it is: the
     caller chose it, e.g. a counting wrapper) or there is no process group
-    (a single process).
+    (a single process). With ``arrival``, every rank first checks in
+    (:func:`arrive`): a call made on some ranks only fails on those within
+    ``arrival.timeout_s``, before any group is created.
 
     A group whose backend is not gloo (NCCL training, or any other) always
     gets a gloo checkpoint group, ``timeout_s`` None included (then with the
@@ -567,6 +693,8 @@ def timed_collectives(group: Any, timeout_s: float | None) -> Collectives:
     every checkpoint collective runs on gloo, over the CPU, never on the
     training backend."""
     base = get_collectives(group)
+    if arrival is not None and isinstance(base, TorchCollectives) and base.world_size > 1:
+        arrive(group, arrival, checkpoint_timeout_s(group, timeout_s))
     if (isinstance(group, Collectives) or not isinstance(base, TorchCollectives)
             or base.world_size == 1):  # a Collectives the caller made is used as it is
         return base

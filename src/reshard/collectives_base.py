@@ -16,12 +16,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Generator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
-import torch
 
 from .errors import RankFailure, agreed_error, summarize_failures
+
+if TYPE_CHECKING:  # (annotations only: the pure parts need no torch)
+    import torch
 
 T = TypeVar("T")
 

@@ -16,6 +16,7 @@ from .collectives import (
     is_broken,
     timed_collectives,
 )
+from .errors import CheckpointError
 
 
 class Deferred(Collectives):
@@ -35,7 +36,16 @@ class Deferred(Collectives):
 
     def _get(self) -> Collectives:
         if self._inner is None or is_broken(self._inner):
-            self._inner = timed_collectives(self._group, self._timeout_s)
+            try:
+                self._inner = timed_collectives(self._group, self._timeout_s)
+            except CheckpointError:
+                raise
+            except Exception as e:  # a rank that never came to form the group (it failed before)
+                raise CheckpointError(
+                    f"the checkpoint process group could not be formed ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:200] if str(e) else ''}): a rank did not arrive; its "
+                    "coordinator may have failed before it (a manager refused ownership of the root, "
+                    "say: see that rank's error)") from e
         return self._inner
 
     def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:

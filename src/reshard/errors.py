@@ -91,6 +91,18 @@ class CoverageError(IntegrityError, ShardingError):
     both an integrity fault of the checkpoint and a sharding fault."""
 
 
+class NotARegularFileError(ManifestError):
+    """A path the library was to open is a FIFO, a socket or a device, not a
+    regular file: refused at once, never waited on (only regular files and
+    directories are ever opened)."""
+
+
+class RootOwnedError(CheckpointError):
+    """Another live job owns the checkpoint root (its owner lease is live):
+    a second writer is refused before it writes. The message names the owner
+    (job id, host, pid, start, lease) and how to proceed."""
+
+
 class StorageError(CheckpointError):
     """The store failed: I/O error, no space, throttled past retries, listing failed."""
 
@@ -112,6 +124,8 @@ _BY_NAME: dict[str, type[CheckpointError]] = {
         CoverageError,
         StorageError,
         StoreCapabilityError,
+        NotARegularFileError,
+        RootOwnedError,
     )
 }
 

@@ -22,6 +22,16 @@ class DefaultSeconds(float):
 DEFAULT_TIMEOUT_S: float = DefaultSeconds(600.0)
 
 
+#: seconds a save or load waits, before its first collective, for every rank
+#: of its group to arrive at the same call (``SaveOptions.arrival_timeout_s``,
+#: ``LoadOptions.arrival_timeout_s``): a call made on some ranks only (a
+#: plug-in point run on rank 0 alone) fails on those ranks after this long,
+#: naming the absent ranks, instead of waiting the checkpoint timeout. A
+#: minute: far above the skew between ranks reaching a save at a step
+#: boundary, far below ``DEFAULT_TIMEOUT_S``.
+DEFAULT_ARRIVAL_TIMEOUT_S: float = 60.0
+
+
 def check_timeout(v: Any, name: str) -> None:
     """None, or a finite number of seconds > 0.
 
@@ -34,6 +44,65 @@ def check_timeout(v: Any, name: str) -> None:
         return
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
         raise ValueError(f"{name} must be a number of seconds > 0 (or None), got {v!r}")
+
+
+#: environment variables that give an HMAC key to every entry point (a
+#: caller's ``SaveOptions``/``LoadOptions(hmac_key=...)`` wins over them):
+#: the key's text itself, or the path of a file holding it
+HMAC_KEY_ENV = "RESHARD_HMAC_KEY"
+HMAC_KEY_FILE_ENV = "RESHARD_HMAC_KEY_FILE"
+#: ``hmac_key=NO_HMAC_KEY``: no key, whatever the environment says (a
+#: converter reading a foreign checkpoint, which carries no signature)
+NO_HMAC_KEY = b""
+
+
+def read_key_file(path: str) -> bytes:
+    """The HMAC key held by the file ``path``: its bytes without trailing
+    whitespace (a newline an editor added), at most 4 KiB; only a regular
+    file is read (a FIFO is refused, never waited on).
+
+    Raises:
+        ValueError: the file is missing, unreadable, not a regular file, empty or too large.
+    """
+    import os
+
+    from .storage.local import open_regular
+
+    try:
+        fd = open_regular(os.path.expanduser(path), os.O_RDONLY)
+    except Exception as e:  # noqa: BLE001 - one message, whatever went wrong
+        raise ValueError(f"HMAC key file {path!r}: {getattr(e, 'strerror', None) or e}") from None
+    try:
+        raw = os.read(fd, 4097)
+    finally:
+        os.close(fd)
+    key = raw.rstrip()
+    if not key or len(raw) > 4096:
+        raise ValueError(f"HMAC key file {path!r}: {'empty' if not key else 'more than 4 KiB'}")
+    return key
+
+
+def env_hmac_key() -> bytes | None:
+    """The key the environment gives (``RESHARD_HMAC_KEY_FILE``: a file
+    holding it, else ``RESHARD_HMAC_KEY``: its text, UTF-8), or None.
+
+    Raises:
+        ValueError: ``RESHARD_HMAC_KEY_FILE`` names a file that cannot be read."""
+    import os
+
+    path = os.environ.get(HMAC_KEY_FILE_ENV)
+    if path:
+        return read_key_file(path)
+    text = os.environ.get(HMAC_KEY_ENV)
+    return text.encode() if text else None
+
+
+def hmac_key_of(given: bytes | None) -> bytes | None:
+    """The key an entry point uses: ``given`` when set (``NO_HMAC_KEY``: none
+    at all), else the environment's (:func:`env_hmac_key`)."""
+    if given is not None:
+        return given or None
+    return env_hmac_key()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +128,8 @@ class SaveOptions:
             checksum: ValueError).
         hmac_key: when set, the manifest carries an HMAC-SHA256 over its
             contents; a load given the same key refuses a manifest that fails it.
+            None (default): the key of the environment (``RESHARD_HMAC_KEY_FILE``
+            or ``RESHARD_HMAC_KEY``), if any; ``NO_HMAC_KEY``: none.
         verify_replicas: compare checksums of every replica of every chunk
             across ranks (a mismatch is a ShardingError). Plain tensors and
             common values are always compared.
@@ -95,6 +166,15 @@ class SaveOptions:
             (600 s, or the group's own timeout when that is shorter); None:
             the group's own timeout (the background group of ``async_save``
             takes the training group's).
+        arrival_timeout_s: seconds every rank waits, before the save's first
+            collective (and before its checkpoint group is created), for
+            the other ranks of ``group`` to call the save too (a check-in
+            through the job's store: :func:`reshard.collectives.arrive`); a
+            rank that does not call it (a plug-in point run on rank 0 only)
+            fails the save on the ranks that did, with a CheckpointError
+            naming the absent ranks and the phase "arrival". Capped at
+            ``timeout_s``. Default :data:`DEFAULT_ARRIVAL_TIMEOUT_S` (60 s);
+            None: no check (the first collective waits up to ``timeout_s``).
         staging_threads: threads that copy CPU tensors into the staging
             buffers during ``async_save``'s stall (tensors of at least 1 MiB,
             in slices of 16 MiB; smaller ones and the state walk stay on the
@@ -141,6 +221,24 @@ class SaveOptions:
             (``torch.optim.AdamW(fused=True)``), or kernels writing through
             raw pointers. Default False: ``async_save`` returns once every
             CPU byte is staged.
+        incremental: write once the bytes a save shares with its parent
+            (``parent``): every tensor chunk of at least ``own_file_bytes``
+            gets a data file of its own, and such a file is linked from the
+            parent checkpoint instead of written when the chunk's xxh3_128
+            (computed from the staged copy, in the background for an
+            asynchronous save) equals the parent's (a hard link on a local
+            file system, a copy inside the store on S3, where the store then
+            holds the bytes again). Every checkpoint stays self-contained
+            (docs/design.md, "Incremental checkpoints"). None (default): on
+            for the saves of a ``CheckpointManager``, off for a plain
+            ``save``; True: on (a plain ``save`` then links from the
+            ``parent`` it names; without one it only groups its files so
+            that the next save can link); False: off. The first save after
+            a change of the chunk boxes (a TP, PP or FSDP resize; a DP
+            resize keeps them) is written in full.
+        own_file_bytes: the smallest chunk, in bytes, that gets a file of
+            its own in an incremental save (smaller chunks share the
+            writer's files and are written every time).
     """
 
     checksums: bool = True
@@ -163,15 +261,24 @@ class SaveOptions:
     staging_threads: int | None = None
     staging_budget_bytes: int | None = None
     overlap_staging: bool = False
+    arrival_timeout_s: float | None = DEFAULT_ARRIVAL_TIMEOUT_S
+    incremental: bool | None = None
+    own_file_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s, "SaveOptions.timeout_s")
+        check_timeout(self.arrival_timeout_s, "SaveOptions.arrival_timeout_s")
         b = self.staging_budget_bytes
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < (64 << 10)):
             raise ValueError(f"SaveOptions.staging_budget_bytes must be an int of at least 65536 "
                              f"bytes (64 KiB), or None for the default, got {b!r}")
         if not isinstance(self.overlap_staging, bool):
             raise ValueError(f"SaveOptions.overlap_staging must be True or False, got {self.overlap_staging!r}")
+        if self.incremental not in (None, True, False):
+            raise ValueError(f"SaveOptions.incremental must be None, True or False, got {self.incremental!r}")
+        if isinstance(self.own_file_bytes, bool) or not isinstance(self.own_file_bytes, int) \
+                or self.own_file_bytes < 1:
+            raise ValueError(f"SaveOptions.own_file_bytes must be an int >= 1 (bytes), got {self.own_file_bytes!r}")
         t = self.staging_threads
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ValueError(f"SaveOptions.staging_threads must be an int >= 1 (or None), got {t!r}")
@@ -206,6 +313,22 @@ class LoadOptions:
         schema_version: the schema the caller expects; a checkpoint recorded
             with another one raises unless a transform migrates it.
         hmac_key: verify the manifest's HMAC with this key (refuse unsigned).
+            None (default): the key of the environment (``RESHARD_HMAC_KEY_FILE``
+            or ``RESHARD_HMAC_KEY``), if any; ``NO_HMAC_KEY``: none.
+        limits: the size limits of what the load parses, checked before
+            parsing (:class:`~reshard.ondisk.limits.ReadLimits`: manifest,
+            names, free-form fields, safetensors headers, DCP metadata,
+            encoded values); None: the defaults (or ``RESHARD_LIMIT_*``).
+        require_lease: refuse to load when the reader lease on the
+            checkpoint cannot be written (a read-only mount, read-only
+            credentials, a full disk); by default the load warns once and
+            reads unprotected (retention may then delete it under the load).
+        unchecked: what a load does with chunks it reads that carry no
+            checksum (saved with ``checksums=False``, or a manifest edited to
+            drop them): "warn" (default: one warning naming the checkpoint),
+            "refuse" (IntegrityError before any target is written) or
+            "accept". Without an HMAC key this is honesty, not security: who
+            can edit a manifest can also drop its digests.
         progress: a progress bar on stderr for rank 0's reads; None: only when
             the environment variable ``RESHARD_PROGRESS=1``.
         verify_first: before any target is written, read every block the
@@ -251,10 +374,15 @@ class LoadOptions:
             the load's phase: manifest, plan, read, load_state_dict).
             Default :data:`DEFAULT_TIMEOUT_S` (600 s, or the group's own
             timeout when shorter); None: the group's own timeout.
+        arrival_timeout_s: seconds every rank waits, before the load's first
+            collective, for the other ranks of ``group`` to call the load
+            too (as ``SaveOptions.arrival_timeout_s``). Default
+            :data:`DEFAULT_ARRIVAL_TIMEOUT_S` (60 s); None: no check.
 
     Raises:
         ValueError: ``verify_first`` without ``checksums``, ``threads < 1``,
-            or a ``timeout_s`` that is not a positive number.
+            or a ``timeout_s`` or ``arrival_timeout_s`` that is not a
+            positive number.
     """
 
     checksums: bool = True
@@ -267,9 +395,21 @@ class LoadOptions:
     timeout_s: float | None = DEFAULT_TIMEOUT_S
     read_once: bool | str = "auto"
     read_once_min_bytes: int = 64 << 10
+    arrival_timeout_s: float | None = DEFAULT_ARRIVAL_TIMEOUT_S
+    limits: Any = None
+    require_lease: bool = False
+    unchecked: str = "warn"
 
     def __post_init__(self) -> None:
         check_timeout(self.timeout_s, "LoadOptions.timeout_s")
+        check_timeout(self.arrival_timeout_s, "LoadOptions.arrival_timeout_s")
+        if self.unchecked not in ("warn", "refuse", "accept"):
+            raise ValueError(f"LoadOptions.unchecked must be 'warn', 'refuse' or 'accept', "
+                             f"got {self.unchecked!r}")
+        from .ondisk.limits import ReadLimits
+
+        if self.limits is not None and not isinstance(self.limits, ReadLimits):
+            raise ValueError(f"LoadOptions.limits must be a ReadLimits (or None), got {self.limits!r}")
         if self.read_once not in (True, False, "auto"):
             raise ValueError(f"LoadOptions.read_once must be True, False or 'auto', got {self.read_once!r}")
         if self.read_once_min_bytes < 0:

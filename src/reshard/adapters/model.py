@@ -19,6 +19,8 @@ from .names import canonical_names
 Layout = Callable[[str, torch.Tensor], "ShardedTensor | list[ShardedTensor] | None"]
 
 EXTRA_STATE_SUFFIX = "_extra_state"
+#: the common value under which ``ModelState(trainable_only=True)`` records the base's identity
+BASE_KEY = "_reshard_base"
 
 
 class ModelState:
@@ -43,20 +45,42 @@ class ModelState:
       handed to ``set_extra_state``; it is never resharded, and must be equal
       on all ranks that hold it.
 
+    * ``trainable_only=True`` (adapters on a frozen base: LoRA/PEFT): only
+      parameters with ``requires_grad`` are saved (an ``OptimizerState`` over
+      this adapter then saves their state only), with the identity of the
+      base they were trained on: every other ``state_dict`` entry's dtype,
+      global shape and a layout-independent digest of its elements
+      (:mod:`reshard.adapters.peft`; one gather and one broadcast on
+      ``group``, at every save and load). A load into a model whose base
+      differs (another tensor, value, dtype or shape) is refused, before any
+      target is written, with one line naming what differs.
+
     Args:
         model: the module (wrapped or not).
         layout: ``layout(fqn, tensor) -> ShardedTensor | list | None``, called
             with the canonical fqn; the ShardedTensors it returns are named
             relative to the adapter (the parameter's fqn, or the canonical
-            tensors it is a view of).
+            tensors it is a view of). For LoRA weights on a tensor-parallel
+            base, :func:`reshard.adapters.peft.lora_layout` applies the rule.
+        trainable_only: save the trainable parameters and the base's
+            identity only (see above).
+        group: the process group of the base identity's collectives (default:
+            the default group); only with ``trainable_only``.
 
     Raises:
         ShardingError: at save, a ``state_dict()`` entry that is not a tensor.
+        CheckpointError: at load with ``trainable_only``, a checkpoint trained
+            on another base, or one that records no base identity.
     """
 
-    def __init__(self, model: nn.Module, *, layout: Layout | None = None):
+    def __init__(self, model: nn.Module, *, layout: Layout | None = None, trainable_only: bool = False,
+                 group: Any = None):
         self.model = model
         self.layout = layout
+        self.trainable_only = trainable_only
+        self.group = group
+        self._sums: dict[Any, tuple[int, int]] = {}
+        self._identity: dict[str, Any] | None = None  # computed by a load's prepare hook
 
     def shards(self, fqn: str, t: torch.Tensor) -> list[ShardedTensor]:
         """How ``t`` (named by its canonical ``fqn``) is described in the tree."""
@@ -76,13 +100,59 @@ class ModelState:
         names = canonical_names(self.model, [n for n, _ in params])
         return [(names[n], p) for n, p in params]
 
+    def trainable(self) -> set[str]:
+        """Canonical fqns of the parameters that require gradients."""
+        return {n for n, p in self.named_parameters() if p.requires_grad}
+
+    def base_identity(self) -> dict[str, Any]:
+        """The identity of the base (every ``state_dict`` entry that is not a
+        trainable parameter), equal on every rank of ``group``; collective
+        (:func:`reshard.adapters.peft.base_identity`)."""
+        from ..collectives import timed_collectives
+        from ..options import DEFAULT_TIMEOUT_S
+        from .peft import base_identity
+
+        sd = self.model.state_dict()
+        names = canonical_names(self.model, sd)
+        keep = self.trainable()
+        chunks = [st for key, t in sd.items() if isinstance(t, torch.Tensor) and names[key] not in keep
+                  and names[key].rsplit(".", 1)[-1] != EXTRA_STATE_SUFFIX
+                  for st in self.shards(names[key], t)]
+        coll = timed_collectives(self.group, DEFAULT_TIMEOUT_S)
+        if not any(is_dtensor(t) for t in sd.values()) and self.layout is None:
+            # a plain base is replicated: the coordinator alone hashes it
+            chunks = chunks if coll.rank == 0 else []
+        return base_identity(chunks, coll, self._sums)
+
+    def reshard_prepare_load(self, m: Any) -> None:
+        """With ``trainable_only``: refuse a checkpoint trained on another
+        base before anything is written (every rank computes the same
+        identity, so every rank refuses)."""
+        if not self.trainable_only:
+            return
+        from ..ondisk import codec
+        from .peft import differences, refuse
+
+        saved_raw = (m.values or {}).get(BASE_KEY) if isinstance(m.values, dict) else None
+        if saved_raw is None:
+            raise refuse("ModelState(trainable_only=True)", "the checkpoint records no base identity "
+                         "(it was not saved with trainable_only=True)")
+        saved = codec.from_json(saved_raw)
+        self._identity = self.base_identity()
+        why = differences(saved, self._identity)
+        if why is not None:
+            raise refuse("ModelState(trainable_only=True)", why)
+
     def state_dict(self) -> dict[str, Any]:
         tensors: list[ShardedTensor] = []
         extra: list[ShardedObject] = []
         sd = self.model.state_dict()
         names = canonical_names(self.model, sd)
+        keep = self.trainable() if self.trainable_only else None
         for key, t in sd.items():
             fqn = names[key]
+            if keep is not None and fqn not in keep:
+                continue
             if fqn.rsplit(".", 1)[-1] == EXTRA_STATE_SUFFIX:
                 extra.append(ShardedObject(fqn, t))
                 continue
@@ -95,10 +165,14 @@ class ModelState:
         out: dict[str, Any] = {"tensors": tensors} if tensors else {}
         if extra:
             out["extra_state"] = extra
+        if keep is not None:  # a load's prepare hook computed it already (one collective per load)
+            ident, self._identity = self._identity, None
+            out[BASE_KEY] = ident if ident is not None else self.base_identity()
         return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         # tensors were filled in place; hand extra state to its modules
+        sd = {k: v for k, v in sd.items() if k != BASE_KEY}  # checked before anything was written
         if not sd.get("extra_state"):
             return
         names = canonical_names(self.model, self.model.state_dict())

@@ -133,9 +133,13 @@ class OptimizerState:
 
     def _params(self) -> list[tuple[str | None, torch.Tensor, dict[str, Any]]]:
         names = self._fqns()
+        # ModelState(trainable_only=True): the state of trainable parameters only
+        frozen = self.model_state.trainable_only
         out = []
         for g in self.optimizer.param_groups:
             for p in g["params"]:
+                if frozen and not p.requires_grad:
+                    continue
                 fqn = names.get(id(p))
                 if fqn is None and self.layout is None:
                     raise ShardingError("an optimizer parameter is not a parameter of the model; "

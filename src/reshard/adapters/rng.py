@@ -58,6 +58,33 @@ class RNGState:
         key: the name of the streams in format-version-1 checkpoints (read
             only: the streams are now saved as ``streams`` and the base seed as
             ``meta``, relative to the adapter's position, e.g. ``rng.streams``).
+
+    Attributes:
+        loaded: the streams the last load restored (the form :meth:`capture`
+            returns), to restore them again later with :meth:`restore`
+            (see "When to restore" below); None before a load and after
+            one that re-derived the streams.
+
+    When to restore, relative to the DataLoader iterator: restore the streams
+    at the point of the loop where they were captured, so that the draws
+    between that point and the next step are the same as in the
+    uninterrupted run. ``iter(DataLoader)`` draws from the global torch
+    generator (its workers' base seed, one int64, unless the loader has a
+    ``generator`` of its own; and a ``RandomSampler`` without a generator
+    draws its seed at the first batch). A checkpoint saved between two steps
+    of an epoch was captured after that epoch's iterator existed, so restore
+    it after the resumed run has created its iterator: a restore before
+    ``iter()`` leaves every later draw one step off the uninterrupted run
+    (other dropout masks from the first resumed step on, silently; the
+    samples are the same when they come from the checkpoint, e.g. a
+    :class:`~reshard.DataCursor`). With :func:`reshard.load`, which restores
+    everything at once, either create the iterator before the load, or
+    restore again once it exists: ``it = iter(loader); rng.restore(rng.loaded)``.
+    The data order must then come from the checkpoint (a ``DataCursor``, or
+    a sampler with its own generator saved beside it), not from the global
+    generator. A checkpoint saved at an epoch boundary, before the next
+    epoch's iterator, is restored before ``iter()``. (Found with PyTorch
+    Lightning, which creates the iterator after ``on_fit_start``.)
     """
 
     def __init__(self, *, rank: int | None = None, world_size: int | None = None,
@@ -76,6 +103,7 @@ class RNGState:
         self.key = key
         self._rederive: int | None = None  # step to re-derive from, set by prepare
         self.rederived = False
+        self.loaded: dict[str, Any] | None = None
 
     def capture(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -129,9 +157,11 @@ class RNGState:
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         base = sd["meta"].value["base_seed"]
         if self._rederive is None:
-            self.restore(sd["streams"].value)
+            self.loaded = sd["streams"].value
+            self.restore(self.loaded)
             self.rederived = False
             return
+        self.loaded = None
         step = self._rederive
         self._rederive = None
         seed = derive_seed(base, step, self.coords)

@@ -152,10 +152,10 @@ def _max_abs(x: torch.Tensor, y: torch.Tensor) -> float:
 def _open(path: str | os.PathLike[str], storage: Storage | None) -> tuple[Storage, str, Manifest]:
     """A checkpoint's (storage, key, manifest): reshard's, or a DCP folder's."""
     from ..loading.load import _read_or_dcp
-    from ..options import LoadOptions
+    from ..options import LoadOptions, hmac_key_of
 
     st, key = resolve(path, storage)
-    st, m = _read_or_dcp(st, key, LoadOptions(progress=False))
+    st, m = _read_or_dcp(st, key, LoadOptions(progress=False, hmac_key=hmac_key_of(None)))
     return st, key, m
 
 
@@ -173,10 +173,23 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str], *,
     """Compare checkpoint ``a`` with checkpoint ``b`` (see the module docstring);
     either may be a reshard checkpoint or a PyTorch DCP folder.
 
+    A reader lease is held on each while they are read; with an HMAC key
+    (the environment's), an unsigned or mis-signed manifest is refused.
+
     Raises:
         CheckpointNotFoundError, ManifestError: either manifest is missing or
             invalid (a tensor that cannot be read is reported, not raised).
+        IntegrityError: with a key, either is unsigned or mis-signed.
     """
+    from ..commit.leases import reader_lease
+
+    st_a, k_a = resolve(a, storage_a)
+    st_b, k_b = resolve(b, storage_b)
+    with reader_lease(st_a, k_a, what="diff"), reader_lease(st_b, k_b, what="diff"):
+        return _diff(k_a, k_b, st_a, st_b)
+
+
+def _diff(a: str, b: str, storage_a: Storage, storage_b: Storage) -> DiffReport:
     sa, ka, ma = _open(a, storage_a)
     sb, kb, mb = _open(b, storage_b)
     ma, mb = _regroup(ma, mb), _regroup(mb, ma)

@@ -15,13 +15,10 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
-import torch
-
-from ..collectives import SingleProcess
 from ..commit.listing import Entry
 from ..errors import CheckpointError, StorageError
-from ..loading.load import load
 from ..ondisk.committed import (
     manifest_digest,
     read_manifest_bytes,
@@ -31,7 +28,6 @@ from ..ondisk.committed import (
 )
 from ..ondisk.manifest import MANIFEST_NAME, Manifest, decode_manifest
 from ..options import LoadOptions
-from ..state.sharding import ShardedTensor, torch_dtype
 from ..storage import Storage
 from .verify import verify
 
@@ -46,6 +42,12 @@ def record_path(storage: Storage, root: str, name: str) -> str:
 
 def _smoke_load(storage: Storage, path: str, m: Manifest, k: int) -> None:
     """Trial-load the ``k`` smallest and largest tensors with checksums on."""
+    import torch  # (here: `reshard ls`, which reads records, imports no torch)
+
+    from ..collectives import SingleProcess
+    from ..loading.load import load
+    from ..state.sharding import ShardedTensor, torch_dtype
+
     names = sorted(m.tensors, key=lambda t: (sum(c.length for c in m.tensors[t].chunks), t))
     k = min(k, len(names))
     pick = names[: k // 2] + names[len(names) - (k - k // 2):]
@@ -60,11 +62,15 @@ def _smoke_load(storage: Storage, path: str, m: Manifest, k: int) -> None:
 
 
 def check_and_record(storage: Storage, root: str, name: str, *, smoke_tensors: int,
-                     how: str = "smoke", record: bool = True) -> bool:
+                     how: str = "smoke", record: bool = True,
+                     deferred: list[Any] | None = None) -> bool:
     """Verify ``root/name`` and, with ``record``, write its bound verification
     record. ``how``: "smoke" (structure and sizes, then a checksummed trial
     load of ``smoke_tensors`` tensors), "checksums" (every byte) or
     "structure" (structure and sizes only). Returns whether it passed.
+    ``deferred``: append ``(name, record)`` there instead of writing it (the
+    caller writes it after it freed space). With an HMAC key (the
+    environment's), an unsigned or mis-signed manifest fails the check.
     StorageError propagates (no record then)."""
     if how not in ("smoke", "checksums", "structure"):
         raise ValueError(f"how must be 'smoke', 'checksums' or 'structure', not {how!r}")
@@ -87,8 +93,11 @@ def check_and_record(storage: Storage, root: str, name: str, *, smoke_tensors: i
         problems.append(f"{type(e).__name__}: {e}")
     ok = not problems
     if record:
-        write_outcome(storage, root, name, ok=ok, problems=problems, how=how, digest=digest,
-                      files=files)
+        kw: dict[str, Any] = dict(ok=ok, problems=problems, how=how, digest=digest, files=files)
+        if deferred is not None:
+            deferred.append((name, kw))
+        else:
+            write_outcome(storage, root, name, **kw)
     if not ok:
         log.warning("checkpoint %s failed its %s check: %s", path, how, problems[:3])
     return ok

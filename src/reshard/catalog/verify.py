@@ -8,18 +8,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..commit.listing import Entry, committed, read_head
-from ..errors import CheckpointError, CheckpointNotFoundError, IntegrityError, ShardingError
-from ..ondisk import codec
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    IntegrityError,
+    ManifestError,
+    ShardingError,
+)
 from ..ondisk.committed import read_manifest, torn_files
 from ..ondisk.manifest import Manifest
-from ..ondisk.shardfile import BlockTables, block_digests, file_checksum
+from ..ondisk.shardfile import BlockTables, block_digests, file_checksum, note_rotten
 from ..planning.planner import _check_coverage
 from ..storage import Storage, resolve
 
 _READ = 8 << 20
 
 
-def latest(root: str | os.PathLike[str], *, storage: Storage | None = None) -> str | None:
+def latest(root: str | os.PathLike[str], *, storage: Storage | None = None,
+           hmac_key: bytes | None = None) -> str | None:
     """Path of the newest committed, complete checkpoint under ``root``, or None.
 
     With a ``HEAD`` record at the root (written by
@@ -34,13 +40,30 @@ def latest(root: str | os.PathLike[str], *, storage: Storage | None = None) -> s
     declared sizes (one stat per file; checksums stay :func:`verify`'s job)
     are never returned.
 
+    With an HMAC key (``hmac_key``, else the environment's:
+    ``RESHARD_HMAC_KEY_FILE`` / ``RESHARD_HMAC_KEY``), the checkpoint found
+    must be signed with it: an unsigned or mis-signed one raises, naming it
+    (never skipped: skipping would silently resume an older one).
+
     Raises:
         StorageError: listing or a stat failed (never "no checkpoint").
+        IntegrityError: with a key, the newest checkpoint is unsigned or mis-signed.
     """
+    from ..ondisk.committed import check_signature
+    from ..ondisk.manifest import MANIFEST_NAME
+    from ..options import hmac_key_of
+
     st, key = resolve(root, storage)
     best = latest_entry(st, key)
     if best is None:
         return None
+    k = hmac_key_of(hmac_key)
+    if k is not None and best.manifest is not None:
+        try:
+            check_signature(best.manifest, k, where=st.join(best.path, MANIFEST_NAME))
+        except IntegrityError as e:
+            raise IntegrityError(f"{e}; it is the newest checkpoint under {st.url(key)}: refusing "
+                                 "it (an older one is not returned in its place)") from None
     # a URL root gives a URL back (load must resolve it to the same store)
     return st.url(best.path)
 
@@ -57,23 +80,49 @@ def latest_entry(st: Storage, root: str) -> Entry | None:
                  and not torn_files(st, e.path, e.manifest)), None)
 
 
-def inspect(path: str | os.PathLike[str], *, storage: Storage | None = None) -> Manifest:
+def inspect(path: str | os.PathLike[str], *, storage: Storage | None = None,
+            hmac_key: bytes | None = None) -> Manifest:
     """The validated manifest of the checkpoint at ``path``; for a PyTorch DCP
     checkpoint, the manifest :func:`reshard.ondisk.dcp.open_dcp` presents
     (``extra["source"] == "dcp"``, no checksums, one value per DCP key).
+    It accepts what :func:`load` and :func:`verify` accept and nothing more
+    (the same structural validation,
+    :func:`reshard.planning.validation.structure_problems`). A reader lease
+    is held while the manifest is read. With an HMAC key (``hmac_key``, else
+    the environment's), an unsigned or mis-signed manifest is refused.
 
     Raises:
-        CheckpointNotFoundError, ManifestError, IntegrityError.
+        CheckpointNotFoundError, ManifestError, IntegrityError (CoverageError:
+        the chunks do not tile a tensor).
     """
-    st, key = resolve(path, storage)
-    try:
-        return read_manifest(st, key)
-    except CheckpointNotFoundError:
-        from ..ondisk.dcp import is_dcp_checkpoint, open_dcp
+    from ..commit.leases import reader_lease
+    from ..options import hmac_key_of
+    from ..planning.validation import structure_problems
 
-        if not is_dcp_checkpoint(key, storage=st):
-            raise
-        return open_dcp(key, storage=st)[1]
+    st, key = resolve(path, storage)
+    k = hmac_key_of(hmac_key)
+    with reader_lease(st, key, what="inspect"):
+        try:
+            m = read_manifest(st, key, hmac_key=k)
+        except CheckpointNotFoundError:
+            from ..ondisk.dcp_metadata import is_dcp_checkpoint
+
+            if not is_dcp_checkpoint(key, storage=st):
+                raise
+            from ..ondisk.dcp import open_dcp
+
+            if k is not None:
+                raise IntegrityError(f"{key}: a DCP checkpoint carries no HMAC, but an HMAC key was "
+                                     "given") from None
+            return open_dcp(key, storage=st)[1]
+    bad = structure_problems(m, where=st.join(key, "manifest.json"))
+    if bad:
+        from ..errors import CoverageError
+
+        cls = CoverageError if all(p.startswith("coverage:") for p in bad) else ManifestError
+        raise cls(f"{st.join(key, 'manifest.json')}: {len(bad)} problem(s) load and verify refuse too: "
+                  + "; ".join(bad[:5]))
+    return m
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,57 +143,82 @@ class VerifyReport:
     manifest: Manifest | None = field(default=None, repr=False)
     #: what the check could and could not cover (e.g. a DCP checkpoint has no checksums)
     notes: tuple[str, ...] = ()
+    #: what carries no checksum and so was NOT CHECKED (chunks saved with
+    #: ``checksums=False`` or whose digests were removed, files with an empty
+    #: checksum): ``reshard verify`` then exits non-zero unless told to accept it
+    unchecked: tuple[str, ...] = ()
+
+    @property
+    def checked(self) -> bool:
+        """Every byte's checksum could be compared (nothing is ``unchecked``)."""
+        return not self.unchecked
 
 
 def verify(path: str | os.PathLike[str], *, checksums: bool = True,
-           storage: Storage | None = None, progress: bool | None = None) -> VerifyReport:
+           storage: Storage | None = None, progress: bool | None = None,
+           hmac_key: bytes | None = None) -> VerifyReport:
     """Check a checkpoint's structure and, by default, every checksum.
 
-    Structure: the manifest validates; every logical element of every tensor
-    is covered exactly once; every object grid is complete; every file exists,
-    is not a symbolic link, and has its declared size. Checksums: every block
-    of every chunk and every whole file. ``progress``: a progress bar (bytes
-    checksummed) on stderr; None: only with ``RESHARD_PROGRESS=1``.
+    Structure (:func:`reshard.planning.validation.structure_problems`, the
+    validation :func:`load` and :func:`inspect` share): the manifest
+    validates; every logical element of every tensor is covered exactly once;
+    every object grid is complete; every value decodes; the world size fits
+    the files; every file exists, is a regular file (not a symbolic link, a
+    FIFO or a device), and has its declared size. Checksums: every block of
+    every chunk and every whole file; what carries none is listed in
+    ``unchecked`` (NOT CHECKED: saved with ``checksums=False``, or edited to
+    drop them; without an HMAC key that is honesty, not security). With an
+    HMAC key (``hmac_key``, else the environment's), an unsigned or
+    mis-signed manifest is a problem. A reader lease is held while it reads.
+    ``progress``: a progress bar (bytes checksummed) on stderr; None: only
+    with ``RESHARD_PROGRESS=1``.
 
     Raises:
         CheckpointNotFoundError: no manifest at ``path``. Every other problem
         is reported in ``problems``.
     """
+    from ..commit.leases import reader_lease
+
     st, key = resolve(path, storage)
+    with reader_lease(st, key, what="verify"):
+        return _verify(st, key, checksums=checksums, progress=progress, hmac_key=hmac_key)
+
+
+def _verify(st: Storage, key: str, *, checksums: bool, progress: bool | None,
+            hmac_key: bytes | None) -> VerifyReport:
+    from ..ondisk.committed import check_signature
+    from ..ondisk.manifest import MANIFEST_NAME
+    from ..options import hmac_key_of
+    from ..planning.validation import structure_problems
+
     problems: list[str] = []
+    k = hmac_key_of(hmac_key)
     try:
         m = read_manifest(st, key)
     except CheckpointNotFoundError:
         from ..ondisk.dcp import is_dcp_checkpoint
 
         if is_dcp_checkpoint(key, storage=st):
+            if k is not None:
+                return VerifyReport(path=st.url(key), ok=False, notes=(DCP_NOTE,), problems=(
+                    "IntegrityError: a DCP checkpoint carries no HMAC, but an HMAC key was given",))
             return _verify_dcp(st, key, decode=checksums, progress=progress)
         raise
     except CheckpointError as e:
         return VerifyReport(path=st.url(key), ok=False, problems=(f"{type(e).__name__}: {e}",))
-    for fqn, te in m.tensors.items():
-        chunks: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
-        for i, c in enumerate(te.chunks):
-            chunks[(c.global_offset, c.local_shape, c.flattened_range)].append((0, i))
-        dup = [k for k, v in chunks.items() if len(v) > 1]
-        if dup:
-            problems.append(f"tensor {fqn!r}: chunk at {list(dup[0][0])} recorded twice")
+    if k is not None:
         try:
-            _check_coverage(fqn, te.global_shape, chunks)
-        except ShardingError as e:
-            problems.append(f"coverage: {e}")
-    for vk, enc in (m.values or {}).items():
-        try:
-            codec.from_json(enc)
-        except CheckpointError as e:
-            problems.append(f"value {vk!r}: {e}")
-    for k, oe in m.objects.items():
+            check_signature(m, k, where=st.join(key, MANIFEST_NAME))
+        except IntegrityError as e:
+            problems.append(f"IntegrityError: {e}")
+    problems.extend(structure_problems(m, where=st.join(key, MANIFEST_NAME)))
+    for k2, oe in m.objects.items():
         offs = {tuple(c.global_offset) for c in oe.chunks}
         n = 1
         for d in oe.global_shape:
             n *= d
         if len(offs) != n or len(oe.chunks) != n:
-            problems.append(f"object {k!r}: {len(offs)} of {n} grid elements recorded")
+            problems.append(f"object {k2!r}: {len(offs)} of {n} grid elements recorded")
     torn = torn_files(st, key, m)
     problems.extend(torn.values())
     good_files = {name for name in m.files if name not in torn}
@@ -155,7 +229,26 @@ def verify(path: str | os.PathLike[str], *, checksums: bool = True,
         with bar(sum(m.files[n].size for n in good_files), "verify", enabled=wanted(progress)) as pb:
             checked = _verify_checksums(st, key, m, good_files, problems, pb)
     return VerifyReport(path=st.url(key), ok=not problems, problems=tuple(problems), bytes_checked=checked,
-                        manifest=m)
+                        manifest=m, unchecked=unchecked_parts(m))
+
+
+def unchecked_parts(m: Manifest) -> tuple[str, ...]:
+    """What of ``m`` carries no checksum to compare (one line per kind, with
+    counts and examples): chunks and object elements without block digests,
+    data files with an empty whole-file checksum."""
+    from ..ondisk.shardfile import BlockTables
+
+    bare = [f"{fqn}[{i}]" for fqn, te in m.tensors.items() for i, c in enumerate(te.chunks)
+            if not BlockTables.has(c)]
+    bare += [f"{k}{list(oc.global_offset)}" for k, oe in m.objects.items() for oc in oe.chunks
+             if not BlockTables.has(oc)]
+    files = [n for n, fe in m.files.items() if not fe.checksum]
+    out = []
+    if bare:
+        out.append(f"{len(bare)} chunk(s) carry no checksum (e.g. {bare[:3]})")
+    if files:
+        out.append(f"{len(files)} file(s) have an empty checksum (e.g. {files[:3]})")
+    return tuple(out)
 
 
 def _verify_checksums(st: Storage, key: str, m: Manifest, files: set[str], problems: list[str],
@@ -205,6 +298,7 @@ def _verify_checksums(st: Storage, key: str, m: Manifest, files: set[str], probl
             if want and tuple(got) != tuple(want):
                 bad = next(i for i, (x, y) in enumerate(zip(got, want, strict=True)) if x != y)
                 problems.append(f"{p}: checksum mismatch in {what} block {bad}")
+                note_rotten(st, p)  # no incremental save of this process links it again
         if fe.checksum and all(i[2] for i in items) and file_checksum(prefix, tree) != fe.checksum:
             problems.append(f"{p}: file checksum mismatch (header or layout changed)")
     return checked

@@ -1,7 +1,7 @@
 """The ``reshard`` command: list, inspect, verify, compare, convert and export
 checkpoints; run a demo. The root group and its entry point (``reshard.cli:main``); the
 commands live by group beside it: :mod:`reshard.cli.ckpt` (ls, gc, inspect, verify),
-:mod:`reshard.cli.export` (export, convert, diff), :mod:`reshard.cli.plan`,
+:mod:`reshard.cli.export` (export, convert, copy, diff), :mod:`reshard.cli.plan`,
 :mod:`reshard.cli.bench`, :mod:`reshard.cli.demo`, :mod:`reshard.cli.faults`.
 
 Exit codes (:mod:`reshard.cli.support`): 0 success; 1 a check failed
@@ -19,7 +19,7 @@ import click
 from .bench import advise_cmd, bench_group
 from .ckpt import gc_cmd, inspect_cmd, ls_cmd, verify_cmd
 from .demo import demo_cmd, smoke_cmd
-from .export import convert_cmd, diff_cmd, export_cmd
+from .export import convert_cmd, copy_cmd, diff_cmd, export_cmd
 from .faults import faults_cmd, fuzz_cmd
 from .plan import plan_cmd
 from .support import (
@@ -34,7 +34,7 @@ def main() -> None:
     """Distributed training checkpoints that reshard."""
 
 
-for command in (ls_cmd, gc_cmd, inspect_cmd, verify_cmd, export_cmd, convert_cmd, diff_cmd):
+for command in (ls_cmd, gc_cmd, inspect_cmd, verify_cmd, export_cmd, convert_cmd, copy_cmd, diff_cmd):
     main.add_command(command)
 main.add_command(demo_cmd)
 main.add_command(smoke_cmd)

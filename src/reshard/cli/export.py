@@ -18,6 +18,7 @@ from .support import (
     USAGE,
     _fail,
     _progress,
+    hmac_option,
     human_bytes,
     json_option,
     table,
@@ -43,6 +44,7 @@ from .support import (
                    "a saved model.state_dict(); exit 2 naming the candidates when it holds several; "
                    "'' = every name as saved).")
 @click.option("--overwrite", is_flag=True, help="Replace model files already in OUT.")
+@hmac_option
 @json_option
 def export_cmd(ckpt: str, out: str, fmt: str, dtype: str | None, max_shard_size: str,
                copies: tuple[str, ...], includes: tuple[str, ...], subtree: str | None,
@@ -100,6 +102,7 @@ def export_cmd(ckpt: str, out: str, fmt: str, dtype: str | None, max_shard_size:
 @click.option("--overwrite", is_flag=True, help="Replace a committed checkpoint at DST.")
 @click.option("--skip-unsafe-values", is_flag=True,
               help="dcp: leave out values that cannot be decoded with weights_only (default: refuse SRC).")
+@hmac_option
 @json_option
 def convert_cmd(src_format: str, src: str, dst: str, step: int | None, overwrite: bool,
                 skip_unsafe_values: bool, json_path: str | None) -> None:
@@ -109,7 +112,9 @@ def convert_cmd(src_format: str, src: str, dst: str, step: int | None, overwrite
     weights) holds the model in memory once.
 
     Exits 2 if there is no checkpoint at SRC, SRC is refused or unreadable, or
-    DST already holds a checkpoint (without --overwrite).
+    DST already holds a checkpoint (without --overwrite). A reader lease is
+    held on SRC while it is read; with an HMAC key (--hmac-key-file or the
+    environment's) DST is signed with it.
     """
     from ..commit.protocol import check_target
     from ..options import SaveOptions
@@ -175,15 +180,20 @@ def _convert_hf(src: str, dst: str, step: int | None, opts: Any) -> Any:
         t = by_fqn[target]
         state[f"~tied{i:09d}"] = ShardedTensor(alias, t.data, global_shape=t.global_shape,
                                                global_offset=t.global_offset)
-    from ..options import LoadOptions
+    from ..commit.leases import reader_lease
+    from ..options import NO_HMAC_KEY, LoadOptions
 
-    import_hf(state, src, group=SingleProcess(), options=LoadOptions(progress=opts.progress))
+    src_st, src_key = resolve(src)
+    with reader_lease(src_st, src_key, what="convert"):  # a foreign directory: it carries no HMAC
+        import_hf(state, src_key, group=SingleProcess(), storage=src_st,
+                  options=LoadOptions(progress=opts.progress, hmac_key=NO_HMAC_KEY))
     return save(state, dst, step=step, group=SingleProcess(), options=opts)
 
 
 @click.command("diff")
 @click.argument("a")
 @click.argument("b")
+@hmac_option
 @json_option
 def diff_cmd(a: str, b: str, json_path: str | None) -> None:
     """Compare checkpoints A and B (reshard checkpoints or DCP folders) by
@@ -231,3 +241,38 @@ def diff_cmd(a: str, b: str, json_path: str | None) -> None:
     click.echo("IDENTICAL" if r.identical else "DIFFERENT")
     if not r.identical:
         sys.exit(CHECK_FAILED)
+
+
+@click.command("copy")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--hmac-key-file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A file holding the HMAC key of a signed SRC: its signature is checked and the "
+                   "copy signed with it (a signed SRC without it is refused).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace a checkpoint already at DST (local file system only).")
+def copy_cmd(src: str, dst: str, hmac_key_file: str | None, overwrite: bool) -> None:
+    """Copy the checkpoint SRC to DST (a path or URL: another root, another
+    store) as a checkpoint of its own: every byte is checked against its
+    checksum while it is copied, the copy is published manifest-last (a
+    copy that fails leaves no checkpoint at DST) and holds its own bytes.
+    Exits 1 if a byte of SRC does not match its checksum (nothing is
+    published), 2 if SRC is not a checkpoint or DST is taken."""
+    from ..catalog.copy import copy_checkpoint
+    from ..errors import IntegrityError
+
+    key = None
+    if hmac_key_file is not None:
+        with open(hmac_key_file, "rb") as f:
+            key = f.read().strip()
+    t0 = time.perf_counter()
+    try:
+        m = copy_checkpoint(src, dst, hmac_key=key, overwrite=overwrite)
+    except (CheckpointNotFoundError, FileExistsError, ValueError) as e:
+        _fail(USAGE, str(e))
+    except IntegrityError as e:
+        _fail(CHECK_FAILED, f"{type(e).__name__}: {e}")
+    except CheckpointError as e:
+        _fail(USAGE, f"{type(e).__name__}: {e}")
+    click.echo(f"copied {src} to {dst}: {len(m.files)} file(s), {human_bytes(m.total_bytes)} checked "
+               f"and written ({time.perf_counter() - t0:.2f} s)")

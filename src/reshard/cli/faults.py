@@ -102,8 +102,10 @@ def faults_cmd(quick: bool, backend: str, json_path: str | None, only: str | Non
     """Run the fault matrix: every fault x phase x mode on 2 real gloo ranks
     (storage errors, SIGKILL at each phase of a save and during a load, a rank
     that never arrives or is SIGSTOPped, corrupted committed checkpoints, a
-    real full disk, gc beside the saves, SIGTERM while unwinding) and judge
-    each cell. --backend s3 runs the S3 rows on a moto server started on
+    real full disk, gc beside the saves, SIGTERM while unwinding; many hands
+    on one root: two jobs, a reader beside retention, gc at 0 bytes free, a
+    FIFO or socket at each opened path, a mis-signed checkpoint with a key)
+    and judge each cell. --backend s3 runs the S3 rows on a moto server started on
     127.0.0.1 behind a fault-injecting proxy (HTTP 500/503, resets, bodies
     cut short).
 

@@ -81,6 +81,34 @@ class OutputPath(click.Path):
         return rv
 
 
+def _set_key_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--hmac-key-file``: checked now (a regular file holding a key), then
+    given to every library entry point the command calls through
+    ``RESHARD_HMAC_KEY_FILE`` (this process only)."""
+    if value is None:
+        return None
+    from ..options import HMAC_KEY_FILE_ENV, read_key_file
+
+    try:
+        read_key_file(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    os.environ[HMAC_KEY_FILE_ENV] = os.path.abspath(os.path.expanduser(value))
+    return value
+
+
+def hmac_option(f: Any) -> Any:
+    """``--hmac-key-file PATH`` on a command that reads checkpoints: with a
+    key (this option, or ``RESHARD_HMAC_KEY_FILE`` / ``RESHARD_HMAC_KEY``),
+    unsigned or mis-signed checkpoints are refused; a command that writes
+    one signs it."""
+    return click.option("--hmac-key-file", type=click.Path(dir_okay=False), default=None,
+                        metavar="PATH", expose_value=False, is_eager=True, callback=_set_key_file,
+                        help="A file holding the HMAC key (else RESHARD_HMAC_KEY_FILE or "
+                             "RESHARD_HMAC_KEY): unsigned or mis-signed checkpoints are refused, "
+                             "written ones are signed.")(f)
+
+
 def json_option(f: Any) -> Any:
     return click.option("--json", "json_path", type=OutputPath(), default=None,
                         metavar="PATH", help="Also write the figures reported as JSON to PATH.")(f)

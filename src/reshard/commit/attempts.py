@@ -109,10 +109,12 @@ def read_lease(storage: Storage, key: str, now: float | None = None) -> float | 
     than its default ttl. A lease whose holder ran on this host and is no
     longer alive (killed) is over at once."""
     now = time.time() if now is None else now
+    from ..errors import ManifestError
+
     try:
         raw = storage.read_bytes(key)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        return None
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ManifestError):
+        return None  # none, or not a regular file (a FIFO: never a lease)
     try:
         rec = json.loads(raw)
         expires = float(rec.get("expires", 0))
@@ -264,10 +266,12 @@ def _published_attempts(storage: Storage, path: str) -> set[str] | None:
 
 def _lease_alive(storage: Storage, path: str, attempt_id: str, names: list[str], now: float,
                  grace_s: float) -> bool:
+    from ..errors import ManifestError
+
     try:
         rec = json.loads(storage.read_bytes(lease_key(storage, path, attempt_id)))
         return float(rec.get("expires", 0)) > now
-    except (FileNotFoundError, ValueError):
+    except (FileNotFoundError, ValueError, ManifestError):
         pass
     # no lease: alive while its newest object is younger than the grace period
     pre = f"{PREFIX}{attempt_id}."

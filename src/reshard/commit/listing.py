@@ -152,7 +152,8 @@ def _prefix_attempts(storage: Storage, p: str, name: str, m: Manifest | None) ->
     return out
 
 
-_SHARD_FILE = re.compile(r"^data-r\d{5}-\d+\.safetensors$")  # planning.data_file_name
+# planning.data_file_name, and chunk_file_name (a chunk's file of its own, incremental saves)
+_SHARD_FILE = re.compile(r"^data-(r\d{5}-\d+|c[0-9a-f]{16})\.safetensors$")
 
 
 def _holds_shard_files(storage: Storage, p: str) -> bool:

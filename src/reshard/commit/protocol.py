@@ -261,23 +261,152 @@ def publish_marker(storage: Storage, path: str, manifest: Manifest) -> int:
     return len(raw)
 
 
-def delete_checkpoint(storage: Storage, path: str) -> None:
-    """Delete the committed checkpoint at ``path`` so that no moment of the
-    deletion leaves a listed checkpoint with missing files. Where rename is
-    atomic, the directory is first renamed to an abandoned attempt's name
-    (``<path>.incomplete-deleting-<id>``), then deleted; elsewhere the
-    manifest (the proof of the commit) is deleted first, then the rest. An
-    interrupted deletion leaves only what ``gc`` removes."""
+#: what :func:`retire_checkpoint` did
+DELETED = "deleted"
+ALREADY_REMOVED = "already removed"
+
+
+def retire_checkpoint(storage: Storage, root: str, name: str) -> str:
+    """Delete the committed checkpoint ``root/name`` unless a reader holds it:
+    the one place a committed checkpoint is deleted (the manager's
+    retention, its deletion before a save that would not fit, and ``reshard
+    gc`` all call it through ``CheckpointManager._delete_checkpoint``).
+
+    It writes nothing before it frees space where rename is atomic (a full
+    disk: renames and deletes need no free block), and never deletes a
+    checkpoint a live reader lease holds (:mod:`reshard.commit.leases`):
+
+    1. live reader leases on ``name``? Then nothing is done.
+    2. The manifest (the proof of the commit) is moved aside to
+       ``<name>.deleting-<id>.json`` beside it: renamed where rename is
+       atomic, else copied there and deleted. From here no reader finds the
+       checkpoint; the data stay readable for one that read the manifest before.
+    3. Live reader leases now (a reader whose lease was written since 1)?
+       Then the manifest is put back and nothing is deleted.
+    4. Else the checkpoint goes: renamed out of the committed namespace
+       (``<name>.incomplete-deleting-<id>``, where rename is atomic) and
+       deleted, then the moved manifest. An interruption leaves only what
+       ``gc`` finishes (:func:`finish_interrupted`).
+
+    Returns:
+        ``"deleted"``, ``"already removed"`` (another deleter got there
+        first: a race, never an error) or ``"in use by N reader(s)"``.
+
+    Raises:
+        StorageError: the store failed (nothing half-done is left listed as committed).
+    """
+    from .leases import DELETING, live_readers
+
+    path = storage.join(root, name)
+    n = live_readers(storage, root, {name}).get(name, 0)
+    if n:
+        return in_use(n)
+    mpath = storage.join(path, MANIFEST_NAME)
+    aside = storage.join(root, f"{name}{DELETING}{os.urandom(4).hex()}.json")
+    raw = b""
+    try:
+        if storage.capabilities.atomic_rename:
+            storage.rename_dir(mpath, aside)
+        else:
+            raw = storage.read_bytes(mpath)
+            storage.write_bytes(aside, raw)
+            storage.delete_tree(mpath)
+    except (FileNotFoundError, NotADirectoryError):
+        return ALREADY_REMOVED
+    except CheckpointError:
+        if not storage.exists(mpath):
+            storage.delete_tree(aside)
+            return ALREADY_REMOVED
+        raise
+    n = live_readers(storage, root, {name}).get(name, 0)
+    if n:  # a reader came while the manifest was being moved: put it back
+        if storage.capabilities.atomic_rename:
+            storage.rename_dir(aside, mpath)
+        else:
+            storage.put_if_absent(mpath, raw)
+            storage.delete_tree(aside)
+        return in_use(n)
+    finish_deletion(storage, root, name, aside)
+    return DELETED
+
+
+def in_use(n: int) -> str:
+    return f"in use by {n} reader{'' if n == 1 else 's'}"
+
+
+def finish_deletion(storage: Storage, root: str, name: str, aside: str | None) -> None:
+    """Step 4 of :func:`retire_checkpoint`: delete the checkpoint
+    ``root/name`` whose manifest is gone (moved to ``aside``)."""
+    path = storage.join(root, name)
     if storage.capabilities.atomic_rename:
         doomed = f"{path}{INCOMPLETE}deleting-{os.urandom(4).hex()}"
-        storage.rename_dir(path, doomed)
+        try:
+            storage.rename_dir(path, doomed)
+        except CheckpointError:
+            if storage.exists(path):
+                raise
+            doomed = ""  # another deleter took it
         storage.fsync_dir(storage.parent(path) or "/")
-        storage.delete_tree(doomed)
+        if aside is not None:
+            storage.delete_tree(aside)
+        if doomed:
+            storage.delete_tree(doomed)
         return
-    mpath = storage.join(path, MANIFEST_NAME)
-    if storage.exists(mpath):
-        storage.delete_tree(mpath)
     storage.delete_tree(path)
+    if aside is not None:
+        storage.delete_tree(aside)
+
+
+def finish_interrupted(storage: Storage, root: str, names: list[str], *, dry_run: bool = False) -> list[str]:
+    """Finish the deletions that :func:`retire_checkpoint` began and an
+    interruption (SIGKILL) left: each ``<name>.deleting-<id>.json`` among
+    ``names`` (the children of ``root``) whose checkpoint has no manifest is
+    deleted with it; one whose checkpoint has its manifest again (put back,
+    or a new save of that name), or is gone, loses only the record.
+    Returns what was (or, with ``dry_run``, would be) removed."""
+    from .leases import DELETING
+
+    out = []
+    for child in names:
+        if DELETING not in child or not child.endswith(".json") or INCOMPLETE in child:
+            continue
+        name = child.split(DELETING, 1)[0]
+        path = storage.join(root, name)
+        aside = storage.join(root, child)
+        # where attempts share the final prefix (no rename), a prefix without a manifest
+        # may be a new save of the same name: its objects are gc_root's (attempt leases)
+        has_dir = name in names and storage.capabilities.atomic_rename
+        if has_dir and not storage.exists(storage.join(path, MANIFEST_NAME)):
+            out.append(name)
+            if not dry_run:
+                finish_deletion(storage, root, name, aside)
+            continue
+        out.append(child)
+        if not dry_run:
+            storage.delete_tree(aside)
+    return out
+
+
+def delete_checkpoint(storage: Storage, path: str) -> None:
+    """Delete the committed checkpoint at ``path`` (whatever readers hold it:
+    :func:`retire_checkpoint` is the reader-aware form retention uses). An
+    interrupted deletion leaves only what ``gc`` removes."""
+    from .leases import DELETING
+
+    root, name = storage.parent(path), storage.basename(path)
+    aside = storage.join(root, f"{name}{DELETING}{os.urandom(4).hex()}.json")
+    mpath = storage.join(path, MANIFEST_NAME)
+    if storage.capabilities.atomic_rename:
+        try:
+            storage.rename_dir(mpath, aside)
+        except CheckpointError:
+            if storage.exists(mpath):
+                raise
+            aside = None  # type: ignore[assignment]
+    elif storage.exists(mpath):
+        storage.delete_tree(mpath)
+        aside = None  # type: ignore[assignment]
+    finish_deletion(storage, root, name, aside)
 
 
 def quarantine(storage: Storage, root: str, name: str, *, reason: str,

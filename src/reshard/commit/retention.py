@@ -9,12 +9,17 @@ Rules (the seed article's retention section, following the lineage of
   lineage's newest checkpoint, and the resume source of the current run;
 * delete a checkpoint only when a newer checkpoint of the current lineage is
   committed **and** verified (passed the restore smoke test) and kept;
-* keep a checkpoint of another lineage (the abandoned branch of a rollback)
-  until the current lineage has a verified checkpoint of a greater step; then
-  the rules above apply to it (``keep_last`` counts the current lineage only);
+* never delete a checkpoint of another lineage (the branch a rollback left,
+  a finished job's checkpoints this run did not resume from): a job's
+  retention deletes its own lineage only. Such lineages are collected
+  explicitly (``Policy(collect_other_lineages=True)``, ``reshard gc
+  --collect-other-lineages``: then one is kept until the current lineage has
+  a verified checkpoint of a greater step, and the rules above apply to it;
+  ``keep_last`` counts the current lineage only) or adopted by restoring one;
 * never delete an in-flight checkpoint, the target of a save, one held by
-  a lease (a reader: export, conversion, tier copy, evaluation), or one a
-  symbolic link in the root points at (an operator's ``best`` alias).
+  a reader lease (a load, export, conversion, tier copy, evaluation: "in use
+  by N readers", deleted once released), or one a symbolic link in the root
+  points at (an operator's ``best`` alias).
 
 Orders are by (step, commit time), never by name.
 """
@@ -39,7 +44,8 @@ class Candidate:
     step: int
     verified: bool
     metric: float | None = None
-    protected: bool = False  # leased, in flight, the current target, or a link's target
+    protected: bool = False  # in flight, the current target, or a link's target
+    readers: int = 0  # live reader leases on it
     current: bool = True
     resume_source: bool = False
     created_at: float = 0.0
@@ -49,12 +55,15 @@ class Candidate:
 class Policy:
     """``keep_last``: newest N of the current lineage kept (None: keep all).
     ``keep_every``: steps that are multiples of M kept. ``keep_best``: best N
-    by metric (``mode`` "min" or "max")."""
+    by metric (``mode`` "min" or "max"). ``collect_other_lineages``: also
+    delete checkpoints of other lineages once the current lineage passed
+    them (default: never; a job's retention deletes its own lineage only)."""
 
     keep_last: int | None = None
     keep_every: int | None = None
     keep_best: int = 0
     mode: str = "min"
+    collect_other_lineages: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,10 +90,16 @@ def decide(cands: Sequence[Candidate], policy: Policy) -> Decision:
     for c in by_step:
         if c.resume_source:
             keep.setdefault(c.name, "resume source of the current run")
+        if c.readers:
+            keep.setdefault(c.name, f"in use by {c.readers} reader{'' if c.readers == 1 else 's'}"
+                                    " (deleted once released)")
         if c.protected:
-            keep.setdefault(c.name, "leased, in flight, or the target of a link in the root")
+            keep.setdefault(c.name, "in flight, or the target of a link in the root")
         if c.current and (newest_verified is None or _key(c) >= _key(newest_verified)):
             keep.setdefault(c.name, "no newer verified checkpoint")
+        if not c.current and not policy.collect_other_lineages:
+            keep.setdefault(c.name, "another lineage: never deleted by this run's retention "
+                                    "(collect it with `reshard gc --collect-other-lineages`)")
         if not c.current and (newest_verified is None or c.step >= newest_verified.step):
             keep.setdefault(c.name, "other lineage, not yet passed by a verified checkpoint")
     if policy.keep_last is None:

@@ -51,7 +51,7 @@ from ..storage.base import Storage, WriteStream
 ERRNOS = {"enospc": errno.ENOSPC, "eio": errno.EIO, "edquot": errno.EDQUOT}
 ACTIONS = (*ERRNOS, "timeout", "truncate", "flip", "delay", "kill", "stop", "call")
 OPS = ("makedirs", "open_write", "write", "fsync", "close", "write_bytes", "rename", "delete",
-       "fsync_dir", "read", "size", "exists", "list", "put_if_absent", "put_if_match")
+       "fsync_dir", "read", "size", "exists", "list", "put_if_absent", "put_if_match", "link")
 
 #: save / load phase -> (op, match) of the call that marks it
 PHASES: dict[str, tuple[str, str]] = {
@@ -251,6 +251,13 @@ class FaultStorage(Storage):
 
     def rename_dir(self, src: str, dst: str) -> None:
         self._call("rename", src, lambda: self.inner.rename_dir(src, dst))
+
+    def link_file(self, src: str, dst: str) -> bool:
+        """The op ``"link"`` (matched against ``dst``, the new name)."""
+        return bool(self._call("link", dst, lambda: self.inner.link_file(src, dst)))
+
+    def file_identity(self, path: str) -> tuple[object, int] | None:
+        return self.inner.file_identity(path)
 
     def delete_tree(self, path: str) -> None:
         self._call("delete", path, lambda: self.inner.delete_tree(path))

@@ -113,13 +113,19 @@ class Operator:
         self.sent = False
 
     def tick(self, procs: list[Any]) -> None:
-        if self.cell.fault_class == "gc-concurrent":
+        if self.cell.action == "gc":  # gc-concurrent; incremental: with retention, of linked files
             k = self.k + 1
             if os.path.exists(os.path.join(self.cdir, f"inflight{k}")):
-                self.gc_runs.append(run_gc(self.root))
+                keep = ("--keep-last", "1") if self.cell.fault_class == "incremental" else ()
+                self.gc_runs.append(run_gc(self.root, *keep))
                 self.k = k
                 with open(os.path.join(self.cdir, f"gate{k}"), "w"):
                     pass
+        elif self.cell.action == "gc-kill" and not self.gc_runs and os.path.exists(
+                os.path.join(self.cdir, "armed")):
+            self.gc_runs.append(run_killed_gc(self.root, self.cdir))
+            with open(os.path.join(self.cdir, "gc-done"), "w"):
+                pass
         elif self.cell.fault_class == "sigterm-unwinding" and not self.sent and all(
                 os.path.exists(os.path.join(self.cdir, f"unwinding{r}")) for r in range(len(procs))):
             time.sleep(0.5)  # inside the finally block
@@ -131,7 +137,11 @@ class Operator:
     def judge(self, procs: list[Any]) -> None:
         """The cell's own checks (problems: unsafe; liveness: not live)."""
         res = self.res
-        if self.cell.fault_class == "gc-concurrent":
+        if self.cell.action == "gc-kill":
+            out = " ".join(self.gc_runs)
+            if not out.startswith(f"exit {-signal.SIGKILL}"):
+                res.problems.append(f"the operator's gc was to be SIGKILLed mid-sweep, it ended: {out[:300]}")
+        if self.cell.action == "gc":
             if len(self.gc_runs) < 2:
                 res.problems.append(f"gc ran beside {len(self.gc_runs)} saves, not 2: the cell tested less")
             for out in self.gc_runs:
@@ -162,12 +172,48 @@ def _tail(path: str) -> str:
         return ""
 
 
-def run_gc(root: str) -> str:
-    """``reshard gc ROOT --grace 0`` run as an operator would, in a process
-    of its own beside the job's; its exit status and output."""
-    r = subprocess.run([sys.executable, "-m", "reshard.cli", "gc", root, "--grace", "0"],
+def run_gc(root: str, *extra: str) -> str:
+    """``reshard gc ROOT --grace 0`` (and ``extra`` options) run as an
+    operator would, in a process of its own beside the job's; its exit
+    status and output."""
+    r = subprocess.run([sys.executable, "-m", "reshard.cli", "gc", root, "--grace", "0", *extra],
                        capture_output=True, text=True, timeout=300)
     return f"exit {r.returncode}: {r.stdout}{r.stderr}"
+
+
+def run_killed_gc(root: str, cdir: str) -> str:
+    """An operator's gc of ``root`` with ``keep_last=1`` in a process of its
+    own, SIGKILLed in the middle of deleting step 1 (one of its data files
+    gone: a file step 2 links, the first in name order); its exit status."""
+    code = ("import sys; from reshard.faults.jobs import killed_gc_main; "
+            "killed_gc_main(sys.argv[1], sys.argv[2])")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    r = subprocess.run([sys.executable, "-c", code, root, cdir], capture_output=True, text=True,
+                       timeout=300, env=env)
+    return f"exit {r.returncode}: {r.stdout}{r.stderr[-2000:]}"
+
+
+def killed_gc_main(root: str, cdir: str) -> None:
+    """The body of :func:`run_killed_gc`: retention (keep_last=1) through a
+    FaultStorage that deletes one data file of the checkpoint being deleted
+    and SIGKILLs this process."""
+    from ..manager.manager import CheckpointManager
+    from ..storage import LocalStorage
+    from .inject import Fault, FaultStorage
+    from .ranks import mark
+
+    def half(op: str, path: str) -> None:
+        names = sorted(n for n in os.listdir(path) if n.startswith("data-")) if os.path.isdir(path) else []
+        for n in names[:1]:
+            os.unlink(os.path.join(path, n))
+        mark(cdir, op, path)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    fs = FaultStorage(LocalStorage(), [Fault(op="delete", match="step-00000001.incomplete-deleting-*",
+                                             action="call", callback=half)])
+    mgr = CheckpointManager(root, keep_last=1, storage=fs, preempt_signals=(), gc_grace_s=0.0)
+    mgr.apply_retention(smoke_newer=True)
+    mgr.gc_abandoned()
 
 
 def mount_tmpfs(path: str, size: str) -> str | None:

@@ -13,7 +13,7 @@ from .model import CELL_TIMEOUT_S, Cell
 
 INTEGRITY = ("truncated-shard", "flipped-shard", "missing-manifest", "truncated-manifest",
              "corrupted-manifest", "other-attempt-manifest", "other-attempt-shard",
-             "missing-file", "extra-file")
+             "missing-file", "extra-file", "shared-shard")
 
 #: phase -> (FaultStorage op, match) on a local root
 SPOTS = {"data": ("write", "data-*"), "data-durable": ("fsync", "data-*"),
@@ -27,7 +27,9 @@ SPOTS = {"data": ("write", "data-*"), "data-durable": ("fsync", "data-*"),
          # delete (one data file gone). A pattern as loose as "step-*" would fire
          # at the record's delete and test neither.
          "retention": ("rename", "step-00000001"),
-         "retention-mid": ("delete", "step-00000001.incomplete-deleting-*")}
+         "retention-mid": ("delete", "step-00000001.incomplete-deleting-*"),
+         # an incremental save's link of an unchanged chunk's file (the new name in the attempt)
+         "link": ("link", "data-c*")}
 
 ROWS = 4  # rows of ``w`` per rank
 DISK_ROWS = 2048  # on the tmpfs of the full-disk cells: 512 KiB per rank, 1 MiB a checkpoint
@@ -54,7 +56,23 @@ def cells() -> list[Cell]:
     out.append(Cell("storage-error", "load", "-", "read", "eio", 1, b))
     for kind in INTEGRITY:
         out.append(Cell("integrity", "integrity", "-", kind, "-", 0, b))
-    return out + continuation_cells()
+    return out + incremental_cells() + continuation_cells()
+
+
+def incremental_cells() -> list[Cell]:
+    """The cells of a root whose checkpoints share files (incremental saves
+    link a frozen ``base``; the shared file's corruption is the integrity
+    cell ``shared-shard``): a rank SIGKILLed while it links (sync and
+    async, either rank), retention SIGKILLed in the middle of deleting a
+    checkpoint whose ``base`` a kept one links, an operator's gc SIGKILLed
+    there, and ``reshard gc --grace 0 --keep-last 1`` beside saves that
+    link from the checkpoints it deletes."""
+    b = "local"
+    return [Cell("incremental", "save", "sync", "link", "kill", 1, b),
+            Cell("incremental", "save", "async", "link", "kill", 0, b),
+            Cell("incremental", "save", "sync", "retention-mid", "kill", 0, b),
+            Cell("incremental", "gc", "-", "sweep-mid", "gc-kill", 0, b),
+            Cell("incremental", "save", "sync", "data", "gc", 0, b)]
 
 
 def continuation_cells() -> list[Cell]:
@@ -139,6 +157,14 @@ def corrupt(st: Any, kind: str, ckpt: str, other: str) -> None:
     elif kind == "extra-file":
         with open(os.path.join(ckpt, "data-r99999-0.safetensors"), "wb") as f:
             f.write(b"junk")
+    elif kind == "shared-shard":  # bit rot in a file step 2 links from step 1: both name it
+        shared = sorted(n for n in data if n.startswith("data-c") and os.stat(os.path.join(ckpt, n)).st_nlink > 1)
+        fs = os.path.join(ckpt, shared[0])
+        with open(fs, "r+b") as f:
+            f.seek(4096)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x10]))
     else:
         raise ValueError(kind)
 

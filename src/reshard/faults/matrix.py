@@ -21,7 +21,11 @@ the fault while saving (sync or async) or loading step 2 (rank side:
   0`` beside the saves;
 * integrity faults on a committed checkpoint: truncated or bit-flipped shard
   file, missing / truncated / corrupted manifest, a manifest or a shard file
-  from another attempt, a missing file, an extra file.
+  from another attempt, a missing file, an extra file;
+* many hands on one root (:mod:`reshard.faults.shared`): two jobs on one
+  root (both orders, sync and async, local and S3), a reader beside
+  retention, ``gc`` at 0 bytes free, a FIFO or socket at each opened path, a
+  mis-signed checkpoint with a key configured.
 
 A cell is **safe** when: every surviving rank raised a
 :class:`~reshard.errors.CheckpointError` (where the fault must fail the
@@ -75,15 +79,18 @@ def cells(*, quick: bool = False, backend: str = "local") -> list[Cell]:
     comma-separated."""
     if "," in backend:
         return [c for b in backend.split(",") for c in cells(quick=quick, backend=b.strip())]
+    from .shared import cells as shared_cells
+
     if backend == "s3":
         from .matrix_s3 import cells as s3_cells
 
-        return s3_cells(quick=quick)
+        # the shared-root cells on S3 run in the full matrix (quick: their local side does)
+        return s3_cells(quick=quick) + ([] if quick else shared_cells("s3"))
     if backend != "local":
         raise ValueError(f"unknown fault-matrix backend {backend!r} (local, s3)")
     from .local import cells as local_cells
 
-    out = local_cells()
+    out = local_cells() + shared_cells("local")
     if not quick:
         return out
     seen: set[str] = set()
@@ -103,7 +110,8 @@ _QUICK_EXTRA = ("sigkill-save/save-async/data/kill/rank1", "sigkill-save/save-sy
                 "sigkill-save/save-sync/retention-mid/kill/rank0", "lost-rank/save-async/data/delay/rank1",
                 "integrity/integrity--/missing-manifest/-/rank0",
                 "enospc-clears/save-async/data/enospc/rank0",
-                "sigstop-save/save-sync/data/stop/rank1/timeout3s")
+                "sigstop-save/save-sync/data/stop/rank1/timeout3s",
+                "integrity/integrity--/shared-shard/-/rank0", "incremental/gc--/sweep-mid/gc-kill/rank0")
 #: classes the quick matrix leaves to the full one (a stop cell waits out its
 #: timeout twice: one runs, above; the SIGTERM and exit cells start two
 #: interpreters each, and tests/test_failure_budget.py and
@@ -193,7 +201,9 @@ def run_cell(cell: Cell, workdir: str, *, world: int = WORLD, backend: Any = Non
     one; an S3 cell needs the :class:`~reshard.faults.matrix_s3.S3Backend`
     of its matrix run) and judge it."""
     from .local import TMPFS, LocalBackend
+    from .ranks import set_frozen
 
+    set_frozen(cell)  # the judge's states are the cell's (with a frozen base where it saves references)
     be = backend or LocalBackend()
     t0 = time.perf_counter()
     res = CellResult(cell)
@@ -215,7 +225,12 @@ def run_cell(cell: Cell, workdir: str, *, world: int = WORLD, backend: Any = Non
         os.makedirs(root, exist_ok=True)
     try:
         with mock.patch.dict(os.environ, be.env):  # the judge talks to the same store
-            _run(cell, res, be, cdir, spec, world)
+            from .shared import CLASSES, run
+
+            if cell.fault_class in CLASSES:  # many hands on one root: jobs, readers, a person
+                run(cell, res, be, cdir, spec)
+            else:
+                _run(cell, res, be, cdir, spec, world)
     except Exception as e:  # noqa: BLE001 - a judge that cannot look is an unsafe cell
         res.problems.append(f"judging failed: {type(e).__name__}: {e}")
     finally:
@@ -292,7 +307,7 @@ def _run(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[str, Any], 
     be.before_gc(st, root)
     from ..manager.manager import CheckpointManager
 
-    CheckpointManager(root, storage=st, preempt_signals=()).gc_abandoned(grace_s=0.0)
+    CheckpointManager(root, storage=st, preempt_signals=(), writer=False).gc_abandoned(grace_s=0.0)
     res.after_gc = be.after_gc(st, root)
     if res.after_gc:
         res.problems.append(f"gc left {res.after_gc[:6]}")
@@ -398,8 +413,18 @@ def _judge_safe(cell: Cell, res: CellResult, outs: dict[int, dict[str, Any]], pr
     listed = [e.path for e in committed(st, root)]
     res.latest = reshard.latest(root, storage=st)
     good: list[str] = []
+    rotten = _rotten_names(cell, st, root, listed)
     for path in listed:
         rep = verify(path, storage=st)
+        if path in rotten:  # the file corrupted after its commit: every checkpoint naming it
+            if rep.ok or not any(rotten[path] in p for p in rep.problems):  # must fail, naming it
+                res.problems.append(f"{st.basename(path)} names the corrupted file {rotten[path]} but its "
+                                    f"verify {'passed' if rep.ok else 'did not name it: ' + str(rep.problems[:2])}")
+            for r, o in outs.items():
+                if o["status"] != "error" or rotten[path] not in o.get("message", ""):
+                    res.problems.append(f"rank {r}'s load of latest did not fail naming {rotten[path]}: "
+                                        f"{o.get('message', 'ok')[:200]}")
+            continue
         if rep.ok:
             good.append(path)
         elif cell.op == "integrity" and path == p2 and outs and (res.latest != p2 or all(
@@ -417,22 +442,45 @@ def _judge_safe(cell: Cell, res: CellResult, outs: dict[int, dict[str, Any]], pr
             res.problems.append(f"latest is {res.latest}")
     elif not (cell.action == "flip" and res.latest == p2 and p2 not in good) and res.latest != newest_good:
         res.problems.append(f"latest is {res.latest}, the newest good checkpoint is {newest_good}")
-    if cell.fault_class == "full-disk":
-        step = nxt  # the restart with keep_last=1 kept its newest only
-    elif cell.phase.startswith("retention") or must_commit(cell):
+    if cell.fault_class == "full-disk" or cell.phase == "shared-shard":
+        step = nxt  # the restart with keep_last=1 kept its newest only; the only one not rotten
+    elif cell.phase.startswith("retention") or must_commit(cell) or cell.op == "gc":
         step = op_step
     else:
         step = prev
     must_load = st.join(root, f"step-{step:08d}")
     f = full(step, world, be.rows(cell))
-    tgt: dict[str, Any] = {"w": torch.zeros_like(f["w"]), "b": torch.zeros_like(f["b"]), "meta": {"step": 0}}
+    tgt: dict[str, Any] = {k: torch.zeros_like(v) for k, v in f.items()}
+    tgt["meta"] = {"step": 0}
     try:
         reshard.load(tgt, must_load, storage=st)
-        res.previous_loads = all(torch.equal(tgt[k], f[k]) for k in ("w", "b"))
+        res.previous_loads = all(torch.equal(tgt[k], f[k]) for k in f)
         if not res.previous_loads:
             res.problems.append(f"{st.basename(must_load)} loads, but not bit-exact")
     except Exception as e:  # noqa: BLE001
         res.problems.append(f"{st.basename(must_load)} no longer loads: {type(e).__name__}: {e}")
+
+
+def _rotten_names(cell: Cell, st: Any, root: str, listed: list[str]) -> dict[str, str]:
+    """The ``shared-shard`` cell: the committed checkpoints naming the
+    corrupted file (a data file of step 2 that other checkpoints link:
+    every name of one inode) -> that file's name; empty in other cells."""
+    if cell.phase != "shared-shard":
+        return {}
+    p2 = st.join(root, "step-00000002")
+    ident: set[Any] = set()
+    for n in os.listdir(p2) if os.path.isdir(p2) else []:
+        s = os.stat(os.path.join(p2, n))
+        if n.startswith("data-c") and s.st_nlink > 1:
+            ident.add((s.st_dev, s.st_ino, n))
+    out: dict[str, str] = {}
+    bad = sorted(ident, key=lambda t: t[2])[:1]  # the one local.corrupt flipped
+    for path in listed:
+        for n in os.listdir(path):
+            s = os.stat(os.path.join(path, n))
+            if any((s.st_dev, s.st_ino) == (d, i) for d, i, _ in bad):
+                out[path] = n
+    return out
 
 
 def _names_fault(msg: str, cell: Cell) -> bool:

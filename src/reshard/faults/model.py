@@ -44,9 +44,14 @@ class Cell:
             "sigkill-load", "lost-rank", "integrity", the S3 classes
             ("s3-http", "truncated-body") and the continuation cells
             ("enospc-clears", "full-disk", "gc-concurrent", "sigstop-save",
-            "sigstop-load", "sigkill-exit", "sigterm-unwinding").
-        op: "save" or "load" (the operation that meets the fault), or
-            "integrity" (corruption of committed step 2, then load latest).
+            "sigstop-load", "sigkill-exit", "sigterm-unwinding"); "incremental":
+            a state with a frozen part that every save after the first links
+            (a rank killed while it links, a retention or an operator's gc
+            killed mid-sweep of a checkpoint whose files a kept one links, gc
+            --grace 0 --keep-last 1 beside saves that link).
+        op: "save" or "load" (the operation that meets the fault),
+            "integrity" (corruption of committed step 2, then load latest),
+            or "gc" (an operator's gc of the root, killed mid-sweep).
         mode: "sync" / "async" (saves) or "-".
         phase: the phase (a ``faults.PHASES`` name, "stage", "plan",
             "publish-after", "retention-mid", "manifest") or the integrity fault.
@@ -189,6 +194,8 @@ def must_fail(cell: Cell) -> bool:
         return True
     if cell.fault_class == "sigkill-save":
         return cell.phase not in ("publish-after", "retention", "retention-mid")
+    if cell.fault_class == "incremental":  # a rank killed while it links its unchanged chunks
+        return cell.phase == "link"
     if cell.fault_class == "s3-http":
         return HTTP_MUST_FAIL.get(cell.action, not cell.action.endswith("-transient"))
     return False
@@ -197,11 +204,15 @@ def must_fail(cell: Cell) -> bool:
 def must_commit(cell: Cell) -> bool:
     """The operation must succeed on every rank and commit step 2 (a
     transient fault retried, a disk that retention frees, gc beside it)."""
-    return (cell.fault_class in ("full-disk", "gc-concurrent")
+    return (cell.fault_class in ("full-disk", "gc-concurrent") or cell.action == "gc"
             or (cell.fault_class == "s3-http" and cell.op == "save" and cell.action.endswith("-transient")))
 
 
 def steps(cell: Cell) -> tuple[int, int, int]:
     """``(previous, faulted, next)`` steps of a cell: the committed checkpoint
     before the fault, the operation's, the save after it."""
-    return (3, 4, 5) if cell.fault_class == "full-disk" else (1, 2, 3)
+    if cell.fault_class == "full-disk":
+        return (3, 4, 5)
+    if cell.fault_class == "incremental" and cell.action == "gc":  # gc deletes step 1 that 2 and 3 link
+        return (2, 3, 4)
+    return (1, 2, 3)

@@ -38,12 +38,44 @@ def rank_backend(name: str) -> Any:
 # --------------------------------------------------------------------------- state
 
 
+#: rows of the frozen ``base`` per rank in the cells that save references
+#: (:func:`set_frozen`; 0: no base): 32 KiB a rank, above :data:`OWN_FILE_BYTES`
+#: (a file of its own, linked by every save after the first), while ``w``
+#: and ``b`` stay below it (written every save, in the rank's file)
+BASE_ROWS = 128
+#: ``SaveOptions.own_file_bytes`` of those cells
+OWN_FILE_BYTES = 16 << 10
+_FROZEN = {"rows": 0}
+
+
+def frozen_cell(cell: Cell) -> bool:
+    """The cells whose state holds a frozen ``base`` (incremental saves link it)."""
+    return cell.fault_class == "incremental" or cell.phase == "shared-shard"
+
+
+def set_frozen(cell: Cell) -> None:
+    """Give this process's states a frozen ``base`` when ``cell`` needs one
+    (every process of a cell, and the judge, call it first)."""
+    _FROZEN["rows"] = BASE_ROWS if frozen_cell(cell) else 0
+
+
+def save_options(cell: Cell) -> Any:
+    """The ``SaveOptions`` of a cell's managers (None: the defaults)."""
+    from ..options import SaveOptions
+
+    return SaveOptions(own_file_bytes=OWN_FILE_BYTES) if frozen_cell(cell) else None
+
+
 def full(step: int, world: int, rows: int) -> dict[str, Any]:
-    """The global state of ``step``: ``w`` (``rows`` rows per rank) and ``b``."""
+    """The global state of ``step``: ``w`` (``rows`` rows per rank) and ``b``,
+    and in the cells that save references a ``base`` that no step changes."""
     import torch
 
     g = torch.Generator().manual_seed(1000 + step)
-    return {"w": torch.randn(rows * world, 64, generator=g), "b": torch.randn(32, generator=g)}
+    out = {"w": torch.randn(rows * world, 64, generator=g), "b": torch.randn(32, generator=g)}
+    if _FROZEN["rows"]:
+        out["base"] = torch.randn(_FROZEN["rows"] * world, 64, generator=torch.Generator().manual_seed(7))
+    return out
 
 
 def state(step: int, rank: int, world: int, rows: int, *, hook: Any = None) -> dict[str, Any]:
@@ -57,6 +89,10 @@ def state(step: int, rank: int, world: int, rows: int, *, hook: Any = None) -> d
         "w": ShardedTensor("w", f["w"][rank * rows:(rank + 1) * rows].clone(),
                            global_shape=tuple(f["w"].shape), global_offset=(rank * rows, 0)),
         "b": f["b"].clone(), "meta": {"step": step}}
+    if "base" in f:
+        n = _FROZEN["rows"]
+        st["base"] = ShardedTensor("base", f["base"][rank * n:(rank + 1) * n].clone(),
+                                   global_shape=tuple(f["base"].shape), global_offset=(rank * n, 0))
     if hook is not None:
         st["hook"] = hook
     return st
@@ -67,17 +103,24 @@ def target(rank: int, world: int, rows: int) -> dict[str, Any]:
 
     from ..state.sharding import ShardedTensor
 
-    return {"w": ShardedTensor("w", torch.zeros(rows, 64), global_shape=(rows * world, 64),
-                               global_offset=(rank * rows, 0)),
-            "b": torch.zeros(32), "meta": {"step": 0}}
+    out = {"w": ShardedTensor("w", torch.zeros(rows, 64), global_shape=(rows * world, 64),
+                              global_offset=(rank * rows, 0)),
+           "b": torch.zeros(32), "meta": {"step": 0}}
+    n = _FROZEN["rows"]
+    if n:
+        out["base"] = ShardedTensor("base", torch.zeros(n, 64), global_shape=(n * world, 64),
+                                    global_offset=(rank * n, 0))
+    return out
 
 
 def matches(tgt: dict[str, Any], step: int, rank: int, world: int, rows: int) -> bool:
     import torch
 
     f = full(step, world, rows)
+    n = _FROZEN["rows"]
     return bool(torch.equal(tgt["b"], f["b"]) and torch.equal(
-        tgt["w"].data, f["w"][rank * rows:(rank + 1) * rows]))
+        tgt["w"].data, f["w"][rank * rows:(rank + 1) * rows]) and (
+        "base" not in f or torch.equal(tgt["base"].data, f["base"][rank * n:(rank + 1) * n])))
 
 
 class SignalOnStateDict:
@@ -191,7 +234,7 @@ def init_group(cell: Cell, rank: int, world: int, port: int, spec: dict[str, Any
     torch.set_num_threads(1)
     # a checkpoint timeout must bound the cell alone; gc beside a save holds
     # it for as long as the operator's command runs
-    long = cell.timeout_s is not None or cell.fault_class == "gc-concurrent"
+    long = cell.timeout_s is not None or cell.fault_class == "gc-concurrent" or cell.action == "gc"
     t = LONG_PG_TIMEOUT_S if long else PG_TIMEOUT_S
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
                             timeout=timedelta(seconds=t))
@@ -216,6 +259,7 @@ def rank_main(cell: Cell, rank: int, world: int, port: int, cdir: str, spec: dic
     """One rank of a cell (runs in a child process); ``spec``: ``backend``,
     ``root``, ``rows``, ``env``, ``disk`` (the tmpfs, where the cell has one)."""
     init_group(cell, rank, world, port, spec, cdir)
+    set_frozen(cell)
     import torch.distributed as dist
 
     import reshard
@@ -231,10 +275,13 @@ def rank_main(cell: Cell, rank: int, world: int, port: int, cdir: str, spec: dic
     result: dict[str, Any] = {}
     st = be.rank_storage()
     keep_last = 1 if cell.phase.startswith("retention") else None
-    kw: dict[str, Any] = dict(use_async=cell.mode == "async", preempt_signals=(), gc_grace_s=0.0)
+    kw: dict[str, Any] = dict(use_async=cell.mode == "async", preempt_signals=(), gc_grace_s=0.0,
+                              options=save_options(cell))
     mgr = CheckpointManager(root, keep_last=keep_last, storage=st, **kw)
     for s in range(1, prev + 1):
         mgr.save(s, state(s, rank, world, rows), sync=True)
+    if cell.op == "gc":  # step 2 links step 1's base; then the operator's gc is killed mid-sweep
+        mgr.save(2, state(2, rank, world, rows), sync=True)
     if cell.op == "integrity":
         mgr.save(2, state(2, rank, world, rows), sync=True)
         other = be.other_path(st, root)
@@ -255,9 +302,15 @@ def rank_main(cell: Cell, rank: int, world: int, port: int, cdir: str, spec: dic
     if cell.fault_class == "full-disk":
         keep_last = 1  # the restart on a disk full of checkpoints it no longer keeps
     try:
-        if cell.op == "save":
+        if cell.op == "gc":
+            while not os.path.exists(os.path.join(cdir, "gc-done")):  # the operator's gc ran (killed)
+                time.sleep(0.05)
+            dist.barrier()
+        elif cell.op == "save":
             m2 = CheckpointManager(root, keep_last=keep_last, storage=fs, on_save_error=ev.hook,
                                    timeout_s=cell.timeout_s, **kw)
+            if frozen_cell(cell):  # the same job going on: its next save's parent is the last one
+                m2._parent = m2._last_committed = mgr._last_committed
             sig = {"stop": signal.SIGSTOP, "kill": signal.SIGKILL}.get(cell.action)
             hook = SignalOnStateDict(cdir, sig) if cell.phase == "stage" and rank == cell.rank and sig else None
             h = m2.save(op_step, state(op_step, rank, world, rows, hook=hook))
@@ -321,6 +374,7 @@ def restart_main(cell: Cell, rank: int, world: int, port: int, cdir: str, spec: 
     """A restarted job on the cell's root: restore the newest checkpoint
     (bit-exact), save the next step, report ``restart<r>.json``."""
     init_group(cell, rank, world, port, {**spec, "env": spec.get("env", {})})
+    set_frozen(cell)
     from ..manager.manager import CheckpointManager
 
     be = rank_backend(spec["backend"])
@@ -331,7 +385,7 @@ def restart_main(cell: Cell, rank: int, world: int, port: int, cdir: str, spec: 
     try:
         keep_last = 1 if cell.phase.startswith("retention") else None
         mgr = CheckpointManager(root, keep_last=keep_last, preempt_signals=(), gc_grace_s=0.0,
-                                storage=be.rank_storage())
+                                storage=be.rank_storage(), options=save_options(cell))
         tgt = target(rank, world, rows)
         res = mgr.restore(tgt)
         step = res.step if res is not None else None
@@ -354,12 +408,12 @@ def faults_for(cell: Cell, rank: int, cdir: str, spec: dict[str, Any], spots: di
     from .inject import Fault
     from .model import PG_TIMEOUT_S as _PG
 
-    if rank != cell.rank or cell.op == "integrity" or cell.phase == "stage" or cell.fault_class in (
+    if rank != cell.rank or cell.op in ("integrity", "gc") or cell.phase == "stage" or cell.fault_class in (
             "s3-http", "truncated-body", "full-disk") or (cell.fault_class == "enospc-clears"
                                                          and cell.phase == "plan"):
         return []
     ph, a = cell.phase, cell.action
-    if cell.fault_class == "gc-concurrent":  # every data file waits for the parent's gc run
+    if cell.action == "gc":  # every data file waits for the parent's gc run (gc-concurrent, incremental)
         return [Fault(op="open_write", match=spots["data"][1], action="call", times=0,
                       callback=_gated(cdir))]
     if cell.fault_class == "enospc-clears":  # the disk fills as the first shard file is written

@@ -15,6 +15,10 @@ from ..storage import Storage, resolve
 
 # --------------------------------------------------------------------------- conversion
 
+#: ``Manifest.extra`` keys that describe a DCP folder as read (:func:`reshard.ondisk.dcp.open_dcp`),
+#: not the checkpoint a conversion writes
+_DCP_ONLY = frozenset({"source", "dcp_files"})
+
 
 def convert_dcp(
     src: str | os.PathLike[str],
@@ -40,12 +44,17 @@ def convert_dcp(
     :func:`open_dcp`; skipped ones are listed in ``manifest.extra``). The
     manifest is published last (:func:`reshard.commit.protocol.publish`).
 
+    Rank 0 holds a reader lease on ``src`` while it is read (warned and
+    read unprotected where it cannot be written).
+
     With ``group`` (or an initialised default group) every rank of it calls
     this; the files are shared out round-robin and rank 0 publishes. Without
     one it runs in this process.
 
     Args:
-        step: recorded in the new manifest.
+        step: recorded in the new manifest; None (default): the source's own
+            step (what :func:`reshard.ondisk.dcp.open_dcp` reads: the state
+            dict's top-level ``step``, or TorchTitan's ``train_state.step``).
         options: :class:`reshard.SaveOptions` (checksums, block size,
             durable, overwrite, schema_version, extra, hmac_key, progress).
         file_bytes: target size of one shard file.
@@ -64,6 +73,36 @@ def convert_dcp(
         failure is raised on every rank (as the common class of every rank's
         error) and publishes nothing.
     """
+    from ..collectives import get_collectives
+    from ..commit.leases import ReaderLease
+
+    lease = None
+    if get_collectives(group).rank == 0:
+        st, key = resolve(src, src_storage)
+        src, src_storage = key, st
+        lease = ReaderLease(st, key, what="convert").acquire()
+    try:
+        return _convert_dcp(src, dst, group=group, step=step, options=options, file_bytes=file_bytes,
+                            src_storage=src_storage, dst_storage=dst_storage,
+                            skip_unsafe_values=skip_unsafe_values)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def _convert_dcp(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    group: Any = None,
+    step: int | None = None,
+    options: Any = None,
+    file_bytes: int = 256 << 20,
+    src_storage: Storage | None = None,
+    dst_storage: Storage | None = None,
+    skip_unsafe_values: bool = False,
+) -> Any:
+    """The body of :func:`convert_dcp` (the lease is the caller's)."""
     from ..collectives import timed_collectives
     from ..commit import attempts
     from ..commit.protocol import publish
@@ -71,7 +110,7 @@ def convert_dcp(
     from ..ondisk.committed import sign_manifest
     from ..ondisk.manifest import MANIFEST_NAME
     from ..ondisk.shardfile import FileItem, tensor_bytes, write_shard_file
-    from ..options import SaveOptions
+    from ..options import SaveOptions, hmac_key_of
     from ..saving.attempt import (
         agree_attempt_location,
         agree_or_discard,
@@ -172,18 +211,22 @@ def convert_dcp(
                         chunks[fqn].append(Chunk(global_offset=c.global_offset, local_shape=c.local_shape,
                                                  file=f["name"], offset=off, length=length,
                                                  checksums=tuple(sums)))
-            extra = {**m.extra, "converted_from": "dcp", **opts.extra}
+            # a native checkpoint now (checksummed, its own files): what described the DCP
+            # folder itself goes ("source", its file count); its values' DCP paths stay
+            extra = {**{k: v for k, v in m.extra.items() if k not in _DCP_ONLY}, "converted_from": "dcp",
+                     **opts.extra}
             out = Manifest(
                 attempt_id=attempt_id, created_at=round(time.time(), 3), world_size=m.world_size,
                 checksum_block_bytes=opts.checksum_block_bytes, schema_version=opts.schema_version,
-                step=step, mesh=opts.mesh,
+                step=step if step is not None else m.step, mesh=opts.mesh,
                 tensors={fqn: TensorEntry(dtype=te.dtype, global_shape=te.global_shape,
                                           chunks=tuple(sorted(chunks[fqn], key=lambda c: c.global_offset)))
                          for fqn, te in m.tensors.items()},
                 values=m.values, files=dict(sorted(new_files.items())), extra=extra,
             )
-            if opts.hmac_key is not None:
-                out = sign_manifest(out, opts.hmac_key)
+            mac_key = hmac_key_of(opts.hmac_key)  # the caller's, else the environment's
+            if mac_key is not None:
+                out = sign_manifest(out, mac_key)
             validate_manifest(out, where=f"{dst_key}/{MANIFEST_NAME}")
             publish(dst_st, attempt, target, out, overwrite=opts.overwrite, durable=opts.durable)
         except Exception as e:  # noqa: BLE001
@@ -192,7 +235,7 @@ def convert_dcp(
                      attempt_id=attempt_id)
     total = sum(f["size"] for r in reports for f in r["written"])
     nfiles = sum(len(r["written"]) for r in reports)
-    return SaveResult(path=dst_key, step=step, attempt_id=attempt_id,
+    return SaveResult(path=dst_key, step=step if step is not None else m.step, attempt_id=attempt_id,
                       bytes_written=sum(f["size"] for f in written), total_bytes=total, num_files=nfiles,
                       timings={"open": t1 - t0, "write": t2 - t1, "commit": time.perf_counter() - t2},
                       manifest=out)

@@ -26,6 +26,7 @@ index is the sum of tensor bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 import os
@@ -140,8 +141,8 @@ class ExportResult:
 
 
 def _include_fn(include: Any) -> Callable[[str], bool]:
-    if include is None:
-        return lambda fqn: not fqn.startswith("optim.")
+    if include is None:  # optimizer state is never a weight (trainer state is left out by _subtree)
+        return lambda fqn: not fqn.startswith("optim.") and not _OPTIM_RX.search(fqn)
     if callable(include):
         return include
     pats = [include] if isinstance(include, str) else list(include)
@@ -187,6 +188,28 @@ _OPTIM_RX = re.compile(r"(^|\.)(optim|optimizer|optimizers|optim_\w+|optimizer_\
 _OPTIM_NAME_RX = re.compile(r"^(optim|optimizer|optimizers|optim_\w+|optimizer_\w+)$")
 #: kinds of :attr:`Manifest.adapters` that hold model weights, and where below them
 _MODEL_KINDS = {"ModelState": "", "TorchState": "model"}
+#: trainer state, never model weights, whatever the trainer's layout: a component
+#: that names it (TorchTitan's ``train_state``, ``lr_scheduler``, ``dataloader``;
+#: schedulers, loaders, RNG and loss-scaler state of other loops)
+_TRAINER_RX = re.compile(r"(^|\.)(train_state|trainer_state|training_state|lr_scheduler|lr_schedulers|"
+                         r"dataloader|dataloaders|data_loader|rng|rng_state|rng_states|grad_scaler)"
+                         r"(\.|$)")
+#: a 0-dim integer tensor with one of these names at the top of the model's
+#: subtree is a loop counter saved beside the weights, not a weight
+_COUNTERS = frozenset({"step", "steps", "global_step", "epoch", "iteration", "iter", "num_steps",
+                       "consumed_samples", "consumed_tokens", "ntokens_seen", "tokens_seen"})
+
+
+def trainer_state(name: str, te: TensorEntry | None = None) -> bool:
+    """Whether the tensor ``name`` (relative to the model's subtree; ``te`` its
+    entry) is trainer state rather than a model weight: under a component
+    that names trainer state (:data:`_TRAINER_RX`: ``train_state.step``,
+    ``lr_scheduler.*``, ``dataloader.*``), or a 0-dim integer counter
+    (``step``, ``epoch``, ...) at the top. An export never writes one."""
+    if _TRAINER_RX.search(name):
+        return True
+    return (te is not None and "." not in name and name in _COUNTERS and not te.global_shape
+            and not torch_dtype(te.dtype).is_floating_point)
 
 
 def _under(name: str, path: str) -> bool:
@@ -207,7 +230,8 @@ def model_candidates(m: Manifest) -> tuple[list[str], list[str]]:
 
     rec = m.adapters
     if not rec:
-        names = [k for k in (*m.tensors, *m.aliases) if not _OPTIM_RX.search(k)]
+        names = [k for k in (*m.tensors, *m.aliases)
+                 if not _OPTIM_RX.search(k) and not trainer_state(k, m.tensors.get(k))]
         parts = [k.split(".")[:-1] for k in names]
         common: list[str] = []
         if parts:
@@ -252,8 +276,10 @@ def _subtree(m: Manifest, subtree: str | None, key: str) -> Manifest:
     """``m`` seen from ``subtree`` (see :func:`export_hf`): its tensors and
     aliases below it, renamed relative to it, without the tensors of
     non-model subtrees inside it (optimizer state, RNG, data cursor)."""
-    if subtree == "":
-        return m
+    if subtree == "":  # every tensor, names as saved; trainer state is still not a weight
+        return msgspec.structs.replace(
+            m, tensors={k: te for k, te in m.tensors.items() if not trainer_state(k, te)},
+            aliases={a: t for a, t in m.aliases.items() if not trainer_state(a) and not trainer_state(t)})
     cands, excluded = model_candidates(m)
     if subtree is None:
         if len(cands) != 1:
@@ -268,7 +294,8 @@ def _subtree(m: Manifest, subtree: str | None, key: str) -> Manifest:
     cut = len(sub) + 1 if sub else 0
 
     def keep(name: str) -> bool:
-        return _under(name, sub) and name != sub and not any(_under(name, e) for e in drop)
+        return (_under(name, sub) and name != sub and not any(_under(name, e) for e in drop)
+                and not trainer_state(name[cut:], m.tensors.get(name)))
 
     tensors = {k[cut:]: te for k, te in m.tensors.items() if keep(k)}
     if not tensors:
@@ -391,13 +418,20 @@ def export_hf(
             ``get_state_dict``-style AppState); optimizer state (an
             ``OptimizerState``, TorchState's ``optim``, a mapping shaped as
             ``Optimizer.state_dict()`` or named ``optim``/``optimizer``), RNG
-            and data cursor are never model weights. More than one model
+            and data cursor are never model weights, nor is trainer state
+            (:func:`trainer_state`: ``train_state.step``, ``lr_scheduler.*``,
+            a 0-dim ``step``/``epoch`` counter beside the weights), whatever
+            the trainer's layout; in a checkpoint without that record
+            (a DCP folder: TorchTitan's flattens the model's keys to the top)
+            the model is what remains, under its own names. More than one model
             (``"model"`` and ``"ema"``): :class:`AmbiguousModelError` naming
-            them. ``""``: the whole checkpoint, names as saved. ``include``
+            them. ``""``: the whole checkpoint, names as saved (trainer state
+            left out all the same). ``include``
             and ``transforms`` then see the relative names.
         include: which checkpoint fqns (before transforms) to export: a glob,
             a list of globs, or a predicate. Default: every tensor whose fqn
-            does not start with ``"optim."`` (optimizer state, gradients).
+            does not start with ``"optim."`` (optimizer state, gradients) nor
+            names optimizer state (``optimizer.state.*``, TorchTitan's).
             Objects and plain values are never exported.
         transforms: transforms that act on saved names (``Rename``,
             ``Reset``), applied as at load: the output names are the names
@@ -428,7 +462,10 @@ def export_hf(
             ``RESHARD_PROGRESS=1`` (see :mod:`reshard.progress`).
 
     Shards are written under temporary names, fsync'd, validated, renamed
-    into place; the index is written last.
+    into place; the index is written last. A reader lease on ``ckpt`` is
+    held while it is read (retention and gc keep it); with an HMAC key
+    (``options.hmac_key``, else the environment's) an unsigned or mis-signed
+    checkpoint is refused.
 
     Raises:
         CheckpointNotFoundError, ManifestError, IntegrityError: as ``load``
@@ -439,6 +476,38 @@ def export_hf(
         ValueError: a bad argument, a transform that is not name-level,
             ``include`` selects nothing.
     """
+    from ..commit.leases import reader_lease
+    from ..options import hmac_key_of
+
+    opts = options or LoadOptions()
+    if opts.hmac_key is None or not opts.hmac_key:
+        opts = dataclasses.replace(opts, hmac_key=hmac_key_of(opts.hmac_key))
+    st, key = resolve(ckpt, storage)
+    with reader_lease(st, key, what="export", required=opts.require_lease):
+        return _export_hf(key, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes, include=include,
+                          transforms=transforms, copy_files=copy_files, include_aliases=include_aliases,
+                          subtree=subtree, overwrite=overwrite, validate=validate, options=opts,
+                          storage=st, progress=progress)
+
+
+def _export_hf(
+    ckpt: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_bytes: int | str = 2 * 1024**3,
+    include: str | Sequence[str] | Callable[[str], bool] | None = None,
+    transforms: Sequence[Any] = (),
+    copy_files: Sequence[str | os.PathLike[str]] = (),
+    include_aliases: bool = False,
+    subtree: str | None = None,
+    overwrite: bool = False,
+    validate: bool = True,
+    options: LoadOptions | None = None,
+    storage: Storage | None = None,
+    progress: bool | None = None,
+) -> ExportResult:
+    """The body of :func:`export_hf` (the lease is the caller's)."""
     t0 = time.perf_counter()
     opts = options or LoadOptions()
     out_dtype = None if dtype is None else parse_dtype(dtype)
@@ -589,4 +658,4 @@ def export_hf(
 
 
 __all__ = ["AmbiguousModelError", "ExportResult", "copy_payload", "export_hf", "model_candidates",
-           "parse_dtype", "parse_size"]
+           "parse_dtype", "parse_size", "trainer_state"]

@@ -15,6 +15,7 @@ from typing import Any
 from ..collectives import timed_collectives
 from ..errors import CheckpointNotFoundError, ManifestError, ShardingError
 from ..loading.load import LoadResult, load
+from ..ondisk.limits import default_limits, too_large
 from ..ondisk.manifest import (
     Chunk,
     FileEntry,
@@ -134,8 +135,8 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _file_tensors(st: Storage, path: str, name: str, shown: str | None = None
-                  ) -> tuple[int, dict[str, TensorEntry], Any]:
+def _file_tensors(st: Storage, path: str, name: str, shown: str | None = None,
+                  limits: Any = None) -> tuple[int, dict[str, TensorEntry], Any]:
     """``(file size, tensors, __metadata__)`` from one safetensors header at
     ``path`` (``shown``, the path as the directory spells it, in errors)."""
     where_file = shown or path
@@ -148,8 +149,11 @@ def _file_tensors(st: Storage, path: str, name: str, shown: str | None = None
     if size < 8:
         raise ManifestError(f"{where_file}: {size} bytes, too short for a safetensors file")
     (hlen,) = struct.unpack("<Q", st.read_bytes(path, 0, 8))
-    if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+    if 8 + hlen > size:
         raise ManifestError(f"{where_file}: header length {hlen} is impossible for a file of {size} bytes")
+    cap = min(MAX_HEADER_BYTES, (limits or default_limits()).header_bytes)
+    if hlen > cap:  # refused before a byte of it is read or parsed
+        raise ManifestError(too_large(where_file, "the safetensors header", hlen, cap, "header_bytes"))
     try:
         header = json.loads(st.read_bytes(path, 8, hlen))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -260,8 +264,8 @@ def config_ties(st: Storage, key: str, tensors: Mapping[str, TensorEntry]) -> di
     return {OUTPUT_EMBEDDING: cands[0]} if len(cands) == 1 else {}
 
 
-def hf_manifest(hf_dir: str | os.PathLike[str], *, storage: Storage | None = None
-                ) -> tuple[Storage, str, Manifest]:
+def hf_manifest(hf_dir: str | os.PathLike[str], *, storage: Storage | None = None,
+                limits: Any = None) -> tuple[Storage, str, Manifest]:
     """A reshard Manifest describing the Hugging Face safetensors directory
     ``hf_dir`` (``model.safetensors``, or ``model.safetensors.index.json`` and
     the shards it names): one chunk per tensor with its absolute byte range,
@@ -288,7 +292,7 @@ def hf_manifest(hf_dir: str | os.PathLike[str], *, storage: Storage | None = Non
     wmap: dict[str, str] | None = None
     tied: Any = None
     if st.exists(ipath):
-        idx = _read_json(st, ipath, MAX_INDEX_BYTES)
+        idx = _read_json(st, ipath, min(MAX_INDEX_BYTES, (limits or default_limits()).index_bytes))
         imeta = idx.get("metadata") if isinstance(idx, dict) else None
         tied = imeta.get(TIED_KEY) if isinstance(imeta, dict) else None
         wm = idx.get("weight_map") if isinstance(idx, dict) else None
@@ -307,7 +311,7 @@ def hf_manifest(hf_dir: str | os.PathLike[str], *, storage: Storage | None = Non
         check_file_name(name, where=ipath if wmap is not None else key)
     st = _snapshot_files(st, key, names)
     for name in names:
-        size, ents, meta = _file_tensors(st, st.join(key, name), name, Storage.join(key, name))
+        size, ents, meta = _file_tensors(st, st.join(key, name), name, Storage.join(key, name), limits)
         files[name] = FileEntry(size=size)
         if isinstance(meta, dict):
             metadata[name] = meta
@@ -335,6 +339,46 @@ def hf_manifest(hf_dir: str | os.PathLike[str], *, storage: Storage | None = Non
     return st, key, m
 
 
+def find_subtree(state: Mapping[str, Any], m: Manifest, *, where: str = "") -> str:
+    """Where the model whose Hugging Face names ``m`` lists sits in the target
+    ``state``, as :func:`~reshard.formats.hf_export.export_hf` finds the model
+    of a checkpoint: ``""`` when the names are keys of ``state`` as they are;
+    else the one model subtree of ``state`` (a ``ModelState``, TorchState's
+    ``model``, a plain mapping of tensors; optimizer state, RNG and data cursor
+    are not models, see :func:`~reshard.formats.hf_export.model_candidates`)
+    under which they are keys.
+
+    Raises:
+        ShardingError: none or several subtrees hold the names: the error names
+            the candidates and ``subtree=``.
+    """
+    from ..adapters.model import ModelState
+    from ..state.tree import flatten
+    from .hf_export import model_candidates
+
+    leaves = flatten(state, module_adapter=ModelState)
+    keys = {t.fqn for t in leaves.tensors} | set(leaves.plain) | set(leaves.dtensors)
+    names = set(m.tensors) | set(m.aliases)
+    if not names or keys & names:
+        return ""
+
+    class _Saved:  # what model_candidates reads of a manifest
+        adapters = leaves.adapters
+        tensors = dict.fromkeys(keys)
+        aliases: dict[str, str] = {}
+
+    cands, _ = model_candidates(_Saved)  # type: ignore[arg-type]
+    hits = [c for c in cands if c and any(f"{c}.{n}" in keys for n in names)]
+    if len(hits) == 1:
+        return hits[0]
+    shown = ", ".join(repr(c) for c in (hits or cands)) or "none"
+    raise ShardingError(
+        f"import_hf {where}: cannot tell where the model sits in the target state "
+        f"({'several model subtrees hold its names' if hits else 'no model subtree holds its names'}: "
+        f"{shown}; saved e.g. {sorted(names)[:3]}, the state holds e.g. {sorted(keys)[:3]}); pass "
+        "subtree= (the tree path of the model, e.g. subtree='model'), or transforms=[Rename(...)]")
+
+
 def import_hf(
     state: Mapping[str, Any],
     hf_dir: str | os.PathLike[str],
@@ -359,7 +403,10 @@ def import_hf(
     in ``state`` (``"model"`` for ``{"model": ModelState(m)}``): the
     directory's names (the model's own parameter names, as
     :func:`~reshard.formats.hf_export.export_hf` writes them) are read as
-    ``subtree.<name>``. Tied weights the export recorded are restored: the
+    ``subtree.<name>``; None (the default, without a ``Rename`` transform):
+    found as the export found it (:func:`find_subtree`), so importing into the
+    state tree an export came from needs no argument; ``""``: the names as
+    they are. Tied weights the export recorded are restored: the
     tied copy is filled from its target (the same tensor again when the
     target model ties them). Hugging Face files carry no checksums: the
     bytes are read as they are.
@@ -369,12 +416,17 @@ def import_hf(
         raised on every rank of ``group``.
     """
     coll = timed_collectives(group, None)  # gloo, whatever the training backend
+    auto = subtree is None and not any(type(t).__name__ == "Rename" for t in transforms)
     if coll.world_size == 1:
-        st, key, m = hf_manifest(hf_dir, storage=storage)
+        st, key, m = hf_manifest(hf_dir, storage=storage, limits=getattr(options, "limits", None))
+        if auto:
+            subtree = find_subtree(state, m, where=key)
     else:
         err: BaseException | None = None
         try:
-            st, key, m = hf_manifest(hf_dir, storage=storage)
+            st, key, m = hf_manifest(hf_dir, storage=storage, limits=getattr(options, "limits", None))
+            if auto:
+                subtree = find_subtree(state, m, where=key)
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             err = e
         coll.agree(f"import_hf {os.fspath(hf_dir)}", err)

@@ -141,8 +141,34 @@ def _semantic_op(op: int, rng: random.Random, m: dict[str, Any], c: Corpus) -> s
     return "aliases replaced"
 
 
+#: lowered read limits the size bombs run under (so one past a limit stays a few MiB)
+BOMB_LIMITS = {"name_bytes": 16 << 10, "field_bytes": 256 << 10, "manifest_bytes": 1 << 20,
+               "header_bytes": 256 << 10, "dcp_metadata_bytes": 256 << 10}
+
+
+def _bomb_case(rng: random.Random, c: Corpus) -> Case:
+    """A size bomb in one parsed field of the manifest (every field of
+    :data:`reshard.fuzz.hostile.FIELDS`), sized from half to three times
+    the limit that governs it (lowered: :data:`BOMB_LIMITS`): below it, it
+    must parse in bounded time and memory; past it, be refused before
+    parsing."""
+    from .hostile import FIELDS, bomb_manifest
+
+    fld = rng.choice(FIELDS)
+    limit = {"tensor-name": "name_bytes", "file-name": "name_bytes", "attempt-id": "name_bytes",
+             "lineage": "name_bytes", "dtype-string": "name_bytes", "empty-tensors": "manifest_bytes",
+             "zero-chunks": "manifest_bytes", "checksums-list": "manifest_bytes"}.get(fld, "field_bytes")
+    size = int(BOMB_LIMITS[limit] * rng.choice([0.5, 0.9, 1.1, 2.0, 3.0]))
+    files: dict[str, FileSpec] = dict(c.reshard)
+    files[MANIFEST] = bomb_manifest(c.fresh_manifest(), fld, size)
+    return Case("reshard", f"size bomb: {fld} of {size} bytes ({limit} {BOMB_LIMITS[limit]})", files,
+                family=f"size bomb: {fld}", limits=dict(BOMB_LIMITS))
+
+
 def _reshard_case(rng: random.Random, c: Corpus) -> Case:
     files: dict[str, FileSpec] = dict(c.reshard)
+    if rng.random() < 0.05:
+        return _bomb_case(rng, c)
     op = rng.randrange(10)
     if op <= 2:  # one field set to a hostile value
         m = c.fresh_manifest()
@@ -301,6 +327,11 @@ def _deep_metadata_pickle(depth: int, field: str = "state_dict_metadata") -> byt
 
 def _dcp_case(rng: random.Random, c: Corpus) -> Case:
     files: dict[str, FileSpec] = dict(c.dcp)
+    if rng.random() < 0.05:  # a size bomb: the .metadata grown past its (lowered) limit, or just under
+        size = int(BOMB_LIMITS["dcp_metadata_bytes"] * rng.choice([0.5, 0.9, 1.1, 2.0]))
+        files[DCP_META] = c.dcp[DCP_META] + b"\0" * max(0, size - len(c.dcp[DCP_META]))
+        return Case("dcp", f"size bomb: .metadata of {size} bytes", files,
+                    family="size bomb: .metadata", limits=dict(BOMB_LIMITS))
     op = rng.randrange(5)
     if op <= 1:
         files[DCP_META] = _dcp_metadata(rng)
@@ -338,6 +369,12 @@ def _hf_file(header: Any, data: bytes, *, hlen: int | None = None) -> bytes:
 def _hf_case(rng: random.Random, c: Corpus) -> Case:
     h = json.loads(c.hf_header_bytes)
     data = c.hf_data
+    if rng.random() < 0.05:  # a size bomb: many valid entries, half to three times the header limit
+        n = int(BOMB_LIMITS["header_bytes"] * rng.choice([0.5, 0.9, 1.1, 2.0, 3.0]) / 98)
+        big = {f"model.layers.{i}.mlp.experts.{i % 256}.weight": {
+            "dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]} for i in range(n)}
+        return Case("hf", f"size bomb: a header of {n} entries", {HF_FILE: _hf_file(big, b"\0" * (4 * n))},
+                    family="size bomb: header entries", limits=dict(BOMB_LIMITS))
     op = rng.randrange(8)
     names = [k for k in h if k != "__metadata__"]
     t = rng.choice(names)

@@ -12,7 +12,7 @@ import random
 import shutil
 import struct
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +50,9 @@ class Case:
     files: dict[str, FileSpec]
     data_only: bool = False
     family: str = ""
+    #: read limits the case runs under (``RESHARD_LIMIT_<NAME>``), lowered so a
+    #: size bomb past them stays small: ``{"field_bytes": 262144}``
+    limits: dict[str, int] = field(default_factory=dict)
 
 
 def base_state() -> dict[str, Any]:

@@ -263,6 +263,9 @@ def run_case(case: Case, corpus: Corpus, *, timeout_s: float = 10.0) -> str:
 
     old = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    env = {f"RESHARD_LIMIT_{k.upper()}": str(v) for k, v in case.limits.items()}
+    saved_env = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the case's lowered read limits (a size bomb)
     try:
         if case.kind == "reshard":
             _load_reshard(d, root, case.data_only)
@@ -277,6 +280,11 @@ def run_case(case: Case, corpus: Corpus, *, timeout_s: float = 10.0) -> str:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _vm_bytes() -> int:

@@ -18,6 +18,7 @@ import xxhash
 
 from ..errors import (
     IntegrityError,
+    ManifestError,
     ShardingError,
 )
 from ..ondisk import codec
@@ -162,10 +163,19 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
             raise ShardingError(f"object {ob.key}: element {list(ob.global_offset)} is not saved")
         wanted.append((ob, oc))
         files.add(oc.file)
+    _check_unchecked(m, groups, wanted, key, opts)
     reader = Reader(st, key, m, opts)
     reader.check_files(files)
     objects: dict[tuple[str, tuple[int, ...]], Any] = {}
     values: dict[str, Any] = {}
+    from ..ondisk.limits import default_limits, too_large
+
+    cap = (opts.limits if opts.limits is not None else default_limits()).value_bytes
+    for ob, oc in wanted:
+        if oc.length > cap:  # an encoded value is parsed whole: bounded before it is read
+            raise ManifestError(too_large(f"{st.join(key, oc.file)}: object {ob.key!r} element "
+                                          f"{list(ob.global_offset)}", "the encoded value",
+                                          oc.length, cap, "value_bytes"))
     raw_of = _object_reader(st, key, [oc for _, oc in wanted])
     for ob, oc in wanted:
         raw = raw_of(oc)
@@ -206,6 +216,41 @@ def _object_reader(st: Storage, key: str, chunks: Sequence[Any]) -> Any:
         return got[1][oc.offset - got[0]:oc.offset - got[0] + oc.length]
 
     return raw
+
+
+_UNCHECKED_WARNED: set[str] = set()
+
+
+def _check_unchecked(m: Manifest, groups: Groups, wanted: Sequence[tuple[ShardedObject, ObjectChunk]],
+                     key: str, opts: LoadOptions) -> None:
+    """Say so when what this rank reads carries no checksum (saved with
+    ``checksums=False``, or its digests were removed from the manifest): one
+    warning per checkpoint and process (``LoadOptions(unchecked="warn")``), an
+    IntegrityError before any target is written (``"refuse"``), or nothing
+    (``"accept"``; and with ``checksums=False``, the caller's own choice). A
+    DCP checkpoint or a Hugging Face directory records no checksums at all:
+    refused only on request."""
+    if opts.unchecked == "accept" or not opts.checksums:
+        return
+    foreign = m.extra.get("source") in ("dcp", "huggingface")  # formats that record no checksum
+    if foreign and opts.unchecked != "refuse":
+        return
+    bare = sorted({fqn for fqn, ci in groups if not BlockTables.has(m.tensors[fqn].chunks[ci])}
+                  | {ob.key for ob, oc in wanted if not BlockTables.has(oc)})
+    if not bare:
+        return
+    msg = (f"{key}: {len(bare)} tensor(s)/object(s) this load reads carry no checksum "
+           f"(e.g. {bare[:3]}): their bytes cannot be verified (saved with checksums=False, or its "
+           "manifest was edited to drop them; without an HMAC key the two look alike)")
+    if opts.unchecked == "refuse":
+        raise IntegrityError(f"{msg}; refused (LoadOptions(unchecked='refuse')), nothing was loaded")
+    if key not in _UNCHECKED_WARNED:
+        import logging
+        import warnings
+
+        _UNCHECKED_WARNED.add(key)
+        logging.getLogger("reshard.loading").warning("%s; loaded unchecked (warned once)", msg)
+        warnings.warn(f"{msg}; loaded unchecked", RuntimeWarning, stacklevel=4)
 
 
 def _check_hooks(statefuls: Sequence[tuple[str, Any, Any]],

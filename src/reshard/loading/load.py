@@ -14,15 +14,17 @@ import msgspec
 import torch
 
 from ..adapters.model import ModelState
-from ..collectives import Collectives, timed_collectives, watch
+from ..collectives import Arrival, Collectives, get_collectives, timed_collectives, watch
+from ..commit.leases import ReaderLease
 from ..errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     IntegrityError,
     ShardingError,
 )
 from ..ondisk.committed import read_manifest
 from ..ondisk.manifest import FORMAT_VERSION, Manifest
-from ..options import LoadOptions
+from ..options import LoadOptions, hmac_key_of
 from ..planning.coordination_load import key_census, read_shared
 from ..state.sharding import ShardedTensor
 from ..state.tree import HANDLED, flatten, join, positions, scoped_manifest, v1_rules
@@ -47,6 +49,8 @@ class LoadResult:
         initialized: missing keys filled by an ``allow_missing`` rule.
         values: common values by tree path, and object elements this rank
             requested by key.
+        objects: every object element this rank requested, by ``(key,
+            global_offset)`` (``values`` keeps one element per key).
         bytes_read: bytes this rank read from storage (everything: chunks,
             checksum tables, objects, the manifest on the coordinator).
         chunk_bytes_read: the part of ``bytes_read`` that is saved tensor
@@ -74,6 +78,7 @@ class LoadResult:
     unexpected: tuple[str, ...] = ()
     initialized: tuple[str, ...] = ()
     values: dict[str, Any] = field(default_factory=dict)
+    objects: dict[tuple[str, tuple[int, ...]], Any] = field(default_factory=dict)
     bytes_read: int = 0
     chunk_bytes_read: int = 0
     bytes_received: int = 0
@@ -153,6 +158,18 @@ def load(
     fails on any rank, every rank reads the ranges it was to receive from
     storage itself and ``LoadResult.notes[READ_ONCE]`` names the failure.
 
+    Readers hold leases: the coordinator holds a reader lease on the
+    checkpoint (one per load group, :mod:`reshard.commit.leases`) from before
+    the manifest is read until the load returns, so retention and gc keep
+    it; where the lease cannot be written the load warns once and reads
+    unprotected (``LoadOptions(require_lease=True)``: refuses). A load whose
+    files are deleted anyway (by hand) fails with one CheckpointNotFoundError
+    saying so and whether this rank's targets are unchanged or must be
+    reloaded. Chunks saved without checksums are loaded with one warning
+    naming the checkpoint (``LoadOptions(unchecked=...)``). With an HMAC key
+    (``LoadOptions.hmac_key`` or the environment's) an unsigned or
+    mis-signed manifest is refused.
+
     Raises:
         CheckpointNotFoundError: no committed checkpoint at ``path``.
         ManifestError, IntegrityError: the checkpoint is invalid or corrupt
@@ -164,7 +181,45 @@ def load(
         Every failure is raised on every rank of ``group``.
     """
     opts = options or LoadOptions()
-    coll = timed_collectives(group, opts.timeout_s)
+    if opts.hmac_key is None or not opts.hmac_key:  # the environment's key (NO_HMAC_KEY: none)
+        opts = dataclasses.replace(opts, hmac_key=hmac_key_of(opts.hmac_key))
+    lease, lease_err = None, None
+    if manifest is None and get_collectives(group).rank == 0:  # one lease per load group
+        st, key = resolve(path, storage)
+        storage, path = st, key
+        try:
+            lease = ReaderLease(st, key, what="load").acquire(required=opts.require_lease)
+            lease.confirm()
+        except Exception as e:  # noqa: BLE001 - agreed on every rank by _load
+            lease_err = e
+    try:
+        return _load(state, path, group=group, strict=strict, allow_missing=allow_missing,
+                     transforms=transforms, options=opts, storage=storage, manifest=manifest,
+                     lease=lease, lease_err=lease_err)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def _load(
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    group: Any,
+    strict: bool,
+    allow_missing: Sequence[Any],
+    transforms: Sequence[Any],
+    options: LoadOptions,
+    storage: Storage | None,
+    manifest: Manifest | None,
+    lease: Any = None,
+    lease_err: BaseException | None = None,
+) -> LoadResult:
+    """The body of :func:`load` (the lease is the caller's)."""
+    opts = options or LoadOptions()
+    # every rank checks in first: a load called on some ranks only fails there, naming the others
+    coll = timed_collectives(group, opts.timeout_s, arrival=Arrival(
+        kind="load", what=f"load of {os.fspath(path)}", timeout_s=opts.arrival_timeout_s))
     # progress lines and collective failures name the load and its phase
     doing = {"what": f"load of {path}", "phase": "manifest"}
     watch(coll, lambda: (doing["what"], doing["phase"]))
@@ -173,16 +228,18 @@ def load(
     t0 = time.perf_counter()
     st, key = resolve(path, storage)
     base, before = st, st.bytes_read  # (a DCP checkpoint is read through `base`)
-    err: BaseException | None = None
+    err: BaseException | None = lease_err
     if manifest is None:
         try:
             st, manifest = _read_shared(coll, st, key, opts)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
-            err = e
+            err = err or e
     ctx: dict[str, Any] = {}
     try:
         if err is not None:
             raise err
+        if coll.rank == 0 and manifest is not None:  # what verify and inspect refuse, load refuses
+            _check_structure(manifest, st.join(key, "manifest.json"))
         ctx = _prepare(state, st, key, opts, transforms, coll, manifest)
     except Exception as e:  # noqa: BLE001
         err = e
@@ -225,7 +282,7 @@ def load(
     try:
         plan.reader.run(local, keep=hand.send if hand is not None else ())
     except Exception as e:  # noqa: BLE001
-        err = e
+        err = _vanished(e, key, lease)
     _raise_after_writes(coll, err, plan.reader.written)
     fallback = _hand_over(coll, plan, hand) if hand is not None else None
     # finishing steps and allow_missing rules: only once every rank's reads succeeded
@@ -273,12 +330,43 @@ def load(
                          "duration_s": total, "timings": timings})
 
 
+def _check_structure(m: Manifest, where: str) -> None:
+    """The structural validation :func:`reshard.verify` and
+    :func:`reshard.inspect` share (:func:`reshard.planning.validation.structure_problems`),
+    on the coordinator; every rank raises what it finds (agreed).
+
+    Raises:
+        CoverageError: a tensor's chunks do not tile it. ManifestError: any other problem."""
+    from ..errors import CoverageError, ManifestError
+    from ..planning.validation import structure_problems
+
+    bad = structure_problems(m, where=where)
+    if bad:
+        cls = CoverageError if all(p.startswith("coverage:") for p in bad) else ManifestError
+        raise cls(f"{where}: {len(bad)} structural problem(s), nothing was loaded: " + "; ".join(bad[:5]))
+
+
+def _vanished(e: BaseException, key: str, lease: Any) -> BaseException:
+    """A data file gone while the load read it (deleted by hand, or by a
+    tool that ignores reader leases): one clear CheckpointNotFoundError (the
+    caller's agreement adds which targets are unchanged or must be reloaded)."""
+    if isinstance(e, (FileNotFoundError, NotADirectoryError)) and not isinstance(e, CheckpointError):
+        held = ("this load held a reader lease on it, so something that ignores leases deleted it "
+                "(a person, by hand)" if lease is not None and lease.held
+                else "no reader lease protected it")
+        out = CheckpointNotFoundError(f"{key}: {getattr(e, 'filename', None) or e} was deleted while "
+                                      f"this load was reading the checkpoint ({held})")
+        out.__cause__ = e
+        return out
+    return e
+
+
 def _read_shared(coll: Collectives, st: Storage, key: str, opts: LoadOptions) -> tuple[Storage, Manifest]:
     """The manifest read once by the coordinator and broadcast, with the
     check that every rank names the coordinator's checkpoint (see
     :func:`reshard.planning.coordination_load.read_shared`); a DCP checkpoint, or any
     failure, is opened by every rank itself (:func:`_read_or_dcp`)."""
-    m = read_shared(coll, st, key, hmac_key=opts.hmac_key)
+    m = read_shared(coll, st, key, hmac_key=opts.hmac_key, limits=opts.limits)
     if m is None:
         return _read_or_dcp(st, key, opts)
     return st, m
@@ -289,7 +377,7 @@ def _read_or_dcp(st: Storage, key: str, opts: LoadOptions) -> tuple[Storage, Man
     ``.metadata``, the DCP checkpoint presented by :func:`reshard.ondisk.dcp.open_dcp`
     (unsigned: refused when an HMAC key is given)."""
     try:
-        return st, read_manifest(st, key, hmac_key=opts.hmac_key)
+        return st, read_manifest(st, key, hmac_key=opts.hmac_key, limits=opts.limits)
     except CheckpointNotFoundError:
         from ..ondisk.dcp import DCP_METADATA, open_dcp
 
@@ -298,7 +386,7 @@ def _read_or_dcp(st: Storage, key: str, opts: LoadOptions) -> tuple[Storage, Man
         if opts.hmac_key is not None:
             raise IntegrityError(f"{key}: a DCP checkpoint carries no HMAC, but an HMAC key was "
                                  "given") from None
-        return open_dcp(key, storage=st)
+        return open_dcp(key, storage=st, limits=opts.limits)
 
 
 def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
@@ -307,7 +395,7 @@ def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
     from ..adapters.dtensor import dtensor_shards
 
     if manifest is None:
-        manifest = read_manifest(st, key, hmac_key=opts.hmac_key)
+        manifest = read_manifest(st, key, hmac_key=opts.hmac_key, limits=opts.limits)
     m = manifest_view(manifest, transforms)
     if opts.schema_version is not None and m.schema_version != opts.schema_version:
         raise ShardingError(f"{key}: checkpoint schema_version {m.schema_version!r} differs from the "
@@ -420,7 +508,8 @@ def _finish(plan: _Plan, ctx: dict[str, Any], key: str) -> LoadResult:
         if p in leaves.values:
             ctx["loaded_values"][p] = plan.values[p]
     return LoadResult(path=key, step=m.step, missing=plan.missing, unexpected=plan.unexpected,
-                      initialized=tuple(initialized), values=plan.values, manifest=m,
+                      initialized=tuple(initialized), values=plan.values, objects=dict(plan.objects),
+                      manifest=m,
                       notes=dict(ctx["notes"]))
 
 

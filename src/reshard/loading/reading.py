@@ -25,7 +25,7 @@ import xxhash
 
 from ..errors import IntegrityError, ManifestError
 from ..ondisk.manifest import Chunk, Manifest
-from ..ondisk.shardfile import BlockTables
+from ..ondisk.shardfile import BlockTables, note_rotten
 from ..options import LoadOptions
 from ..planning.planner import ReadItem, Request, _strides
 from ..state.sharding import box_intersection, flat_range_boxes, torch_dtype
@@ -230,6 +230,8 @@ class Reader:
                 return "missing", f"{p}: data file named by the manifest is missing"
             except IntegrityError as e:  # a store that checks more than a size (DCP items)
                 return "size", str(e)
+            except ManifestError as e:  # a FIFO, a socket, a device: refused, never opened
+                return "link", str(e)
             want = self.m.files[name].size
             if size != want:
                 return "size", f"{p}: file is {size} bytes, the manifest declares {want}"
@@ -301,6 +303,7 @@ class Reader:
             a = k * b - lo
             seg = mv[a:min(a + b, n)]
             if xxhash.xxh3_64_hexdigest(seg) != sums[k]:
+                note_rotten(self.st, self.st.join(self.ckpt, c.file))  # never linked again
                 raise IntegrityError(
                     f"{self.st.join(self.ckpt, c.file)}: checksum mismatch in {fqn!r} (chunk at "
                     f"{list(c.global_offset)}, block {k}, file bytes [{c.offset + k * b}, "

@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -32,7 +33,9 @@ import msgspec
 from ..catalog.records import VERIFIED, check_and_record, record_holds
 from ..catalog.verify import latest_entry
 from ..collectives_deferred import Deferred
+from ..commit import ownership
 from ..commit.lineage import Head, lineage_of, resume_order
+from ..commit.ownership import OwnerLease, job_identity
 from ..commit.protocol import (
     QUARANTINED,
     Entry,
@@ -41,9 +44,10 @@ from ..commit.protocol import (
     scan,
 )
 from ..commit.retention import Policy
-from ..errors import CheckpointError, StorageError
+from ..errors import CheckpointError, IntegrityError, RootOwnedError, StorageError
 from ..loading.load import LoadResult
-from ..options import SaveOptions, check_timeout
+from ..ondisk.committed import OWNER_NAME
+from ..options import SaveOptions, check_timeout, hmac_key_of
 from ..saving.save import SaveResult, save
 from ..saving.staging import SaveHandle, async_save, exiting, prewarm_staging, wait_for_staging
 from ..storage import Storage, resolve
@@ -95,6 +99,26 @@ class CheckpointManager(RetentionMixin):
             boundary followed by a clean stop (``should_stop``).
         options: SaveOptions for every save.
         group: process group.
+        writer: this manager saves into ``root`` (default): its coordinator
+            takes ownership of the root now, before the job trains (an owner
+            lease renewed in the background, :mod:`reshard.commit.ownership`);
+            a second job on a root a live job owns is refused here with
+            :class:`~reshard.errors.RootOwnedError` naming the owner, unless
+            it is the same job restarting (the same ``job_id``, a launcher
+            id that survives restarts, or an owner on this host whose process
+            is gone). ``writer=False``: a manager that only reads, lists or
+            collects the root (an evaluation, ``reshard ls``/``gc``) takes
+            no ownership and refuses to save.
+        job_id: this job's id across its restarts (default: ``RESHARD_JOB_ID``,
+            ``SLURM_JOB_ID``, torchrun's ``TORCHELASTIC_RUN_ID`` unless
+            ``"none"``; see :func:`reshard.commit.ownership.job_identity`).
+        require_signed: the root requires signed checkpoints from now on
+            (recorded in the owner record, signed with the HMAC key: needs
+            one), so no job resumes from an unsigned checkpoint there; None:
+            as the root's record says; False: no longer (needs the key).
+        collect_other_lineages: retention also deletes checkpoints of other
+            lineages (the branch a rollback left, a finished job's) once this
+            lineage passed them; by default a job deletes its own lineage only.
         on_save_error: ``hook(step, path, exception)``, called on every rank
             when an asynchronous save fails, at the moment it fails (on the
             save's background thread: keep it short and thread-safe; an
@@ -134,7 +158,8 @@ class CheckpointManager(RetentionMixin):
                  options: SaveOptions | None = None, group: Any = None,
                  storage: Storage | None = None, checksum_before_delete: bool = True,
                  on_save_error: Callable[[int | None, str, BaseException], Any] | None = None,
-                 timeout_s: float | None = None):
+                 timeout_s: float | None = None, writer: bool = True, job_id: str | None = None,
+                 require_signed: bool | None = None, collect_other_lineages: bool = False):
         if interval not in (None, "auto"):
             raise ValueError("interval must be None or 'auto'")
         if interval == "auto" and not mtbf_s:
@@ -155,7 +180,7 @@ class CheckpointManager(RetentionMixin):
         self.every_steps, self.every_seconds = every_steps, every_seconds
         self.interval, self.mtbf_s = interval, mtbf_s
         self.policy = Policy(keep_last=keep_last, keep_every=keep_every, keep_best=keep_best,
-                             mode=metric_mode)
+                             mode=metric_mode, collect_other_lineages=collect_other_lineages)
         self.use_async = use_async
         self.smoke_tensors = smoke_tensors
         self.gc_grace_s = gc_grace_s
@@ -185,7 +210,31 @@ class CheckpointManager(RetentionMixin):
         self._last_committed: str | None = None
         self._joined = False
         self._closing = False
+        self.last_outcomes: dict[str, str] = {}
+        self.last_litter: list[str] = []
+        self._deferred: list[Any] = []
+        self.writer = writer
+        self.job_id = job_identity(job_id)[0]
+        self._owner: OwnerLease | None = None
+        self._owner_done: Any = None
         self.storage.makedirs(self.root)
+        self._owner_args: dict[str, Any] | None = None
+        if writer and self.coll.rank == 0:  # ownership before the job trains (other ranks: at restore/save)
+            if not self.storage.capabilities.atomic_rename:
+                self.storage.check_publish(self.storage.join(self.root, OWNER_NAME))
+            self._owner_args = dict(
+                job_id=job_id, require_signed=require_signed, hmac_key=hmac_key_of(self.options.hmac_key),
+                policy={"keep_last": keep_last, "keep_every": keep_every, "keep_best": keep_best,
+                        "mode": metric_mode, "collect_other_lineages": collect_other_lineages})
+            try:
+                self._take_root()
+            except StorageError as e:
+                if "no space left on device" not in str(e):
+                    raise
+                # the root is free for this job (a live foreign owner is refused before any write),
+                # but full: ownership is recorded at the first save, once retention freed space
+                log.warning("%s: the disk is full: this job's ownership of the root is recorded "
+                            "at its first save, after retention frees space (%s)", self.root, e)
         self._old_handlers: dict[int, Any] = {}
         if preempt_signals and threading.current_thread() is threading.main_thread():
             for sig in preempt_signals:
@@ -318,8 +367,11 @@ class CheckpointManager(RetentionMixin):
         if self.coll.rank == 0:
             self._make_room(step)
         name = self._agreed_name(step)
+        # incremental by default: every checkpoint stays self-contained (linked or
+        # copied inside the store, docs/design.md); SaveOptions(incremental=False) opts out
         opts = SaveOptions(**{**self.options.__dict__, "extra": extra, "parent": self._parent,
-                              "lineage": self._lineage})
+                              "lineage": self._lineage,
+                              "incremental": self.options.incremental is not False})
         path = self.storage.join(self.root, name)
         t0 = time.perf_counter()
         self.last_save_time = time.monotonic()
@@ -338,8 +390,9 @@ class CheckpointManager(RetentionMixin):
 
     def _make_room(self, step: int) -> None:
         """Coordinator, before a save: when the store reports free space
-        (local: ``statvfs``) and it is less than the newest checkpoint's
-        size (the expected size of this one), apply retention first, so the
+        (local: ``statvfs``) and it is less than the bytes the newest
+        checkpoint's save wrote (the expected size of this one: the files an
+        incremental save linked are not counted), apply retention first, so the
         checkpoints it no longer keeps free their space (never the newest
         verified one, the resume source or the lineage's newest: the
         retention rules); newer checkpoints left unverified (their record's
@@ -352,7 +405,10 @@ class CheckpointManager(RetentionMixin):
             entries = committed(self.storage, self.root)
             if not entries or entries[-1].manifest is None:
                 return
-            need = entries[-1].manifest.total_bytes
+            # the bytes the newest save wrote itself (an incremental save links the
+            # unchanged files: they need no space, and deleting a checkpoint that
+            # shares them frees none of them: reshard.commit.sharing)
+            need = sum(fe.size for fe in entries[-1].manifest.files.values() if not fe.origin)
             if free >= need:
                 return
             log.warning("%s: %d bytes free, the save of step %d needs about %d: applying "
@@ -380,15 +436,55 @@ class CheckpointManager(RetentionMixin):
         mine: dict[str, Any] = {}
         if self.coll.rank == 0:
             try:
+                self._check_writer()
                 mine = {"name": self._free_name(step)}
+            except RootOwnedError as e:
+                mine = {"owner": str(e)}
             except Exception as e:  # noqa: BLE001 - every rank raises it
                 mine = {"error": f"{type(e).__name__}: {e}"}
         got = msgspec.json.decode(self.coll.broadcast_bytes(
             msgspec.json.encode(mine) if self.coll.rank == 0 else None))
+        if "owner" in got:  # refused before anything of this save is written
+            raise RootOwnedError(f"the save of step {step} is refused: {got['owner']}")
         if "error" in got:
             raise StorageError(f"{self.root}: choosing the checkpoint name of step {step} failed "
                                f"on the coordinator: {got['error']}")
         return str(got["name"])
+
+    def _take_root(self) -> None:
+        """Coordinator: take ownership of the root (see ``writer``)."""
+        assert self._owner_args is not None
+        self._owner = ownership.acquire(self.storage, self.root, **self._owner_args)
+        self._owner_done = weakref.finalize(self, ownership.drop, self._owner)
+
+    def _check_writer(self) -> None:
+        """Coordinator: this manager may save (it owns the root, or was not
+        made to own it only because it is a reader).
+
+        Raises:
+            RootOwnedError: made with ``writer=False``, or ownership was lost."""
+        if not self.writer:
+            raise RootOwnedError(f"{self.root}: this CheckpointManager was made with writer=False "
+                                 "(a reader); it takes no ownership of the root and does not save")
+        if self._owner is None and self._owner_args is not None:  # a full disk at construction
+            self._take_root()
+        if self._owner is not None:
+            self._owner.check()
+
+    def _check_owner(self, hmac_key: bytes | None) -> None:
+        """Coordinator, at restore: ownership still held, and a root that
+        requires signed checkpoints is only resumed with an HMAC key.
+
+        Raises:
+            RootOwnedError: ownership was lost. IntegrityError: the root requires signing, no key."""
+        if self._owner is not None:
+            self._owner.check()
+        rec, _ = ownership.read_owner(self.storage, self.root)
+        if rec and rec.get("require_signed") and hmac_key is None:
+            raise IntegrityError(f"{self.root} requires signed checkpoints (recorded by job "
+                                 f"{rec.get('job') or 'unnamed'} in {OWNER_NAME}), but no HMAC key "
+                                 "was given: refusing to resume from it (RESHARD_HMAC_KEY_FILE, "
+                                 "--hmac-key-file, or LoadOptions(hmac_key=))")
 
     def _free_name(self, step: int) -> str:
         """``name_for(step)``, or the first free ``.1``, ``.2``, ... suffix."""
@@ -583,7 +679,8 @@ class CheckpointManager(RetentionMixin):
 
     def restore(self, state: Mapping[str, Any], *, step: int | None = None,
                 name: str | None = None, allow_fresh_start: bool = False,
-                record_head: bool = True, **load_kwargs: Any) -> LoadResult | None:
+                record_head: bool = True, accept: Callable[[Any], bool] | None = None,
+                **load_kwargs: Any) -> LoadResult | None:
         """Load the newest checkpoint of the current lineage that loads (or
         the checkpoint of ``step``: the current lineage's first when several
         hold it; or the checkpoint called ``name``); collective: every rank
@@ -601,6 +698,9 @@ class CheckpointManager(RetentionMixin):
         of an older step then never rolls the training run's lineage back.
         A manager restored that way must not save (its saves would join the
         lineage of the existing ``HEAD``, not of the checkpoint it loaded).
+        ``accept(manifest) -> bool``: only checkpoints it accepts are
+        candidates (e.g. a TorchTitan model-only save, marked in its
+        manifest's ``extra``, is never resumed as a full state).
 
         Returns:
             The LoadResult (``notes["fallback"]`` lists what was skipped), or
@@ -623,7 +723,7 @@ class CheckpointManager(RetentionMixin):
             load_kwargs = {**load_kwargs, "options": LoadOptions(timeout_s=self.timeout_s)}
         return restore_collective(self, state, step=step, name=name,
                                   allow_fresh_start=allow_fresh_start, load_kwargs=load_kwargs,
-                                  record_head=record_head)
+                                  record_head=record_head, accept=accept)
 
     def _resumed(self, head: Head) -> None:
         self._lineage, self._parent, self._joined = head.id, head.name, True
@@ -638,6 +738,9 @@ class CheckpointManager(RetentionMixin):
         try:
             self.wait()
         finally:
+            if self._owner_done is not None:  # the root is released (the record stays)
+                self._owner_done()
+                self._owner = None
             if threading.current_thread() is threading.main_thread():
                 for sig, old in self._old_handlers.items():
                     signal.signal(sig, old)

@@ -33,7 +33,7 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from ..catalog.records import record_path
@@ -58,7 +58,8 @@ from ..ondisk.committed import (
     read_manifest_bytes,
     torn_files,
 )
-from ..ondisk.manifest import FORMAT, FORMAT_VERSION, KNOWN_FEATURES, MANIFEST_NAME
+from ..ondisk.manifest import FORMAT, FORMAT_VERSION, KNOWN_FEATURES, MANIFEST_NAME, Manifest
+from ..options import hmac_key_of
 from ..storage import Storage
 
 
@@ -80,6 +81,8 @@ class Managed(Protocol):
     def group(self) -> Any: ...
 
     def _resumed(self, head: Head) -> None: ...
+
+    def _check_owner(self, hmac_key: bytes | None) -> None: ...
 
 
 def _probe(mgr: Managed, path: str,
@@ -109,10 +112,11 @@ def _probe(mgr: Managed, path: str,
     return "ok", "", None
 
 
-def _plan(mgr: Managed, step: int | None, name: str | None) -> dict[str, Any]:
+def _plan(mgr: Managed, step: int | None, name: str | None,
+          accept: Callable[[Manifest], bool] | None = None) -> dict[str, Any]:
     """Coordinator: quarantine damaged manifests, list the committed
     checkpoints and order them (:func:`resume_order`), keeping those of
-    ``step`` / ``name``."""
+    ``step`` / ``name`` whose manifest ``accept`` (if given) accepts."""
     st, root = mgr.storage, mgr.root
     listed_at = time.time()  # HEAD's time: what is committed after the listing descends
     notes, aside = _quarantine_invalid(mgr)
@@ -124,6 +128,8 @@ def _plan(mgr: Managed, step: int | None, name: str | None) -> dict[str, Any]:
         order = [e for e in order if e.step == step]
     if name is not None:
         order = [e for e in order if e.name == name]
+    if accept is not None:  # e.g. a TorchTitan model-only save is never resumed as a full state
+        order = [e for e in order if e.manifest is not None and accept(e.manifest)]
     return {"notes": notes, "aside": aside, "order": [e.name for e in order], "listed_at": listed_at,
             "other": [e.name for e in order if lin.head is not None and e.name not in lin.current],
             "head": lin.head.name if lin.head is not None else None,
@@ -185,11 +191,16 @@ def _unloadable(coll: Any, path: str, status: str, detail: str,
 
 def restore_collective(mgr: Managed, state: Mapping[str, Any], *, step: int | None,
                        name: str | None, allow_fresh_start: bool,
-                       load_kwargs: dict[str, Any], record_head: bool = True) -> LoadResult | None:
+                       load_kwargs: dict[str, Any], record_head: bool = True,
+                       accept: Callable[[Manifest], bool] | None = None) -> LoadResult | None:
     coll, st, root = mgr.coll, mgr.storage, mgr.root
+    opts = load_kwargs.get("options")
+    hmac_key = hmac_key_of(getattr(opts, "hmac_key", None))  # the caller's, else the environment's
+    # this job still owns the root; a root that requires signing is resumed with a key only
+    _coordinated(mgr, f"restore {root} (owner)", mgr._check_owner, hmac_key)
     if record_head:  # the HEAD write needs a conditional replace: a store without one is refused first
         _coordinated(mgr, f"restore {root} (store check)", st.check_publish, st.join(root, HEAD_NAME))
-    plan = _coordinated(mgr, f"restore {root} (listing)", _plan, mgr, step, name)
+    plan = _coordinated(mgr, f"restore {root} (listing)", _plan, mgr, step, name, accept)
     for note in plan["notes"]:
         warnings.warn(note, RuntimeWarning, stacklevel=3)
     if (step is not None or name is not None) and not plan["order"]:
@@ -204,8 +215,6 @@ def restore_collective(mgr: Managed, state: Mapping[str, Any], *, step: int | No
             raise CheckpointNotFoundError(f"{root}: no committed checkpoint of step {step}")
         raise CheckpointNotFoundError(f"{root}: no committed checkpoint named {name!r}")
     failures: list[str] = list(plan["notes"])
-    opts = load_kwargs.get("options")
-    hmac_key = getattr(opts, "hmac_key", None)
     for cname in plan["order"]:
         path = st.join(root, cname)
         status, detail, exc = _probe(mgr, path, hmac_key)

@@ -4,34 +4,43 @@
 ``attempts_in_progress`` live here).
 
 Sidecars beside the checkpoints: ``<name>.lease-<id>.json`` (a reader holds
-the checkpoint until ``expires``); attempts hold their own leases
-(:mod:`reshard.commit.attempts`).
+the checkpoint until ``expires``: :mod:`reshard.commit.leases`); attempts
+hold their own leases (:mod:`reshard.commit.attempts`).
+
+Deleting a committed checkpoint happens in one method,
+:meth:`RetentionMixin._delete_checkpoint`, for all three paths (retention
+after a save, the deletion before a save that would not fit, ``reshard
+gc``); it calls :func:`reshard.commit.protocol.retire_checkpoint`, which
+refuses a checkpoint a reader holds. Nothing is written before the
+deletions: verification records made while deciding are written after
+them (``_deferred``), so retention frees a full disk.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..commit.attempts import LEASE_SUFFIX, local_lease_key, read_lease
+from ..commit.leases import LEASE as _READER_LEASE
+from ..commit.leases import ReaderLease, expired_leases, live_readers
 from ..commit.lineage import Head, lineage_of
 from ..commit.protocol import (
     _TMP,
+    DELETED,
     INCOMPLETE,
     RETIRED,
     Entry,
     committed,
-    delete_checkpoint,
+    finish_interrupted,
     linked_children,
     read_head,
-    read_record,
+    retire_checkpoint,
     scan,
 )
 from ..commit.retention import Candidate, Decision, Policy, decide
@@ -42,7 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("reshard.manager.manager")
 
-LEASE = ".lease-"
+LEASE = _READER_LEASE
 
 
 #: seconds: a record's temporary (``*.tmp-<id>``) younger than this is never
@@ -75,7 +84,17 @@ class RetentionMixin:
     checksum_before_delete: bool
     last_plan: RetentionPlan | None
     last_in_progress: dict[str, float]
+    #: what the last apply_retention did with each checkpoint it was to delete:
+    #: "deleted", "already removed" (another deleter), "in use by N readers"
+    last_outcomes: dict[str, str]
     _pending: list[tuple[str, SaveHandle]]
+    #: verification records decided before deletions, written after them
+    _deferred: list[Any]
+    #: what the last gc_abandoned removed beside the attempts: finished
+    #: interrupted deletions, expired reader leases, orphan verification records
+    last_litter: list[str]
+
+    smoke_tensors: int
 
     if TYPE_CHECKING:  # provided by CheckpointManager
         def _name(self, which: str | int) -> str: ...
@@ -90,28 +109,25 @@ class RetentionMixin:
     # ------------------------------------------------------------ leases
     @contextlib.contextmanager
     def lease(self, step: int | str, ttl_s: float = 3600.0) -> Iterator[str]:
-        """Hold checkpoint ``step`` (a step or a name) against retention
-        while reading it (export, conversion, a tier copy, an evaluation).
-        Yields its path."""
+        """Hold checkpoint ``step`` (a step or a name) against retention and
+        gc while reading it (export, conversion, a tier copy, an evaluation):
+        a reader lease (:mod:`reshard.commit.leases`) renewed every
+        ``ttl_s / 3`` seconds while the block runs, deleted after it. Yields
+        its path.
+
+        Raises:
+            CheckpointError: the lease could not be written."""
         name = self._name(step)
-        lp = self.storage.join(self.root, f"{name}{LEASE}{os.getpid()}-{os.urandom(3).hex()}.json")
-        self.storage.write_bytes(lp, json.dumps({"expires": time.time() + ttl_s}).encode())
+        path = self.storage.join(self.root, name)
+        lease = ReaderLease(self.storage, path, what="CheckpointManager.lease",
+                            ttl_s=ttl_s).acquire(required=True)
         try:
-            yield self.storage.join(self.root, name)
+            yield path
         finally:
-            self.storage.delete_tree(lp)
+            lease.release()
 
     def _leased(self, names: set[str]) -> set[str]:
-        out: set[str] = set()
-        now = time.time()
-        for child in self.storage.list_dir(self.root):
-            if LEASE not in child:
-                continue
-            base = child.split(LEASE, 1)[0]
-            rec = read_record(self.storage, self.storage.join(self.root, child))
-            if rec is not None and rec.get("expires", 0) > now and base in names:
-                out.add(base)
-        return out
+        return set(live_readers(self.storage, self.root, names))
 
     def _linked(self, names: set[str]) -> set[str]:
         """The checkpoints a symbolic link in the root points at (an operator's
@@ -129,7 +145,8 @@ class RetentionMixin:
         targets of symbolic links in the root)."""
         entries = committed(self.storage, self.root) if entries is None else entries
         lin = lineage_of(entries, Head.from_record(read_head(self.storage, self.root)))
-        leased = self._leased({e.name for e in entries}) | self._linked({e.name for e in entries})
+        readers = live_readers(self.storage, self.root, {e.name for e in entries})
+        linked = self._linked({e.name for e in entries})
         inflight = {n for n, _ in self._pending}
         out = []
         for e in entries:
@@ -139,7 +156,8 @@ class RetentionMixin:
             out.append(Candidate(name=e.name, step=m.step if m.step is not None else -1,
                                  verified=self.is_verified(e.name, e),
                                  metric=float(metric) if isinstance(metric, (int, float)) else None,
-                                 protected=e.name in leased or e.name in inflight,
+                                 protected=e.name in linked or e.name in inflight,
+                                 readers=readers.get(e.name, 0),
                                  current=e.name in lin.current, resume_source=e.name == lin.source,
                                  created_at=m.created_at))
         return out
@@ -163,7 +181,7 @@ class RetentionMixin:
             newest = max((c.step for c in cands.values() if c.verified and c.current), default=None)
             for c in sorted(cands.values(), key=lambda c: (c.step, c.created_at)):
                 if not c.verified and (newest is None or c.step > newest):
-                    ok = self.verify_checkpoint(c.name, record=not dry_run)
+                    ok = self._verify_deferred(c.name, "smoke", dry_run)
                     checks.append((c.name, "smoke test", ok))
                     cands[c.name] = replace(c, verified=ok)
         rechecked: set[str] = set()
@@ -175,36 +193,84 @@ class RetentionMixin:
                 return RetentionPlan(decision=d, checks=tuple(checks))
             kept = left[0].name
             rechecked.add(kept)
-            ok = self.verify_checkpoint(kept, how="checksums" if full else "structure",
-                                        record=not dry_run)
+            ok = self._verify_deferred(kept, "checksums" if full else "structure", dry_run)
             checks.append((kept, "verified again with checksums" if full
                            else "verified again (structure and sizes)", ok))
             if not ok:
                 log.warning("retention: %s failed its verification; keeping older checkpoints", kept)
                 cands[kept] = replace(cands[kept], verified=False)
 
+    def _verify_deferred(self, name: str, how: str, dry_run: bool) -> bool:
+        """:meth:`verify_checkpoint` whose record is written after the
+        deletions (``_deferred``), never before: a full disk must not stop
+        retention from freeing it."""
+        from ..catalog.records import check_and_record
+
+        deferred = getattr(self, "_deferred", None)
+        return check_and_record(self.storage, self.root, name, smoke_tensors=self.smoke_tensors,
+                                how=how, record=not dry_run, deferred=deferred)
+
     def apply_retention(self, *, dry_run: bool = False, checksums: bool | None = None,
-                        smoke_newer: bool = False) -> Decision:
+                        smoke_newer: bool = False, allowed: set[str] | None = None) -> Decision:
         """Delete what the policy no longer keeps (coordinator only), after
-        the checks of :meth:`plan_retention`."""
-        plan = self.plan_retention(checksums=checksums, smoke_newer=smoke_newer, dry_run=dry_run)
-        self.last_plan = plan
-        if not dry_run:
-            for name in plan.decision.delete:
-                log.info("retention: deleting %s", name)
-                self._delete_checkpoint(name)
+        the checks of :meth:`plan_retention`. Nothing is written before the
+        deletions (verification records made while deciding are written
+        after them), so retention frees a full disk. ``allowed``: delete
+        only these names (``reshard gc`` beside a live owner: what the
+        owner's retention would delete too). :attr:`last_outcomes` says what
+        became of each: "deleted", "already removed", "in use by N readers".
+        """
+        self._deferred = []
+        try:
+            plan = self.plan_retention(checksums=checksums, smoke_newer=smoke_newer, dry_run=dry_run)
+            self.last_plan = plan
+            self.last_outcomes = {}
+            if not dry_run:
+                for name in plan.decision.delete:
+                    if allowed is not None and name not in allowed:
+                        continue
+                    log.info("retention: deleting %s", name)
+                    self.last_outcomes[name] = out = self._delete_checkpoint(name)
+                    if out != DELETED:
+                        log.info("retention: %s not deleted: %s", name, out)
+        finally:
+            self._write_deferred()
         return plan.decision
 
-    def _delete_checkpoint(self, name: str) -> None:
-        """Delete a committed checkpoint so that an interruption (SIGKILL)
-        never leaves a torn checkpoint listed as committed, nor a directory
-        that nothing cleans (:func:`reshard.commit.protocol.delete_checkpoint`: renamed
-        out of the committed namespace first where rename is atomic, manifest
-        first elsewhere; :meth:`gc_abandoned` finishes an interrupted
-        deletion). Its verification record goes first (a checkpoint left
-        unverified is still a checkpoint; a record left without one is litter)."""
-        self.storage.delete_tree(self._verified_path(name))
-        delete_checkpoint(self.storage, self.storage.join(self.root, name))
+    def _write_deferred(self) -> None:
+        """Write the verification records decided while retention ran (after
+        its deletions freed space); one that still fails is logged: the
+        checkpoint stays unverified, which only keeps older ones."""
+        from ..catalog.records import write_outcome
+
+        todo, self._deferred = list(getattr(self, "_deferred", [])), []
+        for name, kw in todo:
+            if not self.storage.exists(self.storage.join(self.root, name)):
+                continue
+            try:
+                write_outcome(self.storage, self.root, name, **kw)
+            except Exception as e:  # noqa: BLE001 - the outcome stands; the record is a cache
+                log.warning("the verification record of %s could not be written: %s", name, e)
+
+    def _delete_checkpoint(self, name: str) -> str:
+        """Delete the committed checkpoint ``name``: the one call site of every
+        deletion of a committed checkpoint (retention after a save, the
+        deletion before a save that would not fit, ``reshard gc``), so a
+        rule about what may be deleted is applied here once
+        (:func:`reshard.commit.protocol.retire_checkpoint`: never one a live
+        reader lease holds; manifest moved aside first, checked for readers
+        again, then renamed out of the committed namespace and deleted;
+        nothing written first, so it frees a full disk; :meth:`gc_abandoned`
+        finishes an interrupted deletion). Its verification record goes after
+        it (a record left by an interruption is collected by gc).
+
+        Returns:
+            "deleted", "already removed" (another deleter was first) or
+            "in use by N readers" (kept)."""
+        out = retire_checkpoint(self.storage, self.root, name)
+        if out == DELETED:
+            self.storage.delete_tree(self._verified_path(name))
+        return out
 
     def gc_abandoned(self, grace_s: float | None = None, *, dry_run: bool = False) -> list[str]:
         """Delete ``*.incomplete-*`` attempts, ``*.retired-*`` leftovers
@@ -224,6 +290,7 @@ class RetentionMixin:
 
             got = gc_root(self.storage, self.root, grace_s=grace, dry_run=dry_run)
             self.last_in_progress = dict(got.in_progress)
+            self.last_litter = self._gc_records(dry_run)
             return list(got.attempts)
         now = time.time()
         inflight = set(self._pending_names())
@@ -236,7 +303,8 @@ class RetentionMixin:
                 continue
             if e.name.split(INCOMPLETE, 1)[0] in inflight or e.name in live:
                 continue
-            if e.mtime is not None and now - e.mtime < grace:
+            # a deletion's leftover (``.incomplete-deleting-``) is never a running save: at once
+            if e.mtime is not None and now - e.mtime < grace and f"{INCOMPLETE}deleting-" not in e.name:
                 continue
             out.append(e.name)
             if not dry_run:
@@ -266,6 +334,33 @@ class RetentionMixin:
             out.append(child)
             if not dry_run:
                 self.storage.delete_tree(p)
+        self.last_litter = self._gc_records(dry_run)
+        return out
+
+    def _gc_records(self, dry_run: bool) -> list[str]:
+        """The litter of interrupted work, beside the checkpoints: a deletion
+        interrupted after its manifest was moved aside (finished:
+        :func:`reshard.commit.protocol.finish_interrupted`), reader leases
+        that are over (a killed reader's), verification records whose
+        checkpoint is gone. Returns the names removed."""
+        from ..catalog.records import VERIFIED
+
+        st = self.storage
+        try:
+            names = st.list_dir(self.root)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        out = finish_interrupted(st, self.root, names, dry_run=dry_run)
+        for key in expired_leases(st, self.root):
+            out.append(st.basename(key))
+            if not dry_run:
+                st.delete_tree(key)
+        present = set(names)
+        for child in names:
+            if child.endswith(VERIFIED) and child[: -len(VERIFIED)] not in present:
+                out.append(child)
+                if not dry_run:
+                    st.delete_tree(st.join(self.root, child))
         return out
 
     def attempts_in_progress(self, now: float | None = None) -> dict[str, float]:

@@ -26,12 +26,11 @@ import datetime as _dt
 import enum
 import math
 import pathlib
+import sys
 import zoneinfo
 from typing import Any
 
 import msgspec
-import numpy as np
-import torch
 
 from ..errors import ManifestError
 
@@ -108,19 +107,22 @@ def to_json(value: Any, *, path: str = "") -> Any:
         return {"$set" if t is set else "$frozenset": items}
     if t is slice:
         return {"$slice": [to_json(value.start), to_json(value.stop), to_json(value.step)]}
-    if isinstance(value, np.ndarray):
+    # torch and NumPy values exist only where their packages are imported: the
+    # listing and inspection that decode values need neither (no start-up cost)
+    np, torch = sys.modules.get("numpy"), sys.modules.get("torch")
+    if np is not None and isinstance(value, np.ndarray):
         if value.dtype.hasobject:
             raise TypeError(f"{path or 'value'}: NumPy object arrays are not supported")
         arr = np.ascontiguousarray(value)  # (at least 1-D: keep the caller's shape)
         return {"$ndarray": [arr.dtype.str, list(value.shape), base64.b64encode(arr.tobytes()).decode("ascii")]}
-    if isinstance(value, np.generic):
+    if np is not None and isinstance(value, np.generic):
         arr = np.asarray(value)
         return {"$npscalar": [arr.dtype.str, base64.b64encode(arr.tobytes()).decode("ascii")]}
     if t is complex:
         return {"$complex": [_enc_float(value.real), _enc_float(value.imag)]}
-    if isinstance(value, torch.dtype):
+    if torch is not None and isinstance(value, torch.dtype):
         return {"$torch_dtype": str(value).removeprefix("torch.")}
-    if t is torch.device:
+    if torch is not None and t is torch.device:
         return {"$torch_device": str(value)}
     if t in _PATH_KIND:
         return {"$path": [_PATH_KIND[t], str(value)]}
@@ -133,7 +135,7 @@ def to_json(value: Any, *, path: str = "") -> Any:
         return {"$time": [*_time_fields(value), _enc_tz(value.tzinfo, path=path)]}
     if t is _dt.timedelta:
         return {"$timedelta": [value.days, value.seconds, value.microseconds]}
-    if isinstance(value, torch.Tensor):
+    if torch is not None and isinstance(value, torch.Tensor):
         from ..state.sharding import dtype_name
 
         cpu = value.detach().to("cpu").contiguous()
@@ -196,12 +198,18 @@ def _from_json(data: Any) -> Any:
     if tag == "$slice":
         return slice(*(_from_json(v) for v in p))
     if tag == "$ndarray":
+        import numpy as np
+
         dt, shape, b64 = p
         return np.frombuffer(base64.b64decode(b64), dtype=np.dtype(dt)).reshape(shape).copy()
     if tag == "$npscalar":
+        import numpy as np
+
         dt, b64 = p
         return np.frombuffer(base64.b64decode(b64), dtype=np.dtype(dt))[0]
     if tag == "$torch_dtype":
+        import torch
+
         dtype = getattr(torch, str(p), None)
         if not isinstance(dtype, torch.dtype):
             raise ManifestError(f"encoded value: unknown torch dtype {p!r}")
@@ -209,6 +217,8 @@ def _from_json(data: Any) -> Any:
     if tag == "$complex":
         return complex(_from_json(p[0]), _from_json(p[1]))
     if tag == "$torch_device":
+        import torch
+
         return torch.device(str(p))
     if tag == "$path":
         kind, s = p
@@ -231,6 +241,8 @@ def _from_json(data: Any) -> Any:
     if tag == "$timedelta":
         return _dt.timedelta(days=int(p[0]), seconds=int(p[1]), microseconds=int(p[2]))
     if tag == "$tensor":
+        import torch
+
         from ..state.sharding import torch_dtype
 
         name, shape, b64 = p

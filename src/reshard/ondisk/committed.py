@@ -30,6 +30,8 @@ RETIRED = ".retired-"
 QUARANTINED = ".quarantined-"  # a checkpoint renamed aside
 QUARANTINE_MARK = ".quarantined.json"  # the marker where rename is not possible
 HEAD_NAME = "HEAD"
+#: the root's owner record (:mod:`reshard.commit.ownership`)
+OWNER_NAME = "OWNER"
 _TMP = ".tmp-"
 #: the suffix of an attempt's lease (:mod:`reshard.commit.attempts`); beside an
 #: attempt directory ``<attempt>.lease.json`` where rename is atomic
@@ -55,34 +57,47 @@ def check_signature(m: Manifest, key: bytes, *, where: str) -> None:
         raise IntegrityError(f"{where}: manifest HMAC does not match (tampered, or another key)")
 
 
-def read_manifest(storage: Storage, path: str, *, hmac_key: bytes | None = None) -> Manifest:
-    """Read and validate the manifest of the checkpoint at ``path``.
+def read_manifest(storage: Storage, path: str, *, hmac_key: bytes | None = None,
+                  limits: Any = None) -> Manifest:
+    """Read and validate the manifest of the checkpoint at ``path`` (within
+    ``limits``, :class:`~reshard.ondisk.limits.ReadLimits`; None: the defaults).
 
     Raises:
         CheckpointNotFoundError: no checkpoint there (no manifest).
-        ManifestError: the manifest is unreadable or invalid, or is a symlink.
+        ManifestError: the manifest is unreadable, invalid, larger than a
+            limit, a symlink, or not a regular file.
         IntegrityError: sizes inconsistent; HMAC mismatch when a key is given.
     """
-    raw = read_manifest_bytes(storage, path)
+    raw = read_manifest_bytes(storage, path, limits=limits)
     where = storage.join(path, MANIFEST_NAME)
-    m = decode_manifest(raw, where=where)
+    m = decode_manifest(raw, where=where, limits=limits)
     if hmac_key is not None:
         check_signature(m, hmac_key, where=where)
     return m
 
 
-def read_manifest_bytes(storage: Storage, path: str) -> bytes:
-    """The raw bytes of ``<path>/manifest.json`` (not validated).
+def read_manifest_bytes(storage: Storage, path: str, *, limits: Any = None) -> bytes:
+    """The raw bytes of ``<path>/manifest.json`` (not validated; its size is
+    checked against ``limits.manifest_bytes`` before it is read).
 
     Raises:
         CheckpointNotFoundError: no manifest there.
-        ManifestError: the manifest is a symbolic link or a directory.
+        ManifestError: the manifest is a symbolic link, a directory, not a
+            regular file (a FIFO, socket or device: refused at once), or
+            larger than the limit.
     """
+    from .limits import default_limits, too_large
+
     mpath = storage.join(path, MANIFEST_NAME)
     if storage.is_link(mpath):
         raise ManifestError(f"{mpath}: manifest is a symbolic link")
+    lim = limits if limits is not None else default_limits()
     try:
-        return storage.read_bytes(mpath)
+        size = storage.size(mpath)
+        if size > lim.manifest_bytes:
+            raise ManifestError(too_large(mpath, "the manifest", size, lim.manifest_bytes,
+                                          "manifest_bytes"))
+        return storage.read_bytes(mpath, 0, size)
     except IsADirectoryError:
         raise ManifestError(f"{mpath}: is a directory, not a manifest file") from None
     except (FileNotFoundError, NotADirectoryError):
@@ -125,6 +140,9 @@ def torn_files(storage: Storage, path: str, m: Manifest) -> dict[str, str]:
         except (FileNotFoundError, NotADirectoryError):
             problems[name] = f"{p}: missing (manifest declares {fe.size} bytes)"
             continue
+        except ManifestError as e:  # a FIFO, a socket, a device: never opened
+            problems[name] = str(e)
+            continue
         if size != fe.size:
             problems[name] = f"{p}: {size} bytes, manifest declares {fe.size}"
     return problems
@@ -153,9 +171,17 @@ def write_record(storage: Storage, path: str, record: dict[str, Any]) -> None:
 
 def read_record(storage: Storage, path: str) -> dict[str, Any] | None:
     """A JSON record written by :func:`write_record`, or None when there is
-    none or it does not parse (a record never written completely is no record)."""
+    none, it does not parse (a record never written completely is no
+    record), it is larger than ``ReadLimits.record_bytes`` (never parsed),
+    or it is not a regular file (a FIFO, a directory: never waited on)."""
+    from .limits import default_limits
+
     try:
-        rec = json.loads(storage.read_bytes(path))
-    except (FileNotFoundError, NotADirectoryError, ValueError):
+        size = storage.size(path)
+        if size > default_limits().record_bytes:
+            return None
+        rec = json.loads(storage.read_bytes(path, 0, size))
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError,
+            RecursionError, ManifestError):
         return None
     return rec if isinstance(rec, dict) else None

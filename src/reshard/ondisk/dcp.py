@@ -59,8 +59,14 @@ from ..state.sharding import dtype_name, itemsize, numel
 from ..storage import Capabilities, Storage, WriteStream, resolve
 from . import codec
 from .dcp_blob import decode_tensor_blob
-from .dcp_metadata import DCP_METADATA, _read_metadata, read_dcp_metadata
-from .dcp_values import DCP_VALUES
+from .dcp_metadata import (  # noqa: F401 - the listing helpers live there (no torch)
+    DCP_METADATA,
+    _read_metadata,
+    dcp_checkpoints,
+    is_dcp_checkpoint,
+    read_dcp_metadata,
+)
+from .dcp_values import DCP_TENSOR_PATHS, DCP_VALUES
 from .manifest import Chunk, FileEntry, Manifest, TensorEntry, check_file_name, validate_manifest
 
 __all__ = [
@@ -76,14 +82,6 @@ __all__ = [
 WHOLE_BLOB_BYTES = 16 << 20
 #: default bound of the decoded-chunk cache of :class:`DCPStorage`, in bytes
 DEFAULT_CACHE_BYTES = 256 << 20
-def is_dcp_checkpoint(path: str | os.PathLike[str], *, storage: Storage | None = None) -> bool:
-    """``path`` holds a DCP ``.metadata`` (and no reshard ``manifest.json``)."""
-    from .manifest import MANIFEST_NAME
-
-    st, key = resolve(path, storage)
-    return st.exists(st.join(key, DCP_METADATA)) and not st.exists(st.join(key, MANIFEST_NAME))
-
-
 # --------------------------------------------------------------------------- storage
 
 
@@ -367,7 +365,8 @@ def _value_paths(md: Any, byte_fqns: list[str], tensor_fqns: list[str]) -> dict[
     return out
 
 
-def _build(st: Storage, key: str, md: Any, *, values: bool) -> tuple[dict[str, _Item], Manifest]:
+def _build(st: Storage, key: str, md: Any, *, values: bool,
+           limits: Any = None) -> tuple[dict[str, _Item], Manifest]:
     from torch.distributed.checkpoint import metadata as dm
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -479,6 +478,12 @@ def _build(st: Storage, key: str, md: Any, *, values: bool) -> tuple[dict[str, _
                 info = infos.get((fqn, None))
                 if info is None:
                     raise ManifestError(f"{fqn}: no storage_data entry")
+                from .limits import default_limits, too_large
+
+                cap = (limits if limits is not None else default_limits()).value_bytes
+                if isinstance(info.length, int) and info.length > cap:
+                    raise ManifestError(too_large(f"{where}: value {fqn!r}", "the encoded value",
+                                                  info.length, cap, "value_bytes"))
                 raw = st.read_bytes(st.join(key, info.relative_path), info.offset, info.length)
                 vals[fqn] = codec.to_json(_torch_load(raw, where=f"{where}: value {fqn!r}"), path=fqn)
             except (CheckpointError, TypeError, ValueError) as e:
@@ -491,6 +496,9 @@ def _build(st: Storage, key: str, md: Any, *, values: bool) -> tuple[dict[str, _
                              "dcp_files": len(file_sizes)}
     if table:
         extra[DCP_VALUES] = table
+    tensor_paths = {f: list(paths[f]) for f in tensors if paths[f] != (f,)}
+    if tensor_paths:
+        extra[DCP_TENSOR_PATHS] = tensor_paths
     if skipped:
         extra["dcp_skipped_values"] = skipped
     if skipped_tensors:
@@ -500,9 +508,10 @@ def _build(st: Storage, key: str, md: Any, *, values: bool) -> tuple[dict[str, _
     except Exception:  # noqa: BLE001
         created = 0.0
     # the training step the state dict saved at its top level ({"app": ..., "step": 5}), as DCP's
-    # own tutorials do; reshard's manifests carry it as `step`
-    saved_step = vals.get("step")
-    step = saved_step if type(saved_step) is int else None
+    # own tutorials do, or in TorchTitan's train state ({"train_state": {"step": 5, ...}});
+    # reshard's manifests carry it as `step`
+    found = [v for v in (vals.get("step"), vals.get("train_state.step")) if type(v) is int]
+    step = found[0] if found else None
     m = Manifest(
         attempt_id=f"dcp-{save_id}" if type(save_id) is str else "dcp",
         created_at=round(created, 3), world_size=world, checksum_block_bytes=1 << 20,
@@ -519,6 +528,7 @@ def open_dcp(
     storage: Storage | None = None,
     cache_bytes: int = DEFAULT_CACHE_BYTES,
     values: bool = True,
+    limits: Any = None,
 ) -> tuple[DCPStorage, Manifest]:
     """Present the DCP checkpoint at ``path`` as ``(storage, manifest)`` for
     ``reshard.load(state, path, storage=storage, manifest=manifest)``.
@@ -541,6 +551,8 @@ def open_dcp(
         storage: backend holding the DCP directory (default: resolve ``path``).
         cache_bytes: bound of the decoded-chunk LRU (see :class:`DCPStorage`).
         values: decode the BYTE_IO values (False: list them all as skipped).
+        limits: :class:`~reshard.ondisk.limits.ReadLimits` (``dcp_metadata_bytes``,
+            ``value_bytes``); None: the defaults.
 
     Raises:
         CheckpointNotFoundError: no ``.metadata`` at ``path``.
@@ -550,29 +562,10 @@ def open_dcp(
         IntegrityError: a declared byte range reaches past its data file.
     """
     st, key = resolve(path, storage)
-    md = _read_metadata(st, key)
+    md = _read_metadata(st, key, limits)
     try:
-        items, m = _build(st, key, md, values=values)
+        items, m = _build(st, key, md, values=values, limits=limits)
     except (AttributeError, TypeError, KeyError) as e:  # records of the right class, wrong contents
         raise ManifestError(f"{st.join(key, DCP_METADATA)}: malformed DCP metadata: "
                             f"{type(e).__name__}: {e}") from None
     return DCPStorage(st, key, items, cache_bytes=cache_bytes), m
-
-
-def dcp_checkpoints(storage: Storage, root: str) -> list[tuple[str, float | None]]:
-    """``(name, modified time)`` of every child of ``root`` that is a DCP
-    checkpoint (a ``.metadata`` and no reshard manifest), by name."""
-    from .manifest import MANIFEST_NAME
-
-    try:
-        names = storage.list_dir(root)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    out = []
-    for name in sorted(names):
-        p = storage.join(root, name)
-        if storage.exists(storage.join(p, DCP_METADATA)) and not storage.exists(
-                storage.join(p, MANIFEST_NAME)):
-            out.append((name, storage.modified_time(storage.join(p, DCP_METADATA))))
-    return out
-

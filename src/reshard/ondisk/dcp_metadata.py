@@ -15,8 +15,6 @@ import pickle
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
-
 from ..errors import CheckpointError, ManifestError
 from ..storage import Storage, resolve
 
@@ -53,6 +51,8 @@ _RECORD_CLASSES = (
 def _torch_singletons() -> dict[tuple[str, str], Any]:
     """``("torch", name)`` for every dtype, layout and memory format torch
     exposes (immutable C objects: ``BUILD`` cannot set attributes on them)."""
+    import torch  # (here: listing a root for DCP folders needs no torch)
+
     out: dict[tuple[str, str], Any] = {}
     for name, v in vars(torch).items():
         if isinstance(v, (torch.dtype, torch.layout, torch.memory_format)):
@@ -64,6 +64,7 @@ def _torch_singletons() -> dict[tuple[str, str], Any]:
 
 def _make_tables() -> tuple[dict[tuple[str, str], Any], dict[str, type]]:
     """The allowed globals for one read, and the record classes handed out."""
+    import torch
     from torch.distributed.checkpoint import filesystem as fs
     from torch.distributed.checkpoint import metadata as md
 
@@ -202,17 +203,19 @@ def read_dcp_metadata(path: str | os.PathLike[str], *, storage: Storage | None =
     return _read_metadata(st, key)
 
 
-def _read_metadata(st: Storage, key: str) -> Any:
+def _read_metadata(st: Storage, key: str, limits: Any = None) -> Any:
     from ..errors import CheckpointNotFoundError
+    from .limits import default_limits, too_large
+
+    cap = (limits if limits is not None else default_limits()).dcp_metadata_bytes
 
     mpath = st.join(key, DCP_METADATA)
     if st.is_link(mpath):
         raise ManifestError(f"{mpath}: DCP metadata is a symbolic link (refused)")
     try:
         size = st.size(mpath)
-        if size > MAX_METADATA_BYTES:
-            raise ManifestError(f"{mpath}: DCP metadata is {size} bytes, more than the "
-                                f"{MAX_METADATA_BYTES} this reader accepts")
+        if size > cap:
+            raise ManifestError(too_large(mpath, "the DCP metadata", size, cap, "dcp_metadata_bytes"))
         raw = st.read_bytes(mpath, 0, size)
     except (FileNotFoundError, NotADirectoryError):
         raise CheckpointNotFoundError(f"{key}: no DCP checkpoint here (no {DCP_METADATA})") from None
@@ -226,3 +229,29 @@ def _read_metadata(st: Storage, key: str) -> Any:
     if type(md) is not up.records["Metadata"]:
         raise ManifestError(f"{mpath}: DCP metadata holds a {type(md).__name__}, not a Metadata")
     return md
+
+
+def is_dcp_checkpoint(path: str | os.PathLike[str], *, storage: Storage | None = None) -> bool:
+    """``path`` holds a DCP ``.metadata`` (and no reshard ``manifest.json``)."""
+    from .manifest import MANIFEST_NAME
+
+    st, key = resolve(path, storage)
+    return st.exists(st.join(key, DCP_METADATA)) and not st.exists(st.join(key, MANIFEST_NAME))
+
+
+def dcp_checkpoints(storage: Storage, root: str) -> list[tuple[str, float | None]]:
+    """``(name, modified time)`` of every child of ``root`` that is a DCP
+    checkpoint (a ``.metadata`` and no reshard manifest), by name."""
+    from .manifest import MANIFEST_NAME
+
+    try:
+        names = storage.list_dir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    out = []
+    for name in sorted(names):
+        p = storage.join(root, name)
+        if storage.exists(storage.join(p, DCP_METADATA)) and not storage.exists(
+                storage.join(p, MANIFEST_NAME)):
+            out.append((name, storage.modified_time(storage.join(p, DCP_METADATA))))
+    return out

@@ -27,6 +27,9 @@ from .manifest import Manifest
 
 #: ``manifest.extra`` entry: DCP key -> ``[state-dict path, length of its default group]``
 DCP_VALUES = "dcp_values"
+#: ``manifest.extra`` entry: DCP tensor key -> its state-dict path (``planner_data``), where
+#: the path is not the key itself (:func:`reshard.read_state` nests by it)
+DCP_TENSOR_PATHS = "dcp_tensor_paths"
 
 
 def _assemble(parts: list[tuple[tuple[Any, ...], Any]]) -> Any:

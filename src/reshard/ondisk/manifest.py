@@ -14,6 +14,14 @@ holds instead one ``digest``, the root of its block digests, and
 ``block_index``, where they start in its file's block table (the file's last
 ``8 * blocks`` bytes; see :mod:`reshard.ondisk.shardfile`): the manifest then holds
 one digest per chunk, not one per MiB.
+
+Incremental saves (:mod:`reshard.saving.incremental`) add ``content`` to a
+chunk: the xxh3_128 (hex, 32 digits) of its bytes, the digest a later save
+compares to decide that the chunk is unchanged; and ``origin`` to a data file
+that repeats, byte for byte, a file of an earlier checkpoint of the lineage
+(linked on a local file system, copied inside the store on S3): the identity
+(``attempt_id``) of the checkpoint whose save first wrote those bytes. The
+file itself is in this checkpoint: a reader never follows ``origin``.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import msgspec
 import xxhash
 
 from ..errors import CoverageError, IntegrityError, ManifestError
-from ..state.sharding import DTYPE_NAMES, itemsize, numel
+from ..state.geometry import DTYPE_NAMES, itemsize, numel
 
 FORMAT = "reshard"
 #: 2: a leaf's key is its tree path (DESIGN.md section 2); 1 named a
@@ -42,6 +50,8 @@ SEAL_FEATURE = "manifest-seal"
 KNOWN_FEATURES: frozenset[str] = frozenset({SEAL_FEATURE})
 # A declared dimension above this is refused before anything is allocated.
 MAX_DIM = 2**48
+_CONTENT_RE = re.compile(r"^[0-9a-f]{32}$")
+_ATTEMPT_RE = re.compile(r"^[0-9A-Za-z_-]{1,128}$")
 # The leaf records below hold only ints, strs and tuples of them (no reference
 # cycles), so they opt out of the cyclic GC: decoding a 100k-chunk manifest is
 # then 3-10x faster (the GC no longer rescans the growing heap during decode).
@@ -59,6 +69,8 @@ class Chunk(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False, 
     flattened_range: tuple[int, int] | None = None
     digest: str = ""
     block_index: int = -1
+    #: xxh3_128 (hex) of the chunk's bytes (incremental saves; "" otherwise)
+    content: str = ""
 
     @property
     def numel(self) -> int:
@@ -92,11 +104,16 @@ class ObjectEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=F
 class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False, omit_defaults=True):
     """A data file: ``size`` in bytes, whole-file ``checksum``, and ``blocks``:
     the entries of its block table (the last ``8 * blocks`` bytes of the file;
-    0: no table, the chunks then carry their block digests themselves)."""
+    0: no table, the chunks then carry their block digests themselves).
+    ``origin``: the ``attempt_id`` of the earlier checkpoint whose save wrote
+    this file's bytes, when this checkpoint's save linked (or copied inside
+    the store) that file instead of writing it ("": written by this save).
+    Provenance only: the file is in this checkpoint like any other."""
 
     size: int
     checksum: str = ""
     blocks: int = 0
+    origin: str = ""
 
 
 class PlanIndex(msgspec.Struct, frozen=True, forbid_unknown_fields=False, gc=False):
@@ -302,18 +319,85 @@ def check_file_name(name: str, *, where: str) -> None:
         raise ManifestError(f"{where}: file name {name!r} is not a plain file inside the checkpoint")
 
 
-def decode_manifest(raw: bytes, *, where: str = MANIFEST_NAME) -> Manifest:
-    """Parse and validate manifest bytes.
+class _Outline(msgspec.Struct, forbid_unknown_fields=False):
+    """What the outline pass of :func:`check_limits` looks at: views of the
+    free-form fields (``msgspec.Raw``: nothing decoded) and the names."""
+
+    tensors: dict[str, msgspec.Raw] = {}
+    objects: dict[str, msgspec.Raw] = {}
+    files: dict[str, msgspec.Raw] = {}
+    values: msgspec.Raw = msgspec.Raw()
+    extra: msgspec.Raw = msgspec.Raw()
+    mesh: msgspec.Raw = msgspec.Raw()
+    adapters: msgspec.Raw = msgspec.Raw()
+    aliases: msgspec.Raw = msgspec.Raw()
+    attempt_id: msgspec.Raw = msgspec.Raw()
+    parent: msgspec.Raw = msgspec.Raw()
+    lineage: msgspec.Raw = msgspec.Raw()
+    schema_version: msgspec.Raw = msgspec.Raw()
+
+
+_OUTLINE = msgspec.json.Decoder(_Outline)
+
+
+def check_limits(raw: bytes, limits: Any = None, *, where: str = MANIFEST_NAME) -> None:
+    """Refuse manifest bytes that exceed ``limits``
+    (:class:`~reshard.ondisk.limits.ReadLimits`; None: the defaults) before
+    they are decoded: the whole size, then (above
+    :data:`~reshard.ondisk.limits.OUTLINE_MIN_BYTES`) the free-form fields
+    together and every name, from an outline pass that decodes nothing.
 
     Raises:
-        ManifestError: not JSON, fails the schema, unsupported format or
-            version, unknown required feature, bad dtype/shape, a file name
-            outside the checkpoint, or a chunk naming an undeclared file.
+        ManifestError: a limit is exceeded (naming the field, its size and the limit).
+    """
+    from .limits import OUTLINE_MIN_BYTES, default_limits, too_large
+
+    lim = limits if limits is not None else default_limits()
+    if len(raw) > lim.manifest_bytes:
+        raise ManifestError(too_large(where, "the manifest", len(raw), lim.manifest_bytes,
+                                      "manifest_bytes"))
+    if len(raw) <= min(OUTLINE_MIN_BYTES, lim.name_bytes):  # no field or name can be too large
+        return
+    try:
+        o = _OUTLINE.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError) as e:
+        raise ManifestError(f"{where}: invalid manifest: {e}") from None
+    except RecursionError:
+        raise ManifestError(f"{where}: invalid manifest: nested too deeply") from None
+    free = {k: len(getattr(o, k)) for k in ("extra", "values", "mesh", "adapters", "aliases")}
+    if sum(free.values()) > lim.field_bytes:
+        big = max(free, key=lambda k: free[k])
+        raise ManifestError(too_large(where, f"its free-form fields (extra, values, mesh, adapters, "
+                                      f"aliases; the largest: {big}, {free[big]} bytes)",
+                                      sum(free.values()), lim.field_bytes, "field_bytes"))
+    for k in ("attempt_id", "parent", "lineage", "schema_version"):
+        v = getattr(o, k)
+        if len(v) > lim.name_bytes:
+            raise ManifestError(too_large(where, f"its {k}", len(v), lim.name_bytes, "name_bytes"))
+    for what, d in (("tensor", o.tensors), ("object", o.objects), ("file", o.files)):
+        for n in d:
+            if len(n) > lim.name_bytes // 4:  # chars: at most 4 bytes each; encode only the long ones
+                size = len(n.encode("utf-8", "surrogatepass"))
+                if size > lim.name_bytes:
+                    raise ManifestError(too_large(where, f"a {what} name ({n[:40]!r}...)", size,
+                                                  lim.name_bytes, "name_bytes"))
+
+
+def decode_manifest(raw: bytes, *, where: str = MANIFEST_NAME, limits: Any = None) -> Manifest:
+    """Parse and validate manifest bytes (first :func:`check_limits` against
+    ``limits``, :class:`~reshard.ondisk.limits.ReadLimits`; None: the defaults).
+
+    Raises:
+        ManifestError: larger than a limit; not JSON, fails the schema,
+            unsupported format or version, unknown required feature, bad
+            dtype/shape, a file name outside the checkpoint, or a chunk naming
+            an undeclared file.
         IntegrityError: the manifest's own checksum does not match its bytes
             (:func:`check_seal`); a chunk's declared byte length disagrees
             with its shape and dtype, or reaches past the declared size of
             its file.
     """
+    check_limits(raw, limits, where=where)
     try:
         m = _DECODER.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError) as e:
@@ -351,6 +435,8 @@ def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
         if fe.blocks < 0 or 8 * fe.blocks > fe.size:
             raise ManifestError(f"{where}: file {name!r}: block table of {fe.blocks} entries does not fit "
                                 f"its {fe.size} bytes")
+        if fe.origin and not _ATTEMPT_RE.match(fe.origin):
+            raise ManifestError(f"{where}: file {name!r}: origin {fe.origin[:80]!r} is not an attempt id")
         sizes[name] = fe.size
         tables[name] = fe.blocks
 
@@ -403,6 +489,8 @@ def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
                     f"{te.dtype} need {n * isz}"
                 )
             check_range(key, c.file, c.offset, c.length, c.checksums, c)
+            if c.content and not _CONTENT_RE.match(c.content):
+                raise ManifestError(f"{where}: {key}: content digest {c.content[:80]!r} is not 32 hex digits")
             volume += n
         if volume != numel(gshape):
             raise CoverageError(

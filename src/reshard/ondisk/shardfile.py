@@ -28,14 +28,16 @@ import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
 
 from ..errors import IntegrityError
-from ..state.sharding import VIEW_METADATA_PREFIX, safetensors_entry
+from ..state.geometry import VIEW_METADATA_PREFIX, safetensors_entry
 from ..storage import Storage
+
+if TYPE_CHECKING:
+    import torch
 
 #: name of the block-digest table entry of a shard file
 BLOCK_TABLE = "__reshard__/blocks"
@@ -44,6 +46,8 @@ BLOCK_TABLE = "__reshard__/blocks"
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A byte view of a CPU tensor's elements in row-major order (copies only
     when ``t`` is not contiguous or not on the CPU)."""
+    import torch  # (here: listing and inspection, which use this module, need no torch)
+
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -113,7 +117,11 @@ class FileItem:
     The bytes are ``data``, or, when ``pieces`` is set, what ``pieces()``
     yields, in order (``nbytes`` in all): a staged chunk arriving piece by
     piece, each piece valid until the next one is asked for (the staging
-    buffers are reused). ``data`` is then unused."""
+    buffers are reused). ``data`` is then unused.
+
+    ``content``: the xxh3_128 (hex) of the bytes (:func:`content_digest`), recorded
+    in the file's header metadata (``reshard.content:<name>``) when given, so a
+    later save can tell from the header alone that the file holds these bytes."""
 
     name: str
     dtype: str
@@ -123,6 +131,7 @@ class FileItem:
     checksums: tuple[str, ...] | None = None  # precomputed block digests, if any
     pieces: Callable[[], Iterator[memoryview]] | None = None
     nbytes: int = -1
+    content: str | None = None
 
     @property
     def length(self) -> int:
@@ -139,6 +148,51 @@ class WrittenItem:
     root: str = ""  # block_root of the item's block digests ("" without a table)
 
 
+#: header metadata key prefix of an item's content digest (``reshard.content:<item name>``)
+CONTENT_META_PREFIX = "reshard.content:"
+
+#: data files this process found rotten (a checksum mismatch while loading,
+#: verifying or copying), by the store's identity of their bytes (a local
+#: file's inode: every name of it): never linked by a later incremental save,
+#: which writes those bytes again from its staged copy instead
+_ROTTEN: set[object] = set()
+_ROTTEN_LOCK = threading.Lock()
+
+
+def _identity(storage: Storage, path: str) -> object:
+    try:
+        ident = storage.file_identity(path)
+    except Exception:  # noqa: BLE001 - gone or unreadable: known by its key
+        ident = None
+    return ("key", path) if ident is None else ident[0]
+
+
+def note_rotten(storage: Storage, path: str) -> None:
+    """Remember that the bytes of the data file ``path`` do not match their
+    checksums (called where a mismatch is found), so that no incremental
+    save of this process links them again."""
+    ident = _identity(storage, path)
+    with _ROTTEN_LOCK:
+        _ROTTEN.add(ident)
+
+
+def is_rotten(storage: Storage, path: str) -> bool:
+    """Whether this process found the bytes of ``path`` rotten (:func:`note_rotten`)."""
+    with _ROTTEN_LOCK:
+        if not _ROTTEN:
+            return False
+    ident = _identity(storage, path)
+    with _ROTTEN_LOCK:
+        return ident in _ROTTEN
+
+
+def content_digest(data: memoryview) -> str:
+    """xxh3_128 (hex, 32 digits) of ``data``: the digest an incremental save
+    compares to decide a chunk is unchanged (128 bits: an accidental collision
+    among 2**40 distinct chunks has a probability below 2**-48)."""
+    return xxhash.xxh3_128_hexdigest(data)
+
+
 def block_root(raw: bytes) -> str:
     """The digest standing for a chunk's blocks: xxh3_64 (hex) of their 8-byte
     digests concatenated, as stored in the block table."""
@@ -147,6 +201,76 @@ def block_root(raw: bytes) -> str:
 
 def nblocks(length: int, block_bytes: int) -> int:
     return -(-length // block_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileLayout:
+    """Where everything of one shard file goes, known before a byte is written:
+    the ``prefix`` (length and JSON header), the write ``order`` of the items,
+    each item's offset relative to the end of the prefix (``rel``) and first
+    block-table entry (``first``), and the file's ``size`` in bytes. The same
+    items in the same order give the same layout (deterministic)."""
+
+    prefix: bytes
+    order: tuple[int, ...]
+    rel: dict[int, int]
+    first: dict[int, int]
+    size: int
+    table: bool
+
+
+def layout_shard_file(items: Sequence[FileItem], *, block_bytes: int, checksums: bool,
+                      block_table: bool) -> FileLayout:
+    """The :class:`FileLayout` of ``items`` written as one shard file (pure)."""
+    order = sorted(range(len(items)), key=lambda i: -items[i].itemsize)
+    meta: dict[str, str] = {"format": "reshard"}
+    header: dict[str, object] = {"__metadata__": meta}
+    pos = 0
+    rel: dict[int, int] = {}
+    for i in order:
+        it = items[i]
+        n = it.length
+        code, shape = safetensors_entry(it.dtype, it.shape)
+        if shape != list(it.shape):  # a view (complex128 as float64 pairs): record it
+            meta[VIEW_METADATA_PREFIX + it.name] = it.dtype
+        if it.content is not None:
+            meta[CONTENT_META_PREFIX + it.name] = it.content
+        header[it.name] = {"dtype": code, "shape": shape, "data_offsets": [pos, pos + n]}
+        rel[i] = pos
+        pos += n
+    table = block_table and checksums
+    first: dict[int, int] = {}
+    if table:
+        count = 0
+        for i in order:
+            first[i] = count
+            count += nblocks(items[i].length, block_bytes)
+        header[BLOCK_TABLE] = {"dtype": "U8", "shape": [8 * count], "data_offsets": [pos, pos + 8 * count]}
+        pos += 8 * count
+    hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    hbytes += b" " * (-len(hbytes) % 8)
+    prefix = struct.pack("<Q", len(hbytes)) + hbytes
+    return FileLayout(prefix=prefix, order=tuple(order), rel=rel, first=first, size=len(prefix) + pos,
+                      table=table)
+
+
+def _item_sums(it: FileItem, block_bytes: int, checksums: bool) -> tuple[str, ...]:
+    if not checksums:
+        return ()
+    return it.checksums if it.checksums is not None else block_digests(it.data, block_bytes)
+
+
+def _written(items: Sequence[FileItem], lay: FileLayout, sums: dict[int, tuple[str, ...]],
+             checksums: bool) -> tuple[int, str, list[WrittenItem]]:
+    """``(size, whole-file checksum, WrittenItems in input order)`` of a file of ``lay``."""
+    base = len(lay.prefix)
+    out: list[WrittenItem | None] = [None] * len(items)
+    for i in lay.order:
+        root = block_root(b"".join(bytes.fromhex(d) for d in sums[i])) if lay.table else ""
+        out[i] = WrittenItem(offset=base + lay.rel[i], length=items[i].length, checksums=sums[i],
+                             block_index=lay.first.get(i, -1), root=root)
+    digest = file_checksum(lay.prefix, [sums[i] for i in lay.order]) if checksums else ""
+    return lay.size, digest, [o for o in out if o is not None]
 
 
 def write_shard_file(
@@ -176,57 +300,26 @@ def write_shard_file(
     Returns ``(file size in bytes, whole-file xxh3_64 hex digest, one
     WrittenItem per input item in input order)``.
     """
-    order = sorted(range(len(items)), key=lambda i: -items[i].itemsize)
-    meta: dict[str, str] = {"format": "reshard"}
-    header: dict[str, object] = {"__metadata__": meta}
-    pos = 0
-    rel: dict[int, int] = {}
-    for i in order:
-        it = items[i]
-        n = it.length
-        code, shape = safetensors_entry(it.dtype, it.shape)
-        if shape != list(it.shape):  # a view (complex128 as float64 pairs): record it
-            meta[VIEW_METADATA_PREFIX + it.name] = it.dtype
-        header[it.name] = {"dtype": code, "shape": shape, "data_offsets": [pos, pos + n]}
-        rel[i] = pos
-        pos += n
-    table = block_table and checksums
-    first: dict[int, int] = {}
-    if table:
-        count = 0
-        for i in order:
-            first[i] = count
-            count += nblocks(items[i].length, block_bytes)
-        header[BLOCK_TABLE] = {"dtype": "U8", "shape": [8 * count], "data_offsets": [pos, pos + 8 * count]}
-        pos += 8 * count
-    hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    hbytes += b" " * (-len(hbytes) % 8)
-    prefix = struct.pack("<Q", len(hbytes)) + hbytes
-    base = len(prefix)
-    out: list[WrittenItem | None] = [None] * len(items)
+    lay = layout_shard_file(items, block_bytes=block_bytes, checksums=checksums, block_table=block_table)
+    sums: dict[int, tuple[str, ...]] = {}
     stream = storage.open_write(path, durable=durable)
     raw_parts: list[bytes] = []
     helper = _Helper()
     try:
-        stream.write(prefix)
-        for i in order:
+        stream.write(lay.prefix)
+        for i in lay.order:
             it = items[i]
             hashed = checksums or digests
             if it.pieces is not None:
-                sums = _write_stream(stream, it.pieces(), it, block_bytes, hashed, helper)
+                sums[i] = _write_stream(stream, it.pieces(), it, block_bytes, hashed, helper)
             elif hashed and it.checksums is None:
-                sums = _write_stream(stream, iter((it.data,)), it, block_bytes, True, helper)
+                sums[i] = _write_stream(stream, iter((it.data,)), it, block_bytes, True, helper)
             else:
-                sums = it.checksums if hashed and it.checksums is not None else ()
+                sums[i] = it.checksums if hashed and it.checksums is not None else ()
                 stream.write(it.data)
-            root = ""
-            if table:
-                raw = b"".join(bytes.fromhex(d) for d in sums)
-                raw_parts.append(raw)
-                root = block_root(raw)
-            out[i] = WrittenItem(offset=base + rel[i], length=it.length, checksums=sums,
-                                 block_index=first.get(i, -1), root=root)
-        if table:
+            if lay.table:
+                raw_parts.append(b"".join(bytes.fromhex(d) for d in sums[i]))
+        if lay.table:
             stream.write(memoryview(b"".join(raw_parts)))
     except BaseException:
         stream.abort()
@@ -234,9 +327,68 @@ def write_shard_file(
     finally:
         helper.close()
     stream.close()
-    written = [o for o in out if o is not None]
-    digest = file_checksum(prefix, [out[i].checksums for i in order]) if checksums else ""  # type: ignore[union-attr]
-    return base + pos, digest, written
+    return _written(items, lay, sums, checksums)
+
+
+def link_shard_file(
+    storage: Storage,
+    src: str,
+    path: str,
+    items: Sequence[FileItem],
+    *,
+    block_bytes: int,
+    checksums: bool,
+    block_table: bool = False,
+) -> tuple[int, str, list[WrittenItem]] | None:
+    """Make ``path`` the file ``src`` (an earlier checkpoint's) instead of
+    writing ``items``, when ``src`` is byte for byte the file
+    :func:`write_shard_file` would write: same size, and the same prefix,
+    whose header names every item with its dtype, shape, offsets and content
+    digest (``FileItem.content``, required on every item). Nothing of
+    ``src`` but its size and prefix is read; the link is
+    :meth:`~reshard.storage.Storage.link_file` (a hard link, or a copy inside
+    the store).
+
+    Returns what :func:`write_shard_file` returns, or None when ``src`` is
+    another file, is missing or unreadable, was found rotten by this process
+    (:func:`note_rotten`), or the store could not link (the caller then
+    writes the file). A file that rotted on the store since it was written
+    and that nothing has read since is linked as it is: the rot is then in
+    every checkpoint naming it, and ``verify`` and every load of any of them
+    find it.
+    """
+    if not items or any(it.content is None for it in items):
+        return None
+    lay = layout_shard_file(items, block_bytes=block_bytes, checksums=checksums, block_table=block_table)
+    try:
+        if storage.is_link(src) or storage.size(src) != lay.size or is_rotten(storage, src):
+            return None
+        if storage.read_bytes(src, 0, len(lay.prefix)) != lay.prefix:
+            return None
+        sums = _linked_sums(storage, src, items, lay, block_bytes, checksums)
+        if not storage.link_file(src, path):
+            return None
+    except Exception:  # noqa: BLE001 - any doubt: the caller writes the file
+        return None
+    return _written(items, lay, sums, checksums)
+
+
+def _linked_sums(storage: Storage, src: str, items: Sequence[FileItem], lay: FileLayout, block_bytes: int,
+                 checksums: bool) -> dict[int, tuple[str, ...]]:
+    """The block digests of ``items`` in the file ``src`` that holds them:
+    given, or read from its block table (8 bytes a block, at its end), so a
+    linked file's bytes are never hashed again."""
+    if not checksums or all(it.checksums is not None for it in items):
+        return {i: _item_sums(items[i], block_bytes, checksums) for i in lay.order}
+    if not lay.table:
+        return {i: _item_sums(items[i], block_bytes, checksums) for i in lay.order}
+    count = sum(nblocks(it.length, block_bytes) for it in items)
+    raw = storage.read_bytes(src, lay.size - 8 * count, 8 * count)
+    out = {}
+    for i in lay.order:
+        k, n = lay.first[i], nblocks(items[i].length, block_bytes)
+        out[i] = tuple(raw[8 * j:8 * j + 8].hex() for j in range(k, k + n))
+    return out
 
 
 #: bytes of one write while a helper thread hashes the same bytes
@@ -360,6 +512,7 @@ class BlockTables:
         n = nblocks(c.length, self.m.checksum_block_bytes)
         raw = self._table(c.file)[8 * c.block_index:8 * (c.block_index + n)]
         if len(raw) != 8 * n or block_root(raw) != c.digest:
+            note_rotten(self.st, self.st.join(self.ckpt, c.file))
             raise IntegrityError(
                 f"{self.st.join(self.ckpt, c.file)}: checksum mismatch: the block digests of the chunk "
                 f"at file bytes [{c.offset}, {c.offset + c.length}) do not match the manifest's digest "

@@ -97,11 +97,16 @@ class Report(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """What a rank sends the coordinator after writing (gather): per file of its
     assignment ``(size, checksum, block-table entries)``; per write ``(offset,
     length, root digest, first block index)`` (bytes; the per-block digests
-    stay in the file's block table); the digests of its ``check`` items."""
+    stay in the file's block table); the digests of its ``check`` items.
+    Incremental saves add per write the chunk's content digest
+    (``contents``, "" where none) and the indices of the files linked from
+    the parent checkpoint instead of written (``linked``)."""
 
     files: list[tuple[int, str, int]]
     writes: list[tuple[int, int, str, int]]
     digests: list[str]
+    contents: list[str] = []
+    linked: list[int] = []
 
 
 _ENC = msgspec.msgpack.Encoder()
@@ -112,12 +117,13 @@ _DEC_REPORT = msgspec.msgpack.Decoder(Report)
 # ----------------------------------------------------------------------------- rank side
 
 
-def structure_hash(lp: LocalPlan, *, world_size: int, files_per_rank: int) -> int:
+def structure_hash(lp: LocalPlan, *, world_size: int, files_per_rank: int, own_file_bytes: int = 0) -> int:
     """63-bit hash of everything the plan depends on: the rank, world size,
     file options, and per item fqn, dtype, shapes, offsets, flat range and
     replica id (not digests or object sizes, which change between saves)."""
     h = xxhash.xxh3_64()
-    h.update(_ENC.encode([lp.rank, world_size, files_per_rank, sorted(lp.aliases.items())]))
+    fopts: list[int] = [files_per_rank] + ([own_file_bytes] if own_file_bytes else [])
+    h.update(_ENC.encode([lp.rank, world_size, *fopts, sorted(lp.aliases.items())]))
     h.update(_ENC.encode([(t.fqn, t.dtype, t.global_shape, t.global_offset, t.local_shape,
                            t.flattened_range, t.replica_id) for t in lp.tensors]))
     h.update(_ENC.encode([(o.key, o.global_shape, o.global_offset, o.replica_id) for o in lp.objects]))
@@ -214,7 +220,8 @@ def plan_id_of(struct_hashes: Sequence[int]) -> int:
     return (h.intdigest() & _MASK) | 1
 
 
-def coordinate(messages: Sequence[bytes], *, files_per_rank: int) -> tuple[list[bytes], Layout]:
+def coordinate(messages: Sequence[bytes], *, files_per_rank: int,
+               own_file_bytes: int = 0) -> tuple[list[bytes], Layout]:
     """The coordinator's planning: decode every rank's plan, validate (values,
     aliases, dtype/shape conflicts, replica digests, coverage), deduplicate
     and balance (:func:`~reshard.planning.planner.plan_save`), and encode each rank's
@@ -227,7 +234,7 @@ def coordinate(messages: Sequence[bytes], *, files_per_rank: int) -> tuple[list[
     plans = [d[0] for d in decoded]
     check_values([d[2] for d in decoded])
     aliases = merge_aliases(plans)
-    plan = plan_save(plans, files_per_rank=files_per_rank)
+    plan = plan_save(plans, files_per_rank=files_per_rank, own_file_bytes=own_file_bytes)
     plan_id = plan_id_of([sh for _, sh, _ in decoded])
     # replica groups (more than one holder): their digests are compared at every save
     checks: list[list[tuple[int, int]]] = [[] for _ in plans]
@@ -263,10 +270,15 @@ def build_manifest(layout: Layout, reports: Sequence[bytes], *, attempt_id: str,
                    checksum_block_bytes: int, schema_version: str | None, mesh: dict[str, Any] | None,
                    values: Any, extra: dict[str, Any], parent: str | None = None,
                    lineage: str | None = None, plan: PlanIndex | None = None,
-                   adapters: dict[str, str] | None = None) -> Manifest:
+                   adapters: dict[str, str] | None = None,
+                   origin_of: Any = None) -> Manifest:
     """The manifest from the layout and every rank's write report: compares
     the digests of every replica group, then places each written item at the
     offset, length and checksums its writer reported. Deterministic.
+
+    ``origin_of(file name) -> attempt id`` names where the bytes of a file a
+    rank reported as linked come from (:attr:`FileEntry.origin`); required
+    when any report links a file.
 
     Raises:
         ShardingError: replicas whose digests differ (named by fqn and ranks).
@@ -274,7 +286,9 @@ def build_manifest(layout: Layout, reports: Sequence[bytes], *, attempt_id: str,
     """
     reps = [_DEC_REPORT.decode(b) for b in reports]
     for r, (a, rep) in enumerate(zip(layout.assignments, reps, strict=True)):
-        if len(rep.files) != len(a.files) or len(rep.writes) != len(a.writes) or len(rep.digests) != len(a.check):
+        if (len(rep.files) != len(a.files) or len(rep.writes) != len(a.writes) or len(rep.digests) != len(a.check)
+                or (rep.contents and len(rep.contents) != len(a.writes))
+                or any(not 0 <= k < len(a.files) for k in rep.linked)):
             raise CheckpointError(f"rank {r}'s write report does not match its assignment")
     for name, group in zip(layout.replica_names, layout.replicas, strict=True):
         ref = reps[group[0][0]].digests[group[0][1]]
@@ -290,17 +304,22 @@ def build_manifest(layout: Layout, reports: Sequence[bytes], *, attempt_id: str,
     objects: dict[str, tuple[tuple[int, ...], list[ObjectChunk]]] = {}
     files: dict[str, FileEntry] = {}
     for r, (a, rep) in enumerate(zip(layout.assignments, reps, strict=True)):
-        for name, (size, checksum, blocks) in zip(a.files, rep.files, strict=True):
-            files[name] = FileEntry(size=size, checksum=checksum, blocks=blocks)
-        for x, (kind, _, fi), (off, length, root, bi) in zip(layout.written_items(r), a.writes, rep.writes,
-                                                              strict=True):
+        linked = set(rep.linked)
+        if linked and origin_of is None:
+            raise CheckpointError(f"rank {r} reports linked files, but the save has no parent to link from")
+        for k, (name, (size, checksum, blocks)) in enumerate(zip(a.files, rep.files, strict=True)):
+            files[name] = FileEntry(size=size, checksum=checksum, blocks=blocks,
+                                    origin=origin_of(name) if k in linked else "")
+        contents = rep.contents or [""] * len(a.writes)
+        for x, (kind, _, fi), (off, length, root, bi), content in zip(
+                layout.written_items(r), a.writes, rep.writes, contents, strict=True):
             if kind == 0:
                 it: Any = x
                 e = tensors.get(it.fqn)
                 if e is None:
                     e = tensors[it.fqn] = (it.dtype, it.global_shape, [])
                 e[2].append(Chunk(it.global_offset, it.local_shape, a.files[fi], off, length, (),
-                                  it.flattened_range, root, bi))
+                                  it.flattened_range, root, bi, content))
             else:
                 ob: Any = x
                 oe = objects.get(ob.key)

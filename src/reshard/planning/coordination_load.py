@@ -31,7 +31,7 @@ from collections.abc import Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..collectives import Collectives, Request, drive
+from ..collectives_base import Collectives, Request, drive
 from ..errors import CheckpointError
 from ..ondisk.committed import check_signature
 from ..ondisk.manifest import MANIFEST_NAME, Manifest, decode_manifest
@@ -56,7 +56,7 @@ def read_shared_steps(rank: int, read: Any, decode: Any) -> Generator[Request, A
 
 
 def read_shared(coll: Collectives, st: Storage, key: str, *, hmac_key: bytes | None = None,
-                ) -> Manifest | None:
+                limits: Any = None) -> Manifest | None:
     """The checkpoint's manifest, read by the coordinator and broadcast, then
     decoded and validated (and its HMAC checked) on every rank. Returns None
     when the coordinator could not read one (no manifest, a DCP checkpoint, a
@@ -78,9 +78,13 @@ def read_shared(coll: Collectives, st: Storage, key: str, *, hmac_key: bytes | N
     mpath = st.join(key, MANIFEST_NAME)
     mine = st.canonical(key)
 
+    from ..ondisk.limits import default_limits
+
+    lim = limits if limits is not None else default_limits()
+
     def read() -> bytes:
-        if st.is_link(mpath):
-            return b""
+        if st.is_link(mpath) or st.size(mpath) > lim.manifest_bytes:
+            return b""  # every rank reads it itself and raises what it finds
         raw = st.read_bytes(mpath)
         where = mine.encode()
         return len(where).to_bytes(4, "little") + where + raw if raw else b""
@@ -93,7 +97,7 @@ def read_shared(coll: Collectives, st: Storage, key: str, *, hmac_key: bytes | N
                 f"rank {coll.rank} loads checkpoint {mine!r}, the coordinator (rank 0) loads "
                 f"{coord!r}: every rank must name the same checkpoint (resolve the path once, e.g. "
                 "on rank 0, and pass it to every rank)")
-        m = decode_manifest(raw, where=mpath)
+        m = decode_manifest(raw, where=mpath, limits=lim)
         if hmac_key is not None:
             check_signature(m, hmac_key, where=mpath)
         return m

@@ -67,6 +67,13 @@ class RankSave:
     cache: CacheEntry | None = None
     write_plan: Callable[[dict[str, Any], bytes], None] | None = None
     check_space: Callable[[dict[str, Any], int], None] | None = None
+    #: tensor chunks of at least this many bytes get files of their own
+    #: (incremental saves, :func:`reshard.planning.planner.plan_save`); 0: none
+    own_file_bytes: int = 0
+    #: (coordinator, incremental saves) ``linkable(info, layout) -> bytes`` of
+    #: the planned files expected to be linked from the parent, not written:
+    #: the space check counts only the rest
+    linkable: Callable[[dict[str, Any], Layout], int] | None = None
     new_cache: CacheEntry | None = None
     #: the phase this rank is in ("plan", "write": writing and waiting for the
     #: others to finish theirs, "publish"), named by a collective's failure
@@ -109,7 +116,10 @@ def _check_space(ctx: RankSave, info: dict[str, Any], layout: Layout) -> BaseExc
     if ctx.check_space is None:
         return None
     try:
-        ctx.check_space(info, planned_bytes(layout))
+        need = planned_bytes(layout)
+        if ctx.linkable is not None:
+            need = max(0, need - ctx.linkable(info, layout))
+        ctx.check_space(info, need)
     except Exception as e:  # noqa: BLE001 - agreed by the caller, before any data is written
         return e
     return None
@@ -126,7 +136,8 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
     if err is None:
         try:
             assert ctx.plan is not None
-            sh = structure_hash(ctx.plan, world_size=ctx.world_size, files_per_rank=ctx.files_per_rank)
+            sh = structure_hash(ctx.plan, world_size=ctx.world_size, files_per_rank=ctx.files_per_rank,
+                                own_file_bytes=ctx.own_file_bytes)
             vh = values_hash(ctx.value_digests)
             if rank == 0:
                 info = ctx.begin()
@@ -172,7 +183,8 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
                 tc = time.thread_time()  # this thread's CPU (writer or gloo threads not counted)
                 try:
                     with paused_gc():
-                        parts, layout = coordinate(got, files_per_rank=ctx.files_per_rank)
+                        parts, layout = coordinate(got, files_per_rank=ctx.files_per_rank,
+                                                   own_file_bytes=ctx.own_file_bytes)
                 except Exception as e:  # noqa: BLE001
                     err = e
                 if err is None and layout is not None:
@@ -237,8 +249,9 @@ def save_steps(ctx: RankSave) -> Generator[Request, Any, SaveOutcome]:
 
 
 def report_bytes(files: Sequence[tuple[int, str, int]], writes: Sequence[tuple[int, int, str, int]],
-                 digests: Sequence[str]) -> bytes:
-    return _ENC.encode(Report(files=list(files), writes=list(writes), digests=list(digests)))
+                 digests: Sequence[str], contents: Sequence[str] = (), linked: Sequence[int] = ()) -> bytes:
+    return _ENC.encode(Report(files=list(files), writes=list(writes), digests=list(digests),
+                              contents=list(contents), linked=list(linked)))
 
 
 def integrity_check_assignment(a: Assignment, plan: LocalPlan) -> None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from ..errors import CoverageError, ShardingError
 from ..ondisk.manifest import Chunk, Manifest, TensorEntry
 from ..ondisk.shardfile import BlockTables
-from ..state.sharding import box_intersection, flat_range_boxes, numel
+from ..state.geometry import box_intersection, flat_range_boxes, numel
 from .coordination_load import Unit, assign_readers
 from .planner import Request, check_entry_coverage, plan_reads
 

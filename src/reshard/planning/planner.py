@@ -11,7 +11,12 @@ each rank then receives only its own assignment, see :mod:`reshard.planning.coor
    ``distribute_shards_to_ranks``);
 3. the distinct chunks of each fqn must tile its global shape: no two overlap
    and their volumes add up to the whole (so there is no hole);
-4. each writer's chunks are spread over ``files_per_rank`` files by bytes.
+4. each writer's chunks are spread over ``files_per_rank`` files by bytes;
+   with ``own_file_bytes`` (incremental saves), a tensor chunk of at least
+   that many bytes gets a file of its own, named after the chunk
+   (:func:`chunk_file_name`: the same chunk has the same file name whichever
+   rank writes it), so that an unchanged chunk's file repeats whole and a
+   later save can link it instead of writing it.
 
 Load planning intersects each requested box (or flat range of a box) with the
 saved chunks of its fqn and yields read items with the exact byte range of the
@@ -28,10 +33,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import xxhash
 
 from ..errors import CoverageError, ShardingError
 from ..ondisk.manifest import Chunk, TensorEntry
-from ..state.sharding import box_intersection, itemsize, numel
+from ..state.geometry import box_intersection, itemsize, numel
 
 Shape = tuple[int, ...]
 Replica = int | tuple[int, ...]
@@ -118,11 +124,23 @@ def data_file_name(rank: int, index: int) -> str:
     return f"data-r{rank:05d}-{index}.safetensors"
 
 
+def chunk_file_name(it: LocalTensorItem, salt: int = 0) -> str:
+    """The name of the file of its own that a chunk gets in an incremental
+    save (``own_file_bytes``): ``data-c<16 hex>.safetensors``, from the
+    chunk's fqn, dtype, global shape, box and flat range only (never the
+    rank or the plan), so a chunk keeps its file name across saves, plan
+    changes and changes of which rank writes it (a DP resize). ``salt``
+    tells apart the (astronomically unlikely) chunks whose names collide."""
+    key = repr((it.fqn, it.dtype, tuple(it.global_shape), tuple(it.global_offset), tuple(it.local_shape),
+                it.flattened_range, salt)).encode()
+    return f"data-c{xxhash.xxh3_64_hexdigest(key)}.safetensors"
+
+
 def _ranks(holders: Iterable[tuple[int, int]]) -> list[int]:
     return sorted({r for r, _ in holders})
 
 
-def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePlan:
+def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1, own_file_bytes: int = 0) -> SavePlan:
     """Deduplicate replicas, validate coverage, balance and assign files.
 
     Linear in the number of items (one dict lookup per item); the rest is per
@@ -131,6 +149,8 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePla
     Args:
         plans: one LocalPlan per rank, in rank order.
         files_per_rank: how many data files each writer spreads its bytes over.
+        own_file_bytes: tensor chunks of at least this many bytes get a file of
+            their own (:func:`chunk_file_name`); 0: none do.
 
     Raises:
         ShardingError: conflicting dtype or global_shape for one fqn, replicas
@@ -254,8 +274,25 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePla
     # ---- files: spread each rank's items over files_per_rank files by bytes
     writes: dict[int, tuple[WriteItem, ...]] = {}
     files: dict[int, tuple[str, ...]] = {}
+    own_names: set[str] = set()
     for r in sorted(load):
         items = sorted(chosen.get(r, []), key=lambda t: -t[2])
+        own: list[tuple[str, int, str]] = []
+        if own_file_bytes > 0:
+            rest = []
+            for kind, i, n in items:
+                if kind == "tensor" and n >= own_file_bytes:
+                    it = by_rank[r].tensors[i]
+                    salt = 0
+                    name = chunk_file_name(it)
+                    while name in own_names:  # a collision of two chunks' names: the later one moves
+                        salt += 1
+                        name = chunk_file_name(it, salt)
+                    own_names.add(name)
+                    own.append((kind, i, name))
+                else:
+                    rest.append((kind, i, n))
+            items = rest
         nfiles = max(1, min(files_per_rank, len(items)))
         per_file: dict[int, list[tuple[str, int]]] = defaultdict(list)
         if nfiles == 1:
@@ -276,6 +313,9 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1) -> SavePla
             # keep each file in the rank's local order (deterministic, cache friendly)
             for kind, i in sorted(per_file[k], key=lambda t: (t[0] != "tensor", t[1])):
                 out.append(WriteItem(kind=kind, index=i, file=name))
+        for kind, i, name in sorted(own, key=lambda t: t[1]):
+            names.append(name)
+            out.append(WriteItem(kind=kind, index=i, file=name))
         writes[r] = tuple(out)
         files[r] = tuple(names)
     return SavePlan(writes=writes, files=files, bytes_per_rank=dict(load), replicas=tuple(replicas))

@@ -17,6 +17,7 @@ import xxhash
 
 from ..adapters.model import ModelState
 from ..collectives import (
+    Arrival,
     Collectives,
     drive,
     get_collectives,
@@ -39,11 +40,13 @@ from ..ondisk.shardfile import (
     BlockHasher,
     FileItem,
     block_digests,
+    content_digest,
     digest_of,
+    link_shard_file,
     tensor_bytes,
     write_shard_file,
 )
-from ..options import SaveOptions
+from ..options import SaveOptions, hmac_key_of
 from ..planning.coordination import PLAN_CACHE, Assignment
 from ..planning.coordination_save import (
     RankSave,
@@ -127,6 +130,12 @@ class Snapshot:
     source: Any = None
     #: block digests computed (finish_digests); else they are computed while writing
     hashed: bool = False
+    #: index into ``tensors`` -> xxh3_128 of the chunk's bytes (incremental
+    #: saves: the chunks that get a file of their own; :func:`finish_digests`,
+    #: or the writer of the chunk's file, or the staging run)
+    content: dict[int, str] = field(default_factory=dict)
+    #: seconds :func:`finish_digests` took (``SaveResult.timings["hash"]``)
+    hash_s: float = 0.0
 
 
 def _storage_key(item: LocalTensorItem) -> str:
@@ -169,6 +178,7 @@ def collect(
     """
     from ..adapters.dtensor import dtensor_shards
 
+    own = options.own_file_bytes if options.incremental else 0  # chunks that get a file of their own
     leaves = flatten(state, module_adapter=ModelState)
     sts: list[ShardedTensor] = list(leaves.tensors)
     for path, t in leaves.plain.items():
@@ -199,8 +209,9 @@ def collect(
                                 f"twice in rank {rank}'s state")
         seen[key] = len(tensors)
         if stage is not None:
-            stage.add(len(tensors), fqn, st.data)
-            mv, nbytes = _NO_BYTES, st.data.numel() * st.data.element_size()
+            nbytes = st.data.numel() * st.data.element_size()
+            stage.add(len(tensors), fqn, st.data, content=bool(own) and nbytes >= own)
+            mv = _NO_BYTES
         else:
             mv = tensor_bytes(st.data if copy is None else copy(st.data))
             nbytes = len(mv)
@@ -251,31 +262,79 @@ def wants_digest(snap: Snapshot, item: LocalTensorItem, options: SaveOptions) ->
 
 
 def finish_digests(snap: Snapshot, options: SaveOptions) -> None:
-    """Compute block checksums (and replica digests) of the snapshot's tensors.
+    """Compute block checksums (and replica digests) of the snapshot's tensors,
+    and, in an incremental save, the xxh3_128 of every chunk that gets a
+    file of its own (``Snapshot.content``: what decides that it is unchanged).
 
     Runs on the caller's thread for a synchronous save and in the background
-    for an asynchronous one (the stall then only covers the copies). A
-    snapshot staged piece by piece (``Snapshot.source``) is hashed while it
-    is written instead."""
+    for an asynchronous one (the stall then only covers the copies), on up
+    to ``staging_threads`` threads (default: every CPU the process may use,
+    at most 4) when there is more than 64 MiB to hash (xxhash releases the
+    GIL: the chunks hash in parallel). A snapshot staged piece by piece
+    (``Snapshot.source``) is hashed while it is written instead."""
     if snap.source is not None:
         return
     snap.hashed = True
     block = options.checksum_block_bytes
-    for i, (item, mv, _) in enumerate(snap.tensors):
+    own = options.own_file_bytes if options.incremental else 0
+
+    def one(i: int) -> None:
+        item, mv, _ = snap.tensors[i]
+        compare = options.checksums or options.verify_replicas or item.fqn in snap.plain
+        if own and len(mv) >= own:
+            # a chunk with a file of its own: one pass, its xxh3_128, which decides the link and
+            # stands for it among replicas; its block checksums are computed where it is written
+            # (or read from the parent's block table where it is linked)
+            c = snap.content[i] = content_digest(mv)
+            if compare:
+                snap.tensors[i] = (msgspec.structs.replace(item, digest=f"x128:{c}"), mv, None)
+            return
         # every holder must compute the digest when replicas are compared: replica_id 0
         # does not mean "not replicated" (another rank may hold the same chunk), and a
         # holder without a digest ("") would disagree with one that has it
-        if options.checksums or options.verify_replicas or item.fqn in snap.plain:
+        if compare:
             sums = block_digests(mv, block)
             item = msgspec.structs.replace(item, digest=digest_of(sums, len(mv)))
             snap.tensors[i] = (item, mv, sums if options.checksums else None)
 
+    t0 = time.perf_counter()
+    n = len(snap.tensors)
+    total = sum(len(mv) for _, mv, _ in snap.tensors)
+    threads = min(options.staging_threads or _cpus(), n)
+    if threads <= 1 or total < _PARALLEL_HASH_BYTES:
+        for i in range(n):
+            one(i)
+    else:
+        order = sorted(range(n), key=lambda i: -len(snap.tensors[i][1]))  # largest first: balanced
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="reshard-hash") as ex:
+            list(ex.map(one, order))
+    snap.hash_s = time.perf_counter() - t0
+
+
+#: hashing on several threads only pays beyond this many bytes
+_PARALLEL_HASH_BYTES = 64 << 20
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on, at most 4."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(4, n))
+
 
 def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignment,
-            options: SaveOptions) -> tuple[bytes, int]:
+            options: SaveOptions, link_from: dict[str, Any] | None = None) -> tuple[bytes, int]:
     """Write this rank's files of ``assignment``; returns the write report for
     the coordinator (see :class:`reshard.planning.coordination.Report`) and the bytes
-    written.
+    written. ``link_from`` (an incremental save with a parent,
+    :func:`reshard.saving.incremental.link_source`): a file of one chunk
+    whose bytes the parent's file of the same name already holds is linked
+    from there, not written; the chunk's xxh3_128 that decides it comes from
+    :func:`finish_digests`, the staging run (computed from the caller's
+    tensor before its first byte was staged) or, for a view, is computed by
+    the file's writer before it writes.
 
     A snapshot staged piece by piece (``snap.source``, an asynchronous save
     under a staging budget) first tells its staging run which tensors this
@@ -292,6 +351,7 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
             changed before it was staged (the save then fails on every rank).
     """
     from ..state.sharding import itemsize as isz
+    from . import incremental
 
     src = snap.source
     lazy = src is not None or not snap.hashed  # digests computed here, while writing
@@ -318,28 +378,60 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
         """The bytes of snapshot tensor ``i`` as pieces: its staged ones, or its view."""
         return src.chunk(i) if src is not None else iter((snap.tensors[i][1],))
 
+    linked: list[int] = []
+    own = options.own_file_bytes if options.incremental else 0
+
+    def content_of(i: int) -> str | None:
+        """The xxh3_128 of chunk ``i`` that gets a file of its own (None: unknown, written in full)."""
+        c = snap.content.get(i)
+        if c is None and own and snap.tensors[i][0].nbytes >= own:
+            c = src.content(i) if src is not None else content_digest(snap.tensors[i][1])
+            if c is not None:
+                snap.content[i] = c
+        return c
+
     def write_one(fi: int) -> tuple[int, str, int]:
         items: list[FileItem] = []
         for _pos, kind, i in per_file[fi]:
             if kind == 0:
                 it, mv, sums = snap.tensors[i]
                 shape = (it.flattened_range[1] - it.flattened_range[0],) if it.flattened_range else it.local_shape
+                single = len(per_file[fi]) == 1 and incremental.is_chunk_file(assignment.files[fi])
+                content = content_of(i) if single else None
                 if src is not None:
                     items.append(FileItem(name=_storage_key(it), dtype=it.dtype, shape=tuple(shape), data=mv,
                                           itemsize=isz(it.dtype), pieces=partial(src.chunk, i),
-                                          nbytes=it.nbytes))
+                                          nbytes=it.nbytes, content=content))
                 else:  # its view (computing its digests while writing it when lazy)
                     items.append(FileItem(name=_storage_key(it), dtype=it.dtype, shape=tuple(shape), data=mv,
-                                          itemsize=isz(it.dtype), checksums=None if lazy else sums))
+                                          itemsize=isz(it.dtype), checksums=None if lazy else sums,
+                                          content=content))
             else:
                 ob, raw = snap.objects[i]
                 key = "__object__/" + ob.key + "@" + ",".join(map(str, ob.global_offset))
                 items.append(FileItem(name=key, dtype="uint8", shape=(len(raw),),
                                       data=memoryview(raw), itemsize=1))
-        size, checksum, written = write_shard_file(
-            storage, storage.join(attempt, assignment.files[fi]), items,
-            block_bytes=options.checksum_block_bytes, checksums=options.checksums, durable=options.durable,
-            block_table=True, digests=lazy and (options.verify_replicas or bool(snap.plain)))
+        name = assignment.files[fi]
+        dst = storage.join(attempt, name)
+        got = None
+        if (link_from is not None and options.checksums and len(items) == 1
+                and incremental.is_chunk_file(name)):
+            # the per-chunk decision: the staged bytes' digest against the parent's file
+            got = link_shard_file(storage, incremental.source_key(storage, link_from, name), dst, items,
+                                  block_bytes=options.checksum_block_bytes, checksums=options.checksums,
+                                  block_table=True)
+            if got is not None:
+                linked.append(fi)
+                if src is not None:  # its staged pieces go back to the pool (and pass the guard)
+                    for _ in src.chunk(per_file[fi][0][2]):
+                        pass
+        if got is None:
+            got = write_shard_file(
+                storage, dst, items,
+                block_bytes=options.checksum_block_bytes, checksums=options.checksums,
+                durable=options.durable, block_table=True,
+                digests=lazy and (options.verify_replicas or bool(snap.plain)))
+        size, checksum, written = got
         blocks = 0
         for (pos, kind, i), w in zip(per_file[fi], written, strict=True):
             placed[pos] = (w.offset, w.length, w.root, w.block_index)
@@ -369,9 +461,20 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
         if n <= 1 and not hash_only:
             files = [write_counted(k) for k in range(n)]
         else:
-            with ThreadPoolExecutor(max_workers=n + bool(hash_only), thread_name_prefix="reshard-write") as ex:
+            # one thread per file (files_per_rank), at most 16 (an incremental
+            # save gives large chunks files of their own: there may be many)
+            workers = min(n, max(16, options.files_per_rank)) + bool(hash_only)
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard-write") as ex:
                 hashed = ex.submit(hash_replicas) if hash_only else None
-                files = list(ex.map(write_counted, range(n)))
+                # the files in the order their first chunk is staged (the staging run's
+                # order: item size down, then position), so the writers running are
+                # always those whose staged pieces hold the slabs (a file whose chunk is
+                # staged later never waits in a writer thread the earlier ones need)
+                order = sorted(range(n), key=lambda fi: min(
+                    ((-isz(snap.tensors[i][0].dtype), i) for _p, kind, i in per_file[fi] if kind == 0),
+                    default=(1, 0))) if src is not None else list(range(n))
+                done = dict(zip(order, ex.map(write_counted, order), strict=True))
+                files = [done[k] for k in range(n)]
                 if hashed is not None:
                     hashed.result()
     if src is not None:
@@ -382,7 +485,11 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
     else:
         digests = [snap.tensors[i][0].digest if kind == 0 else snap.objects[i][0].digest
                    for kind, i in assignment.check]
-    return report_bytes(files, placed, digests), sum(f[0] for f in files)
+    contents = [snap.content.get(i, "") if kind == 0 else "" for kind, i, _ in assignment.writes] \
+        if snap.content else []
+    gone = set(linked)
+    return (report_bytes(files, placed, digests, contents, sorted(linked)),
+            sum(f[0] for k, f in enumerate(files) if k not in gone))
 
 
 def check_step(step: Any) -> int | None:
@@ -455,7 +562,11 @@ def save(
 
     step = check_step(step)
     opts = options or SaveOptions()
-    coll = timed_collectives(group, opts.timeout_s)
+    if opts.hmac_key is None or not opts.hmac_key:  # the environment's key (NO_HMAC_KEY: none)
+        opts = dataclasses.replace(opts, hmac_key=hmac_key_of(opts.hmac_key))
+    # every rank checks in first: a save called on some ranks only fails there, naming the others
+    coll = timed_collectives(group, opts.timeout_s, arrival=Arrival(
+        kind="save", what=f"save of step {step} at {os.fspath(path)}", timeout_s=opts.arrival_timeout_s))
     if coll.rank != 0 and opts.progress is not False:  # one progress bar: rank 0's
         opts = dataclasses.replace(opts, progress=False)
     warn_pending_error(group, wait=True, step=step)
@@ -483,8 +594,12 @@ def run_save(
     ``save`` and the background thread of ``async_save``), through the
     coordinator protocol of :func:`reshard.planning.coordination.save_steps`; the
     plan is reused from the cache when no rank's structure changed."""
+    from . import incremental
+
     timings: dict[str, float] = {"stage": time.perf_counter() - t0}
     rank = coll.rank
+    inc = options.incremental is True
+    parent_m: list[Manifest] = []  # the coordinator's view of the parent it links from
     lp = None
     if snap is not None:
         lp = LocalPlan(rank=rank, tensors=tuple(t for t, _, _ in snap.tensors),
@@ -509,7 +624,7 @@ def run_save(
         if on_attempt is not None:
             on_attempt(attempt)
         try:  # into the coordinator's attempt, which this rank has been shown to see
-            return persist(st, attempt, snap, assignment, options)
+            return persist(st, attempt, snap, assignment, options, link_from=info.get("link_from"))
         except Exception as e:
             gone = removed_error(st, info, e)
             if gone is not e:
@@ -533,13 +648,16 @@ def run_save(
         except Exception as e:
             _raise_removed(st, info, e)
         published.append(manifest)
+        if inc:
+            incremental.remember(st, info["target"], manifest)
 
     def manifest_args() -> dict[str, Any]:
         assert snap is not None
         return dict(step=step, checksum_block_bytes=options.checksum_block_bytes,
                     schema_version=options.schema_version, mesh=options.mesh,
                     values=snap.values_json, extra=dict(options.extra), parent=options.parent,
-                    lineage=options.lineage, adapters=snap.adapters)
+                    lineage=options.lineage, adapters=snap.adapters,
+                    origin_of=incremental.origin_of(st, parent_m[0]) if parent_m else None)
 
     published: list[Manifest] = []
     cache = PLAN_CACHE.pop(gkey, None)
@@ -563,7 +681,13 @@ def run_save(
         # the lease is held by the coordinator until publish (and rename) or
         # discard; it is written before the attempt exists, so no gc ever
         # sees the attempt without it
-        return open_attempt(st, key, options, leases=leases)
+        info = open_attempt(st, key, options, leases=leases)
+        if inc:  # the parent to link unchanged chunks from (none: everything is written)
+            src, pm = incremental.link_source(st, key, options.parent, hmac_key=options.hmac_key)
+            if src is not None and pm is not None:
+                info["link_from"] = src
+                parent_m.append(pm)
+        return info
 
     def check_space(info: dict[str, Any], needed: int) -> None:
         free = st.free_bytes(info["attempt_path"])
@@ -580,6 +704,9 @@ def run_save(
                    discard=lambda info: discard_attempt(coll, st, info["attempt_path"],
                                                         attempt_id=info["attempt"]),
                    manifest_args=manifest_args, cache=cache, check_space=check_space,
+                   own_file_bytes=options.own_file_bytes if inc else 0,
+                   linkable=(lambda info, layout: incremental.linkable_bytes(st, parent_m[0], layout)
+                             if parent_m else 0) if inc else None,
                    # attempts share the final prefix without rename: no plan kept there
                    write_plan=write_plan if st.capabilities.atomic_rename else None)
     # progress lines and collective failures name the save and its phase
@@ -592,6 +719,8 @@ def run_save(
     if ctx.new_cache is not None:
         PLAN_CACHE[gkey] = ctx.new_cache
     timings.update(ctx.timings)
+    if snap is not None:
+        timings["hash"] = snap.hash_s
     timings["cached_plan"] = float(out.cached)
     timings["plan_from_parent"] = float(out.cached and restored)
     return SaveResult(path=st.url(key), step=step, attempt_id=out.attempt_id, bytes_written=out.bytes_written,

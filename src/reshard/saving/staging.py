@@ -50,15 +50,17 @@ from typing import Any
 import torch
 
 from ..collectives import (
+    Arrival,
     Collectives,
     SingleProcess,
     TorchCollectives,
+    arrive,
     checkpoint_timeout_s,
     get_collectives,
     group_timeout_s,
     is_broken,
 )
-from ..options import SaveOptions
+from ..options import SaveOptions, hmac_key_of
 from ..storage import Storage, resolve
 from .pending import SAVERS, SAVERS_LOCK, warn_pending_error
 from .pending import raise_pending_error as raise_pending_error  # re-exported
@@ -238,6 +240,11 @@ def async_save(
     t0 = time.perf_counter()
     step = check_step(step)
     opts = options or SaveOptions()
+    if opts.hmac_key is None or not opts.hmac_key:  # the environment's key (NO_HMAC_KEY: none)
+        opts = dataclasses.replace(opts, hmac_key=hmac_key_of(opts.hmac_key))
+    # every rank checks in before its first async_save makes the background groups
+    arrive(group, Arrival(kind="async_save", what=f"async_save of step {step} at {os.fspath(path)}",
+                          timeout_s=opts.arrival_timeout_s), checkpoint_timeout_s(group, opts.timeout_s))
     saver = _saver(group)
     saver.reclaim()
     st, key = resolve(path, storage)
@@ -421,7 +428,7 @@ class _Counter:
     def __init__(self) -> None:
         self.nbytes = 0
 
-    def add(self, index: int, fqn: str, tensor: torch.Tensor) -> None:
+    def add(self, index: int, fqn: str, tensor: torch.Tensor, *, content: bool = False) -> None:
         self.nbytes += tensor.numel() * tensor.element_size()
 
 

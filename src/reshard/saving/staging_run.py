@@ -104,7 +104,7 @@ class _Source:
     """One tensor of the state to stage (snapshot tensor ``index``)."""
 
     __slots__ = ("index", "fqn", "tensor", "nbytes", "itemsize", "version", "ptr", "pieces",
-                 "issued", "needed", "error", "cuda")
+                 "issued", "needed", "error", "cuda", "want_content", "content", "hashed")
 
     def __init__(self, index: int, fqn: str, tensor: torch.Tensor):
         self.index, self.fqn = index, fqn
@@ -118,6 +118,12 @@ class _Source:
         self.needed: bool | None = None  # None: not known yet (before the save's plan)
         self.error: str | None = None
         self.cuda = tensor.is_cuda
+        #: an incremental save's chunk with a file of its own: its xxh3_128
+        #: (``content``) is computed from the caller's tensor before its first
+        #: byte is staged (CPU, contiguous tensors; else None: written in full)
+        self.want_content = False
+        self.content: str | None = None
+        self.hashed = False
 
 
 def flat_parts(t: torch.Tensor, a: int, b: int) -> list[torch.Tensor]:
@@ -236,10 +242,13 @@ class StagingRun:
         self._cuda_used: set[int] = set()
 
     # -- the walk (caller's thread)
-    def add(self, index: int, fqn: str, tensor: torch.Tensor) -> None:
+    def add(self, index: int, fqn: str, tensor: torch.Tensor, *, content: bool = False) -> None:
         """Take the source of snapshot tensor ``index``; copy it now while
-        the eager half of the budget has room."""
+        the eager half of the budget has room. ``content``: compute the
+        xxh3_128 of its bytes (:meth:`content`) before staging it."""
         src = _Source(index, fqn, tensor.detach() if tensor.requires_grad else tensor)
+        src.want_content = content and not src.cuda and src.tensor is not None \
+            and src.tensor.is_contiguous()
         if src.cuda and src.nbytes:
             dev = tensor.device
             if dev.index not in self._waited:  # the copies see every kernel the caller queued
@@ -330,6 +339,8 @@ class StagingRun:
             self.pool.release(slab)
 
     def _stage(self, src: _Source, *, eager: bool) -> None:
+        if src.want_content and not src.hashed:
+            self._hash(src)
         while src.issued < src.nbytes:
             with self.cond:
                 if self._closing or self._error is not None or src.needed is False:
@@ -359,6 +370,34 @@ class StagingRun:
                 piece.wait()
                 with self.cond:
                     self._drop(piece)
+
+    def _hash(self, src: _Source) -> None:
+        """The xxh3_128 of ``src``'s bytes, from the caller's tensor, before
+        any of it is staged: the mutation guard (overlap mode) and the
+        default mode's stall cover it as they cover the copies."""
+        from ..ondisk.shardfile import content_digest, tensor_bytes
+
+        try:
+            t = src.tensor
+            if t is not None and src.needed is not False:
+                src.content = content_digest(tensor_bytes(t))
+        finally:
+            with self.cond:
+                src.hashed = True
+                self.cond.notify_all()
+
+    def content(self, index: int) -> str | None:
+        """The xxh3_128 (hex) of snapshot tensor ``index``'s bytes when it
+        was added with ``content=True`` and could be hashed (a CPU,
+        contiguous tensor); else None. Waits until it is computed."""
+        src = self._by_index[index]
+        if not src.want_content:
+            return None
+        with self.cond:
+            while (not src.hashed and not self._closing and self._error is None
+                   and not self.staged.done()):
+                self.cond.wait(1.0)
+        return src.content if src.hashed else None
 
     def _copy(self, src: _Source, piece: _Piece) -> None:
         t, isz = src.tensor, src.itemsize

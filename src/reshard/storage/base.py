@@ -50,6 +50,12 @@ class Capabilities:
             other writers (S3 ``If-None-Match: *``, ``O_EXCL``/``link``).
         multipart: large objects are uploaded in parts that can be listed
             and aborted (:meth:`Storage.list_uploads`).
+        file_links: a whole file can be given a second name without its
+            bytes passing through the client (:meth:`Storage.link_file`: a
+            hard link on a local file system, a shared object in
+            ``memory://``, a copy inside the store on S3). Proven at each
+            use: a link that fails returns False and the caller writes the
+            bytes instead.
     """
 
     atomic_rename: bool
@@ -58,6 +64,7 @@ class Capabilities:
     durable_sync: bool
     conditional_put: bool = False
     multipart: bool = False
+    file_links: bool = False
 
 
 class WriteStream(ABC):
@@ -221,6 +228,34 @@ class Storage(ABC):
 
     def abort_upload(self, path: str, upload_id: str) -> None:  # noqa: B027 - optional hook
         """Abort one open multipart upload (where ``multipart``)."""
+
+    def link_file(self, src: str, dst: str) -> bool:
+        """Give the existing file ``src`` the new name ``dst`` (a new file
+        that does not exist yet) without passing its bytes through this
+        process, where ``capabilities.file_links``: afterwards ``dst`` holds
+        exactly ``src``'s bytes and stays readable whatever later happens to
+        ``src`` (deleted, renamed). Returns False when it could not (no such
+        capability, ``src`` gone, the file system refused: another device,
+        no hard links, too many links); then nothing was created at ``dst``.
+        Never raises for those: the caller writes the bytes instead.
+
+        Raises:
+            StorageError: the store failed in a way a write would fail too.
+        """
+        return False
+
+    def file_identity(self, path: str) -> tuple[object, int] | None:
+        """``(identity, names)`` of the bytes behind the file ``path``: an
+        identity shared by every name that :meth:`link_file` gave the same
+        bytes, and how many names they have in the whole store (a local
+        file: ``(st_dev, st_ino)`` and ``st_nlink``). None where each name
+        holds bytes of its own (S3: a copy is stored again). Used to say
+        which bytes a checkpoint alone holds and what deleting it frees.
+
+        Raises:
+            FileNotFoundError: there is no ``path``.
+        """
+        return None
 
     @abstractmethod
     def rename_dir(self, src: str, dst: str) -> None:

@@ -10,7 +10,7 @@ import shutil
 import stat
 from collections.abc import Generator, Iterable
 
-from ..errors import IntegrityError, StorageError
+from ..errors import IntegrityError, NotARegularFileError, StorageError
 from .base import Capabilities, Storage, WriteStream
 
 
@@ -19,14 +19,56 @@ def _storage_error(op: str, path: str, e: OSError) -> StorageError:
     return StorageError(f"{op} {path!r}: {what}")
 
 
+_KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"))
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``st_mode`` ``mode`` is, in words ("a regular file", "a FIFO (named pipe)", ...)."""
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
+
+
+def open_regular(path: str, flags: int, mode: int = 0o644) -> int:
+    """``os.open(path, flags | O_NONBLOCK)``, then ``fstat``: the descriptor of
+    a regular file, never one of a FIFO, socket or device (opening those
+    without ``O_NONBLOCK`` can block forever: a FIFO waits for a writer).
+    ``O_NONBLOCK`` changes nothing for a regular file's reads and writes.
+
+    Raises:
+        IsADirectoryError: ``path`` is a directory (the content is wrong, not the store).
+        NotARegularFileError: ``path`` is a FIFO, a socket or a device (refused at once).
+        OSError: as ``os.open`` (FileNotFoundError for a missing path; ENXIO for
+            a FIFO opened for writing with no reader).
+    """
+    fd = os.open(path, flags | os.O_NONBLOCK, mode)
+    try:
+        st_mode = os.fstat(fd).st_mode
+    except BaseException:
+        os.close(fd)
+        raise
+    if stat.S_ISREG(st_mode):
+        return fd
+    os.close(fd)
+    if stat.S_ISDIR(st_mode):
+        raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", path)
+    raise NotARegularFileError(f"{path}: is {file_kind(st_mode)}, not a regular file (refused: "
+                               "only regular files and directories are opened)")
+
+
 class _LocalWrite(WriteStream):
     def __init__(self, store: LocalStorage, path: str, durable: bool):
         self._store, self._path, self._durable = store, path, durable
         try:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        except FileNotFoundError:
+            self._fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except (FileNotFoundError, IsADirectoryError):
             raise
         except OSError as e:
+            if e.errno == errno.ENXIO:  # a FIFO without a reader: never wait for one
+                raise NotARegularFileError(f"{path}: is a FIFO, not a regular file (refused: only "
+                                           "regular files and directories are opened)") from None
             raise _storage_error("open", path, e) from e
 
     def write(self, data: bytes | memoryview) -> None:
@@ -60,7 +102,7 @@ class _LocalWrite(WriteStream):
 
 class LocalStorage(Storage):
     capabilities = Capabilities(atomic_rename=True, listing=True, ranged_reads=True, durable_sync=True,
-                                conditional_put=True)
+                                conditional_put=True, file_links=True)
 
     def makedirs(self, path: str) -> None:
         try:
@@ -85,6 +127,77 @@ class LocalStorage(Storage):
         finally:
             os.unlink(tmp)
 
+    def link_file(self, src: str, dst: str) -> bool:
+        """A hard link (``os.link``): ``dst`` is a second name of ``src``'s
+        inode, whose bytes the file system keeps while any name remains.
+        False where the file system refuses one (another device, no hard
+        links: some FUSE and object-store mounts, too many links) or ``src``
+        is gone. The link's directory entry is made durable by the caller's
+        ``fsync_dir`` of ``dst``'s directory (the publish does it)."""
+        try:
+            os.link(src, dst, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP,
+                           errno.ENOSYS, errno.EACCES, errno.EEXIST, errno.EINVAL):
+                return False
+            raise _storage_error("link", f"{src} -> {dst}", e) from e
+        return True
+
+    def file_identity(self, path: str) -> tuple[object, int] | None:
+        try:
+            st = os.lstat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            raise
+        except OSError as e:
+            raise _storage_error("stat", path, e) from e
+        return (st.st_dev, st.st_ino), st.st_nlink
+
+    def put_if_match(self, path: str, data: bytes, tag: str | None) -> None:
+        """Compare-and-swap of a small record, atomic against other processes:
+        under an exclusive POSIX lock (``lockf``, which NFSv4 and Lustre
+        honour across hosts) on the sidecar ``<path>.lock`` the version of
+        ``path`` is compared with ``tag`` (:meth:`read_tagged`: xxh3-128 of
+        its bytes; None: it must not exist), then ``data`` is written to a
+        temporary file, fsynced and renamed over ``path`` (the parent
+        fsynced). The lock ends with the descriptor, also when the process
+        dies; the lock file stays (empty).
+
+        Raises:
+            FileExistsError: ``path`` changed (or appeared, or vanished) since ``tag``.
+            StorageError: the store failed.
+        """
+        import fcntl
+
+        lock = f"{path}.lock"
+        try:
+            fd = open_regular(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise _storage_error("open", lock, e) from e
+        try:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX)
+            except OSError as e:
+                raise _storage_error("lock", lock, e) from e
+            try:
+                _, now = self.read_tagged(path)
+            except (FileNotFoundError, NotADirectoryError):
+                now = None
+            if now != tag:
+                raise FileExistsError(f"{path}: changed by another writer since it was read"
+                                      if tag is not None else f"{path}: already exists")
+            tmp = f"{path}.tmp-{os.getpid()}-{os.urandom(4).hex()}"
+            try:
+                self.write_bytes(tmp, data)
+                self.rename_dir(tmp, path)
+            except BaseException:
+                self.delete_tree(tmp)
+                raise
+            self.fsync_dir(os.path.dirname(path) or "/")
+        finally:
+            os.close(fd)
+
     def rename_dir(self, src: str, dst: str) -> None:
         try:
             os.rename(src, dst)
@@ -104,7 +217,7 @@ class LocalStorage(Storage):
 
     def fsync_dir(self, path: str) -> None:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK)
         except OSError as e:
             raise _storage_error("open dir", path, e) from e
         try:
@@ -120,15 +233,13 @@ class LocalStorage(Storage):
 
     def read_parts(self, path: str, parts: Iterable[tuple[int, memoryview]]) -> Generator[int, None, None]:
         """The file is opened once for all ``parts`` (``os.preadv`` into each buffer)."""
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except (FileNotFoundError, NotADirectoryError):  # a missing key, as the protocol says
+        try:  # never blocks on a FIFO; a directory, FIFO, socket or device is refused
+            fd = open_regular(path, os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):  # as the protocol says
             raise
         except OSError as e:
             raise _storage_error("open", path, e) from e
         try:
-            if stat.S_ISDIR(os.fstat(fd).st_mode):  # the content is wrong, not the store
-                raise IsADirectoryError(errno.EISDIR, "is a directory, not a file", path)
             for i, (offset, buf) in enumerate(parts):
                 self._pread(fd, path, offset, buf)
                 yield i
@@ -153,12 +264,20 @@ class LocalStorage(Storage):
         self._count_read(want)
 
     def size(self, path: str) -> int:
+        """Bytes of the file at ``path`` (a stat: never opens it).
+
+        Raises:
+            NotARegularFileError: a FIFO, a socket or a device is there."""
         try:
-            return os.stat(path).st_size
+            st = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):  # a missing key, as the protocol says
             raise
         except OSError as e:
             raise _storage_error("stat", path, e) from e
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            raise NotARegularFileError(f"{path}: is {file_kind(st.st_mode)}, not a regular file "
+                                       "(refused: only regular files and directories are opened)")
+        return st.st_size
 
     def exists(self, path: str) -> bool:
         return os.path.lexists(path)

@@ -33,7 +33,7 @@ class _MemWrite(WriteStream):
 
 class MemoryStorage(Storage):
     capabilities = Capabilities(atomic_rename=False, listing=True, ranged_reads=True, durable_sync=False,
-                                conditional_put=True)
+                                conditional_put=True, file_links=True)
 
     def __init__(self, namespace: str = "default"):
         super().__init__()
@@ -64,6 +64,20 @@ class MemoryStorage(Storage):
                 raise FileExistsError(f"memory://{path}: changed by another writer since it was read")
             self._objects[path] = bytes(data)
         self._count_write(len(data))
+
+    def link_file(self, src: str, dst: str) -> bool:
+        """``dst`` shares ``src``'s bytes object (immutable: never copied)."""
+        with self._lock:
+            data = self._objects.get(src)
+            if data is None or dst in self._objects:
+                return False
+            self._objects[dst] = data
+        return True
+
+    def file_identity(self, path: str) -> tuple[object, int] | None:
+        with self._lock:
+            data = self._get(path)
+            return id(data), sum(1 for v in self._objects.values() if v is data)
 
     def rename_dir(self, src: str, dst: str) -> None:
         raise NotImplementedError("memory:// has no atomic rename")

@@ -11,7 +11,7 @@ Use it for your own backend the way zarr ships ``zarr.testing.store``::
 Every ``test_*`` method checks one promise of the protocol
 (:mod:`reshard.storage.base`); tests of optional features run only where the
 backend declares the capability (``atomic_rename``, ``conditional_put``,
-``multipart``); a store whose probe found conditional requests ignored
+``multipart``, ``file_links``); a store whose probe found conditional requests ignored
 (:meth:`~reshard.storage.Storage.check_publish`) must refuse them with
 ``StoreCapabilityError``. Needs pytest.
 """
@@ -216,6 +216,27 @@ class StorageConformance:
             t.join()
         assert all(out[i] == data[i * 4096:(i + 1) * 4096] for i in range(16))
         assert st.bytes_read - before == 16 * 4096
+
+    def test_link_file(self) -> None:
+        """Where ``file_links``: the new name holds the file's bytes and keeps
+        them after the old name is deleted; a missing source links nothing
+        (False). Where a store tells which names share bytes
+        (``file_identity``), both names have one identity and two names."""
+        st, root = self._setup()
+        if not st.capabilities.file_links:
+            pytest.skip("no file links")
+        a, b = self._dir(st, root, "a"), self._dir(st, root, "b")
+        data = os.urandom(300 << 10)
+        st.write_bytes(st.join(a, "f"), data)
+        assert st.link_file(st.join(a, "f"), st.join(b, "f")) is True
+        ia, ib = st.file_identity(st.join(a, "f")), st.file_identity(st.join(b, "f"))
+        assert (ia is None) == (ib is None)
+        if ia is not None and ib is not None:
+            assert ia[0] == ib[0] and ia[1] == ib[1] == 2
+        st.delete_tree(a)
+        assert st.read_bytes(st.join(b, "f")) == data
+        assert st.link_file(st.join(a, "f"), st.join(b, "g")) is False
+        assert not st.exists(st.join(b, "g"))
 
     def test_rename_dir(self) -> None:
         st, root = self._setup()

@@ -1,0 +1,41 @@
+"""Collective misuse fails fast and clearly (issue 27 points 3 and 5): a save,
+async_save or load called on rank 0 only (as Lightning's CheckpointIO is)
+fails there within the arrival bound with a CheckpointError naming the rank
+that did not arrive and the phase, never a raw DistStoreError and never the
+checkpoint timeout; the ranks stay usable; ranks a little late still meet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from _arrival_fns import r_rank0_only, r_together
+from reshard.testing.pool import WorkerPool
+
+BOUND = 2.0
+
+
+def test_a_rank0_only_call_fails_fast_and_the_ranks_stay_usable(pool: WorkerPool, tmp_path: Path) -> None:
+    root = str(tmp_path)
+    first = pool.run(2, r_together, root, "together", timeout=60)  # a checkpoint for the load below
+    assert first[0]["step"] == 5
+    got = pool.run(2, r_rank0_only, root, BOUND, timeout=60)[0]
+    assert set(got) == {"save", "async_save", "load"}
+    for name, r in got.items():
+        assert r.get("checkpoint_error"), (name, r)
+        assert r["type"] == "CheckpointError", (name, r)  # not torch's DistStoreError
+        assert BOUND <= r["seconds"] < BOUND + 8, (name, r["seconds"])  # not timeout_s (600 s)
+        assert r["absent"] == [1], (name, r)
+        msg = r["message"]
+        assert "rank 1 of the 2 ranks of the group did not arrive" in msg, msg
+        assert "phase arrival" in msg and "SingleProcess()" in msg, msg
+    assert got["save"]["message"].startswith(f"save of step 5 at {root}/solo:")
+    assert got["load"]["message"].startswith(f"load of {root}/together:")
+    # both ranks go on: a save and a load together, and a collective of the training group
+    after = pool.run(2, r_together, root, "after", timeout=60)
+    assert [a["sum"] for a in after] == [2.0, 2.0]
+    assert after[0]["w"] == [float(i) for i in range(8)] and after[1]["w"] == [float(i) for i in range(8, 16)]
+
+
+def test_a_rank_late_within_the_bound_still_meets(pool: WorkerPool, tmp_path: Path) -> None:
+    out = pool.run(2, r_together, str(tmp_path), "late", 1, 1.0, 4.0, timeout=60)
+    assert [o["step"] for o in out] == [5, 5]
