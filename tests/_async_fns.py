@@ -34,15 +34,16 @@ class SlowStorage(LocalStorage):
 
 
 class GatedStorage(LocalStorage):
-    """Opening a data file waits until ``gate`` is set (at most 30 s), so a
-    save stays in flight exactly as long as a test wants."""
+    """Opening a data file (``.safetensors``) waits until ``gate`` is set (at
+    most 30 s), so a save stays in flight exactly as long as a test wants;
+    the root's records (manifests, OWNER, leases) are not held back."""
 
     def __init__(self) -> None:
         super().__init__()
         self.gate = threading.Event()
 
     def open_write(self, path: str, *, durable: bool = True) -> WriteStream:
-        if not path.endswith(".json"):
+        if path.endswith(".safetensors"):
             self.gate.wait(30)
         return super().open_write(path, durable=durable)
 
