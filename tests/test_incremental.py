@@ -52,9 +52,17 @@ def _base_files(ckpt: Path) -> dict[str, str]:
             if fqn in ("model.base", "model.emb") for c in te.chunks}
 
 
-@pytest.mark.parametrize("use_async", [False, True])
+#: an asynchronous save staging under a budget far below its state (its chunks
+#: staged piece by piece while written), in the overlap mode: the chunk digest
+#: that decides a link comes from the staging run, not from a staged copy
+_BUDGET = {"staging_budget_bytes": 256 << 10, "overlap_staging": True}
+
+
+@pytest.mark.parametrize("use_async,opts", [(False, None), (True, None), (True, _BUDGET)],
+                         ids=["sync", "async", "async-budget"])
 @pytest.mark.timeout(180)
-def test_unchanged_chunks_are_written_once(pool: Any, tmp_path: Path, use_async: bool) -> None:
+def test_unchanged_chunks_are_written_once(pool: Any, tmp_path: Path, use_async: bool,
+                                           opts: dict[str, Any] | None) -> None:
     """Point 1: a managed save (incremental by default) writes only the chunks
     whose bytes changed: after the first save each rank writes its small
     trainable file only; the base's files are hard links of the first save's
@@ -64,7 +72,7 @@ def test_unchanged_chunks_are_written_once(pool: Any, tmp_path: Path, use_async:
     for bit, here and resharded onto one rank."""
     root = tmp_path / "ckpts"
     outs = pool.run(N, r_saves, str(root), [1, 2, 3, 4], use_async=use_async, touch={4: "base"},
-                    timeout=150.0)
+                    opts=opts, timeout=150.0)
     for o in outs:
         w = o["written"]
         assert w[1] > 2 * MiB, w  # the first save writes everything
