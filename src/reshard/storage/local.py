@@ -13,6 +13,7 @@ from collections.abc import Generator, Iterable
 
 from ..errors import IntegrityError, NotARegularFileError, StorageError
 from .base import Capabilities, Storage, WriteStream
+from .registry import Scheme, register_scheme
 
 
 def _storage_error(op: str, path: str, e: OSError) -> StorageError:
@@ -327,3 +328,16 @@ class LocalStorage(Storage):
             return os.stat(path).st_mtime
         except OSError:
             return None
+
+
+def _open(rest: str) -> tuple[Storage, str]:
+    """A local path, or the part of a ``file://`` URL after the scheme
+    (``file://localhost/abs`` as ``/abs``, RFC 8089): ``~`` expanded, made absolute."""
+    if rest.startswith("localhost/"):
+        rest = rest[len("localhost"):]
+    return LocalStorage(), os.path.abspath(os.path.expanduser(rest)).rstrip("/") or "/"
+
+
+SCHEME = register_scheme(Scheme(name="file", backend="local", open=_open, bare_paths=True,
+                                test_store="reshard.testing.stores:LocalTestStore",
+                                fault_kit="reshard.faults.local"))
