@@ -59,6 +59,7 @@ import time
 from typing import Any
 
 from ..planning.plan_store import PLAN_FILE
+from ..storage.registry import get_scheme, scheme_of, start_test_store
 from .models import parse_layout
 
 GB = 1e9
@@ -148,7 +149,7 @@ class Runner:
         self.progress = progress
         self.bar: Any = None
         self.info: dict[int, list[dict[str, Any]]] = {}
-        self.s3: Any = None  # objstore.Endpoint of an s3 run
+        self.stores: dict[str, Any] = {}  # backend -> its test store (reshard.storage.start_test_store)
         #: world -> (CheckpointManager root of the --cold save, the state's digest then)
         self.cold_root: dict[int, tuple[str, str]] = {}
 
@@ -208,11 +209,7 @@ class Runner:
         return out
 
     def url(self, backend: str, scratch: str, name: str) -> str:
-        if backend == "memory":
-            return f"memory://bench-{os.getpid()}/{name}"
-        if backend == "s3":
-            return str(self.s3.prefix(f"bench-{os.getpid()}/{name}"))
-        return os.path.join(scratch, name)
+        return str(self.stores[backend].url(name))
 
     def stored(self, p: str) -> dict[str, Any]:
         """Stored bytes, file count, manifest and cached-plan bytes of a saved checkpoint."""
@@ -238,7 +235,7 @@ class Runner:
         cfg = self.cfg
         rep, settle = cfg["repeat"], cfg["settle"]
         self.ctx = f"w{world} {backend}: setup"
-        cold = cfg.get("cold") and backend != "memory"  # memory://: a restart would lose the objects
+        cold = cfg.get("cold") and get_scheme(backend).shared  # memory://: a restart would lose the objects
         self.cold_root.pop(world, None)
         if cold and world in self.pool._groups:
             self.pool.restart(world)  # freshly started processes for the first save
@@ -382,7 +379,7 @@ class Runner:
         # reshard to other layouts / world sizes (the source world's state released first)
         for target in cfg["reshard_to"]:
             tw = parse_layout(target).world or world
-            if backend == "memory" and tw != world:
+            if not get_scheme(backend).shared and tw != world:
                 self.notes.append(f"memory://: --reshard-to {target} not measured ({tw} ranks are other "
                                   "processes, which do not see this one's memory)")
                 continue
@@ -453,9 +450,9 @@ class Runner:
         from . import ranks
 
         for p in keep.values():
-            if p.startswith("memory://"):
+            if not scheme_of(p).shared:
                 self.run(world, ranks.drop, p)
-            elif p.startswith("s3://"):
+            elif not scheme_of(p).bare_paths:
                 from ..storage import resolve
 
                 st, key = resolve(p)
@@ -506,7 +503,7 @@ def _notes(cfg: dict[str, Any]) -> list[str]:
         out.append(f"layout {cfg['layout']}: the demo trainer's state (manual TP views, GPipe stages, ZeRO-1 "
                    "moments, RNG, data cursor); DCP, torch.save and safetensors have no equivalent of it, "
                    "so only reshard and the limits are measured")
-    if "memory" in cfg["backends"]:
+    if any(not get_scheme(b).shared for b in cfg["backends"]):
         out.append("memory://: the store keeps every checkpoint in the rank's own memory, so its peak extra "
                    "RSS counts the stored bytes (async_rss_over_state, async_rss_flat measure the store there, "
                    "not the staging buffers), and nothing is fsync'd")
@@ -563,18 +560,16 @@ def run(cfg: dict[str, Any], *, progress: bool, json_path: str | None = None,
     wrote = False
     handlers = _exit_on_termination()
     try:
-        if "s3" in cfg["backends"]:  # before any rank starts: they inherit the AWS variables
-            from .objstore import Endpoint
-
+        for b in cfg["backends"]:  # before any rank starts: they inherit the variables (AWS_*)
             try:
-                runner.s3 = Endpoint(cfg["s3_endpoint"])
+                runner.stores[b] = start_test_store(b, scratch=scratch, endpoint=cfg["s3_endpoint"])
             except RuntimeError as e:
-                raise BenchError(str(e), "s3 endpoint") from e
+                raise BenchError(str(e), f"{b} endpoint") from e
         if progress:
             runner.bar = bar(_phase_count(cfg), "bench io", enabled=True, unit="phase")
         for b in cfg["backends"]:
             for w in cfg["worlds"]:
-                if b == "memory" and w > 1:  # reshard refuses storage the ranks do not share
+                if not get_scheme(b).shared and w > 1:  # reshard refuses storage the ranks do not share
                     runner.notes.append(f"memory://, world {w}: not measured (memory:// lives in one "
                                         "process; the ranks are separate processes, and every rank must "
                                         "see the same checkpoint; use local or s3)")
@@ -598,8 +593,8 @@ def run(cfg: dict[str, Any], *, progress: bool, json_path: str | None = None,
             if runner.bar is not None:
                 runner.bar.close()
             runner.close()
-            if runner.s3 is not None:
-                runner.s3.close()
+            for ts in runner.stores.values():
+                ts.close()
             shutil.rmtree(scratch, ignore_errors=True)
         finally:
             for sig, h in handlers.items():

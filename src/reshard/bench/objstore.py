@@ -18,14 +18,17 @@
 
 from __future__ import annotations
 
-import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from ..testing.s3server import S3TestStore
 
-class Endpoint:
-    """The run's S3 endpoint and bucket (see the module doc).
+
+class Endpoint(S3TestStore):
+    """The run's S3 endpoint and bucket (see the module doc): the ``s3``
+    backend's test store (:class:`reshard.testing.s3server.S3TestStore`),
+    named ``reshard-bench-...``.
 
     Raises:
         RuntimeError: moto's server did not start (``moto[server]`` missing),
@@ -34,73 +37,7 @@ class Endpoint:
     """
 
     def __init__(self, url: str | None = None, bucket: str | None = None):
-        self.server: Any = None
-        self.created = False  # this run created the bucket: close() deletes it
-        self.bucket = bucket or f"reshard-bench-{uuid.uuid4().hex[:8]}"
-        self._old = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
-                                                    "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
-        if url is None:
-            from ..testing.s3server import S3Server
-
-            self.server = S3Server(min_part_bytes=5 << 20)  # S3's own rule
-            env = self.server.env()
-            self.url = self.server.url
-        else:
-            env = {"AWS_ENDPOINT_URL": url,
-                   "AWS_ACCESS_KEY_ID": os.environ.get("AWS_ACCESS_KEY_ID", "testing"),
-                   "AWS_SECRET_ACCESS_KEY": os.environ.get("AWS_SECRET_ACCESS_KEY", "testing"),
-                   "AWS_DEFAULT_REGION": os.environ.get("AWS_DEFAULT_REGION", "us-east-1")}
-            self.url = url
-        os.environ.update(env)
-        from ..storage.s3_client import _client
-
-        c = _client()
-        try:
-            c.head_bucket(Bucket=self.bucket)
-        except Exception:  # noqa: BLE001 - absent: created
-            try:
-                c.create_bucket(Bucket=self.bucket)
-            except Exception as e:  # noqa: BLE001 - unreachable, refused: named
-                self.close()
-                raise RuntimeError(f"S3 endpoint {self.url}: cannot create the bucket {self.bucket!r}: "
-                                   f"{' '.join(str(e).split())}") from None
-            self.created = True
-
-    def prefix(self, name: str) -> str:
-        return f"s3://{self.bucket}/{name}"
-
-    def close(self) -> None:
-        from ..storage import resolve
-
-        try:
-            st, key = resolve(self.prefix(""))
-            st.delete_tree(key)
-        except Exception:  # noqa: BLE001 - best effort on the way out
-            pass
-        if self.created:  # the run's own bucket: not left behind on the user's endpoint
-            from ..storage.s3_client import _client
-
-            try:
-                c = _client()
-                for u in c.list_multipart_uploads(Bucket=self.bucket).get("Uploads", ()):
-                    c.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
-                while True:  # whatever is left in it (a run's objects are deleted above)
-                    keys = [{"Key": o["Key"]} for o in
-                            c.list_objects_v2(Bucket=self.bucket).get("Contents", ())]
-                    if not keys:
-                        break
-                    c.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
-                c.delete_bucket(Bucket=self.bucket)
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
-            self.created = False
-        if self.server is not None:
-            self.server.close()
-        for k, v in self._old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        super().__init__(endpoint=url, bucket=bucket or f"reshard-bench-{uuid.uuid4().hex[:8]}")
 
 
 def _split(url: str) -> tuple[str, str]:

@@ -323,13 +323,17 @@ def io_cmd(model: str, world: str | None, layout: str, reshard_to: tuple[str, ..
     for t in reshard_to:
         seen.setdefault(str(parse_layout(t)), t)
     reshard_to = tuple(seen.values())
+    from ..storage import get_scheme, schemes
+
+    known = [s.backend for s in schemes() if s.test_store is not None]
     for b in backends:
-        if b not in ("local", "memory", "s3"):
-            raise click.BadParameter(f"backend {b!r}: one of local, memory, s3", param_hint="--backend")
-    if backends == ["memory"] and max(worlds) > 1:
-        raise click.UsageError(f"--backend memory at world {max(worlds)}: memory:// lives in one process "
-                               "and the ranks are separate processes, so no rank would see another's "
-                               "objects; use --world 1, or --backend local or s3")
+        if b not in known:
+            raise click.BadParameter(f"backend {b!r}: one of {', '.join(known)}", param_hint="--backend")
+    if all(not get_scheme(b).shared for b in backends) and max(worlds) > 1:
+        shared = ", ".join(s.backend for s in schemes() if s.shared and s.test_store is not None)
+        raise click.UsageError(f"--backend {backend} at world {max(worlds)}: {get_scheme(backends[0]).name}:// "
+                               "lives in one process and the ranks are separate processes, so no rank would "
+                               f"see another's objects; use --world 1, or --backend {shared}")
     if "s3" in backends and s3_endpoint is None:
         import importlib.util
 

@@ -119,19 +119,20 @@ def faults_cmd(quick: bool, backend: str, json_path: str | None, only: str | Non
     need a tmpfs are skipped where mount is refused. Exits 0 when every cell
     run is safe and live, 1 otherwise, 2 on a usage error.
     """
-    from ..faults.matrix import cells, run_matrix
+    from ..faults.matrix import cells, fault_backends, run_matrix
+    from ..faults.ranks import rank_backend
 
     backends = [b.strip() for b in backend.split(",")]
-    bad = [b for b in backends if b not in ("local", "s3")] or (
+    known = fault_backends()
+    bad = [b for b in backends if b not in known] or (
         [backend] if len(set(backends)) != len(backends) else [])
     if bad:
-        fail(2, f"--backend {backend!r}: expected local, s3 or local,s3")
-    if "s3" in backends:
+        fail(2, f"--backend {backend!r}: expected {', '.join(known)} or several of them, comma-separated")
+    for b in backends:
         try:
-            import boto3  # noqa: F401
-            import moto.server  # noqa: F401
-        except ImportError as e:
-            fail(2, f"--backend s3 needs boto3 and moto[server] (the dev set): {e}")
+            getattr(rank_backend(b), "check_installed", lambda: None)()
+        except RuntimeError as e:
+            fail(2, f"--backend {b}: {e}")
     chosen = [c for c in cells(quick=quick, backend=",".join(backends))
               if only is None or only in f"{c.backend}:{c.name}"]
     if not chosen:

@@ -185,6 +185,21 @@ def _tree_bytes(path: str) -> int:
     return total
 
 
+def matrix_cells(*, quick: bool = False) -> list[Cell]:
+    """This backend's cells of the matrix: its own and the shared-root ones
+    (``quick``: :func:`reshard.faults.matrix.quick_subset` of them)."""
+    from .matrix import quick_subset
+    from .shared import cells as shared_cells
+
+    out = cells() + shared_cells(LocalBackend.name)
+    return quick_subset(out) if quick else out
+
+
+def open_backend(server: str = "") -> LocalBackend:
+    """The matrix's store for a run (``server``: unused here)."""
+    return LocalBackend()
+
+
 class LocalBackend:
     """The local file system as the matrix's store (a directory per cell, a
     tmpfs of ``TMPFS`` where the cell needs a real full disk)."""

@@ -79,20 +79,26 @@ def cells(*, quick: bool = False, backend: str = "local") -> list[Cell]:
     comma-separated."""
     if "," in backend:
         return [c for b in backend.split(",") for c in cells(quick=quick, backend=b.strip())]
-    from .shared import cells as shared_cells
+    from .ranks import rank_backend
 
-    if backend == "s3":
-        from .matrix_s3 import cells as s3_cells
+    try:
+        kit = rank_backend(backend)
+    except ValueError:
+        raise ValueError(f"unknown fault-matrix backend {backend!r} ({', '.join(fault_backends())})") from None
+    return list(kit.matrix_cells(quick=quick))
 
-        # the shared-root cells on S3 run in the full matrix (quick: their local side does)
-        return s3_cells(quick=quick) + ([] if quick else shared_cells("s3"))
-    if backend != "local":
-        raise ValueError(f"unknown fault-matrix backend {backend!r} (local, s3)")
-    from .local import cells as local_cells
 
-    out = local_cells() + shared_cells("local")
-    if not quick:
-        return out
+def fault_backends() -> list[str]:
+    """The backends the fault matrix runs on: those whose storage scheme
+    registered a fault kit (:attr:`reshard.storage.Scheme.fault_kit`)."""
+    from ..storage import schemes
+
+    return [s.backend for s in schemes() if s.fault_kit is not None]
+
+
+def quick_subset(out: list[Cell]) -> list[Cell]:
+    """The quick matrix of a backend's cells ``out``: the first cell of each
+    fault class, and the few of ``_QUICK_EXTRA``."""
     seen: set[str] = set()
     q = []
     for c in out:
@@ -538,15 +544,10 @@ def run_matrix(chosen: list[Cell], *, workdir: str, progress: Any = None,
     them (moto's, or ``s3_server="s3rver"``)."""
     os.makedirs(workdir, exist_ok=True)
     out = []
+    from .ranks import rank_backend
+
     for name in dict.fromkeys(c.backend for c in chosen):
-        if name == "s3":
-            from .matrix_s3 import S3Backend
-
-            be: Any = S3Backend(s3_server)
-        else:
-            from .local import LocalBackend
-
-            be = LocalBackend()
+        be: Any = rank_backend(name).open_backend(s3_server)
         try:
             for c in chosen:
                 if c.backend == name:

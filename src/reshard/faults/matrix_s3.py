@@ -297,6 +297,33 @@ def _wait_leases(st: Any, root: str) -> None:
 
 
 
+#: seconds added to the bound in which survivors must see a fault (the S3
+#: store's retry deadline), :func:`reshard.faults.model.detect_bound_s`
+DETECT_EXTRA_S = 4.0
+
+
+def check_installed() -> None:
+    """Raises RuntimeError when what this backend's matrix needs is missing."""
+    try:
+        import boto3  # noqa: F401
+        import moto.server  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(f"needs boto3 and moto[server] (the dev set): {e}") from None
+
+
+def matrix_cells(*, quick: bool = False) -> list[Cell]:
+    """This backend's cells of the matrix; the shared-root cells on S3 run in
+    the full matrix (quick: their local side does)."""
+    from .shared import cells as shared_cells
+
+    return cells(quick=quick) + ([] if quick else shared_cells(S3Backend.name))
+
+
+def open_backend(server: str = "moto") -> S3Backend:
+    """The matrix's store for a run: one S3 server (``server``: "moto" or "s3rver")."""
+    return S3Backend(server)
+
+
 class S3Backend:
     """S3 as the matrix's store: one :class:`Endpoint` (moto's server, or
     s3rver's) for a matrix run, a fresh prefix per cell."""

@@ -167,7 +167,9 @@ def detect_bound_s(cell: Cell) -> float:
     retry deadline where the cell is on S3."""
     if cell.process_fault:
         return 2 * collective_bound_s(cell) + SLACK_S
-    return SLACK_S + (4.0 if cell.backend == "s3" else 0.0)
+    from .ranks import rank_backend
+
+    return SLACK_S + float(getattr(rank_backend(cell.backend), "DETECT_EXTRA_S", 0.0))
 
 
 _LOST = re.compile(r"\branks? ([\d,-]+)(?: \(global [\d,-]+\))?(?: \(the coordinator\))? (?:was|were) lost")

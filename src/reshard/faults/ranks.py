@@ -27,12 +27,19 @@ from typing import Any
 
 from .model import LONG_PG_TIMEOUT_S, PG_TIMEOUT_S, Cell, steps
 
-BACKENDS = {"local": "reshard.faults.local", "s3": "reshard.faults.matrix_s3"}
-
 
 def rank_backend(name: str) -> Any:
-    """The module of backend ``name`` (its rank-side functions)."""
-    return importlib.import_module(BACKENDS[name])
+    """The module of backend ``name`` (its rank-side functions): the fault kit
+    its storage scheme registered (:attr:`reshard.storage.Scheme.fault_kit`).
+
+    Raises:
+        ValueError: no such backend, or it has no fault kit."""
+    from ..storage import get_scheme
+
+    kit = get_scheme(name).fault_kit
+    if kit is None:
+        raise ValueError(f"storage backend {name!r} has no fault kit: the fault matrix does not run on it")
+    return importlib.import_module(kit)
 
 
 # --------------------------------------------------------------------------- state

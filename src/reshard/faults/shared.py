@@ -206,7 +206,7 @@ def reader_main(root: str, cdir: str, env: dict[str, str], n: int) -> None:
     from ..storage import resolve
     from .ranks import full
 
-    url = root if "://" in root or root.startswith("/") else "s3://" + root
+    url = root  # the root as a path or URL (_cli_root)
     st, key = resolve(url)
     counts = {"ok": 0, "gone_before_lease": 0, "failed_after_lease": 0, "partial": 0, "wrong": 0,
               "no_checkpoint": 0}
@@ -303,7 +303,10 @@ def _verify_all(res: CellResult, st: Any, root: str) -> list[str]:
 
 
 def _cli_root(be: Any, root: str) -> str:
-    return root if be.name == "local" else f"s3://{root}"
+    from ..storage import get_scheme
+
+    scheme = get_scheme(be.name)
+    return root if scheme.bare_paths else scheme.url(root)
 
 
 def run(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[str, Any]) -> None:
@@ -396,7 +399,7 @@ def _reader_retention(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dic
             "reader_main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4]))")
     res.bytes_before = be.usage(st, root)[0]
     t0 = time.time()
-    r = subprocess.run([sys.executable, "-c", code, root, cdir, json.dumps(be.env), str(READER_LOADS)],
+    r = subprocess.run([sys.executable, "-c", code, _cli_root(be, root), cdir, json.dumps(be.env), str(READER_LOADS)],
                        capture_output=True, text=True, env=env, timeout=900)
     res.notes.append(f"{READER_LOADS} loads in {time.time() - t0:.1f} s")  # (no fault to detect)
     _touch(os.path.join(cdir, "reader-done"))

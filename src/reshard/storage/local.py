@@ -8,16 +8,22 @@ import errno
 import os
 import shutil
 import stat
+import threading
 from collections.abc import Generator, Iterable
 
 from ..errors import IntegrityError, NotARegularFileError, StorageError
 from .base import Capabilities, Storage, WriteStream
+from .registry import Scheme, register_scheme
 
 
 def _storage_error(op: str, path: str, e: OSError) -> StorageError:
     what = "no space left on device" if e.errno == errno.ENOSPC else e.strerror or str(e)
     return StorageError(f"{op} {path!r}: {what}")
 
+
+#: held by a thread of this process around each compare-and-swap (the
+#: POSIX lock under it excludes only other processes)
+_CAS_LOCK = threading.Lock()
 
 _KINDS = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -162,12 +168,18 @@ class LocalStorage(Storage):
         its bytes; None: it must not exist), then ``data`` is written to a
         temporary file, fsynced and renamed over ``path`` (the parent
         fsynced). The lock ends with the descriptor, also when the process
-        dies; the lock file stays (empty).
+        dies; the lock file stays (empty). A POSIX lock excludes other
+        processes only, so the threads of this process also take one lock
+        of the process (:data:`_CAS_LOCK`) around it.
 
         Raises:
             FileExistsError: ``path`` changed (or appeared, or vanished) since ``tag``.
             StorageError: the store failed.
         """
+        with _CAS_LOCK:
+            self._put_if_match_locked(path, data, tag)
+
+    def _put_if_match_locked(self, path: str, data: bytes, tag: str | None) -> None:
         import fcntl
 
         lock = f"{path}.lock"
@@ -316,3 +328,16 @@ class LocalStorage(Storage):
             return os.stat(path).st_mtime
         except OSError:
             return None
+
+
+def _open(rest: str) -> tuple[Storage, str]:
+    """A local path, or the part of a ``file://`` URL after the scheme
+    (``file://localhost/abs`` as ``/abs``, RFC 8089): ``~`` expanded, made absolute."""
+    if rest.startswith("localhost/"):
+        rest = rest[len("localhost"):]
+    return LocalStorage(), os.path.abspath(os.path.expanduser(rest)).rstrip("/") or "/"
+
+
+SCHEME = register_scheme(Scheme(name="file", backend="local", open=_open, bare_paths=True,
+                                test_store="reshard.testing.stores:LocalTestStore",
+                                fault_kit="reshard.faults.local"))

@@ -9,6 +9,7 @@ import threading
 
 from ..errors import IntegrityError
 from .base import Capabilities, Storage, WriteStream
+from .registry import Scheme, register_scheme
 
 _STORES: dict[str, dict[str, bytes]] = {}
 _GLOBAL_LOCK = threading.Lock()
@@ -129,3 +130,12 @@ def clear_memory_storage(namespace: str | None = None) -> None:
             _STORES.clear()
         else:
             _STORES.pop(namespace, None)
+
+
+def _open(rest: str) -> tuple[Storage, str]:
+    """``memory://<prefix>``: the process's store, key ``<prefix>``."""
+    return MemoryStorage(), rest.strip("/")
+
+
+SCHEME = register_scheme(Scheme(name="memory", open=_open, shared=False,
+                                test_store="reshard.testing.stores:MemoryTestStore"))

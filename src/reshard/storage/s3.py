@@ -54,6 +54,7 @@ from typing import Any, TypeVar
 
 from ..errors import IntegrityError, StorageError
 from .base import Capabilities, Storage, WriteStream
+from .registry import Scheme, register_scheme
 from .s3_client import (
     _CLIENTS_LOCK,
     S3Config,
@@ -681,3 +682,18 @@ class S3Storage(Storage):
             return float(self._head(key)["LastModified"].timestamp())
         except (FileNotFoundError, StorageError):
             return None
+
+
+def _open(rest: str) -> tuple[Storage, str]:
+    """``s3://bucket/prefix``: key ``bucket/prefix``.
+
+    Raises:
+        ValueError: no bucket."""
+    key = rest.strip("/")
+    if not key:
+        raise ValueError(f"{'s3://' + rest!r}: an s3:// URL needs a bucket")
+    return S3Storage(), key
+
+
+SCHEME = register_scheme(Scheme(name="s3", open=_open, test_store="reshard.testing.s3server:S3TestStore",
+                                fault_kit="reshard.faults.matrix_s3"))

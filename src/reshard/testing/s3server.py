@@ -184,3 +184,105 @@ class S3rverServer(_LocalS3):
 
     def _cleanup(self) -> None:
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class S3TestStore:
+    """A bucket of its own on a throw-away S3 endpoint, for tests and
+    benchmarks (the ``s3`` scheme's test store:
+    :func:`reshard.storage.start_test_store`): moto's server on 127.0.0.1
+    started for it (``endpoint=None``), or the ``endpoint`` given
+    (credentials from the standard AWS variables, default ``testing``). The
+    AWS variables are set in this process (processes started afterwards,
+    e.g. ranks, inherit them) and put back by :meth:`close`, which also
+    deletes the bucket's objects, and the bucket where this store created it.
+
+    Attributes:
+        endpoint: the endpoint's URL. bucket: the bucket's name.
+        server: the moto server started for it, or None.
+
+    Raises:
+        RuntimeError: moto's server did not start (``moto[server]`` missing),
+            or the endpoint did not answer / refused to create the bucket
+            (the message names the URL and bucket).
+    """
+
+    def __init__(self, *, scratch: str | None = None, endpoint: str | None = None,
+                 bucket: str | None = None, min_part_bytes: int = 5 << 20):
+        import uuid
+
+        self.server: S3Server | None = None
+        self.created = False  # this store created the bucket: close() deletes it
+        self.bucket = bucket or f"reshard-test-{uuid.uuid4().hex[:8]}"
+        self._old = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID",
+                                                    "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+        if endpoint is None:
+            self.server = S3Server(min_part_bytes=min_part_bytes)
+            self._env = self.server.env()
+            self.endpoint = self.server.url
+        else:
+            self._env = {"AWS_ENDPOINT_URL": endpoint,
+                         "AWS_ACCESS_KEY_ID": os.environ.get("AWS_ACCESS_KEY_ID", "testing"),
+                         "AWS_SECRET_ACCESS_KEY": os.environ.get("AWS_SECRET_ACCESS_KEY", "testing"),
+                         "AWS_DEFAULT_REGION": os.environ.get("AWS_DEFAULT_REGION", "us-east-1")}
+            self.endpoint = endpoint
+        self.description = (f"S3 ({endpoint})" if endpoint is not None
+                            else "S3 (moto server on 127.0.0.1, started for this run)")
+        os.environ.update(self._env)
+        from ..storage.s3_client import _client
+
+        c = _client()
+        try:
+            c.head_bucket(Bucket=self.bucket)
+        except Exception:  # noqa: BLE001 - absent: created
+            try:
+                c.create_bucket(Bucket=self.bucket)
+            except Exception as e:  # noqa: BLE001 - unreachable, refused: named
+                self.close()
+                raise RuntimeError(f"S3 endpoint {self.endpoint}: cannot create the bucket {self.bucket!r}: "
+                                   f"{' '.join(str(e).split())}") from None
+            self.created = True
+
+    def url(self, name: str) -> str:
+        from ..storage.registry import get_scheme
+
+        return get_scheme("s3").url(f"{self.bucket}/{name}")
+
+    prefix = url
+
+    def env(self) -> dict[str, str]:
+        return dict(self._env)
+
+    def close(self) -> None:
+        from ..storage import resolve
+
+        try:
+            st, key = resolve(self.url(""))
+            st.delete_tree(key)
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+        if self.created:  # its own bucket: not left behind on the user's endpoint
+            from ..storage.s3_client import _client
+
+            try:
+                c = _client()
+                for u in c.list_multipart_uploads(Bucket=self.bucket).get("Uploads", ()):
+                    c.abort_multipart_upload(Bucket=self.bucket, Key=u["Key"], UploadId=u["UploadId"])
+                while True:  # whatever is left in it
+                    keys = [{"Key": o["Key"]} for o in
+                            c.list_objects_v2(Bucket=self.bucket).get("Contents", ())]
+                    if not keys:
+                        break
+                    c.delete_objects(Bucket=self.bucket, Delete={"Objects": keys})
+                c.delete_bucket(Bucket=self.bucket)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+            self.created = False
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        for k, v in self._old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        self._old = {}

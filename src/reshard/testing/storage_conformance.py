@@ -9,17 +9,25 @@ Use it for your own backend the way zarr ships ``zarr.testing.store``::
             return MyStorage(...), "some/empty/root"   # (storage, root key)
 
 Every ``test_*`` method checks one promise of the protocol
-(:mod:`reshard.storage.base`); tests of optional features run only where the
-backend declares the capability (``atomic_rename``, ``conditional_put``,
-``multipart``, ``file_links``); a store whose probe found conditional requests ignored
+(:mod:`reshard.storage.base`), and together they check everything the commit
+protocol relies on: compare-and-swap (:meth:`~reshard.storage.Storage.put_if_match`
+with a stale tag fails, one of two racing swaps wins), the owner lease and
+the reader leases built on it (:mod:`reshard.commit.ownership`,
+:mod:`reshard.commit.leases`), the publish check and a publish by
+``put_if_absent``, and the listing and aborting of open uploads. Tests of
+optional features run only where the backend declares the capability
+(``atomic_rename``, ``conditional_put``, ``multipart``, ``file_links``); a
+store whose probe found conditional requests ignored
 (:meth:`~reshard.storage.Storage.check_publish`) must refuse them with
 ``StoreCapabilityError``. Needs pytest.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+import time
 
 import pytest
 
@@ -247,3 +255,181 @@ class StorageConformance:
         st.rename_dir(a, st.join(root, "b"))
         assert st.read_bytes(st.join(root, "b", "x")) == b"x"
         assert not st.exists(a)
+
+    # -- compare-and-swap, leases, publish, uploads: what the commit relies on
+    def test_put_if_match_with_a_stale_tag_fails(self) -> None:
+        """A swap succeeds over the version it read, fails (FileExistsError,
+        the object unchanged) over any older one, over an object created
+        since (``tag=None``) and over one deleted since; every write gives a
+        new tag. The owner lease of a root and a checkpoint's HEAD are
+        compare-and-swaps: a store that ignores the tag lets two jobs both
+        own a root."""
+        st, root = self._setup()
+        p = st.join(self._dir(st, root, "ck"), "owner.json")
+        if self._refuses_publishing(st, p):
+            return
+        st.put_if_match(p, b"v1", None)
+        with pytest.raises(FileExistsError):
+            st.put_if_match(p, b"v1 again", None)
+        data, t1 = st.read_tagged(p)
+        assert data == b"v1"
+        st.put_if_match(p, b"v2", t1)
+        data, t2 = st.read_tagged(p)
+        assert data == b"v2" and t2 != t1
+        with pytest.raises(FileExistsError):
+            st.put_if_match(p, b"v3 over a stale tag", t1)
+        assert st.read_tagged(p) == (b"v2", t2)
+        st.delete_tree(p)
+        with pytest.raises(FileExistsError):
+            st.put_if_match(p, b"v3 over a deleted object", t2)
+        assert not st.exists(p)
+
+    def test_put_if_match_race_has_one_winner(self) -> None:
+        """Writers that read the same version and swap at once: one wins."""
+        st, root = self._setup()
+        if not st.capabilities.conditional_put:
+            pytest.skip("no conditional put")
+        p = st.join(self._dir(st, root, "ck"), "head.json")
+        if self._refuses_publishing(st, p):
+            return
+        st.put_if_match(p, b"start", None)
+        _, tag = st.read_tagged(p)
+        wins: list[int] = []
+        barrier = threading.Barrier(4)
+
+        def swap(i: int) -> None:
+            barrier.wait()
+            try:
+                st.put_if_match(p, f"writer {i}".encode(), tag)
+                wins.append(i)
+            except FileExistsError:
+                pass
+
+        ts = [threading.Thread(target=swap, args=(i,)) for i in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        assert len(wins) == 1, f"{len(wins)} writers swapped over one version"
+        assert st.read_bytes(p) == f"writer {wins[0]}".encode()
+
+    def test_owner_lease_is_never_held_twice(self) -> None:
+        """The owner lease of a root, as :mod:`reshard.commit.ownership`
+        writes it: each holder swaps its record over the version it read,
+        then reads it back to confirm; of two holders that read the same
+        version only one writes, the other's swap fails and the record stays
+        the winner's; a renewal over the winner's own latest version works,
+        one over an older version fails."""
+        st, root = self._setup()
+        key = st.join(self._dir(st, root, "root"), "owner.json")
+        if self._refuses_publishing(st, key):
+            return
+
+        def write(rec: dict[str, object], tag: str | None) -> str:
+            data = json.dumps(rec, sort_keys=True).encode()
+            st.put_if_match(key, data, tag)
+            raw, now = st.read_tagged(key)
+            assert raw == data, f"{key}: a successful swap did not leave its bytes"
+            return now
+
+        t = time.time()
+        rec = {"job": "a", "expires": t + 60, "renewed": t}
+        ta = write(rec, None)  # both found no owner: tag None
+        with pytest.raises(FileExistsError):
+            write({**rec, "job": "b"}, None)
+        ta2 = write({**rec, "renewed": t + 1}, ta)  # a renews over its own version
+        assert ta2 != ta
+        with pytest.raises(FileExistsError):
+            write({**rec, "job": "b"}, ta)  # b swaps over the version it read before the renewal
+        assert json.loads(st.read_bytes(key))["job"] == "a"
+        write({**rec, "job": "b"}, ta2)  # b takes the root over the latest version
+        with pytest.raises(FileExistsError):
+            write({**rec, "renewed": t + 2}, ta2)  # a's next renewal finds the root taken
+        assert json.loads(st.read_bytes(key))["job"] == "b"
+
+    def test_reader_lease_records(self) -> None:
+        """Reader leases, as :mod:`reshard.commit.leases` keeps them: a small
+        record written (not fsync'd) beside a checkpoint is listed among its
+        parent's children, read back whole, rewritten in place at each
+        renewal, and removed by ``delete_tree`` of its own key, leaving the
+        checkpoint and the other records; ``modified_time`` of a fresh record
+        is None or within a minute of now (gc spares an unreadable young one)."""
+        st, root = self._setup()
+        r = self._dir(st, root, "root")
+        st.write_bytes(st.join(self._dir(st, r, "step-1"), "manifest.json"), b"{}")
+        a, b = st.join(r, "step-1.lease-1-aa.json"), st.join(r, "step-1.lease-2-bb.json")
+        now = time.time()
+        for k in (a, b):
+            st.write_bytes(k, json.dumps({"expires": now + 60, "renewed": now}).encode(), durable=False)
+        assert sorted(st.list_dir(r)) == sorted(["step-1", st.basename(a), st.basename(b)])
+        renewed = json.dumps({"expires": now + 120, "renewed": now + 60}).encode()
+        st.write_bytes(a, renewed, durable=False)
+        assert st.read_bytes(a) == renewed
+        mtime = st.modified_time(a)
+        assert mtime is None or abs(mtime - now) < 60
+        st.delete_tree(b)
+        assert not st.exists(b) and st.exists(a) and st.exists(st.join(r, "step-1", "manifest.json"))
+        st.delete_tree(a)
+        assert st.list_dir(r) == ["step-1"]
+
+    def test_publish_check_and_publish(self) -> None:
+        """The publish check passes (or, on a store found to ignore conditional
+        requests, refuses every conditional put), gives the same answer when
+        asked again, and leaves nothing visible under the checkpoint; a
+        publish then writes the manifest last with ``put_if_absent`` beside
+        the data, and a second publisher of the same checkpoint fails."""
+        st, root = self._setup()
+        d = self._dir(st, root, "step-1")
+        manifest = st.join(d, "manifest.json")
+        if self._refuses_publishing(st, manifest):
+            from ..errors import StoreCapabilityError
+
+            with pytest.raises(StoreCapabilityError):
+                st.check_publish(manifest)
+            return
+        st.check_publish(manifest)
+        st.check_publish(manifest)
+        assert not st.exists(manifest)
+        st.write_bytes(st.join(d, "data-0.bin"), b"data")
+        st.put_if_absent(manifest, b'{"step": 1}')
+        with pytest.raises(FileExistsError):
+            st.put_if_absent(manifest, b'{"step": 1, "writer": 2}')
+        assert st.read_bytes(manifest) == b'{"step": 1}'
+        assert st.list_dir(d) == ["data-0.bin", "manifest.json"]
+
+    def test_open_uploads_are_listed_and_aborted(self) -> None:
+        """Where ``multipart``: a file still being written (more than a part
+        written, not closed) is listed by ``list_uploads`` of any prefix
+        above it, with its upload id and start time; ``abort_upload`` ends
+        it (nothing is left at its key); a closed file is never listed. gc
+        finds an abandoned attempt's uploads this way. Elsewhere there is
+        never an open upload to list."""
+        st, root = self._setup()
+        d = self._dir(st, root, "att")
+        p = st.join(d, "data-0.bin")
+        s = st.open_write(p)
+        s.write(os.urandom(self.large_bytes))
+        if not st.capabilities.multipart:
+            assert st.list_uploads(root) == []
+            s.abort()
+            return
+        ups = st.list_uploads(root)
+        if not ups and any("does not list multipart uploads" in n for n in st.notes):
+            s.abort()
+            pytest.skip("the store does not list multipart uploads (noted for gc)")
+        assert [u[0] for u in ups] == [p], ups
+        key, upload_id, started = ups[0]
+        assert isinstance(upload_id, str) and upload_id and started < time.time() + 3600, (upload_id, started)
+        assert [u[0] for u in st.list_uploads(d)] == [p]
+        st.abort_upload(key, upload_id)
+        assert st.list_uploads(root) == []
+        assert not st.exists(p)
+        try:
+            s.abort()  # the stream of the upload aborted above: only its buffers are left to drop
+        except Exception:  # noqa: BLE001 - a store may tell that the upload is gone
+            pass
+        q = st.join(d, "data-1.bin")
+        s = st.open_write(q)
+        s.write(os.urandom(self.large_bytes))
+        s.close()
+        assert st.list_uploads(root) == [] and st.size(q) == self.large_bytes
