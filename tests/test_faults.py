@@ -170,7 +170,7 @@ def test_fault_matrix_quick(tmp_path):
 
     chosen = cells(quick=True, backend="local")
     classes = {c.fault_class for c in cells(backend="local")} - {"sigstop-load", "sigterm-unwinding", "sigkill-exit"}
-    assert {c.fault_class for c in chosen} == classes and len(chosen) < 22
+    assert {c.fault_class for c in chosen} == classes and len(chosen) <= 24  # the quick subset stays small (suite time)
     # incremental saves: a rank killed while it links, an operator's gc killed mid-sweep of a
     # checkpoint whose files a kept one links, a shared file rotten on disk
     assert {"incremental/save-sync/link/kill/rank1", "incremental/gc--/sweep-mid/gc-kill/rank0",
