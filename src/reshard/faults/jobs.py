@@ -140,7 +140,7 @@ class Operator:
         if self.cell.action == "gc-kill":
             out = " ".join(self.gc_runs)
             if not out.startswith(f"exit {-signal.SIGKILL}"):
-                res.problems.append(f"the operator's gc was to be SIGKILLed mid-sweep, it ended: {out[:300]}")
+                res.problems.append(f"the operator's gc was to be SIGKILLed mid-sweep, it ended: {out[-600:]}")
         if self.cell.action == "gc":
             if len(self.gc_runs) < 2:
                 res.problems.append(f"gc ran beside {len(self.gc_runs)} saves, not 2: the cell tested less")
@@ -211,7 +211,9 @@ def killed_gc_main(root: str, cdir: str) -> None:
 
     fs = FaultStorage(LocalStorage(), [Fault(op="delete", match="step-00000001.incomplete-deleting-*",
                                              action="call", callback=half)])
-    mgr = CheckpointManager(root, keep_last=1, storage=fs, preempt_signals=(), gc_grace_s=0.0)
+    # as `reshard gc` does: an operator's gc takes no ownership of the root (the job's lease may
+    # still be live: a SIGKILLed job's lease expires by itself)
+    mgr = CheckpointManager(root, keep_last=1, storage=fs, preempt_signals=(), gc_grace_s=0.0, writer=False)
     mgr.apply_retention(smoke_newer=True)
     mgr.gc_abandoned()
 
