@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from _lightning_fns import N, fit, fresh_group, internals_of_a_trainer
+from _lightning_fns import N, fit, internals_of_a_trainer
+from _pool_fns import new_default_group
 from reshard.testing.pool import WorkerPool
 
 pytest.importorskip("lightning")
@@ -35,7 +36,7 @@ def _by_step(results: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, A
 
 
 def _run(pool: WorkerPool, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    pool.run(world, fresh_group)  # a restarted job: a new process group (new store, new port)
+    pool.run(world, new_default_group)  # a restarted job: a new process group (new store, new port)
     return pool.run(world, fit, cfg, timeout=180.0)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from _lightning_fns import fresh_group
+from _pool_fns import new_default_group
 from _transformers_fns import N, construct_on, internals_missing, run_recipe, train
 from reshard.testing.pool import WorkerPool
 
@@ -29,7 +29,7 @@ def _by_step(results: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, A
 
 
 def _run(pool: WorkerPool, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    pool.run(world, fresh_group)  # a restarted job: a new process group (new store, new port)
+    pool.run(world, new_default_group)  # a restarted job: a new process group (new store, new port)
     return pool.run(world, train, cfg, timeout=180.0)
 
 
@@ -164,9 +164,9 @@ def test_the_accelerate_recipe_on_two_ranks(pool: WorkerPool, tmp_path: Path) ->
                 if "accelerate_state(accelerator" in b.code)
     assert code.rstrip().endswith("assert main(max_steps=8) == 8   # resumes from step 4")
     once = code[:code.index("main(max_steps=5)")] + "assert main(max_steps=8) == 8\n"
-    pool.run(2, fresh_group)
+    pool.run(2, new_default_group)
     assert pool.run(2, run_recipe, str(tmp_path / "twice"), code, timeout=120.0) == [True, True]
-    pool.run(2, fresh_group)
+    pool.run(2, new_default_group)
     assert pool.run(2, run_recipe, str(tmp_path / "once"), once, timeout=120.0) == [True, True]
     a = tmp_path / "twice" / "accelerate-ckpt" / "step-00000008"
     b = tmp_path / "once" / "accelerate-ckpt" / "step-00000008"
