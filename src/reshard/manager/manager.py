@@ -32,6 +32,7 @@ import msgspec
 
 from ..catalog.records import VERIFIED, check_and_record, record_holds
 from ..catalog.verify import latest_entry
+from ..collectives import Arrival, arrive, checkpoint_timeout_s
 from ..collectives_deferred import Deferred
 from ..commit import ownership
 from ..commit.lineage import Head, lineage_of, resume_order
@@ -352,6 +353,10 @@ class CheckpointManager(RetentionMixin):
                 (its own failure only); StorageError when the root cannot be
                 listed to choose the name.
         """
+        # every rank checks in before the manager's own collectives (the lineage, the name):
+        # a save called on some ranks only fails there within the bound, naming the others
+        self._arrive("save", f"CheckpointManager.save of step {step} under {self.root}",
+                     self.options.arrival_timeout_s)
         extra = dict(self.options.extra)
         if metric is not None:
             extra["metric"] = float(metric)
@@ -695,9 +700,21 @@ class CheckpointManager(RetentionMixin):
             from ..options import LoadOptions
 
             load_kwargs = {**load_kwargs, "options": LoadOptions(timeout_s=self.timeout_s)}
+        opts = load_kwargs["options"]
+        self._arrive("restore", f"CheckpointManager.restore of {self.root}",
+                     getattr(opts, "arrival_timeout_s", None), getattr(opts, "timeout_s", self.timeout_s))
         return restore_collective(self, state, step=step, name=name,
                                   allow_fresh_start=allow_fresh_start, load_kwargs=load_kwargs,
                                   record_head=record_head, accept=accept)
+
+    def _arrive(self, kind: str, what: str, bound: float | None, timeout_s: Any = None) -> None:
+        """Every rank of the manager's group checks in (:func:`reshard.collectives.arrive`)
+        before a save or restore issues its first collective: called on some
+        ranks only, it raises CheckpointError on those within ``bound`` seconds,
+        naming the ranks that did not come."""
+        t = self.timeout_s if timeout_s is None else timeout_s
+        arrive(self.group, Arrival(kind=f"manager-{kind}", what=what, timeout_s=bound),
+               checkpoint_timeout_s(self.group, t))
 
     def _resumed(self, head: Head) -> None:
         self._lineage, self._parent, self._joined = head.id, head.name, True
