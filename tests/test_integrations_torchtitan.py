@@ -174,6 +174,13 @@ def test_load_step_exclude_and_model_only_never_resumed(pool: Any, tmp_path: Pat
                                                  "step-00000004": "model_only"}
     m4 = reshard.inspect(str(tmp_path / "c" / "step-00000004"))
     assert {te.dtype for te in m4.tensors.values()} == {"bfloat16"} and not m4.values
+    # reshard.latest and a CheckpointManager agree: a model-only save is not a training state
+    assert m4.extra["content"] == "model_only"
+    assert reshard.latest(tmp_path / "c").endswith("step-00000002")
+    assert reshard.latest(tmp_path / "c", include_model_only=True).endswith("step-00000004")
+    reader = reshard.CheckpointManager(tmp_path / "c", writer=False, preempt_signals=())
+    assert reader.latest_step() == 2
+    reader.close()
     # a longer run resumes the newest *full* state (step 2), not the model-only step 4
     res = pool.run(1, F.r_run, d, "c", 5, 2, timeout=120)
     assert [r["step"] for r in res[0]["curve"]] == [3, 4, 5]

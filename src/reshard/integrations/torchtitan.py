@@ -337,7 +337,10 @@ class ReshardCheckpointManager(BaseCheckpointManager):
         rec: dict[str, Any] = {"content": content, **more}
         if self._resumed_from:
             rec["resumed_from_dcp"] = self._resumed_from
-        return {**self._mgr.options.extra, _CONTENT: rec}
+        # the generic mark (reshard.latest and CheckpointManager.restore pass a model-only one over)
+        generic = {"content": content} if content == _MODEL_ONLY else {}
+        return {**{k: v for k, v in self._mgr.options.extra.items() if k != "content"}, **generic,
+                _CONTENT: rec}
 
     def _save_as(self, step: int, tree: dict[str, Any], extra: dict[str, Any], *, sync: bool) -> Any:
         opts = self._mgr.options

@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 
 from ..catalog.records import VERIFIED, check_and_record, record_holds
-from ..catalog.verify import latest_entry
+from ..catalog.verify import latest_entry, resumable
 from ..collectives import Arrival, arrive, checkpoint_timeout_s
 from ..collectives_deferred import Deferred
 from ..commit import ownership
@@ -678,8 +678,12 @@ class CheckpointManager(RetentionMixin):
         A manager restored that way must not save (its saves would join the
         lineage of the existing ``HEAD``, not of the checkpoint it loaded).
         ``accept(manifest) -> bool``: only checkpoints it accepts are
-        candidates (e.g. a TorchTitan model-only save, marked in its
-        manifest's ``extra``, is never resumed as a full state).
+        candidates. Default, when neither ``step`` nor ``name`` is given:
+        :func:`reshard.catalog.verify.resumable`, so a checkpoint marked
+        model-only (a TorchTitan ``last_save_model_only`` save, a seed
+        checkpoint: ``extra["content"] == "model_only"``) is never resumed as
+        a training state, as :func:`reshard.latest` never returns one; a
+        checkpoint named by ``step`` or ``name`` is loaded whatever it holds.
 
         Returns:
             The LoadResult (``notes["fallback"]`` lists what was skipped), or
@@ -700,6 +704,8 @@ class CheckpointManager(RetentionMixin):
             from ..options import LoadOptions
 
             load_kwargs = {**load_kwargs, "options": LoadOptions(timeout_s=self.timeout_s)}
+        if accept is None and step is None and name is None:
+            accept = resumable
         opts = load_kwargs["options"]
         self._arrive("restore", f"CheckpointManager.restore of {self.root}",
                      getattr(opts, "arrival_timeout_s", None), getattr(opts, "timeout_s", self.timeout_s))
