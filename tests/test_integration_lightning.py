@@ -76,7 +76,8 @@ def test_ddp_resume_same_layout_is_bitwise(pool: WorkerPool, tmp_path: Path) -> 
     assert part2[0]["pre_mutation_calls"] == 6  # before each of the 6 optimizer steps of the resumed run
     names = sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("step-")
                    and "." not in p.name)
-    assert names == ["step-00000004", "step-00000008", "step-00000010"], names  # 4: the resume source
+    # keep_last=2 leaves 2: step 4, the resume source, was kept while the run lived only
+    assert names == ["step-00000008", "step-00000010"], names
 
     naive = _by_step(_run(pool, 2, {**cfg, "root": str(tmp_path / "naive"), "naive_rng": True}))
     assert naive[(5, 0)]["ids"] == want[(5, 0)]["ids"] and naive[(5, 0)]["lr"] == want[(5, 0)]["lr"]

@@ -60,7 +60,8 @@ def test_same_layout_resume_is_bitwise(pool: WorkerPool, tmp_path: Path) -> None
     assert part2[0]["pre_mutation_calls"] == 6  # once per optimizer step, before it
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()
                    if p.name.startswith("step-") and "." not in p.name)
-    assert names == ["step-00000004", "step-00000008", "step-00000010"], names  # 4: the resume source
+    # keep_last=2 leaves 2: step 4, the resume source, was kept while the run lived only
+    assert names == ["step-00000008", "step-00000010"], names
     assert not any(p.name.startswith("checkpoint-") for p in (tmp_path / "run").iterdir())
 
     naive = _by_step(_run(pool, 2, {**cfg, "out": str(tmp_path / "naive"), "naive_rng": True}))

@@ -272,7 +272,7 @@ class ReshardCheckpoint(Checkpoint):
             last save (the coordinator's clock decides, agreed across ranks).
         keep_last, keep_every, keep_best: retention (:class:`reshard.CheckpointManager`:
             nothing is deleted before a newer checkpoint verified; the
-            checkpoint the run resumed from is kept for the run).
+            checkpoint the run resumed from is kept while the fit runs).
         monitor, mode: with ``keep_best``, the metric of ``trainer.callback_metrics``
             each save carries (its value at the save: the last validation's)
             and whether higher (``"max"``) or lower (``"min"``) is better.

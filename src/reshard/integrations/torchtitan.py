@@ -141,7 +141,7 @@ FIELDS: dict[str, str] = {
                        "safetensors (sd_adapter.to_hf names) in <folder>/step-<N>",
     "export_dtype": "honoured: floating-point tensors of a model-only last save are cast to it",
     "keep_latest_k": "honoured: CheckpointManager(keep_last=k) retention (0: keep all); never "
-                     "deletes the resume source nor a DCP folder",
+                     "deletes a DCP folder, nor the resume source while the job runs",
     "load_step": "honoured: load(step) resumes that step (reshard's or a DCP checkpoint's)",
     "exclude_from_loading": "honoured: those states are neither read nor required",
     "enable_first_step_checkpoint": "honoured: a full save after step 1",

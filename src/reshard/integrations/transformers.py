@@ -34,7 +34,7 @@ What changes against the stock Trainer:
   resumed epoch (``ignore_data_skip`` honoured) and restores callback states.
 * **Retention**: ``save_total_limit`` is the manager's ``keep_last`` (with
   its rules: nothing deleted before a newer checkpoint verified, the resume
-  source kept for the run); no folder is ever removed by its name.
+  source kept while ``train`` runs); no folder is ever removed by its name.
 * **Best model**: ``load_best_model_at_end`` is supported: each save carries
   the step's ``metric_for_best_model`` value, retention keeps the best
   checkpoint too (``keep_best=1``, on top of ``save_total_limit``), and at the

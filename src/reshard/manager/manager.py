@@ -209,6 +209,9 @@ class CheckpointManager(RetentionMixin):
         self._lineage: str | None = None
         self._parent: str | None = None
         self._last_committed: str | None = None
+        #: the checkpoint this manager's restore resumed from (pinned while the run is alive)
+        self._resumed_from: str | None = None
+        self._releasing_source = False
         self._joined = False
         self._closing = False
         self.last_outcomes: dict[str, str] = {}
@@ -725,15 +728,44 @@ class CheckpointManager(RetentionMixin):
     def _resumed(self, head: Head) -> None:
         self._lineage, self._parent, self._joined = head.id, head.name, True
         self._last_committed = head.name
+        self._resumed_from = head.name
+
+    def _owner_lease(self) -> str | None:
+        """Coordinator: the id of the owner lease this manager holds (the
+        ``lease`` of ``OWNER``), recorded in the HEAD it writes; None when it
+        holds none (a reader, another rank, a full disk at construction)."""
+        lease = self._owner.record.get("lease") if self._owner is not None else None
+        return lease if isinstance(lease, str) else None
+
+    def _release_source(self) -> None:
+        """Coordinator, at :meth:`close`: the run ends, so the checkpoint it
+        resumed from is no longer kept for it (:meth:`source_pinned`);
+        retention applies once more without that pin, when this run resumed
+        and committed a checkpoint since (``keep_last=2`` then leaves 2). A
+        failure is logged: closing never raises for it."""
+        if (self.coll.rank != 0 or not self.writer or self._owner is None or self._resumed_from is None
+                or self._last_committed in (None, self._resumed_from)):
+            return
+        self._releasing_source = True
+        try:
+            self._retention_after_commit()
+        except CheckpointError as e:
+            log.warning("%s: retention at close failed (%s: %s)", self.root, type(e).__name__, e)
+        finally:
+            self._releasing_source = False
 
     def close(self) -> None:
-        """Wait for in-flight saves and restore the signal handlers replaced.
+        """Wait for in-flight saves, apply retention once more without the
+        pin on the checkpoint this run resumed from (:meth:`source_pinned`: it
+        is kept while the run is alive only), release the root and restore
+        the signal handlers replaced.
 
         Raises:
             CheckpointError: as :meth:`wait` (the handlers are restored first)."""
         self._closing = True
         try:
             self.wait()
+            self._release_source()
         finally:
             if self._owner_done is not None:  # the root is released (the record stays)
                 self._owner_done()
