@@ -173,3 +173,53 @@ def test_the_accelerate_recipe_on_two_ranks(pool: WorkerPool, tmp_path: Path) ->
     b = tmp_path / "once" / "accelerate-ckpt" / "step-00000008"
     d = diff(a, b)
     assert d.identical, d
+
+
+def test_the_accelerate_recipe_two_ranks_resumed_on_one_keeps_the_lr(pool: WorkerPool,
+                                                                     tmp_path: Path) -> None:
+    """accelerate's prepared scheduler steps num_processes times per optimizer
+    step. The recipe stopped at step 5 on 2 ranks (checkpoint 4) and resumed on
+    1 rank to step 8 (the cursor keeps the global batch of 8): the scheduler
+    keeps the 2-rank pace (2 scheduler steps per optimizer step), so its state
+    at step 8 is the uninterrupted 2-rank run's, as is the data position; the
+    weights and moments agree within the fp32 tolerance (the recipe without its
+    dropout)."""
+    import torch
+
+    import reshard
+    from test_readme import ROOT, blocks
+
+    code = next(b.code for b in blocks(ROOT / "docs" / "integrations.md")
+                if "accelerate_state(accelerator" in b.code)
+    # without dropout (its masks are re-derived streams on another world size), the weights compare
+    head = code[:code.index("main(max_steps=5)")].replace("torch.nn.Dropout(0.1)", "torch.nn.Identity()")
+    assert "Identity" in head
+    pool.run(2, new_default_group)
+    assert pool.run(2, run_recipe, str(tmp_path / "once"), head + "assert main(max_steps=8) == 8\n",
+                    timeout=120.0) == [True, True]
+    pool.run(2, new_default_group)
+    assert pool.run(2, run_recipe, str(tmp_path / "run"), head + "main(max_steps=5)\n",
+                    timeout=120.0) == [True, True]
+    pool.run(1, new_default_group)
+    assert pool.run(1, run_recipe, str(tmp_path / "run"), head + "assert main(max_steps=8) == 8\n",
+                    timeout=120.0) == [True]
+    want = reshard.read_state(str(tmp_path / "once" / "accelerate-ckpt" / "step-00000008"))
+    got = reshard.read_state(str(tmp_path / "run" / "accelerate-ckpt" / "step-00000008"))
+    assert got["scheduler"] == want["scheduler"] and want["scheduler"]["last_epoch"] == 16
+    assert got["scheduler_pace"] == want["scheduler_pace"] == {"steps_per_optimizer_step": 2}
+    assert {k: got["data"][k] for k in ("epoch", "consumed")} == \
+        {k: want["data"][k] for k in ("epoch", "consumed")}
+
+    def tensors(tree: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                out.update(tensors(v, f"{prefix}{k}."))
+            elif isinstance(v, torch.Tensor):
+                out[prefix + k] = v
+        return out
+
+    a, b = tensors(want["model"]), tensors(got["model"])  # weights and AdamW moments
+    assert sorted(a) == sorted(b) and any(k.endswith("weight") for k in a), sorted(a)
+    for name, t in a.items():
+        torch.testing.assert_close(b[name], t, rtol=1e-5, atol=1e-6, msg=name)

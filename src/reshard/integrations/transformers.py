@@ -71,6 +71,7 @@ import logging
 import os
 import shutil
 import tempfile
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -98,8 +99,8 @@ from ..saving.staging import SaveHandle
 from ..state.sharding import ShardedObject
 from ._common import DeferredRNG, Internal, missing_internals, wait_staged
 
-__all__ = ["TRAINER_INTERNALS", "ReshardTrainer", "ReshardTrainerMixin", "accelerate_state",
-           "missing_trainer_internals"]
+__all__ = ["TRAINER_INTERNALS", "ReshardTrainer", "ReshardTrainerMixin", "SchedulerPace",
+           "accelerate_state", "missing_trainer_internals"]
 
 log = logging.getLogger("reshard.integrations.transformers")
 
@@ -482,13 +483,90 @@ class ReshardTrainer(ReshardTrainerMixin, Trainer):
 
 
 # ---------------------------------------------------------------- accelerate
+def _paced_step(self: Any, *args: Any, **kwargs: Any) -> None:
+    """``AcceleratedScheduler.step`` (accelerate 1.x) with ``self._reshard_pace``
+    scheduler steps per optimizer step in place of ``num_processes``."""
+    if not self.step_with_optimizer:
+        self.scheduler.step(*args, **kwargs)
+        return
+    if not self.gradient_state.sync_gradients:
+        if self.gradient_state.adjust_scheduler:
+            self.scheduler._step_count += 1
+        return
+    if any(opt.step_was_skipped for opt in self.optimizers):
+        return
+    for _ in range(self._reshard_pace):
+        if not hasattr(self.scheduler, "total_steps") or \
+                self.scheduler._step_count <= self.scheduler.total_steps:
+            self.scheduler.step(*args, **kwargs)
+
+
+class SchedulerPace:
+    """How many times accelerate steps the LR scheduler per optimizer step, a
+    Stateful of :func:`accelerate_state` (the entry ``scheduler_pace``).
+
+    accelerate's prepared scheduler (``AcceleratedScheduler``, without
+    ``split_batches``) steps ``num_processes`` times per optimizer step: its
+    schedule is counted in per-process batches. reshard keeps the global batch
+    across a world-size change (a :class:`~reshard.DataCursor`), so the
+    schedule must keep its pace too: restored on another number of processes,
+    the scheduler is made to step as many times per optimizer step as the run
+    that saved it (logged once), and every LR is the one the uninterrupted run
+    has. A scheduler accelerate does not multiply (``split_batches=True``,
+    ``step_scheduler_with_optimizer=False``, an unprepared one) keeps its pace.
+    """
+
+    def __init__(self, scheduler: Any, num_processes: int):
+        self.scheduler, self.num_processes = scheduler, int(num_processes)
+
+    def _natural(self) -> int | None:
+        """The pace accelerate gives the scheduler (None: it is not stepped by
+        accelerate with the optimizer, so it keeps no pace of accelerate's)."""
+        s = self.scheduler
+        if not hasattr(s, "gradient_state") or not getattr(s, "step_with_optimizer", False):
+            return None
+        return 1 if s.split_batches else self.num_processes
+
+    @property
+    def pace(self) -> int:
+        """Scheduler steps per optimizer step now."""
+        natural = self._natural()
+        return 1 if natural is None else int(getattr(self.scheduler, "_reshard_pace", natural))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps_per_optimizer_step": self.pace}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        saved, natural, s = int(sd["steps_per_optimizer_step"]), self._natural(), self.scheduler
+        if saved == self.pace:
+            return
+        if natural is None:
+            raise CheckpointError(
+                f"accelerate_state: the checkpoint's LR scheduler stepped {saved} times per optimizer "
+                f"step (accelerate's prepared scheduler) and this run's {type(s).__name__} steps once "
+                "(not prepared by accelerate, or step_scheduler_with_optimizer=False): pass the "
+                "scheduler accelerator.prepare returned, with the settings of the run that saved it")
+        if saved == natural:
+            s.__dict__.pop("_reshard_pace", None)
+            s.__dict__.pop("step", None)
+            return
+        s._reshard_pace = saved
+        s.step = types.MethodType(_paced_step, s)
+        log.warning("accelerate_state: the LR scheduler keeps the pace of the checkpoint: %d "
+                    "scheduler steps per optimizer step (accelerate would step it %d times on %d "
+                    "processes); the global batch is kept, so is the schedule", saved, natural,
+                    self.num_processes)
+
+
 def accelerate_state(accelerator: Any, model: Any, optimizer: Any = None, scheduler: Any = None,
                      *, rng: RNGState | None = None, **extra: Any) -> dict[str, Any]:
     """The state tree of a plain accelerate loop, after ``accelerator.prepare``:
     the unwrapped model and the optimizer's torch optimizer
     (:class:`~reshard.adapters.torch_native.TorchState`), the scheduler (its
     torch scheduler), accelerate's GradScaler, RNG streams and ``extra``
-    entries (a :class:`~reshard.DataCursor`, a step counter, ...).
+    entries (a :class:`~reshard.DataCursor`, a step counter, ...). With a
+    scheduler, ``scheduler_pace`` (:class:`SchedulerPace`) keeps the LR
+    schedule's pace across a change of the number of processes.
 
     Args:
         accelerator: the ``accelerate.Accelerator``.
@@ -505,6 +583,7 @@ def accelerate_state(accelerator: Any, model: Any, optimizer: Any = None, schedu
     }
     if scheduler is not None:
         state["scheduler"] = getattr(scheduler, "scheduler", scheduler)
+        state["scheduler_pace"] = SchedulerPace(scheduler, accelerator.num_processes)
     if getattr(accelerator, "scaler", None) is not None:
         state["scaler"] = accelerator.scaler
     state.update(extra)
