@@ -176,6 +176,49 @@ def test_an_explicit_ckpt_path_wins_over_dirpath(pool: WorkerPool, tmp_path: Pat
         assert got[k]["loss"] == full[k]["loss"], k  # weights, moments, RNG: Lightning's own
 
 
+def test_a_fit_ended_mid_epoch_resumes_with_the_epochs_next_batch(pool: WorkerPool,
+                                                                     tmp_path: Path) -> None:
+    """fit(max_steps=4) ends in the middle of epoch 0 (6 batches of 8): its
+    end-of-fit save (step 4) records the epoch's position, not the next
+    epoch's, and the loop counters of that batch. fit(max_steps=10) on the same
+    dirpath continues with exactly the batches of the uninterrupted run: the
+    last 2 of epoch 0, then epoch 1 (samples, losses, LR, epoch and batch index)."""
+    cfg = {"every": 3, "dropout": 0.2}
+    whole = _run(pool, 2, {**cfg, "steps": 10, "root": str(tmp_path / "full")})
+    full = _by_step(whole)
+    first = _run(pool, 2, {**cfg, "steps": 4, "root": str(tmp_path / "run")})
+    assert first[0]["raised"] == "" and (tmp_path / "run" / "step-00000004").is_dir()
+    second = _run(pool, 2, {**cfg, "steps": 10, "root": str(tmp_path / "run")})
+    assert second[0]["resumed_from"].endswith("step-00000004")
+    got = _stitched(first, second, 4)
+    assert sorted(got) == sorted(full) and len(full) == 20
+    for k in sorted(full):
+        assert [got[k][f] for f in ("ids", "epoch", "batch", "lr", "loss")] == \
+            [full[k][f] for f in ("ids", "epoch", "batch", "lr", "loss")], k
+    assert [r["params"] for r in second] == [r["params"] for r in whole]
+
+
+def test_fit_ckpt_path_naming_a_reshard_checkpoint_says_how_to_resume(pool: WorkerPool,
+                                                                      tmp_path: Path) -> None:
+    """fit(ckpt_path=<a reshard checkpoint, or its root>) is refused before the
+    fit starts, in one line naming the path and what to do (call fit without
+    it: the callback resumes by itself), instead of Lightning failing to open
+    a folder as its .ckpt file; the same fit without ckpt_path then resumes."""
+    root = tmp_path / "run"
+    _run(pool, 1, {"steps": 3, "every": 3, "root": str(root)})
+    for given, what in ((root / "step-00000003", "a reshard checkpoint"),
+                        (root, "a root of reshard checkpoints")):
+        with pytest.raises(Exception, match=rf"fit\(ckpt_path='{given}'\) names {what}, which Lightning's "
+                           r"own restore cannot read .*call fit without ckpt_path: ReshardCheckpoint "
+                           r"resumes by itself .*step-00000003"):
+            _run(pool, 1, {"steps": 6, "every": 3, "root": str(root), "ckpt_path": str(given)})
+    other = tmp_path / "other"
+    with pytest.raises(Exception, match=rf"make it the dirpath: ReshardCheckpoint\('{root}', \.\.\.\)"):
+        _run(pool, 1, {"steps": 6, "every": 3, "root": str(other), "ckpt_path": str(root / "step-00000003")})
+    res = _run(pool, 1, {"steps": 6, "every": 3, "root": str(root)})[0]
+    assert res["resumed_from"] == str(root / "step-00000003") and res["global_step"] == 6
+
+
 def test_loaders_the_cursor_drops_from_refuses_or_leaves_alone(pool: WorkerPool, tmp_path: Path) -> None:
     """30 samples in global batches of 4: one epoch is 7 batches of one
     permutation, the 2 left named by a warning; a custom sampler is refused
