@@ -140,6 +140,28 @@ def test_best_model_retention_and_a_stock_checkpoint(pool: WorkerPool, tmp_path:
     del stock
 
 
+def test_the_stock_resume_idioms(pool: WorkerPool, tmp_path: Path) -> None:
+    """train(resume_from_checkpoint=True) with no reshard checkpoint yet resumes
+    the stock Trainer's newest checkpoint-N of output_dir (a run switching its
+    backend), then reshard's newest; a root of reshard checkpoints resumes its
+    newest; a path that is no checkpoint is refused naming what is expected."""
+    out = tmp_path / "s"
+    _run(pool, 1, {"steps": 4, "every": 2, "out": str(out), "stock": True})
+    assert (out / "checkpoint-4" / "trainer_state.json").is_file()
+    cont = _run(pool, 1, {"steps": 6, "every": 2, "out": str(out), "resume": True})[0]
+    assert cont["resumed_from"] is None and [r["step"] for r in cont["records"]] == [5, 6]
+    assert (out / "checkpoints" / "step-00000006").is_dir()
+    again = _run(pool, 1, {"steps": 8, "every": 2, "out": str(out), "resume": True})[0]
+    assert again["resumed_from"] == str(out / "checkpoints" / "step-00000006")
+    assert [r["step"] for r in again["records"]] == [7, 8]
+    root = _run(pool, 1, {"steps": 10, "every": 2, "out": str(out), "resume": str(out / "checkpoints")})[0]
+    assert root["resumed_from"] == str(out / "checkpoints" / "step-00000008")
+    assert [r["step"] for r in root["records"]] == [9, 10]
+    with pytest.raises(Exception, match=rf"resume_from_checkpoint='{tmp_path}' is not a checkpoint: "
+                       r"expected a reshard checkpoint \(a folder with manifest.json"):
+        _run(pool, 1, {"steps": 2, "out": str(tmp_path / "x"), "resume": str(tmp_path)})
+
+
 def test_refusals_and_the_internals(pool: WorkerPool, tmp_path: Path) -> None:
     assert pool.run(1, internals_missing) == [[]]
     missing = pool.run(1, internals_missing, "_load_rng_state")[0]

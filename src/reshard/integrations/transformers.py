@@ -24,11 +24,13 @@ What changes against the stock Trainer:
   batch geometry. ``trainer_state.json`` is a value inside the checkpoint,
   written before the manifest (the commit); nothing is ever added to a
   committed checkpoint.
-* **Resume**: ``resume_from_checkpoint=True`` is ``reshard.latest(checkpoint_dir)``
-  (``ValueError`` when there is none, as the stock Trainer); a path is that
-  reshard checkpoint; a stock ``checkpoint-N`` folder (it holds
-  ``trainer_state.json``) is resumed by the stock code, so a run can switch
-  its backend mid-way. The Trainer's own resume logic runs unchanged: it
+* **Resume**: ``resume_from_checkpoint=True`` is ``reshard.latest(checkpoint_dir)``,
+  else (no reshard checkpoint yet) the stock Trainer's newest ``checkpoint-N``
+  of ``output_dir`` (``ValueError`` naming both when there is none, as the
+  stock Trainer); a path is that reshard checkpoint (a root of them: its
+  newest); a stock ``checkpoint-N`` folder (it holds ``trainer_state.json``)
+  is resumed by the stock code, so a run can switch its backend mid-way; any
+  other path is refused naming what is expected. The Trainer's own resume logic runs unchanged: it
   reads the restored ``trainer_state.json`` from a temporary folder holding
   that one file (removed when ``train`` returns), skips the batches of the
   resumed epoch (``ignore_data_skip`` honoured) and restores callback states.
@@ -79,7 +81,7 @@ try:
     import transformers
     from transformers import Trainer, TrainerCallback
     from transformers.trainer_callback import ExportableState
-    from transformers.trainer_utils import SaveStrategy
+    from transformers.trainer_utils import SaveStrategy, get_last_checkpoint
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("reshard.integrations.transformers needs transformers "
                       "(`pip install transformers accelerate`)") from e
@@ -94,6 +96,7 @@ from ..collectives import SingleProcess
 from ..errors import CheckpointError
 from ..loading.load import load
 from ..manager.manager import CheckpointManager
+from ..ondisk.manifest import MANIFEST_NAME
 from ..options import SaveOptions
 from ..saving.staging import SaveHandle
 from ..state.sharding import ShardedObject
@@ -279,13 +282,7 @@ class ReshardTrainerMixin:
         t: Any = self
         if trial is not None or t.hp_search_backend is not None:
             raise CheckpointError("ReshardTrainer: hyperparameter search trials are not supported")
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = self.last_checkpoint
-            if resume_from_checkpoint is None:
-                raise ValueError(f"No valid checkpoint found in {self.checkpoint_root} "
-                                 "(reshard.latest found no committed checkpoint)")
-        elif resume_from_checkpoint is False:
-            resume_from_checkpoint = None
+        resume_from_checkpoint = self._resolve_resume(resume_from_checkpoint)
         stock = resume_from_checkpoint is not None and os.path.isfile(
             os.path.join(os.fspath(resume_from_checkpoint), TRAINER_STATE_NAME))
         self.manager = CheckpointManager(
@@ -326,6 +323,46 @@ class ReshardTrainerMixin:
             if view is not None:
                 shutil.rmtree(view, ignore_errors=True)
             self._close(raising=True)
+
+    def _resolve_resume(self, given: str | os.PathLike[str] | bool | None) -> str | None:
+        """What ``train(resume_from_checkpoint=given)`` resumes: ``True`` is the
+        newest reshard checkpoint of :attr:`checkpoint_root`, else (none there)
+        the stock Trainer's newest ``checkpoint-N`` of ``output_dir`` (resumed
+        by the stock code: a run switching its backend); a root of reshard
+        checkpoints is its newest one; a reshard checkpoint or a stock
+        ``checkpoint-N`` folder is itself.
+
+        Raises:
+            ValueError: ``True`` and no checkpoint in either place; a path that
+                is none of these (naming what was expected)."""
+        t: Any = self
+        if given is None or given is False:
+            return None
+        if given is True:
+            mine = self.last_checkpoint
+            if mine is not None:
+                return mine
+            stock = get_last_checkpoint(t.args.output_dir) if os.path.isdir(t.args.output_dir) else None
+            if stock is not None:
+                log.warning("no reshard checkpoint in %s: resuming the stock Trainer checkpoint %s "
+                            "(with the stock code; reshard checkpoints follow)", self.checkpoint_root, stock)
+                return str(stock)
+            raise ValueError(f"No valid checkpoint found in {self.checkpoint_root} (reshard.latest found no "
+                             f"committed checkpoint) nor in {t.args.output_dir} (no stock checkpoint-N "
+                             "folder): pass resume_from_checkpoint=None for a fresh start")
+        path = os.fspath(given)
+        if os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)) or \
+                os.path.isfile(os.path.join(path, MANIFEST_NAME)) or "://" in path:
+            return path
+        newest = latest(path) if os.path.isdir(path) else None
+        if newest is not None:
+            log.warning("resume_from_checkpoint=%s is a root of reshard checkpoints: resuming its "
+                        "newest, %s", path, newest)
+            return newest
+        raise ValueError(
+            f"resume_from_checkpoint={path!r} is not a checkpoint: expected a reshard checkpoint (a "
+            f"folder with {MANIFEST_NAME}, e.g. one under {self.checkpoint_root}), a root of them, a "
+            f"stock Trainer checkpoint-N folder (with {TRAINER_STATE_NAME}), or True for the newest")
 
     def _close(self, *, raising: bool) -> None:
         """Close the manager (it waits for the saves in flight); its failure is
