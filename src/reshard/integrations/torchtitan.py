@@ -64,6 +64,7 @@ The TorchTitan internals this module relies on are named in :data:`TORCHTITAN_SE
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -205,6 +206,30 @@ def _cast(sd: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- the manager
+
+
+def _tensor_step(st: Any, path: str, m: Any) -> int | None:
+    """A DCP checkpoint's ``train_state.step`` saved as a one-element integer
+    tensor (``torch.tensor(step)``, as older TorchTitan and other trainers
+    save it), read as an int; None when it is not one."""
+    from ..loading.read_state import read_state
+    from ..state.sharding import torch_dtype
+
+    e = m.tensors.get("train_state.step")
+    if e is None or math.prod(e.global_shape) != 1:
+        return None
+    dt = torch_dtype(e.dtype)
+    if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+        return None
+
+    try:
+        got = read_state(st.url(path), keys="train_state.step")
+    except CheckpointError as err:
+        log.warning("%s: its train_state.step tensor is unreadable (%s)", path, err)
+        return None
+    t = got.get("train_state", {}).get("step") if isinstance(got.get("train_state"), dict) \
+        else got.get("train_state.step")
+    return int(t.item()) if isinstance(t, torch.Tensor) else None
 
 
 class ReshardCheckpointManager(BaseCheckpointManager):
@@ -452,7 +477,7 @@ class ReshardCheckpointManager(BaseCheckpointManager):
                 log.warning("%s: skipped (not a loadable DCP checkpoint: %s)", st.join(root, name), e)
                 continue
             s = (m.values or {}).get("train_state.step")
-            s = codec.from_json(s) if s is not None else None
+            s = codec.from_json(s) if s is not None else _tensor_step(st, st.join(root, name), m)
             has_optim = any(k.startswith(f"{OPTIMIZER}.") for k in m.tensors)
             dcps.append({"name": name, "step": s if type(s) is int else None, "mtime": mtime or 0.0,
                          "full": type(s) is int and has_optim})
