@@ -245,3 +245,25 @@ def test_the_accelerate_recipe_two_ranks_resumed_on_one_keeps_the_lr(pool: Worke
     assert sorted(a) == sorted(b) and any(k.endswith("weight") for k in a), sorted(a)
     for name, t in a.items():
         torch.testing.assert_close(b[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_importing_the_integration_prints_no_torchao_noise() -> None:
+    """`from transformers import Trainer` imports torchao (transformers'
+    quantizers) where it is installed, and torchao logs lines about its own
+    compiled extensions (built for another Python, torch or GPU) and torch
+    warns about its Enum constants: importing the integration prints none of
+    them, and a torchao line logged after the import is not hidden."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao")
+    code = ("import logging, sys\n"
+            "import reshard.integrations.transformers\n"
+            "print('torchao imported:', 'torchao' in sys.modules)\n"
+            "logging.getLogger('torchao').warning('Failed to load after-the-import')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "torchao imported: True"  # the import that used to be noisy happened
+    assert out.stderr.strip() == "Failed to load after-the-import", out.stderr[-3000:]

@@ -77,11 +77,14 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+from ._common import quiet_torchao_import
+
 try:
-    import transformers
-    from transformers import Trainer, TrainerCallback
-    from transformers.trainer_callback import ExportableState
-    from transformers.trainer_utils import SaveStrategy, get_last_checkpoint
+    with quiet_torchao_import():  # the Trainer imports transformers' quantizers, which import torchao
+        import transformers
+        from transformers import Trainer, TrainerCallback
+        from transformers.trainer_callback import ExportableState
+        from transformers.trainer_utils import SaveStrategy, get_last_checkpoint
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("reshard.integrations.transformers needs transformers "
                       "(`pip install transformers accelerate`)") from e
