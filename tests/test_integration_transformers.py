@@ -267,3 +267,33 @@ def test_importing_the_integration_prints_no_torchao_noise() -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "torchao imported: True"  # the import that used to be noisy happened
     assert out.stderr.strip() == "Failed to load after-the-import", out.stderr[-3000:]
+
+
+def test_accelerate_with_dataloader_workers_resumes_exactly_or_is_refused(pool: WorkerPool,
+                                                                          tmp_path: Path) -> None:
+    """An accelerate loop whose batches come from 2 DataLoader workers per rank
+    (which fetch ahead of training), 2 gloo ranks: with cursor_loader, stopped
+    after step 5 and resumed (checkpoint 4) to step 10, across the epoch end
+    (8 steps), every step takes the samples of the uninterrupted run and the
+    step-10 checkpoints are identical (weights, moments, scheduler, RNG, data
+    position). The cursor as the batch sampler of a loader with workers is
+    refused at the first batch, naming cursor_loader."""
+    from _transformers_fns import accelerate_loop
+    from reshard.catalog.diff import diff
+
+    def run(d: str, steps: int, **kw: Any) -> list[dict[int, list[int]]]:
+        pool.run(2, new_default_group)
+        return pool.run(2, accelerate_loop, str(tmp_path / d), steps, 2, timeout=180.0, **kw)
+
+    full = run("full", 10)
+    first = run("run", 5)
+    second = run("run", 10)
+    assert sorted(second[0]) == list(range(5, 11))  # resumed from step 4: step 5 again, then on
+    for r in range(2):
+        assert {**first[r], **second[r]} == full[r]
+        assert sorted(i for s in range(1, 9) for rk in range(2) for i in full[rk][s]) == list(range(64))
+    d = diff(tmp_path / "full" / "ckpt" / "step-00000010", tmp_path / "run" / "ckpt" / "step-00000010")
+    assert d.identical, d
+    with pytest.raises(Exception, match=r"DataCursor is the batch sampler of a DataLoader with "
+                       r"num_workers=2: .*a resume would skip those batches.*cursor_loader"):
+        run("plain", 2, plain=True)

@@ -91,7 +91,8 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 
 import torch
 
-from ..adapters.rng import RNGState
+from ..adapters.data import DataCursor
+from ..adapters.rng import RNGState, derive_seed
 from ..adapters.torch_native import TorchState
 from ..catalog.verify import inspect as read_manifest
 from ..catalog.verify import latest
@@ -106,7 +107,7 @@ from ..state.sharding import ShardedObject
 from ._common import DeferredRNG, Internal, missing_internals, wait_staged
 
 __all__ = ["TRAINER_INTERNALS", "ReshardTrainer", "ReshardTrainerMixin", "SchedulerPace",
-           "accelerate_state", "missing_trainer_internals"]
+           "accelerate_state", "cursor_loader", "missing_trainer_internals"]
 
 log = logging.getLogger("reshard.integrations.transformers")
 
@@ -596,6 +597,82 @@ class SchedulerPace:
                     "scheduler steps per optimizer step (accelerate would step it %d times on %d "
                     "processes); the global batch is kept, so is the schedule", saved, natural,
                     self.num_processes)
+
+
+class _Remainder(torch.utils.data.Sampler[int]):
+    """This data-parallel rank's sample indices of the global batches left in
+    the cursor's epoch, from its position when iteration starts."""
+
+    def __init__(self, cursor: DataCursor):
+        self.cursor = cursor
+        self.start = (cursor.epoch, cursor.consumed)
+
+    def __iter__(self) -> Iterator[int]:
+        c = self.cursor
+        epoch, start = self.start
+        order = c.epoch_order(epoch)
+        g, per = c.global_batch_size, c.global_batch_size // c.dp_size
+        lo = c.dp_rank * per
+        for pos in range(start, c.dataset_len - g + 1, g):
+            yield from order[pos + lo:pos + lo + per].tolist()
+
+    def __len__(self) -> int:
+        c = self.cursor
+        epoch, start = self.start
+        return (c.dataset_len - start) // c.global_batch_size * (c.global_batch_size // c.dp_size)
+
+
+def cursor_loader(dataset: Any, cursor: DataCursor, **loader_kwargs: Any) -> Iterator[Any]:
+    """This rank's batches of ``dataset`` in the order of ``cursor``, epoch
+    after epoch, exact with DataLoader worker processes: each epoch's
+    ``torch.utils.data.DataLoader`` is made when iteration reaches it (so
+    after a restore, from the restored position), and the cursor advances by
+    one global batch as each batch is handed to training, never as the
+    workers fetch ahead. A checkpoint saved after step ``k`` resumes at batch
+    ``k + 1``.
+
+    The loader gets a generator of its own, seeded from the cursor's seed and
+    the epoch, so making it draws nothing from the global torch generator
+    (the restored RNG streams stay exact); randomness inside the workers
+    restarts at a resume, since each epoch's workers are seeded from it.
+
+    Args:
+        dataset: a map-style dataset of ``cursor.dataset_len`` samples.
+        cursor: the run's :class:`~reshard.DataCursor` (saved in the state tree).
+        loader_kwargs: DataLoader options (``num_workers``, ``collate_fn``,
+            ``pin_memory``, ...); the batch size, sampler, shuffling,
+            ``drop_last`` and ``generator`` are the cursor's.
+
+    Raises:
+        ValueError: an option the cursor decides, or a dataset of another length.
+    """
+    taken = sorted({"batch_size", "sampler", "batch_sampler", "shuffle", "drop_last", "generator"}
+                   & set(loader_kwargs))
+    if taken:
+        raise ValueError(f"cursor_loader: {taken} are the cursor's to decide (its global batch, order "
+                         "and drop-last epochs); pass the other DataLoader options only")
+    if len(dataset) != cursor.dataset_len:
+        raise ValueError(f"cursor_loader: the dataset has {len(dataset)} samples, the cursor "
+                         f"{cursor.dataset_len}")
+    return _cursor_batches(dataset, cursor, loader_kwargs)
+
+
+def _cursor_batches(dataset: Any, cursor: DataCursor, kwargs: dict[str, Any]) -> Iterator[Any]:
+    from torch.utils.data import DataLoader
+
+    per = cursor.global_batch_size // cursor.dp_size
+    while True:
+        epoch = cursor.epoch
+        gen = torch.Generator().manual_seed(derive_seed(cursor.seed, epoch, {"dp_rank": cursor.dp_rank},
+                                                        "loader"))
+        handed = 0
+        for batch in DataLoader(dataset, batch_size=per, sampler=_Remainder(cursor), drop_last=True,
+                                generator=gen, **kwargs):
+            cursor.next_global_batch()
+            handed += 1
+            yield batch
+        if not handed and cursor.epoch == epoch:  # nothing left of it: the next epoch
+            cursor.epoch, cursor.consumed = epoch + 1, 0
 
 
 def accelerate_state(accelerator: Any, model: Any, optimizer: Any = None, scheduler: Any = None,
