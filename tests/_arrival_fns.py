@@ -62,3 +62,53 @@ def r_together(root: str, name: str, late_rank: int = -1, late_s: float = 0.0,
     t = torch.ones(1)
     dist.all_reduce(t)
     return {"w": target["w"].data.tolist(), "step": res.values["step"], "sum": float(t.item())}
+
+
+def r_manager_rank0_only(root: str, bound: float) -> dict[str, Any]:
+    """Rank 0 calls CheckpointManager.save and .restore alone (as a rank-0-only
+    plug-in point would); rank 1 does something else. Rank 0 reports each
+    failure: its class, message, absent ranks and seconds."""
+    if dist.get_rank() != 0:
+        torch.randn(64, 64).matmul(torch.randn(64, 64))
+        return {}
+    out: dict[str, Any] = {}
+    mgr = reshard.CheckpointManager(root, preempt_signals=(), timeout_s=30.0,
+                                    options=reshard.SaveOptions(durable=False, arrival_timeout_s=bound))
+    calls = {"save": lambda: mgr.save(3, _state()),
+             "restore": lambda: mgr.restore(_state(), options=reshard.LoadOptions(arrival_timeout_s=bound))}
+    try:
+        for name, call in calls.items():
+            t0 = time.monotonic()
+            try:
+                call()
+                out[name] = {"error": None}
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out[name] = {"type": type(e).__name__, "message": str(e),
+                             "absent": list(getattr(e, "absent_ranks", ())),
+                             "seconds": time.monotonic() - t0}
+    finally:
+        mgr.close()
+    return out
+
+
+def r_after_a_new_default_group(root: str) -> dict[str, Any]:
+    """A save, an async save and a manager save and restore; then the default
+    process group is destroyed and made again (tests/_pool_fns.new_default_group)
+    and the same calls run again in this process. Returns the steps loaded."""
+    from _pool_fns import new_default_group
+
+    out: dict[str, Any] = {}
+    for turn in ("before", "after"):
+        if turn == "after":
+            new_default_group()
+        reshard.save(_state(), f"{root}/{turn}-sync", step=1, options=reshard.SaveOptions(durable=False))
+        reshard.async_save(_state(), f"{root}/{turn}-async", step=2,
+                           options=reshard.SaveOptions(durable=False)).wait()
+        mgr = reshard.CheckpointManager(f"{root}/{turn}-mgr", preempt_signals=(),
+                                        options=reshard.SaveOptions(durable=False))
+        mgr.save(4, _state())
+        got = mgr.restore(_state())
+        mgr.close()
+        loaded = reshard.load(_state(), f"{root}/{turn}-async")
+        out[turn] = [got.step if got is not None else None, loaded.step]
+    return out

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import warnings
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -24,38 +22,6 @@ N, D = 48, 6
 
 class Crash(RuntimeError):
     """Raised by the test to stop a run between checkpoints."""
-
-
-def fresh_group() -> int:
-    """Make this worker group look like a restarted job: a new default process
-    group (a new store on a new port) and reshard's per-process group state as
-    a new process has it (empty). reshard keeps that state per process, keyed
-    by "default", group names or store ids: the checkpoint groups and
-    background savers made from the default group, broken-group marks,
-    per-group sequence numbers, bounded store wrappers; made from a destroyed
-    default group, they would outlive it. Returns the port."""
-    from reshard import collectives, collectives_base
-    from reshard.saving import pending
-
-    port = 0
-    if dist.get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    box = [port]
-    dist.broadcast_object_list(box, src=0)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dist.barrier()
-    dist.destroy_process_group()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{box[0]}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=30))
-    collectives._TIMED_GROUPS.clear()
-    collectives._BROKEN.clear()
-    collectives._SEQ.clear()
-    collectives_base._BOUNDED.clear()
-    with pending.SAVERS_LOCK:
-        pending.SAVERS.clear()
-    return int(box[0])
 
 
 def _torchrun_env() -> None:

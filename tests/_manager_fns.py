@@ -67,6 +67,8 @@ def r_run(root: str, *, restore: bool | int = True, saves: list[tuple[int, int]]
             out["saved"].append(os.path.basename(r.path))
             if use_async:
                 mgr.wait()  # the background save committed, was verified, retention ran
+        # what retention keeps for this run while it is alive: the checkpoint it resumed from
+        out["pinned"] = [c.name for c in mgr.candidates() if c.resume_source]
     finally:
         mgr.close()
     out["latest_step"] = mgr.latest_step()

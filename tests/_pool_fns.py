@@ -41,3 +41,26 @@ def num_threads() -> tuple[int, str | None]:
 def sleep_for(seconds: float) -> int:
     time.sleep(seconds)
     return dist.get_rank()
+
+
+def new_default_group() -> int:
+    """Make this worker group look like a restarted job: the default process
+    group destroyed and made again (a new store on a new port), as a process
+    that re-initialises torch.distributed does. Nothing of reshard is reset
+    here: reshard notices the new default group itself. Returns the port."""
+    import socket
+    from datetime import timedelta
+
+    port = 0
+    if dist.get_rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    box = [port]
+    dist.broadcast_object_list(box, src=0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{box[0]}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=30))
+    return int(box[0])

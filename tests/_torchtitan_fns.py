@@ -102,18 +102,27 @@ def model_config(dim: int = 32, layers: int = 2, heads: int = 4, vocab: int = 64
 
 
 class TrainState:
-    """The Trainer's own Stateful (``torchtitan.trainer.Trainer.state_dict``)."""
+    """The Trainer's own Stateful (``torchtitan.trainer.Trainer.state_dict``);
+    ``tensor_step``: as older TorchTitan releases had it, the counters saved as
+    int32 tensors and read back with ``.item()``."""
 
-    def __init__(self) -> None:
+    def __init__(self, tensor_step: bool = False) -> None:
         self.step = 0
         self.ntokens_seen = 0
+        self.tensor_step = tensor_step
 
     def state_dict(self) -> dict[str, Any]:
+        if self.tensor_step:
+            return {"step": torch.tensor(self.step, dtype=torch.int32),
+                    "ntokens_seen": torch.tensor(self.ntokens_seen, dtype=torch.int64)}
         return {"step": self.step, "ntokens_seen": self.ntokens_seen}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.step = sd["step"]
-        self.ntokens_seen = sd["ntokens_seen"]
+        if self.tensor_step:
+            self.step, self.ntokens_seen = sd["step"].item(), sd["ntokens_seen"].item()
+        else:
+            self.step = sd["step"]
+            self.ntokens_seen = sd["ntokens_seen"]
 
 
 def cursor_loader_cls() -> Any:
@@ -142,7 +151,7 @@ def cursor_loader_cls() -> Any:
 
 def build(d: str, *, folder: str, steps: int, interval: int, global_batch: int = 4,
           ckpt: dict[str, Any] | None = None, cursor: bool = False, manager: str = "reshard",
-          seed: int = 0, hf: bool = False) -> dict[str, Any]:
+          seed: int = 0, hf: bool = False, tensor_step: bool = False) -> dict[str, Any]:
     """The job's components on this process group (FSDP2 over all ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.components.checkpoint import CheckpointManager
@@ -191,7 +200,7 @@ def build(d: str, *, folder: str, steps: int, interval: int, global_batch: int =
     else:
         loader = HuggingFaceTextDataLoader.Config(dataset="c4_test", dataset_path=data).build(
             dp_world_size=world, dp_rank=rank, tokenizer=tok, seq_len=SEQ, local_batch_size=local)
-    ts = TrainState()
+    ts = TrainState(tensor_step)
     kw = {"enable": True, "folder": folder, "interval": interval, **(ckpt or {})}
     cls = ReshardCheckpointManager if manager == "reshard" else CheckpointManager
     adapter = None
@@ -284,13 +293,13 @@ def loader_next(job: dict[str, Any], n: int = 2) -> list[str]:
 def r_run(d: str, folder: str, steps: int, interval: int, *, stop_after: int | None = None,
           ckpt: dict[str, Any] | None = None, cursor: bool = False, manager: str = "reshard",
           fixed_batch: bool = False, load_step: int = -1, fresh: bool = False,
-          state: bool = False, hf: bool = False) -> dict[str, Any]:
+          state: bool = False, hf: bool = False, tensor_step: bool = False) -> dict[str, Any]:
     """Build the job, run its loop; ``fresh``: rank 0 empties ``d/folder`` first."""
     if fresh and dist.get_rank() == 0:
         shutil.rmtree(os.path.join(d, folder), ignore_errors=True)
     dist.barrier()
     job = build(d, folder=folder, steps=steps, interval=interval, ckpt=ckpt, cursor=cursor,
-                manager=manager, hf=hf)
+                manager=manager, hf=hf, tensor_step=tensor_step)
     curve = train(job, stop_after=stop_after, load_step=load_step, fixed_batch=fixed_batch)
     out: dict[str, Any] = {"curve": curve}
     if state:

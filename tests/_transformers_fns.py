@@ -173,3 +173,73 @@ def run_recipe(directory: str, code: str) -> bool:
     finally:
         os.chdir(here)
     return True
+
+
+class Indexed(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """64 samples of (id, x, y), the accelerate loops' data."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return i, self.x[i], self.y[i]
+
+
+def accelerate_loop(directory: str, max_steps: int, workers: int, plain: bool = False) -> dict[int, list[int]]:
+    """A plain accelerate loop (the docs' recipe) whose batches come from
+    DataLoader worker processes: through ``cursor_loader``, or (``plain``) a
+    DataLoader with the cursor as its batch sampler. Resumes from
+    ``directory/ckpt`` (saves every 2 steps); returns each step's sample ids."""
+    import multiprocessing
+
+    _torchrun_env()
+    # the pool's ranks are daemonic processes, which may not start DataLoader workers; a torchrun
+    # rank is not one: for this job, it is not either
+    multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
+    try:
+        return _accelerate_loop(directory, max_steps, workers, plain)
+    finally:
+        multiprocessing.current_process()._config["daemon"] = True  # type: ignore[attr-defined]
+
+
+def _accelerate_loop(directory: str, max_steps: int, workers: int, plain: bool) -> dict[int, list[int]]:
+    from accelerate import Accelerator
+
+    import reshard
+    from reshard.integrations.transformers import accelerate_state, cursor_loader
+
+    os.makedirs(directory, exist_ok=True)
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    data = Indexed()
+    cursor = reshard.DataCursor(len(data), 8, seed=0, dp_rank=accelerator.process_index,
+                                dp_size=accelerator.num_processes)
+    if plain:
+        batches = iter(torch.utils.data.DataLoader(data, batch_sampler=cursor, num_workers=workers))
+    else:
+        batches = iter(cursor_loader(data, cursor, num_workers=workers))
+    state = accelerate_state(accelerator, model, optimizer, scheduler, data=cursor)
+    mgr = reshard.CheckpointManager(os.path.join(directory, "ckpt"), every_steps=2, keep_last=2)
+    res = mgr.restore(state)
+    step = 0 if res is None else res.step
+    ids: dict[int, list[int]] = {}
+    while step < max_steps:
+        i, x, y = next(batches)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        step += 1
+        ids[step] = i.tolist()
+        mgr.maybe_save(step, state)
+    mgr.close()
+    return ids

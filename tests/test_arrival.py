@@ -39,3 +39,36 @@ def test_a_rank0_only_call_fails_fast_and_the_ranks_stay_usable(pool: WorkerPool
 def test_a_rank_late_within_the_bound_still_meets(pool: WorkerPool, tmp_path: Path) -> None:
     out = pool.run(2, r_together, str(tmp_path), "late", 1, 1.0, 4.0, timeout=60)
     assert [o["step"] for o in out] == [5, 5]
+
+
+def test_a_manager_save_or_restore_on_rank0_only_fails_fast(pool: WorkerPool, tmp_path: Path) -> None:
+    """CheckpointManager.save and .restore run collectives of their own before
+    reshard.save / load (the lineage, the name, the listing): they check in
+    first too, so called on rank 0 alone they fail within the arrival bound
+    naming rank 1, not after the manager's 30 s timeout."""
+    from _arrival_fns import r_manager_rank0_only
+
+    got = pool.run(2, r_manager_rank0_only, str(tmp_path / "m"), BOUND, timeout=120)[0]
+    assert set(got) == {"save", "restore"}
+    for name, r in got.items():
+        assert r.get("type") == "CheckpointError", (name, r)
+        assert BOUND <= r["seconds"] < BOUND + 8, (name, r["seconds"])
+        assert r["absent"] == [1], (name, r)
+        assert "rank 1 of the 2 ranks of the group did not arrive" in r["message"], r["message"]
+    assert got["save"]["message"].startswith(f"CheckpointManager.save of step 3 under {tmp_path / 'm'}:")
+    assert got["restore"]["message"].startswith(f"CheckpointManager.restore of {tmp_path / 'm'}:")
+    after = pool.run(2, r_together, str(tmp_path), "after-manager", timeout=60)
+    assert [a["sum"] for a in after] == [2.0, 2.0]
+
+
+def test_a_process_that_makes_its_default_group_again_saves_and_loads(pool: WorkerPool,
+                                                                     tmp_path: Path) -> None:
+    """reshard keeps per-process state made from the default group (checkpoint
+    groups, background savers, broken-group marks, counts): a process that
+    destroys its default group and initialises a new one saves, saves in the
+    background, and saves and restores with a manager again, with nothing
+    reset by hand."""
+    from _arrival_fns import r_after_a_new_default_group
+
+    got = pool.run(2, r_after_a_new_default_group, str(tmp_path), timeout=120)
+    assert got == [{"before": [4, 2], "after": [4, 2]}] * 2

@@ -399,3 +399,13 @@ def test_unwrapped_names_leave_out_wrapper_components_only() -> None:
     assert unwrapped_names(own) == {n: n for n in own}
     with pytest.raises(ValueError, match=r"'_orig_mod.w'.*both name 'w'|'w'.*both name 'w'"):
         unwrapped_names(["w", "_orig_mod.w"])
+
+
+def test_export_help_states_the_default_it_applies() -> None:
+    """`reshard export --help` says what is exported without --include: every
+    model tensor, optimizer state under any optim/optimizer name left out (not
+    "all but optim.*", which would export TorchTitan's optimizer.* state)."""
+    out = CliRunner().invoke(main, ["export", "--help"], terminal_width=200).output
+    text = " ".join(out.split())
+    assert "all but optim.*" not in text
+    assert "default: every model tensor: optimizer state under any optim/optimizer name" in text, text

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from _lightning_fns import N, fit, fresh_group, internals_of_a_trainer
+from _lightning_fns import N, fit, internals_of_a_trainer
+from _pool_fns import new_default_group
 from reshard.testing.pool import WorkerPool
 
 pytest.importorskip("lightning")
@@ -35,7 +36,7 @@ def _by_step(results: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, A
 
 
 def _run(pool: WorkerPool, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    pool.run(world, fresh_group)  # a restarted job: a new process group (new store, new port)
+    pool.run(world, new_default_group)  # a restarted job: a new process group (new store, new port)
     return pool.run(world, fit, cfg, timeout=180.0)
 
 
@@ -75,7 +76,8 @@ def test_ddp_resume_same_layout_is_bitwise(pool: WorkerPool, tmp_path: Path) -> 
     assert part2[0]["pre_mutation_calls"] == 6  # before each of the 6 optimizer steps of the resumed run
     names = sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("step-")
                    and "." not in p.name)
-    assert names == ["step-00000004", "step-00000008", "step-00000010"], names  # 4: the resume source
+    # keep_last=2 leaves 2: step 4, the resume source, was kept while the run lived only
+    assert names == ["step-00000008", "step-00000010"], names
 
     naive = _by_step(_run(pool, 2, {**cfg, "root": str(tmp_path / "naive"), "naive_rng": True}))
     assert naive[(5, 0)]["ids"] == want[(5, 0)]["ids"] and naive[(5, 0)]["lr"] == want[(5, 0)]["lr"]
@@ -172,6 +174,49 @@ def test_an_explicit_ckpt_path_wins_over_dirpath(pool: WorkerPool, tmp_path: Pat
     for k in got:
         assert (got[k]["ids"], got[k]["lr"]) == (full[k]["ids"], full[k]["lr"]), k
         assert got[k]["loss"] == full[k]["loss"], k  # weights, moments, RNG: Lightning's own
+
+
+def test_a_fit_ended_mid_epoch_resumes_with_the_epochs_next_batch(pool: WorkerPool,
+                                                                     tmp_path: Path) -> None:
+    """fit(max_steps=4) ends in the middle of epoch 0 (6 batches of 8): its
+    end-of-fit save (step 4) records the epoch's position, not the next
+    epoch's, and the loop counters of that batch. fit(max_steps=10) on the same
+    dirpath continues with exactly the batches of the uninterrupted run: the
+    last 2 of epoch 0, then epoch 1 (samples, losses, LR, epoch and batch index)."""
+    cfg = {"every": 3, "dropout": 0.2}
+    whole = _run(pool, 2, {**cfg, "steps": 10, "root": str(tmp_path / "full")})
+    full = _by_step(whole)
+    first = _run(pool, 2, {**cfg, "steps": 4, "root": str(tmp_path / "run")})
+    assert first[0]["raised"] == "" and (tmp_path / "run" / "step-00000004").is_dir()
+    second = _run(pool, 2, {**cfg, "steps": 10, "root": str(tmp_path / "run")})
+    assert second[0]["resumed_from"].endswith("step-00000004")
+    got = _stitched(first, second, 4)
+    assert sorted(got) == sorted(full) and len(full) == 20
+    for k in sorted(full):
+        assert [got[k][f] for f in ("ids", "epoch", "batch", "lr", "loss")] == \
+            [full[k][f] for f in ("ids", "epoch", "batch", "lr", "loss")], k
+    assert [r["params"] for r in second] == [r["params"] for r in whole]
+
+
+def test_fit_ckpt_path_naming_a_reshard_checkpoint_says_how_to_resume(pool: WorkerPool,
+                                                                      tmp_path: Path) -> None:
+    """fit(ckpt_path=<a reshard checkpoint, or its root>) is refused before the
+    fit starts, in one line naming the path and what to do (call fit without
+    it: the callback resumes by itself), instead of Lightning failing to open
+    a folder as its .ckpt file; the same fit without ckpt_path then resumes."""
+    root = tmp_path / "run"
+    _run(pool, 1, {"steps": 3, "every": 3, "root": str(root)})
+    for given, what in ((root / "step-00000003", "a reshard checkpoint"),
+                        (root, "a root of reshard checkpoints")):
+        with pytest.raises(Exception, match=rf"fit\(ckpt_path='{given}'\) names {what}, which Lightning's "
+                           r"own restore cannot read .*call fit without ckpt_path: ReshardCheckpoint "
+                           r"resumes by itself .*step-00000003"):
+            _run(pool, 1, {"steps": 6, "every": 3, "root": str(root), "ckpt_path": str(given)})
+    other = tmp_path / "other"
+    with pytest.raises(Exception, match=rf"make it the dirpath: ReshardCheckpoint\('{root}', \.\.\.\)"):
+        _run(pool, 1, {"steps": 6, "every": 3, "root": str(other), "ckpt_path": str(root / "step-00000003")})
+    res = _run(pool, 1, {"steps": 6, "every": 3, "root": str(root)})[0]
+    assert res["resumed_from"] == str(root / "step-00000003") and res["global_step"] == 6
 
 
 def test_loaders_the_cursor_drops_from_refuses_or_leaves_alone(pool: WorkerPool, tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from _lightning_fns import fresh_group
+from _pool_fns import new_default_group
 from _transformers_fns import N, construct_on, internals_missing, run_recipe, train
 from reshard.testing.pool import WorkerPool
 
@@ -29,7 +29,7 @@ def _by_step(results: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, A
 
 
 def _run(pool: WorkerPool, world: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    pool.run(world, fresh_group)  # a restarted job: a new process group (new store, new port)
+    pool.run(world, new_default_group)  # a restarted job: a new process group (new store, new port)
     return pool.run(world, train, cfg, timeout=180.0)
 
 
@@ -60,7 +60,8 @@ def test_same_layout_resume_is_bitwise(pool: WorkerPool, tmp_path: Path) -> None
     assert part2[0]["pre_mutation_calls"] == 6  # once per optimizer step, before it
     names = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()
                    if p.name.startswith("step-") and "." not in p.name)
-    assert names == ["step-00000004", "step-00000008", "step-00000010"], names  # 4: the resume source
+    # keep_last=2 leaves 2: step 4, the resume source, was kept while the run lived only
+    assert names == ["step-00000008", "step-00000010"], names
     assert not any(p.name.startswith("checkpoint-") for p in (tmp_path / "run").iterdir())
 
     naive = _by_step(_run(pool, 2, {**cfg, "out": str(tmp_path / "naive"), "naive_rng": True}))
@@ -139,6 +140,28 @@ def test_best_model_retention_and_a_stock_checkpoint(pool: WorkerPool, tmp_path:
     del stock
 
 
+def test_the_stock_resume_idioms(pool: WorkerPool, tmp_path: Path) -> None:
+    """train(resume_from_checkpoint=True) with no reshard checkpoint yet resumes
+    the stock Trainer's newest checkpoint-N of output_dir (a run switching its
+    backend), then reshard's newest; a root of reshard checkpoints resumes its
+    newest; a path that is no checkpoint is refused naming what is expected."""
+    out = tmp_path / "s"
+    _run(pool, 1, {"steps": 4, "every": 2, "out": str(out), "stock": True})
+    assert (out / "checkpoint-4" / "trainer_state.json").is_file()
+    cont = _run(pool, 1, {"steps": 6, "every": 2, "out": str(out), "resume": True})[0]
+    assert cont["resumed_from"] is None and [r["step"] for r in cont["records"]] == [5, 6]
+    assert (out / "checkpoints" / "step-00000006").is_dir()
+    again = _run(pool, 1, {"steps": 8, "every": 2, "out": str(out), "resume": True})[0]
+    assert again["resumed_from"] == str(out / "checkpoints" / "step-00000006")
+    assert [r["step"] for r in again["records"]] == [7, 8]
+    root = _run(pool, 1, {"steps": 10, "every": 2, "out": str(out), "resume": str(out / "checkpoints")})[0]
+    assert root["resumed_from"] == str(out / "checkpoints" / "step-00000008")
+    assert [r["step"] for r in root["records"]] == [9, 10]
+    with pytest.raises(Exception, match=rf"resume_from_checkpoint='{tmp_path}' is not a checkpoint: "
+                       r"expected a reshard checkpoint \(a folder with manifest.json"):
+        _run(pool, 1, {"steps": 2, "out": str(tmp_path / "x"), "resume": str(tmp_path)})
+
+
 def test_refusals_and_the_internals(pool: WorkerPool, tmp_path: Path) -> None:
     assert pool.run(1, internals_missing) == [[]]
     missing = pool.run(1, internals_missing, "_load_rng_state")[0]
@@ -164,11 +187,113 @@ def test_the_accelerate_recipe_on_two_ranks(pool: WorkerPool, tmp_path: Path) ->
                 if "accelerate_state(accelerator" in b.code)
     assert code.rstrip().endswith("assert main(max_steps=8) == 8   # resumes from step 4")
     once = code[:code.index("main(max_steps=5)")] + "assert main(max_steps=8) == 8\n"
-    pool.run(2, fresh_group)
+    pool.run(2, new_default_group)
     assert pool.run(2, run_recipe, str(tmp_path / "twice"), code, timeout=120.0) == [True, True]
-    pool.run(2, fresh_group)
+    pool.run(2, new_default_group)
     assert pool.run(2, run_recipe, str(tmp_path / "once"), once, timeout=120.0) == [True, True]
     a = tmp_path / "twice" / "accelerate-ckpt" / "step-00000008"
     b = tmp_path / "once" / "accelerate-ckpt" / "step-00000008"
     d = diff(a, b)
     assert d.identical, d
+
+
+def test_the_accelerate_recipe_two_ranks_resumed_on_one_keeps_the_lr(pool: WorkerPool,
+                                                                     tmp_path: Path) -> None:
+    """accelerate's prepared scheduler steps num_processes times per optimizer
+    step. The recipe stopped at step 5 on 2 ranks (checkpoint 4) and resumed on
+    1 rank to step 8 (the cursor keeps the global batch of 8): the scheduler
+    keeps the 2-rank pace (2 scheduler steps per optimizer step), so its state
+    at step 8 is the uninterrupted 2-rank run's, as is the data position; the
+    weights and moments agree within the fp32 tolerance (the recipe without its
+    dropout)."""
+    import torch
+
+    import reshard
+    from test_readme import ROOT, blocks
+
+    code = next(b.code for b in blocks(ROOT / "docs" / "integrations.md")
+                if "accelerate_state(accelerator" in b.code)
+    # without dropout (its masks are re-derived streams on another world size), the weights compare
+    head = code[:code.index("main(max_steps=5)")].replace("torch.nn.Dropout(0.1)", "torch.nn.Identity()")
+    assert "Identity" in head
+    pool.run(2, new_default_group)
+    assert pool.run(2, run_recipe, str(tmp_path / "once"), head + "assert main(max_steps=8) == 8\n",
+                    timeout=120.0) == [True, True]
+    pool.run(2, new_default_group)
+    assert pool.run(2, run_recipe, str(tmp_path / "run"), head + "main(max_steps=5)\n",
+                    timeout=120.0) == [True, True]
+    pool.run(1, new_default_group)
+    assert pool.run(1, run_recipe, str(tmp_path / "run"), head + "assert main(max_steps=8) == 8\n",
+                    timeout=120.0) == [True]
+    want = reshard.read_state(str(tmp_path / "once" / "accelerate-ckpt" / "step-00000008"))
+    got = reshard.read_state(str(tmp_path / "run" / "accelerate-ckpt" / "step-00000008"))
+    assert got["scheduler"] == want["scheduler"] and want["scheduler"]["last_epoch"] == 16
+    assert got["scheduler_pace"] == want["scheduler_pace"] == {"steps_per_optimizer_step": 2}
+    assert {k: got["data"][k] for k in ("epoch", "consumed")} == \
+        {k: want["data"][k] for k in ("epoch", "consumed")}
+
+    def tensors(tree: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for k, v in tree.items():
+            if isinstance(v, dict):
+                out.update(tensors(v, f"{prefix}{k}."))
+            elif isinstance(v, torch.Tensor):
+                out[prefix + k] = v
+        return out
+
+    a, b = tensors(want["model"]), tensors(got["model"])  # weights and AdamW moments
+    assert sorted(a) == sorted(b) and any(k.endswith("weight") for k in a), sorted(a)
+    for name, t in a.items():
+        torch.testing.assert_close(b[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_importing_the_integration_prints_no_torchao_noise() -> None:
+    """`from transformers import Trainer` imports torchao (transformers'
+    quantizers) where it is installed, and torchao logs lines about its own
+    compiled extensions (built for another Python, torch or GPU) and torch
+    warns about its Enum constants: importing the integration prints none of
+    them, and a torchao line logged after the import is not hidden."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao")
+    code = ("import logging, sys\n"
+            "import reshard.integrations.transformers\n"
+            "print('torchao imported:', 'torchao' in sys.modules)\n"
+            "logging.getLogger('torchao').warning('Failed to load after-the-import')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "torchao imported: True"  # the import that used to be noisy happened
+    assert out.stderr.strip() == "Failed to load after-the-import", out.stderr[-3000:]
+
+
+def test_accelerate_with_dataloader_workers_resumes_exactly_or_is_refused(pool: WorkerPool,
+                                                                          tmp_path: Path) -> None:
+    """An accelerate loop whose batches come from 2 DataLoader workers per rank
+    (which fetch ahead of training), 2 gloo ranks: with cursor_loader, stopped
+    after step 5 and resumed (checkpoint 4) to step 10, across the epoch end
+    (8 steps), every step takes the samples of the uninterrupted run and the
+    step-10 checkpoints are identical (weights, moments, scheduler, RNG, data
+    position). The cursor as the batch sampler of a loader with workers is
+    refused at the first batch, naming cursor_loader."""
+    from _transformers_fns import accelerate_loop
+    from reshard.catalog.diff import diff
+
+    def run(d: str, steps: int, **kw: Any) -> list[dict[int, list[int]]]:
+        pool.run(2, new_default_group)
+        return pool.run(2, accelerate_loop, str(tmp_path / d), steps, 2, timeout=180.0, **kw)
+
+    full = run("full", 10)
+    first = run("run", 5)
+    second = run("run", 10)
+    assert sorted(second[0]) == list(range(5, 11))  # resumed from step 4: step 5 again, then on
+    for r in range(2):
+        assert {**first[r], **second[r]} == full[r]
+        assert sorted(i for s in range(1, 9) for rk in range(2) for i in full[rk][s]) == list(range(64))
+    d = diff(tmp_path / "full" / "ckpt" / "step-00000010", tmp_path / "run" / "ckpt" / "step-00000010")
+    assert d.identical, d
+    with pytest.raises(Exception, match=r"DataCursor is the batch sampler of a DataLoader with "
+                       r"num_workers=2: .*a resume would skip those batches.*cursor_loader"):
+        run("plain", 2, plain=True)

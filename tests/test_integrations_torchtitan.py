@@ -128,6 +128,26 @@ def test_same_layout_resume_bitwise_async_and_dcp_switch(pool: Any, tmp_path: Pa
     assert m6.extra["torchtitan"] == {"content": "full", "resumed_from_dcp": "step-3"}
 
 
+def test_a_dcp_checkpoint_whose_step_is_a_tensor_is_resumed(pool: Any, tmp_path: Path) -> None:
+    """A job whose train_state saves its step as an int32 tensor (older
+    TorchTitan: torch.tensor(step), read back with .item()) checkpointed with
+    TorchTitan's own DCP manager: the switch to reshard reads the DCP step from
+    that tensor, resumes step 3 (the counters round-trip as tensors) and
+    continues bitwise."""
+    d = str(tmp_path)
+    full = pool.run(2, F.r_run, d, "uninterrupted", STEPS, INTERVAL, fresh=True, timeout=180)
+    want = full[0]["curve"][INTERVAL:]
+    pool.run(2, F.r_run, d, "dcp", STEPS, INTERVAL, stop_after=4, manager="dcp", fresh=True,
+             tensor_step=True, timeout=120)
+    assert (tmp_path / "dcp" / "step-3" / ".metadata").exists()
+    res = pool.run(2, F.r_run, d, "dcp", STEPS, INTERVAL, ckpt={"last_save_model_only": False},
+                   tensor_step=True, timeout=120)
+    assert res[0]["curve"] == want  # steps 4-6 bitwise, after the DCP step 3
+    m6 = reshard.inspect(str(tmp_path / "dcp" / "step-00000006"))
+    assert m6.extra["torchtitan"] == {"content": "full", "resumed_from_dcp": "step-3"}
+    assert "train_state.step" in m6.tensors  # saved as the job holds it: a tensor
+
+
 def test_layout_change_2_to_1_and_1_to_2(pool: Any, tmp_path: Path) -> None:
     d = str(tmp_path)
     ex = {"exclude_from_loading": ["dataloader"]}
@@ -174,6 +194,13 @@ def test_load_step_exclude_and_model_only_never_resumed(pool: Any, tmp_path: Pat
                                                  "step-00000004": "model_only"}
     m4 = reshard.inspect(str(tmp_path / "c" / "step-00000004"))
     assert {te.dtype for te in m4.tensors.values()} == {"bfloat16"} and not m4.values
+    # reshard.latest and a CheckpointManager agree: a model-only save is not a training state
+    assert m4.extra["content"] == "model_only"
+    assert reshard.latest(tmp_path / "c").endswith("step-00000002")
+    assert reshard.latest(tmp_path / "c", include_model_only=True).endswith("step-00000004")
+    reader = reshard.CheckpointManager(tmp_path / "c", writer=False, preempt_signals=())
+    assert reader.latest_step() == 2
+    reader.close()
     # a longer run resumes the newest *full* state (step 2), not the model-only step 4
     res = pool.run(1, F.r_run, d, "c", 5, 2, timeout=120)
     assert [r["step"] for r in res[0]["curve"]] == [3, 4, 5]

@@ -324,6 +324,57 @@ def test_failed_smoke_test_never_deletes_older_verified(tmp_path: Path) -> None:
     assert d.delete == () and d.keep["a"] == "newest verified"
 
 
+RESUMED_THEN_KILLED = textwrap.dedent("""
+    import os, sys, torch
+    from reshard.manager.manager import CheckpointManager
+    mgr = CheckpointManager(sys.argv[1], keep_last=1, preempt_signals=())
+    st = {"model": {"w": torch.zeros(4, 3), "b": torch.zeros(5, dtype=torch.int64)}, "meta": {"step": -1}}
+    assert mgr.restore(st).step == 2
+    mgr.save(3, {"model": {"w": torch.full((4, 3), 3.0), "b": torch.arange(5) + 3}, "meta": {"step": 3}})
+    pinned = [c.name for c in mgr.candidates() if c.resume_source]
+    print("pinned", pinned, flush=True)
+    os._exit(0)  # dies without close(): its owner lease stays, unreleased, its process gone
+""")
+
+
+def test_the_resume_source_is_kept_only_while_its_run_lives(tmp_path: Path) -> None:
+    """The checkpoint a run resumed from is kept while that run is alive (its
+    way back) and not after: the run's close() applies retention once more
+    without it (keep_last=1 leaves 1), and once a run that resumed dies,
+    neither `reshard gc` nor another manager keeps it for a run that is gone."""
+    from click.testing import CliRunner
+
+    from reshard.cli import main
+
+    root = tmp_path / "r"
+    first = _mgr(root, keep_last=2)
+    first.save(1, _state(1))
+    first.save(2, _state(2))
+    first.close()
+    run = _mgr(root, keep_last=1)
+    assert run.restore(_blank()).step == 2
+    run.save(3, _state(3))
+    run.save(4, _state(4))
+    assert [c.name for c in run.candidates() if c.resume_source] == ["step-00000002"]
+    assert _steps(root) == [2, 4]  # alive: the resume source stays
+    run.close()
+    assert _steps(root) == [4]  # closed: keep_last=1 leaves 1
+    # a run that resumed and died: nothing pins what it resumed from
+    root2 = tmp_path / "d"
+    first = _mgr(root2, keep_last=2)
+    first.save(1, _state(1))
+    first.save(2, _state(2))
+    first.close()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([PY, "-c", RESUMED_THEN_KILLED, str(root2)], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0 and "pinned ['step-00000002']" in out.stdout, out.stderr[-2000:]
+    assert _steps(root2) == [2, 3]
+    r = CliRunner().invoke(main, ["gc", str(root2), "--keep-last", "1", "--dry-run"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert "would delete step-00000002" in r.output and "resume source" not in r.output, r.output
+
+
 # ----------------------------------------------------------------------------- cadence
 
 

@@ -1,8 +1,8 @@
 """CheckpointManager used collectively on 2 gloo ranks, across restarts (each
 ``pool.run`` builds new managers): a torn checkpoint is quarantined and the
 next save of its step proceeds under a suffixed name, without a crash loop;
-a deliberate rollback keeps the resume source and the new lineage and resumes
-on the current lineage; the abandoned branch and the current lineage both
+a deliberate rollback keeps the resume source while the run lives and the
+new lineage, and resumes on the current lineage; the abandoned branch and the current lineage both
 keep their step-150 checkpoints, under distinct names."""
 
 from __future__ import annotations
@@ -71,14 +71,16 @@ def test_restore_past_torn_then_save_that_step_no_loop(pool: Any, tmp_path: Path
     assert third["restored"] == ("step-00000150.1", 150, 2)
     assert third["fallback"] == [] and third["warnings"] == []
     assert third["saved"] == ["step-00000160"]
-    # kept: the resume source (150.1) and the newest; the quarantined one is never deleted
-    assert _ckpts(root) == {"step-00000150.1", "step-00000160"}
+    # the resume source (150.1) was kept while the run lived; its close released it and
+    # retention kept the newest (keep_last=1); the quarantined one is never deleted
+    assert third["pinned"] == ["step-00000150.1"]
+    assert _ckpts(root) == {"step-00000160"}
     assert (root / quarantined[0]).is_dir()
     r = CliRunner().invoke(main, ["ls", str(root)], catch_exceptions=False)
     assert r.exit_code == 0, r.output
     committed_part, _, rest = r.stdout.partition("quarantined (1")
     assert quarantined[0] not in committed_part and quarantined[0] in rest
-    assert "committed (2)" in committed_part
+    assert "committed (1)" in committed_part
     r = CliRunner().invoke(main, ["gc", str(root), "--keep-last", "1", "--grace", "0"],
                            catch_exceptions=False)
     assert r.exit_code == 0 and f"kept {quarantined[0]} (quarantined" in r.stdout, r.output
@@ -92,13 +94,15 @@ def test_rollback_keeps_resume_source_and_new_lineage(pool: Any, tmp_path: Path)
     back = _run(pool, root, restore=100, saves=[(110, 2)], keep_last=1)
     assert back["restored"] == ("step-00000100", 100, 1) and back["fallback"] == []
     assert back["saved"] == ["step-00000110"]
-    # 110 (newest) and 100 (resume source) survive; 150, the abandoned branch, is kept until
-    # the current lineage has a newer verified checkpoint
-    assert _ckpts(root) == {"step-00000100", "step-00000110", "step-00000150"}
+    # 100 (the resume source) is kept while the run lives (its way back) and released when it
+    # closes; 150, the abandoned branch, is kept until the current lineage has a newer verified
+    # checkpoint
+    assert back["pinned"] == ["step-00000100"]
+    assert _ckpts(root) == {"step-00000110", "step-00000150"}
     assert reshard.latest(root) == str(root / "step-00000110")
     assert back["latest_step"] == 110
     # the new lineage reaches step 150 again: a distinct name, both kept, latest on this lineage
-    again = _run(pool, root, restore=True, saves=[(150, 3)], keep_last=1)
+    again = _run(pool, root, restore=True, saves=[(150, 3)], keep_last=2)
     assert again["restored"] == ("step-00000110", 110, 2)
     assert again["saved"] == ["step-00000150.1"]
     assert {"step-00000150", "step-00000150.1"} <= _ckpts(root)
@@ -113,9 +117,9 @@ def test_rollback_keeps_resume_source_and_new_lineage(pool: Any, tmp_path: Path)
     # retention deletes its own lineage only: the abandoned branch stays until collected
     last = _run(pool, root, restore=True, saves=[(160, 4)], keep_last=1)
     assert last["restored"] == ("step-00000150.1", 150, 3)
-    assert _ckpts(root) == {"step-00000150", "step-00000150.1", "step-00000160"}
+    assert _ckpts(root) == {"step-00000150", "step-00000160"}  # 110 and 150.1: released at close
     # collected explicitly: once the lineage has a verified checkpoint past it
     r = CliRunner().invoke(main, ["gc", str(root), "--keep-last", "1", "--grace", "0",
                                   "--collect-other-lineages"], catch_exceptions=False)
     assert r.exit_code == 0 and "deleted step-00000150\n" in r.stdout, r.output
-    assert _ckpts(root) == {"step-00000150.1", "step-00000160"}  # (150.1: the resume source)
+    assert _ckpts(root) == {"step-00000160"}

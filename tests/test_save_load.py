@@ -712,3 +712,36 @@ def test_partial_chunk_read_straight_into_the_target(tmp_path: Path, flip: int |
     assert "had already written 1 target(s)" in str(ei.value)
     if flip == 7500:  # the last block is checked last: every whole block is already in place
         assert torch.equal(dst.data[2:43], full[7:48])
+
+
+class _Counters:
+    """A trainer's counters (TorchTitan's TrainState shape): whatever it holds."""
+
+    def __init__(self, step: Any, note: Any = "x") -> None:
+        self.step, self.note = step, note
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "note": self.note}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.step, self.note = sd["step"], sd["note"]
+
+
+def test_a_counter_saved_as_a_tensor_or_an_int_round_trips_into_the_other_kind(tmp_path: Path) -> None:
+    """A leaf saved as a tensor and loaded where the template holds a number
+    (train_state.step = torch.tensor(5) saved by one trainer version, an int in
+    the next) comes back as the tensor saved, never left as the template had
+    it; a number saved loads into a one-element tensor template; anything else
+    into a tensor is refused naming the key, before any target is written."""
+    reshard.save({"ts": _Counters(torch.tensor(5, dtype=torch.int32))}, tmp_path / "t", step=5)
+    got = _Counters(0)
+    reshard.load({"ts": got}, tmp_path / "t")
+    assert isinstance(got.step, torch.Tensor) and got.step.dtype == torch.int32 and got.step.item() == 5
+    reshard.save({"ts": _Counters(7)}, tmp_path / "i", step=7)
+    into = _Counters(torch.tensor(0))
+    reshard.load({"ts": into}, tmp_path / "i")
+    assert isinstance(into.step, torch.Tensor) and into.step.item() == 7
+    bad = _Counters(torch.tensor(0), torch.zeros(2))
+    with pytest.raises(ShardingError, match=r"ts\.note: saved as a value \(str\), requested as a tensor"):
+        reshard.load({"ts": bad}, tmp_path / "i")
+    assert bad.step.item() == 0  # unchanged

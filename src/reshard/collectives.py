@@ -53,7 +53,7 @@ __all__ = ["MAX_SHIPPED_FAILURES", "MAX_SHIPPED_TRACEBACK", "OPS", "Collectives"
            "Request", "SingleProcess", "TorchCollectives", "agree_steps", "drive",
            "Arrival", "arrive", "checkpoint_timeout_s", "get_collectives", "group_key", "group_timeout_s",
            "new_checkpoint_group",
-           "is_broken", "timed_collectives", "timed_keys", "wait_report_s", "watch"]
+           "is_broken", "on_new_world", "timed_collectives", "timed_keys", "wait_report_s", "watch"]
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -494,6 +494,50 @@ class TorchCollectives(Collectives):
             t.copy_(buf)
 
 
+#: the default process group the per-process state of this module (and of
+#: the modules that registered with :func:`on_new_world`) belongs to
+_WORLD: list[Any] = [None]
+#: what forgets the state of a destroyed default group (see :func:`on_new_world`)
+_ON_NEW_WORLD: list[Callable[[], None]] = []
+
+
+def on_new_world(forget: Callable[[], None]) -> None:
+    """Register ``forget()``, called once when this process's default group
+    is found to be another than the one its state was made with (a process
+    that destroyed its default group and initialised a new one): it drops
+    what was made from the old group (:mod:`reshard.saving.pending`: the
+    background savers)."""
+    _ON_NEW_WORLD.append(forget)
+
+
+def _check_world() -> None:
+    """Forget the per-process state made from a destroyed default process
+    group: the checkpoint groups (``_TIMED_GROUPS``), the broken-group marks
+    and collective counts (keyed by group names, which a new default group
+    hands out again from the start), the arrival counts, the bounded store
+    wrappers, and what :func:`on_new_world` registered. Every group of the
+    old world went with it (``destroy_process_group()`` destroys them all).
+    One comparison when nothing changed."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.distributed_c10d._get_default_group()
+    if world is _WORLD[0]:
+        return
+    if _WORLD[0] is not None:
+        _TIMED_GROUPS.clear()
+        _BROKEN.clear()
+        _SEQ.clear()
+        _ARRIVED.clear()
+        from . import collectives_base
+
+        collectives_base._BOUNDED.clear()
+        for forget in _ON_NEW_WORLD:
+            forget()
+    _WORLD[0] = world  # (held: the identity of a group object is never reused while held)
+
+
 def get_collectives(group: Any = None) -> Collectives:
     """Collectives for ``group``; single-process when torch.distributed is not
     initialised and no group is given."""
@@ -503,6 +547,7 @@ def get_collectives(group: Any = None) -> Collectives:
 
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return SingleProcess()
+    _check_world()
     return TorchCollectives(group)
 
 
@@ -606,6 +651,7 @@ def arrive(group: Any, arrival: Arrival, timeout_s: float | None = None) -> None
 
     if group is None and not (dist.is_available() and dist.is_initialized()):
         return
+    _check_world()
     ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(
         range(dist.get_world_size()))
     n = len(ranks)

@@ -118,6 +118,29 @@ def redistribute_pending(saved: list[list[int]], dp_size: int) -> list[list[int]
     return out
 
 
+def _refuse_workers() -> None:
+    """Raise when the caller iterating a cursor is a DataLoader iterator with
+    worker processes (it fetches ``prefetch_factor x num_workers`` batches
+    ahead of training)."""
+    import sys
+
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    f = sys._getframe(2)
+    for _ in range(3):
+        if f is None:
+            return
+        it = f.f_locals.get("self")
+        if isinstance(it, _MultiProcessingDataLoaderIter):
+            raise ValueError(
+                f"DataCursor is the batch sampler of a DataLoader with num_workers={it._num_workers}: "
+                "the workers fetch batches ahead of training, so the cursor's position (what a "
+                "checkpoint saves) would run ahead and a resume would skip those batches. Use "
+                "reshard.integrations.transformers.cursor_loader(dataset, cursor, num_workers=...), "
+                "which advances the cursor as batches are handed to training, or num_workers=0")
+        f = f.f_back  # type: ignore[assignment]
+
+
 class DataCursor:
     """Resumable global data position for a map-style dataset.
 
@@ -216,7 +239,15 @@ class DataCursor:
         return batch[self.dp_rank * per:(self.dp_rank + 1) * per]
 
     def __iter__(self) -> Iterator[list[int]]:
+        """This rank's batches, advancing the cursor as each is handed out: the
+        ``batch_sampler`` of a DataLoader that fetches in the training process.
+
+        Raises:
+            ValueError: at the first batch, when the DataLoader has worker
+                processes: it draws batches ahead of training, so the saved
+                position would run ahead and a resume would skip them."""
         while True:
+            _refuse_workers()
             yield self.next_batch()
 
     def state_dict(self) -> dict[str, Any]:

@@ -24,9 +24,33 @@ from ..storage import Storage, resolve
 _READ = 8 << 20
 
 
+#: ``Manifest.extra[CONTENT]``: what a checkpoint holds; :data:`MODEL_ONLY`
+#: marks weights without the training state (a model-only last save, a seed
+#: checkpoint): never resumed as a training state (:func:`resumable`)
+CONTENT = "content"
+MODEL_ONLY = "model_only"
+
+
+def resumable(m: Manifest) -> bool:
+    """Whether the checkpoint of manifest ``m`` is a training state to resume
+    from: False when its ``extra`` marks it model-only
+    (``extra["content"] == "model_only"``, or the TorchTitan integration's
+    ``extra["torchtitan"]["content"]``, written before the generic mark)."""
+    extra = m.extra or {}
+    tt = extra.get("torchtitan")
+    return extra.get(CONTENT) != MODEL_ONLY and not (isinstance(tt, dict) and tt.get(CONTENT) == MODEL_ONLY)
+
+
 def latest(root: str | os.PathLike[str], *, storage: Storage | None = None,
-           hmac_key: bytes | None = None) -> str | None:
-    """Path of the newest committed, complete checkpoint under ``root``, or None.
+           hmac_key: bytes | None = None, include_model_only: bool = False) -> str | None:
+    """Path of the newest committed, complete checkpoint under ``root`` that
+    holds a training state, or None.
+
+    A checkpoint marked model-only (:func:`resumable`: a TorchTitan
+    ``last_save_model_only`` save, a seed checkpoint) is not a training
+    state and is passed over, as :meth:`reshard.CheckpointManager.restore`
+    passes it over; ``include_model_only=True`` returns it too (the newest
+    weights, e.g. for an evaluation or an export).
 
     With a ``HEAD`` record at the root (written by
     ``CheckpointManager.restore``): the newest committed descendant of the
@@ -54,7 +78,7 @@ def latest(root: str | os.PathLike[str], *, storage: Storage | None = None,
     from ..options import hmac_key_of
 
     st, key = resolve(root, storage)
-    best = latest_entry(st, key)
+    best = latest_entry(st, key, include_model_only=include_model_only)
     if best is None:
         return None
     k = hmac_key_of(hmac_key)
@@ -68,7 +92,7 @@ def latest(root: str | os.PathLike[str], *, storage: Storage | None = None,
     return st.url(best.path)
 
 
-def latest_entry(st: Storage, root: str) -> Entry | None:
+def latest_entry(st: Storage, root: str, *, include_model_only: bool = False) -> Entry | None:
     """The entry :func:`latest` returns the path of (same rules), or None."""
     from ..commit.lineage import Head, lineage_of, resume_order
 
@@ -77,6 +101,7 @@ def latest_entry(st: Storage, root: str) -> Entry | None:
         return None
     order = resume_order(done, lineage_of(done, Head.from_record(read_head(st, root))))
     return next((e for e in order if e.manifest is not None
+                 and (include_model_only or resumable(e.manifest))
                  and not torn_files(st, e.path, e.manifest)), None)
 
 

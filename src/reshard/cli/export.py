@@ -37,7 +37,9 @@ from .support import (
 @click.option("--copy", "copies", multiple=True, metavar="FILE",
               help="A file to copy alongside (config.json, tokenizer files); repeatable.")
 @click.option("--include", "includes", multiple=True,
-              help="Glob over fqns (relative to --subtree) to export (repeatable; default: all but optim.*).")
+              help="Glob over fqns (relative to --subtree) to export (repeatable; default: every model "
+                   "tensor: optimizer state under any optim/optimizer name, RNG, data and trainer "
+                   "state are left out).")
 @click.option("--subtree", default=None, metavar="PATH",
               help="Tree path of the model to export, written under its own parameter names "
                    "(default: the model the checkpoint records: a ModelState, TorchState's model, "

@@ -40,6 +40,10 @@ class Head:
         attempt_id: its manifest's attempt id (so a replaced name is not it).
         step: its step. id: this resume's id (manifests' ``lineage``).
         time: when the resume happened, seconds since the epoch.
+        owner: the owner lease (``OWNER``'s ``lease``) of the run that
+            resumed, None when unknown (a run that owns no lease, a HEAD from
+            before this field): retention keeps the resume source only while
+            that run's lease is live (:meth:`RetentionMixin.source_pinned`).
     """
 
     name: str | None
@@ -47,6 +51,7 @@ class Head:
     time: float
     attempt_id: str | None = None
     step: int | None = None
+    owner: str | None = None
 
     @classmethod
     def from_record(cls, rec: dict[str, Any] | None) -> Head | None:
@@ -55,14 +60,19 @@ class Head:
         name = rec.get("name")
         step = rec.get("step")
         aid = rec.get("attempt_id")
+        owner = rec.get("owner")
         return cls(name=name if isinstance(name, str) else None, id=rec["id"],
                    time=float(rec.get("time") or 0.0),
                    attempt_id=aid if isinstance(aid, str) else None,
-                   step=step if isinstance(step, int) else None)
+                   step=step if isinstance(step, int) else None,
+                   owner=owner if isinstance(owner, str) else None)
 
     def to_record(self) -> dict[str, Any]:
-        return {"name": self.name, "attempt_id": self.attempt_id, "step": self.step,
-                "id": self.id, "time": self.time}
+        rec: dict[str, Any] = {"name": self.name, "attempt_id": self.attempt_id, "step": self.step,
+                               "id": self.id, "time": self.time}
+        if self.owner is not None:
+            rec["owner"] = self.owner
+        return rec
 
 
 @dataclass(frozen=True, kw_only=True)

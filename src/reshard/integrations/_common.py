@@ -8,8 +8,11 @@ Nothing here imports a training framework.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import wait
 from typing import Any
 
@@ -18,7 +21,43 @@ from ..ondisk import codec
 from ..saving.staging import SaveHandle
 from ..state.sharding import ShardedObject
 
-__all__ = ["DeferredRNG", "Internal", "RankZeroObjects", "missing_internals", "wait_staged"]
+__all__ = ["DeferredRNG", "Internal", "RankZeroObjects", "missing_internals", "quiet_torchao_import",
+           "wait_staged"]
+
+
+class _TorchaoNoise(logging.Filter):
+    """The lines torchao's import logs about itself: its compiled extensions
+    that do not load on this machine (``Failed to load .../_C*.so``, built for
+    another Python, torch or GPU; or skipped for the torch version) and torch's
+    deprecation of the Enum constants it registers with pytree."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if record.name == "torchao":
+            return not msg.startswith(("Failed to load ", "Skipping import of cpp extensions"))
+        return "is an Enum subclass and is now natively supported by torch.compile" not in msg
+
+
+@contextlib.contextmanager
+def quiet_torchao_import() -> Iterator[None]:
+    """Around a framework import that imports torchao as a side effect
+    (``from transformers import Trainer`` imports its quantizers, which import
+    torchao when it is installed): torchao's lines about its own compiled
+    extensions and torch's pytree deprecation notes for its Enum constants are
+    dropped, nothing else. reshard uses no torchao; once torchao is imported
+    (by the user first, or after this block), nothing is filtered."""
+    if "torchao" in sys.modules:
+        yield
+        return
+    noise = _TorchaoNoise()
+    loggers = [logging.getLogger("torchao"), logging.getLogger("torch.utils._pytree")]
+    for lg in loggers:
+        lg.addFilter(noise)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(noise)
 
 
 class DeferredRNG:

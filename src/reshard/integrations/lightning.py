@@ -36,6 +36,9 @@ callback's state in that checkpoint (Lightning saves every callback's
 ``state_dict()``), else it is derived from the restored loop counters. To
 start a fine-tuning from a Lightning checkpoint and resume it later from
 reshard's, pass ``ckpt_path`` only when ``reshard.latest(dirpath)`` is None.
+A ``ckpt_path`` naming a reshard checkpoint (or a root of them) is refused
+when ``fit`` starts, in one line saying to call ``fit`` without it (the
+callback resumes by itself), instead of Lightning failing to open it.
 
 **RNG timing.** The restored streams are applied after the DataLoader
 iterators exist, just before the first resumed batch is fetched (the
@@ -76,6 +79,7 @@ naming it and the installed Lightning version).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import math
@@ -101,8 +105,10 @@ from torch.utils.data.distributed import DistributedSampler
 from ..adapters.data import DataCursor
 from ..adapters.rng import RNGState, derive_seed
 from ..adapters.torch_native import TorchState
+from ..catalog.verify import latest
 from ..errors import CheckpointError
 from ..manager.manager import CheckpointManager
+from ..ondisk.manifest import MANIFEST_NAME
 from ..options import SaveOptions
 from ..saving.staging import SaveHandle
 from ._common import DeferredRNG, Internal, RankZeroObjects, missing_internals, wait_staged
@@ -171,12 +177,15 @@ def _fit_ckpt_path() -> Any:
 
 
 class _Progress:
-    """Lightning's loop counters, a Stateful (one plain value)."""
+    """Lightning's loop counters, a Stateful (one plain value); ``fixed``: the
+    counters to save instead of the loops' current ones."""
 
-    def __init__(self, trainer: Any):
-        self.trainer = trainer
+    def __init__(self, trainer: Any, fixed: dict[str, Any] | None = None):
+        self.trainer, self.fixed = trainer, fixed
 
     def state_dict(self) -> dict[str, Any]:
+        if self.fixed is not None:
+            return self.fixed
         sd = self.trainer.fit_loop.state_dict()
         # a stateful loader's position would be per rank: the cursor holds the data position
         sd.get("state_dict", {}).pop("combined_loader", None)
@@ -272,7 +281,7 @@ class ReshardCheckpoint(Checkpoint):
             last save (the coordinator's clock decides, agreed across ranks).
         keep_last, keep_every, keep_best: retention (:class:`reshard.CheckpointManager`:
             nothing is deleted before a newer checkpoint verified; the
-            checkpoint the run resumed from is kept for the run).
+            checkpoint the run resumed from is kept while the fit runs).
         monitor, mode: with ``keep_best``, the metric of ``trainer.callback_metrics``
             each save carries (its value at the save: the last validation's)
             and whether higher (``"max"``) or lower (``"min"``) is better.
@@ -280,7 +289,10 @@ class ReshardCheckpoint(Checkpoint):
             step waits for staging only (:meth:`before_state_mutation`).
         save_on_train_end: save the last step when ``fit`` ends normally (if
             it was not just saved), so a later ``fit`` with a larger
-            ``max_steps`` continues from it.
+            ``max_steps`` continues from it: a fit that stops in the middle of
+            an epoch (``max_steps``, a stop) saves that epoch's position and
+            the loop counters of its last batch, so the next fit takes the
+            epoch's next batch, as the uninterrupted run does.
         manage_data: replace the training loader's sampler by the cursor's
             (module docstring); False leaves the loader as Lightning makes it
             (then the data position after a resume is Lightning's: the epoch
@@ -339,6 +351,10 @@ class ReshardCheckpoint(Checkpoint):
         self._saved_step: int | None = None
         self._inflight: SaveHandle | None = None
         self._rng_before_val: dict[str, Any] | None = None
+        #: the loop counters at the last batch's end (what the end-of-fit save keeps when
+        #: the fit stops in the middle of an epoch)
+        self._loops_at_batch_end: dict[str, Any] | None = None
+        self._stopped_mid_epoch = False
         self._unpatch: Callable[[], None] | None = None
         self._warned_drop = False
 
@@ -356,8 +372,9 @@ class ReshardCheckpoint(Checkpoint):
         sd["dp_size"] = c.dp_size
         return sd
 
-    def _state(self, trainer: Any) -> dict[str, Any]:
-        """The state tree of a save or restore of ``trainer``."""
+    def _state(self, trainer: Any, loops: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The state tree of a save or restore of ``trainer`` (``loops``: the
+        loop counters to save, default the loops' current ones)."""
         assert self._rng is not None
         rank, world = trainer.global_rank, trainer.world_size
         optimizers = list(trainer.optimizers)
@@ -367,7 +384,7 @@ class ReshardCheckpoint(Checkpoint):
             "precision": trainer.precision_plugin,
             "rng": self._rng.rng,
             "data": _Position(self),
-            "loops": _Progress(trainer),
+            "loops": _Progress(trainer, loops),
             "callbacks": RankZeroObjects(
                 lambda: {cb.state_key: cb for cb in trainer.callbacks if cb is not self},
                 rank=rank, world_size=world, what="callback"),
@@ -389,12 +406,14 @@ class ReshardCheckpoint(Checkpoint):
                 f"integration relies on: {'; '.join(missing)}. Pin a Lightning release it supports "
                 "(tests/test_integration_lightning.py names the one it is tested with)")
         self._ckpt_path = _fit_ckpt_path()
+        self._refuse_reshard_ckpt_path(self._ckpt_path)
         self._lightning_restored = False
         self.resumed_from = None
         self._saved_position = None
         self._cursor, self._sampler = None, None
         self._last_step = self._saved_step = None
         self._inflight = None
+        self._loops_at_batch_end, self._stopped_mid_epoch = None, False
         seed = self._seed()
         self._rng = DeferredRNG(RNGState(rank=trainer.global_rank, world_size=trainer.world_size,
                                          base_seed=seed if self.base_seed is None else self.base_seed))
@@ -418,6 +437,35 @@ class ReshardCheckpoint(Checkpoint):
                     del src.__dict__["dataloader"]
 
             self._unpatch = unpatch
+
+    def _refuse_reshard_ckpt_path(self, ckpt_path: Any) -> None:
+        """``fit(ckpt_path=...)`` naming a reshard checkpoint (or a root of
+        them) is refused before anything is made: Lightning's own restore would
+        open it as one of its ``.ckpt`` files and fail with an error that says
+        nothing of reshard.
+
+        Raises:
+            CheckpointError: naming the path, what it is and how to resume."""
+        if not isinstance(ckpt_path, (str, os.PathLike)) or not os.path.isdir(ckpt_path):
+            return  # "last", a Lightning .ckpt file, a URL: Lightning's
+        path = os.fspath(ckpt_path)
+        if os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+            what, parent = "a reshard checkpoint", os.path.dirname(os.path.normpath(path))
+        elif latest(path, include_model_only=True) is not None:
+            what, parent = "a root of reshard checkpoints", path
+        else:
+            return  # a folder of Lightning's (a distributed checkpoint): Lightning's
+        here = os.path.realpath(parent) == os.path.realpath(self.dirpath)
+        newest = latest(self.dirpath) if os.path.isdir(self.dirpath) else None
+        how = (f"call fit without ckpt_path: ReshardCheckpoint resumes by itself from the newest "
+               f"committed checkpoint under its dirpath {self.dirpath!r}"
+               + (f" (now {newest})" if newest else ""))
+        if not here:
+            how += f"; to resume from {parent!r}, make it the dirpath: ReshardCheckpoint({parent!r}, ...)"
+        raise CheckpointError(
+            f"ReshardCheckpoint: fit(ckpt_path={path!r}) names {what}, which Lightning's own restore "
+            f"cannot read (it loads Lightning .ckpt files): {how}. fit(ckpt_path=...) is for "
+            "Lightning's checkpoints (a run starting from one)")
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
         assert self.manager is not None and self._rng is not None
@@ -475,6 +523,8 @@ class ReshardCheckpoint(Checkpoint):
                 self._next_epoch()  # Lightning ends this epoch early (limit_train_batches)
         # validation after this batch runs on a copy of the streams
         self._rng_before_val = self._rng.rng.capture()
+        if self.save_on_train_end:  # what a save at this batch would keep of the loops
+            self._loops_at_batch_end = copy.deepcopy(_Progress(trainer).state_dict())
         step = trainer.global_step
         if step == self._last_step:  # inside gradient accumulation, or no optimizer step
             return
@@ -487,8 +537,23 @@ class ReshardCheckpoint(Checkpoint):
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         s, c = self._sampler, self._cursor
-        if c is not None and s is not None and c.epoch == s.iter_epoch and c.consumed:
-            self._next_epoch()  # the epoch ended before its last batch (on_train_batch_start -> -1)
+        if c is None or s is None or c.epoch != s.iter_epoch or not c.consumed:
+            return  # the epoch ran to its end (the cursor is at the next one already)
+        if self._fit_stops(trainer):
+            # the fit ends in the middle of the epoch (max_steps, a stop): the epoch is not over
+            # for the run that continues it, which takes the epoch's next batch
+            self._stopped_mid_epoch = True
+            return
+        self._next_epoch()  # the epoch ended before its last batch (on_train_batch_start -> -1)
+
+    @staticmethod
+    def _fit_stops(trainer: Any) -> bool:
+        """The fit ends after this epoch end because ``max_steps`` is reached or
+        it was asked to stop (EarlyStopping, ``max_time``), not because the
+        epoch ran out of batches."""
+        max_steps = trainer.max_steps
+        return bool(trainer.should_stop) or (max_steps is not None and max_steps >= 0
+                                             and trainer.global_step >= max_steps)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if (self._rng is not None and self._rng_before_val is not None and not trainer.sanity_checking
@@ -499,7 +564,11 @@ class ReshardCheckpoint(Checkpoint):
         assert self.manager is not None
         step = trainer.global_step
         if self.save_on_train_end and step and step != self._saved_step:
-            self.manager.save(step, self._state(trainer), sync=True, metric=self._metric(trainer))
+            # stopped in the middle of an epoch: the loops as they were at the last batch's end
+            # (Lightning has closed the epoch since), so a resume continues the epoch at its next
+            # batch as the uninterrupted run does; the cursor was left there (on_train_epoch_end)
+            loops = self._loops_at_batch_end if self._stopped_mid_epoch else None
+            self.manager.save(step, self._state(trainer, loops), sync=True, metric=self._metric(trainer))
             self._saved_step = step
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:

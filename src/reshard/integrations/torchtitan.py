@@ -64,6 +64,7 @@ The TorchTitan internals this module relies on are named in :data:`TORCHTITAN_SE
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -141,7 +142,7 @@ FIELDS: dict[str, str] = {
                        "safetensors (sd_adapter.to_hf names) in <folder>/step-<N>",
     "export_dtype": "honoured: floating-point tensors of a model-only last save are cast to it",
     "keep_latest_k": "honoured: CheckpointManager(keep_last=k) retention (0: keep all); never "
-                     "deletes the resume source nor a DCP folder",
+                     "deletes a DCP folder, nor the resume source while the job runs",
     "load_step": "honoured: load(step) resumes that step (reshard's or a DCP checkpoint's)",
     "exclude_from_loading": "honoured: those states are neither read nor required",
     "enable_first_step_checkpoint": "honoured: a full save after step 1",
@@ -205,6 +206,30 @@ def _cast(sd: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- the manager
+
+
+def _tensor_step(st: Any, path: str, m: Any) -> int | None:
+    """A DCP checkpoint's ``train_state.step`` saved as a one-element integer
+    tensor (``torch.tensor(step)``, as older TorchTitan and other trainers
+    save it), read as an int; None when it is not one."""
+    from ..loading.read_state import read_state
+    from ..state.sharding import torch_dtype
+
+    e = m.tensors.get("train_state.step")
+    if e is None or math.prod(e.global_shape) != 1:
+        return None
+    dt = torch_dtype(e.dtype)
+    if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+        return None
+
+    try:
+        got = read_state(st.url(path), keys="train_state.step")
+    except CheckpointError as err:
+        log.warning("%s: its train_state.step tensor is unreadable (%s)", path, err)
+        return None
+    t = got.get("train_state", {}).get("step") if isinstance(got.get("train_state"), dict) \
+        else got.get("train_state.step")
+    return int(t.item()) if isinstance(t, torch.Tensor) else None
 
 
 class ReshardCheckpointManager(BaseCheckpointManager):
@@ -337,7 +362,10 @@ class ReshardCheckpointManager(BaseCheckpointManager):
         rec: dict[str, Any] = {"content": content, **more}
         if self._resumed_from:
             rec["resumed_from_dcp"] = self._resumed_from
-        return {**self._mgr.options.extra, _CONTENT: rec}
+        # the generic mark (reshard.latest and CheckpointManager.restore pass a model-only one over)
+        generic = {"content": content} if content == _MODEL_ONLY else {}
+        return {**{k: v for k, v in self._mgr.options.extra.items() if k != "content"}, **generic,
+                _CONTENT: rec}
 
     def _save_as(self, step: int, tree: dict[str, Any], extra: dict[str, Any], *, sync: bool) -> Any:
         opts = self._mgr.options
@@ -449,7 +477,7 @@ class ReshardCheckpointManager(BaseCheckpointManager):
                 log.warning("%s: skipped (not a loadable DCP checkpoint: %s)", st.join(root, name), e)
                 continue
             s = (m.values or {}).get("train_state.step")
-            s = codec.from_json(s) if s is not None else None
+            s = codec.from_json(s) if s is not None else _tensor_step(st, st.join(root, name), m)
             has_optim = any(k.startswith(f"{OPTIMIZER}.") for k in m.tensors)
             dcps.append({"name": name, "step": s if type(s) is int else None, "mtime": mtime or 0.0,
                          "full": type(s) is int and has_optim})

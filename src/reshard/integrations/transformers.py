@@ -24,17 +24,19 @@ What changes against the stock Trainer:
   batch geometry. ``trainer_state.json`` is a value inside the checkpoint,
   written before the manifest (the commit); nothing is ever added to a
   committed checkpoint.
-* **Resume**: ``resume_from_checkpoint=True`` is ``reshard.latest(checkpoint_dir)``
-  (``ValueError`` when there is none, as the stock Trainer); a path is that
-  reshard checkpoint; a stock ``checkpoint-N`` folder (it holds
-  ``trainer_state.json``) is resumed by the stock code, so a run can switch
-  its backend mid-way. The Trainer's own resume logic runs unchanged: it
+* **Resume**: ``resume_from_checkpoint=True`` is ``reshard.latest(checkpoint_dir)``,
+  else (no reshard checkpoint yet) the stock Trainer's newest ``checkpoint-N``
+  of ``output_dir`` (``ValueError`` naming both when there is none, as the
+  stock Trainer); a path is that reshard checkpoint (a root of them: its
+  newest); a stock ``checkpoint-N`` folder (it holds ``trainer_state.json``)
+  is resumed by the stock code, so a run can switch its backend mid-way; any
+  other path is refused naming what is expected. The Trainer's own resume logic runs unchanged: it
   reads the restored ``trainer_state.json`` from a temporary folder holding
   that one file (removed when ``train`` returns), skips the batches of the
   resumed epoch (``ignore_data_skip`` honoured) and restores callback states.
 * **Retention**: ``save_total_limit`` is the manager's ``keep_last`` (with
   its rules: nothing deleted before a newer checkpoint verified, the resume
-  source kept for the run); no folder is ever removed by its name.
+  source kept while ``train`` runs); no folder is ever removed by its name.
 * **Best model**: ``load_best_model_at_end`` is supported: each save carries
   the step's ``metric_for_best_model`` value, retention keeps the best
   checkpoint too (``keep_best=1``, on top of ``save_total_limit``), and at the
@@ -71,21 +73,26 @@ import logging
 import os
 import shutil
 import tempfile
+import types
 from collections.abc import Iterator
 from typing import Any
 
+from ._common import quiet_torchao_import
+
 try:
-    import transformers
-    from transformers import Trainer, TrainerCallback
-    from transformers.trainer_callback import ExportableState
-    from transformers.trainer_utils import SaveStrategy
+    with quiet_torchao_import():  # the Trainer imports transformers' quantizers, which import torchao
+        import transformers
+        from transformers import Trainer, TrainerCallback
+        from transformers.trainer_callback import ExportableState
+        from transformers.trainer_utils import SaveStrategy, get_last_checkpoint
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("reshard.integrations.transformers needs transformers "
                       "(`pip install transformers accelerate`)") from e
 
 import torch
 
-from ..adapters.rng import RNGState
+from ..adapters.data import DataCursor
+from ..adapters.rng import RNGState, derive_seed
 from ..adapters.torch_native import TorchState
 from ..catalog.verify import inspect as read_manifest
 from ..catalog.verify import latest
@@ -93,13 +100,14 @@ from ..collectives import SingleProcess
 from ..errors import CheckpointError
 from ..loading.load import load
 from ..manager.manager import CheckpointManager
+from ..ondisk.manifest import MANIFEST_NAME
 from ..options import SaveOptions
 from ..saving.staging import SaveHandle
 from ..state.sharding import ShardedObject
 from ._common import DeferredRNG, Internal, missing_internals, wait_staged
 
-__all__ = ["TRAINER_INTERNALS", "ReshardTrainer", "ReshardTrainerMixin", "accelerate_state",
-           "missing_trainer_internals"]
+__all__ = ["TRAINER_INTERNALS", "ReshardTrainer", "ReshardTrainerMixin", "SchedulerPace",
+           "accelerate_state", "cursor_loader", "missing_trainer_internals"]
 
 log = logging.getLogger("reshard.integrations.transformers")
 
@@ -278,13 +286,7 @@ class ReshardTrainerMixin:
         t: Any = self
         if trial is not None or t.hp_search_backend is not None:
             raise CheckpointError("ReshardTrainer: hyperparameter search trials are not supported")
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = self.last_checkpoint
-            if resume_from_checkpoint is None:
-                raise ValueError(f"No valid checkpoint found in {self.checkpoint_root} "
-                                 "(reshard.latest found no committed checkpoint)")
-        elif resume_from_checkpoint is False:
-            resume_from_checkpoint = None
+        resume_from_checkpoint = self._resolve_resume(resume_from_checkpoint)
         stock = resume_from_checkpoint is not None and os.path.isfile(
             os.path.join(os.fspath(resume_from_checkpoint), TRAINER_STATE_NAME))
         self.manager = CheckpointManager(
@@ -325,6 +327,46 @@ class ReshardTrainerMixin:
             if view is not None:
                 shutil.rmtree(view, ignore_errors=True)
             self._close(raising=True)
+
+    def _resolve_resume(self, given: str | os.PathLike[str] | bool | None) -> str | None:
+        """What ``train(resume_from_checkpoint=given)`` resumes: ``True`` is the
+        newest reshard checkpoint of :attr:`checkpoint_root`, else (none there)
+        the stock Trainer's newest ``checkpoint-N`` of ``output_dir`` (resumed
+        by the stock code: a run switching its backend); a root of reshard
+        checkpoints is its newest one; a reshard checkpoint or a stock
+        ``checkpoint-N`` folder is itself.
+
+        Raises:
+            ValueError: ``True`` and no checkpoint in either place; a path that
+                is none of these (naming what was expected)."""
+        t: Any = self
+        if given is None or given is False:
+            return None
+        if given is True:
+            mine = self.last_checkpoint
+            if mine is not None:
+                return mine
+            stock = get_last_checkpoint(t.args.output_dir) if os.path.isdir(t.args.output_dir) else None
+            if stock is not None:
+                log.warning("no reshard checkpoint in %s: resuming the stock Trainer checkpoint %s "
+                            "(with the stock code; reshard checkpoints follow)", self.checkpoint_root, stock)
+                return str(stock)
+            raise ValueError(f"No valid checkpoint found in {self.checkpoint_root} (reshard.latest found no "
+                             f"committed checkpoint) nor in {t.args.output_dir} (no stock checkpoint-N "
+                             "folder): pass resume_from_checkpoint=None for a fresh start")
+        path = os.fspath(given)
+        if os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)) or \
+                os.path.isfile(os.path.join(path, MANIFEST_NAME)) or "://" in path:
+            return path
+        newest = latest(path) if os.path.isdir(path) else None
+        if newest is not None:
+            log.warning("resume_from_checkpoint=%s is a root of reshard checkpoints: resuming its "
+                        "newest, %s", path, newest)
+            return newest
+        raise ValueError(
+            f"resume_from_checkpoint={path!r} is not a checkpoint: expected a reshard checkpoint (a "
+            f"folder with {MANIFEST_NAME}, e.g. one under {self.checkpoint_root}), a root of them, a "
+            f"stock Trainer checkpoint-N folder (with {TRAINER_STATE_NAME}), or True for the newest")
 
     def _close(self, *, raising: bool) -> None:
         """Close the manager (it waits for the saves in flight); its failure is
@@ -482,13 +524,166 @@ class ReshardTrainer(ReshardTrainerMixin, Trainer):
 
 
 # ---------------------------------------------------------------- accelerate
+def _paced_step(self: Any, *args: Any, **kwargs: Any) -> None:
+    """``AcceleratedScheduler.step`` (accelerate 1.x) with ``self._reshard_pace``
+    scheduler steps per optimizer step in place of ``num_processes``."""
+    if not self.step_with_optimizer:
+        self.scheduler.step(*args, **kwargs)
+        return
+    if not self.gradient_state.sync_gradients:
+        if self.gradient_state.adjust_scheduler:
+            self.scheduler._step_count += 1
+        return
+    if any(opt.step_was_skipped for opt in self.optimizers):
+        return
+    for _ in range(self._reshard_pace):
+        if not hasattr(self.scheduler, "total_steps") or \
+                self.scheduler._step_count <= self.scheduler.total_steps:
+            self.scheduler.step(*args, **kwargs)
+
+
+class SchedulerPace:
+    """How many times accelerate steps the LR scheduler per optimizer step, a
+    Stateful of :func:`accelerate_state` (the entry ``scheduler_pace``).
+
+    accelerate's prepared scheduler (``AcceleratedScheduler``, without
+    ``split_batches``) steps ``num_processes`` times per optimizer step: its
+    schedule is counted in per-process batches. reshard keeps the global batch
+    across a world-size change (a :class:`~reshard.DataCursor`), so the
+    schedule must keep its pace too: restored on another number of processes,
+    the scheduler is made to step as many times per optimizer step as the run
+    that saved it (logged once), and every LR is the one the uninterrupted run
+    has. A scheduler accelerate does not multiply (``split_batches=True``,
+    ``step_scheduler_with_optimizer=False``, an unprepared one) keeps its pace.
+    """
+
+    def __init__(self, scheduler: Any, num_processes: int):
+        self.scheduler, self.num_processes = scheduler, int(num_processes)
+
+    def _natural(self) -> int | None:
+        """The pace accelerate gives the scheduler (None: it is not stepped by
+        accelerate with the optimizer, so it keeps no pace of accelerate's)."""
+        s = self.scheduler
+        if not hasattr(s, "gradient_state") or not getattr(s, "step_with_optimizer", False):
+            return None
+        return 1 if s.split_batches else self.num_processes
+
+    @property
+    def pace(self) -> int:
+        """Scheduler steps per optimizer step now."""
+        natural = self._natural()
+        return 1 if natural is None else int(getattr(self.scheduler, "_reshard_pace", natural))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps_per_optimizer_step": self.pace}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        saved, natural, s = int(sd["steps_per_optimizer_step"]), self._natural(), self.scheduler
+        if saved == self.pace:
+            return
+        if natural is None:
+            raise CheckpointError(
+                f"accelerate_state: the checkpoint's LR scheduler stepped {saved} times per optimizer "
+                f"step (accelerate's prepared scheduler) and this run's {type(s).__name__} steps once "
+                "(not prepared by accelerate, or step_scheduler_with_optimizer=False): pass the "
+                "scheduler accelerator.prepare returned, with the settings of the run that saved it")
+        if saved == natural:
+            s.__dict__.pop("_reshard_pace", None)
+            s.__dict__.pop("step", None)
+            return
+        s._reshard_pace = saved
+        s.step = types.MethodType(_paced_step, s)
+        log.warning("accelerate_state: the LR scheduler keeps the pace of the checkpoint: %d "
+                    "scheduler steps per optimizer step (accelerate would step it %d times on %d "
+                    "processes); the global batch is kept, so is the schedule", saved, natural,
+                    self.num_processes)
+
+
+class _Remainder(torch.utils.data.Sampler[int]):
+    """This data-parallel rank's sample indices of the global batches left in
+    the cursor's epoch, from its position when iteration starts."""
+
+    def __init__(self, cursor: DataCursor):
+        self.cursor = cursor
+        self.start = (cursor.epoch, cursor.consumed)
+
+    def __iter__(self) -> Iterator[int]:
+        c = self.cursor
+        epoch, start = self.start
+        order = c.epoch_order(epoch)
+        g, per = c.global_batch_size, c.global_batch_size // c.dp_size
+        lo = c.dp_rank * per
+        for pos in range(start, c.dataset_len - g + 1, g):
+            yield from order[pos + lo:pos + lo + per].tolist()
+
+    def __len__(self) -> int:
+        c = self.cursor
+        epoch, start = self.start
+        return (c.dataset_len - start) // c.global_batch_size * (c.global_batch_size // c.dp_size)
+
+
+def cursor_loader(dataset: Any, cursor: DataCursor, **loader_kwargs: Any) -> Iterator[Any]:
+    """This rank's batches of ``dataset`` in the order of ``cursor``, epoch
+    after epoch, exact with DataLoader worker processes: each epoch's
+    ``torch.utils.data.DataLoader`` is made when iteration reaches it (so
+    after a restore, from the restored position), and the cursor advances by
+    one global batch as each batch is handed to training, never as the
+    workers fetch ahead. A checkpoint saved after step ``k`` resumes at batch
+    ``k + 1``.
+
+    The loader gets a generator of its own, seeded from the cursor's seed and
+    the epoch, so making it draws nothing from the global torch generator
+    (the restored RNG streams stay exact); randomness inside the workers
+    restarts at a resume, since each epoch's workers are seeded from it.
+
+    Args:
+        dataset: a map-style dataset of ``cursor.dataset_len`` samples.
+        cursor: the run's :class:`~reshard.DataCursor` (saved in the state tree).
+        loader_kwargs: DataLoader options (``num_workers``, ``collate_fn``,
+            ``pin_memory``, ...); the batch size, sampler, shuffling,
+            ``drop_last`` and ``generator`` are the cursor's.
+
+    Raises:
+        ValueError: an option the cursor decides, or a dataset of another length.
+    """
+    taken = sorted({"batch_size", "sampler", "batch_sampler", "shuffle", "drop_last", "generator"}
+                   & set(loader_kwargs))
+    if taken:
+        raise ValueError(f"cursor_loader: {taken} are the cursor's to decide (its global batch, order "
+                         "and drop-last epochs); pass the other DataLoader options only")
+    if len(dataset) != cursor.dataset_len:
+        raise ValueError(f"cursor_loader: the dataset has {len(dataset)} samples, the cursor "
+                         f"{cursor.dataset_len}")
+    return _cursor_batches(dataset, cursor, loader_kwargs)
+
+
+def _cursor_batches(dataset: Any, cursor: DataCursor, kwargs: dict[str, Any]) -> Iterator[Any]:
+    from torch.utils.data import DataLoader
+
+    per = cursor.global_batch_size // cursor.dp_size
+    while True:
+        epoch = cursor.epoch
+        gen = torch.Generator().manual_seed(derive_seed(cursor.seed, epoch, {"dp_rank": cursor.dp_rank},
+                                                        "loader"))
+        handed = 0
+        for batch in DataLoader(dataset, batch_size=per, sampler=_Remainder(cursor), drop_last=True,
+                                generator=gen, **kwargs):
+            cursor.next_global_batch()
+            handed += 1
+            yield batch
+        if not handed and cursor.epoch == epoch:  # nothing left of it: the next epoch
+            cursor.epoch, cursor.consumed = epoch + 1, 0
+
+
 def accelerate_state(accelerator: Any, model: Any, optimizer: Any = None, scheduler: Any = None,
                      *, rng: RNGState | None = None, **extra: Any) -> dict[str, Any]:
     """The state tree of a plain accelerate loop, after ``accelerator.prepare``:
     the unwrapped model and the optimizer's torch optimizer
     (:class:`~reshard.adapters.torch_native.TorchState`), the scheduler (its
     torch scheduler), accelerate's GradScaler, RNG streams and ``extra``
-    entries (a :class:`~reshard.DataCursor`, a step counter, ...).
+    entries (a :class:`~reshard.DataCursor`, a step counter, ...). With a
+    scheduler, ``scheduler_pace`` (:class:`SchedulerPace`) keeps the LR
+    schedule's pace across a change of the number of processes.
 
     Args:
         accelerator: the ``accelerate.Accelerator``.
@@ -505,6 +700,7 @@ def accelerate_state(accelerator: Any, model: Any, optimizer: Any = None, schedu
     }
     if scheduler is not None:
         state["scheduler"] = getattr(scheduler, "scheduler", scheduler)
+        state["scheduler_pace"] = SchedulerPace(scheduler, accelerator.num_processes)
     if getattr(accelerator, "scaler", None) is not None:
         state["scaler"] = accelerator.scaler
     state.update(extra)

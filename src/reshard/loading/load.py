@@ -22,6 +22,7 @@ from ..errors import (
     IntegrityError,
     ShardingError,
 )
+from ..ondisk import codec
 from ..ondisk.committed import read_manifest
 from ..ondisk.manifest import FORMAT_VERSION, Manifest
 from ..options import LoadOptions, hmac_key_of
@@ -422,6 +423,7 @@ def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
     # destinations are filled in place: an nn.Parameter (a leaf that requires
     # grad) is written through a detached alias of the same storage
     sts = [dataclasses.replace(s, data=s.data.detach()) if s.data.requires_grad else s for s in sts]
+    sts, as_tensor, as_number = _kind_changes(m, leaves, sts)
     requested: dict[str, str] = {}
     for s in sts:
         requested[s.fqn] = "tensor"
@@ -429,12 +431,53 @@ def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
         requested[ob.key] = "object"
     for p in leaves.values:
         requested[p] = "value"
+    for p in as_tensor:
+        requested[p] = "tensor"
+    for p in as_number:
+        requested[p] = "value"
     for k in notes.pop(HANDLED, ()):
         requested.setdefault(k, "handled")
     for k in consumed_by(transforms, requested):
         requested.setdefault(k, "handled")
     return {"manifest": m, "leaves": leaves, "sts": sts, "requested": requested,
-            "loaded_values": loaded_values, "loaded_objects": loaded_objects, "notes": notes}
+            "loaded_values": loaded_values, "loaded_objects": loaded_objects, "notes": notes,
+            "as_tensor": as_tensor, "as_number": as_number}
+
+
+def _kind_changes(m: Manifest, leaves: Any, sts: list[ShardedTensor]
+                  ) -> tuple[list[ShardedTensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A leaf saved as a tensor and requested as a plain value, or the other
+    way round (a trainer counter such as TorchTitan's ``train_state.step``,
+    an int in one version and a 0-dim tensor in another): the value
+    round-trips as it was saved instead of being left as the template had it.
+    Returns the tensor targets to read, the values to hand over as the tensors
+    saved (read whole, on CPU, into new tensors added to the targets) and the
+    tensor targets to fill with the number saved (a one-element target of a
+    saved int, float or bool; taken off the reads)."""
+    from ..state.sharding import torch_dtype
+
+    values = m.values or {}
+    as_tensor: dict[str, torch.Tensor] = {}
+    for p in leaves.values:
+        e = m.tensors.get(p)
+        if e is None or p in values:
+            continue
+        t = torch.empty(tuple(e.global_shape), dtype=torch_dtype(e.dtype))
+        as_tensor[p] = t
+        sts = [*sts, ShardedTensor(p, t, global_shape=tuple(t.shape), global_offset=(0,) * t.dim())]
+    as_number: dict[str, torch.Tensor] = {}
+    for s in sts:
+        if s.fqn in values and s.fqn not in m.tensors and s.fqn not in m.aliases:
+            v = codec.from_json(values[s.fqn])
+            if not isinstance(v, (int, float, bool)) or s.data.numel() != 1 \
+                    or tuple(s.global_shape) != tuple(s.data.shape):
+                raise ShardingError(
+                    f"{s.fqn}: saved as a value ({type(v).__name__}), requested as a tensor of global "
+                    f"shape {list(s.global_shape)}: only a number loads into a one-element tensor")
+            as_number[s.fqn] = s.data
+    if as_number:
+        sts = [s for s in sts if s.fqn not in as_number]
+    return sts, as_tensor, as_number
 
 
 def _prepare_hooks(state: Any, m: Manifest, notes: dict[str, Any]) -> None:
@@ -507,6 +550,10 @@ def _finish(plan: _Plan, ctx: dict[str, Any], key: str) -> LoadResult:
     for p in m.values or {}:
         if p in leaves.values:
             ctx["loaded_values"][p] = plan.values[p]
+    for p, t in ctx["as_tensor"].items():  # saved as a tensor, requested as a value
+        ctx["loaded_values"][p] = t
+    for p, t in ctx["as_number"].items():  # saved as a number, requested as a tensor
+        t.fill_(plan.values[p])
     return LoadResult(path=key, step=m.step, missing=plan.missing, unexpected=plan.unexpected,
                       initialized=tuple(initialized), values=plan.values, objects=dict(plan.objects),
                       manifest=m,

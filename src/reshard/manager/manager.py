@@ -31,7 +31,8 @@ from typing import Any
 import msgspec
 
 from ..catalog.records import VERIFIED, check_and_record, record_holds
-from ..catalog.verify import latest_entry
+from ..catalog.verify import latest_entry, resumable
+from ..collectives import Arrival, arrive, checkpoint_timeout_s
 from ..collectives_deferred import Deferred
 from ..commit import ownership
 from ..commit.lineage import Head, lineage_of, resume_order
@@ -208,6 +209,9 @@ class CheckpointManager(RetentionMixin):
         self._lineage: str | None = None
         self._parent: str | None = None
         self._last_committed: str | None = None
+        #: the checkpoint this manager's restore resumed from (pinned while the run is alive)
+        self._resumed_from: str | None = None
+        self._releasing_source = False
         self._joined = False
         self._closing = False
         self.last_outcomes: dict[str, str] = {}
@@ -352,6 +356,10 @@ class CheckpointManager(RetentionMixin):
                 (its own failure only); StorageError when the root cannot be
                 listed to choose the name.
         """
+        # every rank checks in before the manager's own collectives (the lineage, the name):
+        # a save called on some ranks only fails there within the bound, naming the others
+        self._arrive("save", f"CheckpointManager.save of step {step} under {self.root}",
+                     self.options.arrival_timeout_s)
         extra = dict(self.options.extra)
         if metric is not None:
             extra["metric"] = float(metric)
@@ -699,8 +707,12 @@ class CheckpointManager(RetentionMixin):
         A manager restored that way must not save (its saves would join the
         lineage of the existing ``HEAD``, not of the checkpoint it loaded).
         ``accept(manifest) -> bool``: only checkpoints it accepts are
-        candidates (e.g. a TorchTitan model-only save, marked in its
-        manifest's ``extra``, is never resumed as a full state).
+        candidates. Default, when neither ``step`` nor ``name`` is given:
+        :func:`reshard.catalog.verify.resumable`, so a checkpoint marked
+        model-only (a TorchTitan ``last_save_model_only`` save, a seed
+        checkpoint: ``extra["content"] == "model_only"``) is never resumed as
+        a training state, as :func:`reshard.latest` never returns one; a
+        checkpoint named by ``step`` or ``name`` is loaded whatever it holds.
 
         Returns:
             The LoadResult (``notes["fallback"]`` lists what was skipped), or
@@ -721,22 +733,65 @@ class CheckpointManager(RetentionMixin):
             from ..options import LoadOptions
 
             load_kwargs = {**load_kwargs, "options": LoadOptions(timeout_s=self.timeout_s)}
+        if accept is None and step is None and name is None:
+            accept = resumable
+        opts = load_kwargs["options"]
+        self._arrive("restore", f"CheckpointManager.restore of {self.root}",
+                     getattr(opts, "arrival_timeout_s", None), getattr(opts, "timeout_s", self.timeout_s))
         return restore_collective(self, state, step=step, name=name,
                                   allow_fresh_start=allow_fresh_start, load_kwargs=load_kwargs,
                                   record_head=record_head, accept=accept)
 
+    def _arrive(self, kind: str, what: str, bound: float | None, timeout_s: Any = None) -> None:
+        """Every rank of the manager's group checks in (:func:`reshard.collectives.arrive`)
+        before a save or restore issues its first collective: called on some
+        ranks only, it raises CheckpointError on those within ``bound`` seconds,
+        naming the ranks that did not come."""
+        t = self.timeout_s if timeout_s is None else timeout_s
+        arrive(self.group, Arrival(kind=f"manager-{kind}", what=what, timeout_s=bound),
+               checkpoint_timeout_s(self.group, t))
+
     def _resumed(self, head: Head) -> None:
         self._lineage, self._parent, self._joined = head.id, head.name, True
         self._last_committed = head.name
+        self._resumed_from = head.name
+
+    def _owner_lease(self) -> str | None:
+        """Coordinator: the id of the owner lease this manager holds (the
+        ``lease`` of ``OWNER``), recorded in the HEAD it writes; None when it
+        holds none (a reader, another rank, a full disk at construction)."""
+        lease = self._owner.record.get("lease") if self._owner is not None else None
+        return lease if isinstance(lease, str) else None
+
+    def _release_source(self) -> None:
+        """Coordinator, at :meth:`close`: the run ends, so the checkpoint it
+        resumed from is no longer kept for it (:meth:`source_pinned`);
+        retention applies once more without that pin, when this run resumed
+        and committed a checkpoint since (``keep_last=2`` then leaves 2). A
+        failure is logged: closing never raises for it."""
+        if (self.coll.rank != 0 or not self.writer or self._owner is None or self._resumed_from is None
+                or self._last_committed in (None, self._resumed_from)):
+            return
+        self._releasing_source = True
+        try:
+            self._retention_after_commit()
+        except CheckpointError as e:
+            log.warning("%s: retention at close failed (%s: %s)", self.root, type(e).__name__, e)
+        finally:
+            self._releasing_source = False
 
     def close(self) -> None:
-        """Wait for in-flight saves and restore the signal handlers replaced.
+        """Wait for in-flight saves, apply retention once more without the
+        pin on the checkpoint this run resumed from (:meth:`source_pinned`: it
+        is kept while the run is alive only), release the root and restore
+        the signal handlers replaced.
 
         Raises:
             CheckpointError: as :meth:`wait` (the handlers are restored first)."""
         self._closing = True
         try:
             self.wait()
+            self._release_source()
         finally:
             if self._owner_done is not None:  # the root is released (the record stays)
                 self._owner_done()

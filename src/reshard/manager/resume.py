@@ -84,6 +84,8 @@ class Managed(Protocol):
 
     def _check_owner(self, hmac_key: bytes | None) -> None: ...
 
+    def _owner_lease(self) -> str | None: ...
+
 
 def _probe(mgr: Managed, path: str,
            hmac_key: bytes | None = None) -> tuple[str, str, BaseException | None]:
@@ -346,7 +348,8 @@ def _write_head(mgr: Managed, name: str, attempt_id: str | None,
     a descendant, not an abandoned branch."""
     coll = mgr.coll
     head = Head(name=name, id=f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-"
-                f"{os.urandom(4).hex()}", time=listed_at, attempt_id=attempt_id, step=step)
+                f"{os.urandom(4).hex()}", time=listed_at, attempt_id=attempt_id, step=step,
+                owner=mgr._owner_lease() if coll.rank == 0 else None)
     err = None
     if coll.rank == 0:
         try:

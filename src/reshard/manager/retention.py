@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from ..commit import ownership
 from ..commit.attempts import LEASE_SUFFIX, local_lease_key, read_lease
 from ..commit.leases import LEASE as _READER_LEASE
 from ..commit.leases import ReaderLease, expired_leases, live_readers
@@ -95,6 +96,9 @@ class RetentionMixin:
     last_litter: list[str]
 
     smoke_tensors: int
+    #: True while a closing manager applies its last retention: the resume
+    #: source is no longer pinned for its run (:meth:`source_pinned`)
+    _releasing_source: bool = False
 
     if TYPE_CHECKING:  # provided by CheckpointManager
         def _name(self, which: str | int) -> str: ...
@@ -144,7 +148,9 @@ class RetentionMixin:
         verification records re-checked, leases, in-flight saves and the
         targets of symbolic links in the root)."""
         entries = committed(self.storage, self.root) if entries is None else entries
-        lin = lineage_of(entries, Head.from_record(read_head(self.storage, self.root)))
+        head = Head.from_record(read_head(self.storage, self.root))
+        lin = lineage_of(entries, head)
+        pinned = lin.source is not None and self.source_pinned(head)
         readers = live_readers(self.storage, self.root, {e.name for e in entries})
         linked = self._linked({e.name for e in entries})
         inflight = {n for n, _ in self._pending}
@@ -158,9 +164,28 @@ class RetentionMixin:
                                  metric=float(metric) if isinstance(metric, (int, float)) else None,
                                  protected=e.name in linked or e.name in inflight,
                                  readers=readers.get(e.name, 0),
-                                 current=e.name in lin.current, resume_source=e.name == lin.source,
+                                 current=e.name in lin.current,
+                                 resume_source=pinned and e.name == lin.source,
                                  created_at=m.created_at))
         return out
+
+    def source_pinned(self, head: Head | None) -> bool:
+        """Whether retention keeps the checkpoint ``head`` names (the resume
+        source): only while a run that resumed from it is alive, for that run's
+        way back (a rollback from a rollback). Alive: the root's owner lease is
+        live (not released by ``close``, not expired, its process alive when on
+        this host) and is the lease of the run that wrote ``head`` (any live
+        owner when ``head`` names none). A run that ended or died pins nothing,
+        and neither does this manager once it is closing (its last retention)."""
+        if head is None or head.name is None:
+            return False
+        if self._releasing_source:
+            return False
+        rec, _ = ownership.read_owner(self.storage, self.root)
+        if not ownership.is_live(rec):
+            return False
+        assert rec is not None
+        return head.owner is None or rec.get("lease") == head.owner
 
     def plan_retention(self, *, checksums: bool | None = None, smoke_newer: bool = False,
                        dry_run: bool = False) -> RetentionPlan:

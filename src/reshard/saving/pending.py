@@ -13,11 +13,23 @@ import threading
 import warnings
 from typing import Any
 
+from ..collectives import on_new_world
 from ..errors import CheckpointError
 
 # group (or "default") -> reshard.saving.staging._Saver
 SAVERS: dict[Any, Any] = {}
 SAVERS_LOCK = threading.Lock()
+
+
+def _forget_savers() -> None:
+    """The default process group was destroyed and made again: the savers
+    (their checkpoint groups, keyed by "default" or a group of the old world)
+    belong to the old one."""
+    with SAVERS_LOCK:
+        SAVERS.clear()
+
+
+on_new_world(_forget_savers)
 
 
 def _take_error(group: Any, wait: bool) -> tuple[BaseException, Any] | None:
