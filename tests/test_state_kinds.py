@@ -30,8 +30,8 @@ pytestmark = pytest.mark.timeout(120)
 
 @contextmanager
 def handler(cls: type | str, h: kinds.KindHandler) -> Iterator[kinds.KindHandler]:
-    """``h`` registered for ``cls`` for the body of the block only."""
-    kinds.register(cls, h)
+    """``h`` registered for ``cls`` (through the public name) for the body of the block only."""
+    reshard.register_state_kind(cls, h)
     try:
         yield h
     finally:
@@ -57,6 +57,7 @@ def test_every_builtin_handler_is_a_kind_handler_registered_in_one_table() -> No
     assert isinstance(kinds.UNKNOWN_TENSOR, kinds.KindHandler)
     assert isinstance(kinds.PLAIN_VALUE, kinds.KindHandler)
     assert isinstance(RowsHandler(), kinds.KindHandler) and isinstance(FloatHandler(), kinds.KindHandler)
+    assert reshard.register_state_kind == kinds.register and "register_state_kind" in reshard.__all__
     with pytest.raises(TypeError, match="not a KindHandler"):
         kinds.register(Int8Rows, object())  # type: ignore[arg-type]
 
@@ -141,7 +142,7 @@ def test_a_wrapper_subclass_is_refused_naming_its_key_and_type(tmp_path: Path) -
         reshard.save({"model": {"w": int8_rows(_matrix())}, "b": torch.ones(2)}, ck, step=1)
     msg = str(e.value)
     assert "model.w: cannot save a _kinds_fns.Int8Rows" in msg
-    assert "reshard.state.kinds.register('_kinds_fns.Int8Rows', handler)" in msg and "\n" not in msg
+    assert "reshard.register_state_kind('_kinds_fns.Int8Rows', handler)" in msg and "\n" not in msg
     assert "docs/extending.md" in msg and "invalid python storage" not in msg
     assert _files(tmp_path) == []  # refused before any file is written
 
@@ -184,19 +185,69 @@ def test_an_async_save_of_a_subclass_fails_with_the_same_line(tmp_path: Path) ->
     assert not (tmp_path / "ck" / "manifest.json").exists()
 
 
-def test_torchao_int8_weight_is_refused(tmp_path: Path) -> None:
-    pytest.importorskip("torchao")
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
-
+def _torchao_model(config: str) -> nn.Module:
+    """A linear layer quantized by torchao's ``config`` (skipped, with the
+    reason, where torchao is missing or cannot build that tensor on CPU)."""
+    tq = pytest.importorskip("torchao.quantization")
     m = nn.Sequential(nn.Linear(32, 16))
-    quantize_(m, Int8WeightOnlyConfig())
+    try:
+        tq.quantize_(m, getattr(tq, config)())
+    except Exception as e:  # noqa: BLE001 - the reason of the skip
+        pytest.skip(f"torchao cannot build a {config} weight here: {type(e).__name__}: {e}")
+    return m
+
+
+@pytest.mark.parametrize("config", ["Int8WeightOnlyConfig", "Float8WeightOnlyConfig"])
+def test_torchao_quantized_weights_are_refused(tmp_path: Path, config: str) -> None:
+    m = _torchao_model(config)
     name = kinds.qualified_name(type(m[0].weight))
-    assert not kinds.is_plain_tensor(m[0].weight)
+    assert name.startswith("torchao.") and not kinds.is_plain_tensor(m[0].weight)
     with pytest.raises(reshard.ShardingError) as e:
         reshard.save({"model": m}, tmp_path / "ck")
-    assert f"model.0.weight: cannot save a {name}" in str(e.value)
-    assert f"reshard.state.kinds.register({name!r}, handler)" in str(e.value)
+    msg = str(e.value)
+    assert f"model.0.weight: cannot save a {name}" in msg and "\n" not in msg
+    assert f"reshard.register_state_kind({name!r}, handler)" in msg
     assert _files(tmp_path) == []
+    # and as a load target: refused before the bias (a plain tensor) is filled
+    reshard.save({"model": nn.Sequential(nn.Linear(32, 16))}, tmp_path / "plain")
+    bias = m[0].bias.detach().clone()
+    with pytest.raises(reshard.ShardingError, match=rf"model.0.weight: cannot load into a {name}"):
+        reshard.load({"model": m}, tmp_path / "plain")
+    assert torch.equal(m[0].bias.detach(), bias)
+
+
+class _TorchaoParts:
+    """torchao's ``Int8Tensor`` as its int8 data and scales (its own memory:
+    filled in place at load), registered by qualified name in the test."""
+
+    name = "torchao Int8Tensor (qdata and scale)"
+
+    def accepts(self, x: Any) -> bool:
+        return isinstance(getattr(x, "qdata", None), torch.Tensor) and \
+            isinstance(getattr(x, "scale", None), torch.Tensor)
+
+    def save(self, x: Any, at: kinds.Where) -> kinds.Form:
+        return kinds.Tree({"qdata": x.qdata, "scale": x.scale})
+
+    load = save
+
+
+def test_a_handler_registered_by_name_saves_and_loads_torchao_int8(tmp_path: Path) -> None:
+    src, dst = _torchao_model("Int8WeightOnlyConfig"), _torchao_model("Int8WeightOnlyConfig")
+    with torch.no_grad():
+        dst[0].weight.qdata.zero_()
+        dst[0].weight.scale.zero_()
+        dst[0].bias.zero_()
+    name = kinds.qualified_name(type(src[0].weight))
+    with handler(name, _TorchaoParts()):
+        m = reshard.save({"model": src}, tmp_path / "ck").manifest
+        reshard.load({"model": dst}, tmp_path / "ck")
+    assert m is not None and m.tensors["model.0.weight.qdata"].dtype == "int8"
+    assert torch.equal(dst[0].weight.qdata, src[0].weight.qdata)
+    assert torch.equal(dst[0].weight.scale, src[0].weight.scale)
+    assert torch.equal(dst[0].bias, src[0].bias)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(dst(x), src(x))
 
 
 def test_every_rank_refuses_when_one_holds_a_subclass(pool: Any, tmp_path: Path) -> None:

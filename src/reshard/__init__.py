@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # imported on first use (below), so `import reshard` does not
     from .options import LoadOptions, SaveOptions
     from .saving.save import SaveResult, save
     from .saving.staging import SaveHandle, async_save
+    from .state.kinds import register_state_kind
     from .state.sharding import ShardedObject, ShardedTensor
 
 #: public name -> the module that defines it; imported when the name is first
@@ -70,6 +71,7 @@ _LAZY: dict[str, str] = {
     "save": ".saving.save",
     "SaveHandle": ".saving.staging",
     "async_save": ".saving.staging",
+    "register_state_kind": ".state.kinds",
     "ShardedObject": ".state.sharding",
     "ShardedTensor": ".state.sharding",
 }
@@ -141,6 +143,7 @@ __all__ = [
     "load",
     "pin",
     "read_state",
+    "register_state_kind",
     "save",
     "verify",
 ]

@@ -49,9 +49,9 @@ quantized and float8 tensors, bitsandbytes' ``Params4bit``, a lazy module's
 unless a handler registered for it converts it; so is such a tensor as the
 ``data`` of a ``ShardedTensor`` or the local tensor of a ``DTensor``.
 
-Registering a handler: ``register(cls_or_qualified_name, handler)`` in the
-module that defines the handler, once, at import (docs/extending.md walks
-one). The built-in handlers are registered at the bottom of this module, in
+Registering a handler: ``reshard.register_state_kind(cls_or_qualified_name,
+handler)`` (this module's :func:`register`) in the module that defines the
+handler, once, at import (docs/extending.md walks one). The built-in handlers are registered at the bottom of this module, in
 one table.
 """
 
@@ -165,7 +165,7 @@ def unknown_tensor(key: str, t: Any, *, loading: bool, inside: str = "") -> Shar
     elif inside:
         how = "convert it to a plain tensor first"
     else:
-        how = (f"register a handler for it (reshard.state.kinds.register({name!r}, handler); "
+        how = (f"register a handler for it (reshard.register_state_kind({name!r}, handler); "
                "docs/extending.md) or convert it to a plain tensor first")
     return ShardingError(
         f"{key}: cannot {'load into' if loading else 'save'} {what}: a tensor subclass that no handler of "
@@ -544,6 +544,8 @@ unregister = REGISTRY.unregister
 handler_for = REGISTRY.handler_for
 tried = REGISTRY.tried
 registered = REGISTRY.registered
+#: the public name of :func:`register` (``reshard.register_state_kind``)
+register_state_kind = register
 
 #: The built-in handlers, registered in this one place (most are found by
 #: the MRO: a ShardedTensor by its class before ``object``'s Stateful probe).
