@@ -9,6 +9,7 @@ functions and the toy subclass live in tests/_kinds_fns.py.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -333,3 +334,37 @@ def test_a_handler_reshards_a_subclass_on_two_ranks(pool: Any, tmp_path: Path) -
     with handler(Int8Rows, RowsHandler()):
         reshard.load({"w": whole, "step": 0}, ck)
     assert torch.equal(whole.qdata, q) and torch.equal(whole.scale, s)
+
+
+def _quantized_base_with_head() -> nn.Module:
+    """A frozen base quantized by torchao (Int8WeightOnlyConfig) under a trainable head."""
+    m = nn.Sequential(nn.Linear(32, 16), nn.Linear(16, 4))
+    base = _torchao_model("Int8WeightOnlyConfig")
+    m[0] = base[0]
+    for p in m[0].parameters():
+        p.requires_grad_(False)
+    return m
+
+
+def test_the_identity_of_a_quantized_base_goes_through_its_handler(tmp_path: Path) -> None:
+    # ModelState(trainable_only=True) digests the base: a subclass there is refused by name too
+    src = _quantized_base_with_head()
+    with pytest.raises(reshard.ShardingError, match=r"model: 0.weight: cannot save a torchao\.") as e:
+        reshard.save({"model": reshard.ModelState(src, trainable_only=True)}, tmp_path / "no")
+    assert "invalid python storage" not in str(e.value)
+    assert _files(tmp_path) == []
+    name = kinds.qualified_name(type(src[0].weight))
+    with handler(name, _TorchaoParts()):
+        m = reshard.save({"model": reshard.ModelState(src, trainable_only=True)}, tmp_path / "ck").manifest
+        assert m is not None and sorted(m.tensors) == ["model.1.bias", "model.1.weight"]
+        dst = copy.deepcopy(src)  # the same base, another head
+        dst[1] = nn.Linear(16, 4)
+        assert not torch.equal(dst[1].weight, src[1].weight)
+        reshard.load({"model": reshard.ModelState(dst, trainable_only=True)}, tmp_path / "ck")
+        assert torch.equal(dst[1].weight, src[1].weight) and torch.equal(dst[1].bias, src[1].bias)
+        # another base (other int8 weights): refused
+        other = copy.deepcopy(src)
+        with torch.no_grad():
+            other[0].weight.qdata.add_(1)
+        with pytest.raises(reshard.CheckpointError, match="base"):
+            reshard.load({"model": reshard.ModelState(other, trainable_only=True)}, tmp_path / "ck")

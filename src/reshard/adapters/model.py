@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import ShardingError
-from ..state.kinds import is_plain_tensor
+from ..state.kinds import Tree, Where, handler_for, is_plain_tensor
 from ..state.sharding import ShardedObject, ShardedTensor
 from ..state.tree import is_dtensor
 from .names import canonical_names
@@ -131,7 +132,7 @@ class ModelState:
         keep = self.trainable()
         chunks = [st for key, t in sd.items() if isinstance(t, torch.Tensor) and names[key] not in keep
                   and names[key].rsplit(".", 1)[-1] != EXTRA_STATE_SUFFIX
-                  for st in self.shards(names[key], t)]
+                  for st in self._identity_shards(names[key], t)]
         coll = timed_collectives(self.group, DEFAULT_TIMEOUT_S)
         if not any(is_dtensor(t) for t in sd.values()) and self.layout is None:
             # a plain base is replicated: the coordinator alone hashes it
@@ -156,6 +157,38 @@ class ModelState:
         why = differences(saved, self._identity)
         if why is not None:
             raise refuse("ModelState(trainable_only=True)", why)
+
+    def _identity_shards(self, fqn: str, t: torch.Tensor) -> list[ShardedTensor]:
+        """The chunks that base tensor ``t`` adds to the base's identity: as
+        :meth:`shards` describes it, or, for a tensor subclass, the plain
+        tensors that the handler registered for its type saves
+        (:mod:`reshard.state.kinds`: a ``Tree`` of a plain tensor, or of a
+        mapping of plain tensors and ``ShardedTensor`` chunks), never its raw
+        storage.
+
+        Raises:
+            ShardingError: a subclass no handler takes, or one whose handler
+                saves something else (its key and type named).
+        """
+        got = self._laid_out(fqn, t)
+        if got is not None or is_plain_tensor(t) or is_dtensor(t):
+            return got if got is not None else self._default_shards(fqn, t)
+        handler = handler_for(t)  # a subclass without a handler: the refusal, which raises
+        at = Where(key=fqn, container="", loading=False, module_adapter=type(self))
+        form = handler.save(t, at) if handler is not None else None
+        sub = form.subtree if isinstance(form, Tree) else None
+        out: list[ShardedTensor] = []
+        for k, v in (sub.items() if isinstance(sub, Mapping) else [("", sub)]):
+            if isinstance(v, ShardedTensor) and is_plain_tensor(v.data):
+                out.append(replace(v, fqn=f"{fqn}.{v.fqn}"))  # named below the leaf, as the walk names it
+            elif isinstance(v, torch.Tensor) and is_plain_tensor(v):
+                out.extend(self._default_shards(f"{fqn}.{k}" if k else fqn, v))
+            else:
+                raise ShardingError(
+                    f"{fqn}: the identity of the base (trainable_only) cannot be computed for a "
+                    f"{type(t).__qualname__}: the handler {getattr(handler, 'name', None)!r} saves it as "
+                    f"{type(sub).__name__}, not plain tensors or a mapping of them")
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         tensors: list[ShardedTensor] = []
