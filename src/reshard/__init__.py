@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # imported on first use (below), so `import reshard` does not
     from .options import LoadOptions, SaveOptions
     from .saving.save import SaveResult, save
     from .saving.staging import SaveHandle, async_save, prewarm_staging, wait_for_staging
+    from .state.kinds import register_state_kind
     from .state.sharding import ShardedObject, ShardedTensor
 
 #: public name -> the module that defines it; imported when the name is first
@@ -72,6 +73,7 @@ _LAZY: dict[str, str] = {
     "async_save": ".saving.staging",
     "prewarm_staging": ".saving.staging",
     "wait_for_staging": ".saving.staging",
+    "register_state_kind": ".state.kinds",
     "ShardedObject": ".state.sharding",
     "ShardedTensor": ".state.sharding",
 }
@@ -144,6 +146,7 @@ __all__ = [
     "pin",
     "prewarm_staging",
     "read_state",
+    "register_state_kind",
     "save",
     "verify",
     "wait_for_staging",

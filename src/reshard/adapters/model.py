@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import ShardingError
+from ..state.kinds import Tree, Where, handler_for, is_plain_tensor
 from ..state.sharding import ShardedObject, ShardedTensor
 from ..state.tree import is_dtensor
 from .names import canonical_names
@@ -34,6 +36,11 @@ class ModelState:
     ``_orig_mod.``) are left out of the fqn, as DCP's ``get_state_dict`` does,
     so a wrapped model loads into the plain one and back. Parameters and
     buffers are filled in place at load.
+
+    * A tensor subclass (a quantized or float8 weight) that ``layout`` does not
+      describe stands at its own key, saved and loaded as the handler
+      registered for its type says (:mod:`reshard.state.kinds`); without one
+      the save or load is refused, naming its key and type.
 
     * A DTensor is saved as its placements say; a plain tensor is a replica
       (identical on every rank) unless ``layout`` describes its sharding.
@@ -68,7 +75,8 @@ class ModelState:
             the default group); only with ``trainable_only``.
 
     Raises:
-        ShardingError: at save, a ``state_dict()`` entry that is not a tensor.
+        ShardingError: at save, a ``state_dict()`` entry that is not a tensor;
+            a tensor subclass no handler takes (at save and load).
         CheckpointError: at load with ``trainable_only``, a checkpoint trained
             on another base, or one that records no base identity.
     """
@@ -84,10 +92,17 @@ class ModelState:
 
     def shards(self, fqn: str, t: torch.Tensor) -> list[ShardedTensor]:
         """How ``t`` (named by its canonical ``fqn``) is described in the tree."""
-        if self.layout is not None:
-            out = self.layout(fqn, t)
-            if out is not None:
-                return [out] if isinstance(out, ShardedTensor) else list(out)
+        got = self._laid_out(fqn, t)
+        return got if got is not None else self._default_shards(fqn, t)
+
+    def _laid_out(self, fqn: str, t: torch.Tensor) -> list[ShardedTensor] | None:
+        """What ``layout`` says of ``t``; None: the default."""
+        out = self.layout(fqn, t) if self.layout is not None else None
+        if out is None:
+            return None
+        return [out] if isinstance(out, ShardedTensor) else list(out)
+
+    def _default_shards(self, fqn: str, t: torch.Tensor) -> list[ShardedTensor]:
         if is_dtensor(t):
             from .dtensor import dtensor_shards
 
@@ -117,7 +132,7 @@ class ModelState:
         keep = self.trainable()
         chunks = [st for key, t in sd.items() if isinstance(t, torch.Tensor) and names[key] not in keep
                   and names[key].rsplit(".", 1)[-1] != EXTRA_STATE_SUFFIX
-                  for st in self.shards(names[key], t)]
+                  for st in self._identity_shards(names[key], t)]
         coll = timed_collectives(self.group, DEFAULT_TIMEOUT_S)
         if not any(is_dtensor(t) for t in sd.values()) and self.layout is None:
             # a plain base is replicated: the coordinator alone hashes it
@@ -143,9 +158,42 @@ class ModelState:
         if why is not None:
             raise refuse("ModelState(trainable_only=True)", why)
 
+    def _identity_shards(self, fqn: str, t: torch.Tensor) -> list[ShardedTensor]:
+        """The chunks that base tensor ``t`` adds to the base's identity: as
+        :meth:`shards` describes it, or, for a tensor subclass, the plain
+        tensors that the handler registered for its type saves
+        (:mod:`reshard.state.kinds`: a ``Tree`` of a plain tensor, or of a
+        mapping of plain tensors and ``ShardedTensor`` chunks), never its raw
+        storage.
+
+        Raises:
+            ShardingError: a subclass no handler takes, or one whose handler
+                saves something else (its key and type named).
+        """
+        got = self._laid_out(fqn, t)
+        if got is not None or is_plain_tensor(t) or is_dtensor(t):
+            return got if got is not None else self._default_shards(fqn, t)
+        handler = handler_for(t)  # a subclass without a handler: the refusal, which raises
+        at = Where(key=fqn, container="", loading=False, module_adapter=type(self))
+        form = handler.save(t, at) if handler is not None else None
+        sub = form.subtree if isinstance(form, Tree) else None
+        out: list[ShardedTensor] = []
+        for k, v in (sub.items() if isinstance(sub, Mapping) else [("", sub)]):
+            if isinstance(v, ShardedTensor) and is_plain_tensor(v.data):
+                out.append(replace(v, fqn=f"{fqn}.{v.fqn}"))  # named below the leaf, as the walk names it
+            elif isinstance(v, torch.Tensor) and is_plain_tensor(v):
+                out.extend(self._default_shards(f"{fqn}.{k}" if k else fqn, v))
+            else:
+                raise ShardingError(
+                    f"{fqn}: the identity of the base (trainable_only) cannot be computed for a "
+                    f"{type(t).__qualname__}: the handler {getattr(handler, 'name', None)!r} saves it as "
+                    f"{type(sub).__name__}, not plain tensors or a mapping of them")
+        return out
+
     def state_dict(self) -> dict[str, Any]:
         tensors: list[ShardedTensor] = []
         extra: list[ShardedObject] = []
+        own: dict[str, torch.Tensor] = {}
         sd = self.model.state_dict()
         names = canonical_names(self.model, sd)
         keep = self.trainable() if self.trainable_only else None
@@ -158,13 +206,24 @@ class ModelState:
                 continue
             if not isinstance(t, torch.Tensor):
                 raise ShardingError(f"{fqn}: state_dict entry of type {type(t).__name__}")
-            tensors.extend(self.shards(fqn, t))
+            got = self._laid_out(fqn, t)
+            if got is None and not is_plain_tensor(t) and not is_dtensor(t):
+                # a tensor subclass (a quantized weight) stands at its own key: the handler
+                # registered for its type says what it is (reshard.state.kinds), or the walk refuses it
+                own[fqn] = t
+                continue
+            tensors.extend(got if got is not None else self._default_shards(fqn, t))
         # no entry for an empty list: it would be saved as a common value that is not a key of
         # the module's state_dict, and on a rank that holds nothing (a pipeline stage without
         # parameters) one that the other ranks do not have
         out: dict[str, Any] = {"tensors": tensors} if tensors else {}
         if extra:
             out["extra_state"] = extra
+        clash = sorted(own.keys() & {"tensors", "extra_state", BASE_KEY})
+        if clash:
+            raise ShardingError(f"{clash[0]}: a tensor subclass under a name ModelState gives its own "
+                                "entries; rename that parameter or buffer")
+        out.update(own)
         if keep is not None:  # a load's prepare hook computed it already (one collective per load)
             ident, self._identity = self._identity, None
             out[BASE_KEY] = ident if ident is not None else self.base_identity()

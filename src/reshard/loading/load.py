@@ -310,8 +310,8 @@ def _load(
             hook = getattr(obj, "reshard_before_load", None)
             if callable(hook):
                 hook(peers)
-        for _path, obj, rebuild in statefuls:
-            obj.load_state_dict(rebuild())
+        for _path, _obj, restore in statefuls:  # post-order: a leaf restored before its holder
+            restore()  # (a Stateful's load_state_dict, a handler's Tree.restore: reshard.state.kinds)
         # then a Stateful with reshard_finish_load(peers) sees every other one loaded
         # (OptimizerState(hyperparams="current") rebases the LR schedulers of its optimizer)
         for _path, obj, _ in statefuls:

@@ -1,12 +1,15 @@
 """Walking the state tree (DESIGN.md section 2: a leaf's checkpoint key is its tree path).
 
-Leaves: ``ShardedTensor`` (or a list/tuple of them: several views of one
-local buffer), ``ShardedObject``, ``torch.Tensor`` / ``numpy.ndarray`` (plain
-tensors: replicated), ``DTensor`` (sharded as its placements say), Stateful
-objects (``state_dict()``/``load_state_dict()``, whose mapping is walked the
-same way; an ``nn.Module`` is walked as :class:`~reshard.ModelState` of it) and
-plain values. A container (mapping, list, tuple) that holds none of the
-special leaves is one plain value.
+Leaves: what each object is, the walk asks the registry of kinds of state
+(:mod:`reshard.state.kinds`: one handler per kind, tried along the object's
+MRO): ``ShardedTensor`` (or a list/tuple of them: several views of one local
+buffer), ``ShardedObject``, ``torch.Tensor`` / ``numpy.ndarray`` (plain
+tensors: replicated; a tensor subclass no handler takes is refused),
+``DTensor`` (sharded as its placements say), Stateful objects
+(``state_dict()``/``load_state_dict()``, whose mapping is walked the same
+way; an ``nn.Module`` is walked as :class:`~reshard.ModelState` of it) and
+plain values. A container (mapping, list, tuple) that holds nothing a handler
+takes is one plain value.
 
 Naming (format version 2):
 
@@ -36,9 +39,7 @@ such a checkpoint's names to the new ones (see ``V1_NAMES``).
 
 from __future__ import annotations
 
-import contextvars
 import functools
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,47 +49,24 @@ import numpy as np
 import torch
 
 from ..errors import ShardingError
+from . import kinds
+from .kinds import (  # noqa: F401 - the probes live with the handlers; their old names stay importable here
+    _IDENTITY,
+    _WALKING,
+    V1_NAMES,
+    adapter_kind,
+    is_dtensor,
+    is_stateful,
+    v1_rules,
+    walking,
+)
 from .sharding import ShardedObject, ShardedTensor
-
-_WALKING: contextvars.ContextVar[bool] = contextvars.ContextVar("reshard_walking", default=False)
-
-
-def walking() -> bool:
-    """True inside a ``state_dict()`` call made by reshard's walk of a state
-    (``reshard.save`` / ``reshard.load``); False when anyone else calls it
-    (``torch.distributed.checkpoint.save``, user code). A Stateful may then
-    return a form that other tools store faithfully (plain values, no
-    ShardedObject): :class:`~reshard.DataCursor` does."""
-    return _WALKING.get()
-
-
-#: Name of an optional attribute of a Stateful: ``((v1_prefix, rel_prefix), ...)``
-#: saying how format version 1 named what its ``state_dict()`` now names
-#: relative to its position: a relative name starting with ``rel_prefix`` was
-#: ``v1_prefix + rest`` (a prefix that is neither empty nor ends with ``.`` is an
-#: exact name). Pairs are tried in order; without the attribute a relative
-#: name was the version-1 name as it is.
-V1_NAMES = "_reshard_v1_names"
-
-
-def is_stateful(x: Any) -> bool:
-    return (
-        not isinstance(x, type)
-        and callable(getattr(x, "state_dict", None))
-        and callable(getattr(x, "load_state_dict", None))
-    )
-
-
-def is_dtensor(x: Any) -> bool:
-    """True for a DTensor (without importing DTensor support when no DTensor
-    can exist yet: the import costs about half a second)."""
-    mod = sys.modules.get("torch.distributed.tensor")
-    dt = getattr(mod, "DTensor", None) if mod is not None else None
-    return dt is not None and isinstance(x, dt)
 
 
 def _is_special(x: Any) -> bool:
-    if isinstance(x, (ShardedTensor, ShardedObject, torch.Tensor, np.ndarray)) or is_stateful(x):
+    """True when ``x`` is not a plain value: a handler takes it, or it is a
+    container holding something a handler takes."""
+    if kinds.handler_for(x) is not None:
         return True
     if isinstance(x, Mapping):
         return any(_is_special(v) for v in x.values())
@@ -133,13 +111,6 @@ def _v1_rel(rules: tuple[tuple[str, str], ...], name: str) -> str | None:
     return None if rules else name
 
 
-_IDENTITY: tuple[tuple[str, str], ...] = (("", ""),)
-
-
-def v1_rules(x: Any) -> tuple[tuple[str, str], ...]:
-    return tuple(getattr(x, V1_NAMES, None) or _IDENTITY)
-
-
 @dataclass
 class Leaves:
     """The flattened state: what a save writes or a load fills. Every name is a
@@ -151,8 +122,11 @@ class Leaves:
     objects: list[ShardedObject] = field(default_factory=list)
     values: dict[str, Any] = field(default_factory=dict)
     dtensors: dict[str, Any] = field(default_factory=dict)
-    #: Stateful objects with the rebuilt state dict to hand back at load
-    statefuls: list[tuple[str, Any, Callable[[], Any]]] = field(default_factory=list)
+    #: at load, what to do once every rank's reads succeeded, in post-order (a
+    #: leaf before what holds it): ``(path, object, restore)``, where
+    #: ``restore()`` hands a Stateful its rebuilt state dict (``load_state_dict``)
+    #: or calls a handler's ``Tree.restore`` (:mod:`reshard.state.kinds`)
+    statefuls: list[tuple[str, Any, Callable[[], None]]] = field(default_factory=list)
     #: checkpoint key -> the name format version 1 gave it, where they differ
     legacy: dict[str, str] = field(default_factory=dict)
     #: what holds each subtree (tree path -> kind, see :func:`adapter_kind`),
@@ -202,16 +176,6 @@ NON_MODEL_KINDS = frozenset({"OptimizerState", "optimizer", "RNGState", "DataCur
 MAX_ADAPTER_RECORDS = 4096
 
 
-def adapter_kind(x: Any) -> str:
-    """The kind recorded for Stateful ``x``: the class name for reshard's own
-    adapters (``"ModelState"``, ``"TorchState"``, ``"OptimizerState"``...),
-    ``"Stateful:<qualified name>"`` for any other."""
-    cls = type(x)
-    if cls.__module__.startswith("reshard."):
-        return cls.__name__
-    return f"Stateful:{cls.__module__}.{cls.__qualname__}"
-
-
 def _is_tensor_leaf(v: Any) -> bool:
     if isinstance(v, ShardedTensor):
         return len(v.global_shape) > 0
@@ -235,17 +199,22 @@ def flatten(
 ) -> Leaves:
     """Flatten ``state`` into leaves named by checkpoint key.
 
+    Each object below the root is what the handler that takes it says
+    (:mod:`reshard.state.kinds`: ``save`` at a save, ``load`` at a load).
     With ``loaded_values`` (key -> value) and ``loaded_objects`` ((key,
     global_offset) -> value), at load, each Stateful gets a closure that
     rebuilds its state dict with the loaded plain values and objects in place
-    of its own (tensors are filled in place), ready for ``load_state_dict``.
+    of its own (tensors are filled in place) and calls its
+    ``load_state_dict`` (a handler's ``Tree.restore`` likewise).
     ``module_adapter`` presents an ``nn.Module`` leaf as a Stateful
     (:class:`reshard.ModelState`; passed in, so the walk knows no adapter).
 
     Raises:
         ShardingError: a key that is not a str or int, or is empty; two leaves
             that map to one checkpoint key (both tree paths named); a root that
-            is not a mapping; an object array.
+            is not a mapping; an object array; a tensor subclass that no
+            handler takes, as a leaf, a ShardedTensor's data or a DTensor's
+            local tensor (its key and type named).
     """
     if loaded_objects is None:
         loaded_objects = {}
@@ -297,8 +266,8 @@ def flatten(
         if isinstance(x, ShardedObject):
             key = (join(cpath, x.key), x.global_offset)
             return _with(x, "value", loaded_objects[key]) if key in loaded_objects else x
-        if not root and path in loaded_values:
-            return loaded_values[path]
+        if not root and path in loaded_values and kinds.handler_for(x) is None:
+            return loaded_values[path]  # (a leaf a handler lowered to a value stays itself: restored)
         if isinstance(x, Mapping) and (root or _is_special(x)):
             d = {k: rebuild(v, join(path, k), path) for k, v in x.items()}
             return d if type(x) is dict else type(x)(d)  # type: ignore[call-arg]
@@ -320,50 +289,57 @@ def flatten(
 
     def walk(x: Any, path: str, cpath: str, tree: tuple[str, ...],
              rules: tuple[tuple[str, str], ...]) -> None:
-        if isinstance(x, (ShardedTensor, ShardedObject)):
-            sharded(x, cpath, tree, rules)
-            return
-        if isinstance(x, torch.nn.Module):
-            x = module_adapter(x)
-        if isinstance(x, (list, tuple)) and x and _all_sharded(x):
-            for i, v in enumerate(x):
-                sharded(v, cpath, (*tree, f"[{i}]"), rules)
-            return
-        if is_stateful(x) and not isinstance(x, Mapping):
-            token = _WALKING.set(True)
-            try:
-                sd = x.state_dict()
-            except ShardingError as e:
-                raise ShardingError(f"{path}: {e}") from None
-            finally:
-                _WALKING.reset(token)
-            if not isinstance(sd, Mapping):
-                raise ShardingError(f"{path}: state_dict() returned {type(sd).__name__}, not a mapping")
-            if not loading:
-                record(path, adapter_kind(x))
-            walk_container(sd, path, (*tree, f"<{type(x).__name__}>.state_dict()"), v1_rules(x))
-            out.statefuls.append((path, x, functools.partial(rebuild, sd, path, cpath, True)))
-            return
-        if isinstance(x, Mapping) and _is_special(x):
-            walk_container(x, path, tree, rules)
-            return
-        if isinstance(x, (list, tuple)) and _is_special(x):
-            for i, v in enumerate(x):
-                walk(v, join(path, i), path, (*tree, f"[{i}]"), rules)
-            return
+        handler = kinds.handler_for(x)
+        if handler is None:
+            if isinstance(x, Mapping) and _is_special(x):
+                walk_container(x, path, tree, rules)
+                return
+            if isinstance(x, (list, tuple)) and _is_special(x):
+                for i, v in enumerate(x):
+                    walk(v, join(path, i), path, (*tree, f"[{i}]"), rules)
+                return
+            handler = kinds.PLAIN_VALUE
         if not path:
             raise ShardingError("the root of the state must be a mapping")
-        claim(path, tree, None if isinstance(x, (torch.Tensor, np.ndarray)) else _VALUE)
-        if is_dtensor(x):
-            out.dtensors[path] = x
-        elif isinstance(x, torch.Tensor):
-            out.plain[path] = x
-        elif isinstance(x, np.ndarray):
-            if x.dtype.hasobject:
-                raise ShardingError(f"{path}: NumPy object arrays cannot be saved")
-            out.plain[path] = torch.from_numpy(x) if x.flags.writeable else torch.from_numpy(x.copy())
+        at = kinds.Where(key=path, container=cpath, loading=loading, module_adapter=module_adapter)
+        form = handler.load(x, at) if loading else handler.save(x, at)
+        place(x, form, handler, path, cpath, tree, rules)
+
+    def place(x: Any, form: Any, handler: Any, path: str, cpath: str, tree: tuple[str, ...],
+              rules: tuple[tuple[str, str], ...]) -> None:
+        """Put what ``handler`` made of leaf ``x`` (a form of :mod:`.kinds`) into ``out``."""
+        if isinstance(form, kinds.Sharded):
+            for i, v in enumerate(form.items):
+                if isinstance(v, ShardedTensor) and not kinds.is_plain_tensor(v.data):
+                    raise kinds.unknown_tensor(join(cpath, v.fqn), v.data, loading=loading,
+                                               inside="the data of a ShardedTensor")
+                sharded(v, cpath, tree if v is x else (*tree, f"[{i}]"), rules)
+        elif isinstance(form, kinds.Replica):
+            claim(path, tree, None)
+            out.plain[path] = form.tensor
+        elif isinstance(form, kinds.Distributed):
+            claim(path, tree, None)
+            out.dtensors[path] = form.dtensor
+        elif isinstance(form, kinds.Value):
+            claim(path, tree, _VALUE)
+            out.values[path] = form.value
+        elif isinstance(form, kinds.Tree) and form.subtree is not x:
+            sub, whole = form.subtree, isinstance(form.subtree, Mapping)
+            inner = (*tree, form.label) if form.label else tree
+            sub_rules = rules if form.v1_names is None else form.v1_names
+            if whole:
+                if not loading and form.record is not None:
+                    record(path, form.record)
+                walk_container(sub, path, inner, sub_rules)
+            else:
+                walk(sub, path, cpath, inner, sub_rules)
+            if loading and form.restore is not None:
+                out.statefuls.append((path, x, functools.partial(
+                    _restore, form.restore, functools.partial(rebuild, sub, path, cpath, whole))))
         else:
-            out.values[path] = x
+            raise ShardingError(f"{path}: the handler {handler.name!r} made {type(form).__name__} of a "
+                                f"{type(x).__name__}, not a form of reshard.state.kinds (Replica, Sharded, "
+                                "Distributed, Value, or a Tree of something else)")
 
     def walk_container(m: Mapping[Any, Any], path: str, tree: tuple[str, ...],
                        rules: tuple[tuple[str, str], ...]) -> None:
@@ -381,8 +357,12 @@ def flatten(
         # walk and walk_container refer to each other: break that cycle, which
         # would otherwise keep `out` (and every tensor of the state) alive
         # after the caller drops it, until the cyclic garbage collector runs
-        walk = walk_container = None  # type: ignore[assignment]
+        walk = walk_container = place = None  # type: ignore[assignment]
     return out
+
+
+def _restore(restore: Callable[[Any], None], rebuilt: Callable[[], Any]) -> None:
+    restore(rebuilt())
 
 
 def positions(state: Any) -> Iterator[tuple[str, Any]]:
