@@ -48,6 +48,7 @@ from .collectives_base import (
     drive,
 )
 from .errors import CheckpointError, rank_ranges
+from .timeouts import DefaultSeconds
 
 __all__ = ["MAX_SHIPPED_FAILURES", "MAX_SHIPPED_TRACEBACK", "OPS", "Collectives", "Counting",
            "Request", "SingleProcess", "TorchCollectives", "agree_steps", "drive",
@@ -720,8 +721,6 @@ def checkpoint_timeout_s(group: Any, timeout_s: float | None) -> float | None:
     """The timeout (seconds) of the checkpoint group for ``timeout_s``: the
     value as given, except the default (:data:`reshard.options.DEFAULT_TIMEOUT_S`,
     600 s), which is capped at ``group``'s own timeout when that is shorter."""
-    from .options import DefaultSeconds
-
     if not isinstance(timeout_s, DefaultSeconds):
         return timeout_s
     own = group_timeout_s(group)
