@@ -1,4 +1,5 @@
-"""The floors of docs/architecture.md are the ones the imports measure.
+"""The floors of docs/architecture.md are the ones the imports measure, and
+no modules import each other in a circle.
 
 Every module under src/reshard belongs to one entry of the floors table; an
 entry (a package or a module) stands one floor above the highest entry it
@@ -104,3 +105,29 @@ def test_floors_table_is_what_the_imports_measure() -> None:
             because = f" ({why[(e, top)]}, on floor {floor(top)})" if top else ""
             wrong.append(f"{e}: the table says floor {want}, the imports measure {got}{because}")
     assert not wrong, "docs/architecture.md's floors table:\n" + "\n".join(wrong)
+
+
+def test_no_module_imports_itself_back() -> None:
+    """No circle of imports between modules, inside a package too (every
+    import statement counts, as above): a circle works in one import order
+    only, and hides which module is the lower one."""
+    files = sorted(PKG.rglob("*.py"))
+    known = {_module(f) for f in files}
+    # a package's __init__ is where its modules are found, not a module they depend on
+    graph = {_module(f): {m for m in _imports(f, known) if m != _module(f) and not _module(f).startswith(m + ".")}
+             for f in files}
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for o in sorted(graph[m]):
+            if state.get(o) == 1:
+                circle = path[path.index(o):] + [m, o] if o in path else [m, o]
+                raise AssertionError("modules that import each other in a circle: " + " -> ".join(circle))
+            if o not in state:
+                visit(o, [*path, m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
