@@ -80,7 +80,7 @@ def test_inspect_table_and_json(root: Path) -> None:
     r = _run("inspect", ck)
     assert r.exit_code == 0, r.output
     out = r.stdout
-    for s in ("format reshard v2", "step 2", "schema_version v2", "world_size 1", '"dp": 1',
+    for s in ("format reshard v3", "step 2", "schema_version v2", "world_size 1", '"dp": 1',
               "model.w", "float32", "[6,8]", "model.bias", "bfloat16", "rng", "[1]",
               "values (2): lr, step", "model.tied -> model.w"):
         assert s in out, (s, out)

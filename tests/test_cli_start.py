@@ -81,7 +81,7 @@ def test_inspect_and_convert_say_what_is_on_disk(root: Path, tmp_path: Path) -> 
     conv = tmp_path / "root" / "step-6"
     run("convert", "--from", "dcp", root / "dcp-6", conv)
     head = run("inspect", conv).splitlines()[1:4]
-    assert "format reshard v2  step 6" in head[0], head
+    assert "format reshard v3  step 6" in head[0], head
     assert "committed" in head[1] and "1 file," in head[1] and "checksums xxh3_64" in head[1], head
     assert head[2] == "  converted from a PyTorch DCP checkpoint (reshard convert --from dcp)", head
     rows = run("ls", tmp_path / "root").splitlines()

@@ -17,6 +17,7 @@ from reshard.ondisk.manifest import (
     TensorEntry,
     decode_manifest,
     encode_manifest,
+    encode_sealed,
 )
 
 FILE = "data-r00000-0.safetensors"
@@ -61,7 +62,7 @@ def dec(d: Any) -> Manifest:
 
 def test_valid_manifest_decodes() -> None:
     m = dec(base())
-    assert m.format_version == 1 and FORMAT_VERSION == 2  # a version-1 manifest still decodes
+    assert m.format_version == 1 and FORMAT_VERSION == 3  # a version-1 manifest still decodes
     assert m.step == 7 and m.world_size == 2
     te = m.tensors["w"]
     assert te.dtype == "float32" and te.global_shape == (2, 3)
@@ -269,7 +270,7 @@ def test_100k_chunks_decode_and_validate() -> None:
     m = Manifest(attempt_id="x", created_at=0.0, world_size=8, checksum_block_bytes=1 << 20,
                  tensors={"emb": TensorEntry(dtype="bfloat16", global_shape=(1000, 100), chunks=chunks)},
                  files=files)
-    raw = encode_manifest(m)
+    raw = encode_sealed(m)
     out = decode_manifest(raw)
     assert out == m
     got = out.tensors["emb"].chunks
@@ -284,7 +285,7 @@ def test_100k_chunks_decode_and_validate() -> None:
                   tensors={"emb": TensorEntry(dtype="bfloat16", global_shape=(1000, 100), chunks=tuple(bad))},
                   files=files)
     with pytest.raises(IntegrityError, match=r"chunk at \[999, 99\]"):
-        decode_manifest(encode_manifest(m2))
+        decode_manifest(encode_sealed(m2))
 
 
 @pytest.mark.parametrize("ws", [0, -1, 2**40])

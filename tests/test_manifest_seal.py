@@ -1,20 +1,49 @@
-"""The manifest's own checksum (``extra["manifest_xxh3_64"]``): every byte of
-a written manifest is covered, so a changed number (a learning rate, a file
-size) is refused, not loaded; unsealed manifests of earlier versions load."""
+"""The manifest's own checksum (its seal): every byte of a written manifest
+is covered, so a changed number (a learning rate, a file size) is refused,
+not loaded. Format version 3 writes it at the head of the bytes
+(``{"manifest_xxh3_64":"<xxh3_64 of every byte after the head>",...``);
+manifests of version 2 (sealed in ``extra["manifest_xxh3_64"]``, the value
+read as 16 zeros) and unsealed ones of versions 1 and 2 still load, checked
+by their own rule (``tests/data/v2_checkpoint`` was written by version 2)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reshard
-from reshard.errors import IntegrityError
-from reshard.ondisk.manifest import SEAL_KEY, decode_manifest, encode_manifest, encode_sealed
+from reshard.errors import IntegrityError, ManifestError
+from reshard.ondisk.manifest import (
+    SEAL_FEATURE,
+    SEAL_HEAD,
+    SEAL_KEY,
+    decode_manifest,
+    encode_manifest,
+    encode_sealed,
+    reseal,
+)
+from reshard.ondisk.seal import SEALED_FROM
+
+V2 = Path(__file__).parent / "data" / "v2_checkpoint"
+V2_KEY = b"v2-fixture-key"  # the HMAC key it was signed with
+
+
+def _v2_doc(doc: dict) -> dict:
+    """A version-3 manifest document as version 2 would have written it: no
+    head, the seal a key of its extra (16 zeros, to be sealed)."""
+    doc = {k: v for k, v in doc.items() if k != SEAL_KEY}
+    doc["format_version"] = 2
+    doc["extra"] = {**doc["extra"], SEAL_KEY: "0" * 16}
+    doc["required_features"] = [*doc["required_features"], SEAL_FEATURE]
+    return doc
 
 
 def _state() -> dict:
@@ -31,7 +60,10 @@ def test_a_changed_value_in_the_manifest_is_refused_everywhere(tmp_path: Path) -
     reshard.save(_state(), root / "step-00000002", step=2)
     mf = root / "step-00000002" / "manifest.json"
     raw = mf.read_bytes()
-    assert json.loads(raw)["extra"][SEAL_KEY] != "0" * 16
+    assert raw.startswith(SEAL_HEAD) and json.loads(raw)["format_version"] == 3
+    assert raw[SEALED_FROM - 2:SEALED_FROM] == b'",' and SEALED_FROM == 39
+    assert xxhash.xxh3_64_hexdigest(raw[39:]) == json.loads(raw)[SEAL_KEY]  # the rule, from outside
+    assert SEAL_KEY not in json.loads(raw)["extra"]
     tgt = _target()
     res = reshard.load(tgt, root / "step-00000002")
     assert res.values["sched"]["lr"] == 0.001 and torch.equal(tgt["w"], _state()["w"])
@@ -52,8 +84,7 @@ def test_sealed_and_signed(tmp_path: Path) -> None:
     p = tmp_path / "ck"
     reshard.save(_state(), p, step=1, options=reshard.SaveOptions(hmac_key=key))
     raw = (p / "manifest.json").read_bytes()
-    extra = json.loads(raw)["extra"]
-    assert SEAL_KEY in extra and "hmac_sha256" in extra
+    assert raw.startswith(SEAL_HEAD) and "hmac_sha256" in json.loads(raw)["extra"]
     res = reshard.load(_target(), p, options=reshard.LoadOptions(hmac_key=key))
     assert res.values["sched"]["lr"] == 0.001
     (p / "manifest.json").write_bytes(raw.replace(b"0.001", b"0.002"))
@@ -64,39 +95,59 @@ def test_sealed_and_signed(tmp_path: Path) -> None:
         reshard.load(_target(), p, options=reshard.LoadOptions(hmac_key=b"x" * 32))
 
 
-def test_unsealed_manifests_still_load(tmp_path: Path) -> None:
-    """A manifest written before the seal existed (no key) loads as before."""
+def test_unsealed_manifests_of_earlier_versions_still_load(tmp_path: Path) -> None:
+    """A manifest of version 2 or 1 written before the seal existed (no key,
+    no feature) loads as before; one of version 3 without its head is
+    refused (the version says it is sealed)."""
     p = tmp_path / "ck"
     reshard.save(_state(), p, step=1)
     m = decode_manifest((p / "manifest.json").read_bytes())
-    unsealed = encode_manifest(__import__("msgspec").structs.replace(
-        m, extra={k: v for k, v in m.extra.items() if k != SEAL_KEY}))
-    (p / "manifest.json").write_bytes(unsealed)
+    (p / "manifest.json").write_bytes(encode_manifest(msgspec.structs.replace(m, format_version=2)))
     tgt = _target()
     reshard.load(tgt, p)
     assert torch.equal(tgt["w"], _state()["w"])
+    (p / "manifest.json").write_bytes(encode_manifest(m))
+    with pytest.raises(IntegrityError, match=r"ck/manifest.json: manifest checksum mismatch.*no seal: a "
+                                             r"version-3 manifest begins with \{\"manifest_xxh3_64\""):
+        reshard.load(_target(), p)
 
 
 def test_seal_is_over_bytes_so_unknown_fields_of_a_newer_writer_pass(tmp_path: Path) -> None:
     """A newer writer's manifest with a field this version does not know,
     sealed by the same rule over its own bytes: this reader decodes it (the
     field is dropped) and the seal still matches, because it is checked over
-    the bytes read, never over a re-encoding."""
+    the bytes read, never over a re-encoding. The version-3 head is written
+    here by hand, as the rule in docs/on-disk-format.md says."""
     p = tmp_path / "ck"
     reshard.save(_state(), p, step=1)
     doc = json.loads((p / "manifest.json").read_bytes())
+    del doc[SEAL_KEY]
     doc["a_field_from_a_newer_version"] = {"x": [1, 2.5]}
-    doc["extra"][SEAL_KEY] = "0" * 16
-    raw = json.dumps(doc, separators=(",", ":")).encode()
-    import xxhash
-
-    zero = f'"{SEAL_KEY}":"{"0" * 16}"'.encode()
-    sealed = raw.replace(zero, f'"{SEAL_KEY}":"{xxhash.xxh3_64_hexdigest(raw)}"'.encode())
+    body = json.dumps(doc, indent=1).encode()[1:]  # after the object's "{", any JSON whitespace
+    sealed = b'{"manifest_xxh3_64":"' + xxhash.xxh3_64_hexdigest(body).encode() + b'",' + body
     m = decode_manifest(sealed)
     assert m.step == 1
     with pytest.raises(IntegrityError, match="manifest checksum mismatch"):
         decode_manifest(sealed.replace(b"2.5", b"3.5"))  # a field it does not know: still covered
-    assert decode_manifest(encode_sealed(m)).step == 1
+    assert decode_manifest(encode_sealed(m)) == m
+
+
+def test_version_2_seal_is_over_bytes_so_unknown_fields_pass(tmp_path: Path) -> None:
+    """The same under version 2's rule (the value in extra read as 16 zeros)."""
+    p = tmp_path / "ck"
+    reshard.save(_state(), p, step=1)
+    doc = _v2_doc(json.loads((p / "manifest.json").read_bytes()))
+    doc["a_field_from_a_newer_version"] = {"x": [1, 2.5]}
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    zero = f'"{SEAL_KEY}":"{"0" * 16}"'.encode()
+    sealed = raw.replace(zero, f'"{SEAL_KEY}":"{xxhash.xxh3_64_hexdigest(raw)}"'.encode())
+    m = decode_manifest(sealed)
+    assert m.step == 1 and m.format_version == 2 and SEAL_KEY not in m.extra
+    with pytest.raises(IntegrityError, match="manifest checksum mismatch"):
+        decode_manifest(sealed.replace(b"2.5", b"3.5"))
+    again = encode_sealed(m)  # a version-2 manifest (a copy of one) is sealed by its own rule
+    assert not again.startswith(SEAL_HEAD) and json.loads(again)["extra"][SEAL_KEY] != "0" * 16
+    assert decode_manifest(again) == m
 
 
 _SEALED: dict[str, bytes] = {}
@@ -112,10 +163,14 @@ def _sealed_bytes() -> bytes:
     return _SEALED["raw"]
 
 
+@pytest.mark.parametrize("version", [3, 2])
 @settings(max_examples=300, deadline=None)
-@given(st.data())
-def test_any_single_byte_change_is_refused_or_fails_to_decode(data: st.DataObject) -> None:
-    raw = _sealed_bytes()
+@given(data=st.data())
+def test_any_single_byte_change_is_refused_or_fails_to_decode(version: int, data: st.DataObject) -> None:
+    """Version 3 (a save's manifest) and version 2 (tests/data/v2_checkpoint):
+    a byte flipped anywhere, the seal's head included, never decodes."""
+    raw = _sealed_bytes() if version == 3 else (V2 / "manifest.json").read_bytes()
+    assert decode_manifest(raw).format_version == version
     i = data.draw(st.integers(0, len(raw) - 1))
     b = data.draw(st.integers(0, 255).filter(lambda v: v != raw[i]))
     bad = raw[:i] + bytes([b]) + raw[i + 1:]
@@ -126,19 +181,37 @@ def test_any_single_byte_change_is_refused_or_fails_to_decode(data: st.DataObjec
 @pytest.mark.parametrize("dumps", [{}, {"indent": 2}, {"ensure_ascii": False, "indent": "\t"}],
                          ids=["spaces", "indent", "tab-indent-utf8"])
 def test_a_manifest_sealed_by_another_json_writer_loads(tmp_path: Path, dumps: dict) -> None:
-    """A writer that follows the rule of the README (xxh3_64 of the bytes as
-    written, the value read as 16 zeros) with other JSON whitespace than
-    ours (json.dumps' ", " and ": ", an indent): it loads, and a changed
-    value in it is still refused. The reader looked for the compact
-    ``"key":"value"`` only and refused every such manifest as bit rot."""
-    import re
-
-    import xxhash
-
+    """A writer that follows the rule of docs/on-disk-format.md with other
+    JSON whitespace than ours (json.dumps' ", " and ": ", an indent): the
+    head as written there, then its own JSON. It loads, and a changed value
+    in it is still refused."""
     p = tmp_path / "ck"
     reshard.save({**_state(), "name": "h\u00e9llo \u65e5\u672c"}, p, step=1)
     doc = json.loads((p / "manifest.json").read_bytes())
-    doc["extra"][SEAL_KEY] = "0" * 16
+    del doc[SEAL_KEY]
+    body = json.dumps(doc, **dumps).encode()[1:]
+    raw = b'{"manifest_xxh3_64":"' + xxhash.xxh3_64_hexdigest(body).encode() + b'",' + body
+    (p / "manifest.json").write_bytes(raw)
+    tgt = {**_target(), "name": None}
+    res = reshard.load(tgt, p)
+    assert res.values["sched"]["lr"] == 0.001 and res.values["name"] == "h\u00e9llo \u65e5\u672c"
+    assert torch.equal(tgt["w"], _state()["w"])
+    (p / "manifest.json").write_bytes(raw.replace(b"0.001", b"0.002"))
+    with pytest.raises(IntegrityError, match=r"ck/manifest.json: manifest checksum mismatch"):
+        reshard.load({**_target(), "name": None}, p)
+
+
+@pytest.mark.parametrize("dumps", [{}, {"indent": 2}, {"ensure_ascii": False, "indent": "\t"}],
+                         ids=["spaces", "indent", "tab-indent-utf8"])
+def test_a_version_2_manifest_sealed_by_another_json_writer_loads(tmp_path: Path, dumps: dict) -> None:
+    """Version 2's rule (xxh3_64 of the bytes as written, the value read as
+    16 zeros) with other JSON whitespace than ours: it loads, and a changed
+    value in it is still refused."""
+    import re
+
+    p = tmp_path / "ck"
+    reshard.save({**_state(), "name": "h\u00e9llo \u65e5\u672c"}, p, step=1)
+    doc = _v2_doc(json.loads((p / "manifest.json").read_bytes()))
     zeroed = json.dumps(doc, **dumps).encode()
     assert re.search(rb'"manifest_xxh3_64": "0{16}"', zeroed)  # not our compact token
     raw = zeroed.replace(b'"0000000000000000"', f'"{xxhash.xxh3_64_hexdigest(zeroed)}"'.encode())
@@ -146,7 +219,6 @@ def test_a_manifest_sealed_by_another_json_writer_loads(tmp_path: Path, dumps: d
     tgt = {**_target(), "name": None}
     res = reshard.load(tgt, p)
     assert res.values["sched"]["lr"] == 0.001 and res.values["name"] == "h\u00e9llo \u65e5\u672c"
-    assert torch.equal(tgt["w"], _state()["w"])
     (p / "manifest.json").write_bytes(raw.replace(b"0.001", b"0.002"))
     with pytest.raises(IntegrityError, match=r"ck/manifest.json: manifest checksum mismatch"):
         reshard.load({**_target(), "name": None}, p)
@@ -191,20 +263,78 @@ def test_restore_of_a_step_whose_manifest_is_damaged_is_not_not_found(tmp_path: 
     assert reshard.CheckpointManager(root, preempt_signals=()).restore(tgt).step == 1
 
 
-def test_a_user_value_holding_the_placeholder_text_is_still_sealed(tmp_path: Path) -> None:
-    """User metadata holding the exact text of the seal's key and 16 zeros
-    (e.g. a copy of a manifest document's extra): the manifest is still
-    sealed (it was written unsealed, so any change to it loaded silently),
-    loads with the user's value intact, and a changed value is refused."""
-    nested = {"copied": {SEAL_KEY: "0" * 16}}
+def test_a_user_value_holding_the_seal_text_is_still_sealed(tmp_path: Path) -> None:
+    """User metadata holding the exact text of a seal (a copy of a manifest
+    document: the head of version 3, the key and 16 zeros of version 2): the
+    manifest is sealed, loads with the user's value intact, and a changed
+    value is refused; so is a version-2 manifest of it (the placeholder's
+    text occurs twice there: the seal is the last occurrence)."""
+    nested = {"copied": {SEAL_KEY: "0" * 16}, "head": SEAL_HEAD.decode()}
     p = tmp_path / "ck"
     reshard.save(_state(), p, step=1, options=reshard.SaveOptions(extra=nested))
     raw = (p / "manifest.json").read_bytes()
-    doc = json.loads(raw)
-    assert "manifest-seal" in doc["required_features"] and doc["extra"][SEAL_KEY] != "0" * 16
-    assert raw.count(b'"manifest_xxh3_64":"0000000000000000"') == 1  # the user's
     res = reshard.load(_target(), p)
     assert res.values["sched"]["lr"] == 0.001 and reshard.inspect(p).extra == nested
     (p / "manifest.json").write_bytes(raw.replace(b"0.001", b"0.002"))
     with pytest.raises(IntegrityError, match="manifest checksum mismatch"):
         reshard.load(_target(), p)
+    v2 = encode_sealed(msgspec.structs.replace(decode_manifest(raw), format_version=2))
+    doc = json.loads(v2)
+    assert "manifest-seal" in doc["required_features"] and doc["extra"][SEAL_KEY] != "0" * 16
+    assert v2.count(b'"manifest_xxh3_64":"0000000000000000"') == 1  # the user's
+    assert decode_manifest(v2).extra == nested
+    with pytest.raises(IntegrityError, match="manifest checksum mismatch"):
+        decode_manifest(v2.replace(b"0.001", b"0.002"))
+
+
+def test_a_version_2_checkpoint_loads_and_verifies(tmp_path: Path) -> None:
+    """tests/data/v2_checkpoint, written and signed by format version 2 (its
+    seal in extra): it loads (with its HMAC key too; another key is
+    refused), verify passes, a changed value is refused, and a copy keeps
+    its version and seal rule."""
+    ck = tmp_path / "v2"
+    shutil.copytree(V2, ck)
+    raw = (ck / "manifest.json").read_bytes()
+    doc = json.loads(raw)
+    assert doc["format_version"] == 2 and SEAL_KEY in doc["extra"] and not raw.startswith(SEAL_HEAD)
+    for opts in (None, reshard.LoadOptions(hmac_key=V2_KEY)):
+        tgt = _target()
+        res = reshard.load(tgt, ck, options=opts)
+        assert torch.equal(tgt["w"], _state()["w"]) and res.values["sched"] == {"lr": 0.001, "last_epoch": 7}
+    with pytest.raises(IntegrityError, match="HMAC"):
+        reshard.load(_target(), ck, options=reshard.LoadOptions(hmac_key=b"another"))
+    assert reshard.verify(ck).ok
+    assert reshard.inspect(ck).step == 2 and SEAL_KEY not in reshard.inspect(ck).extra
+    from reshard.catalog.copy import copy_checkpoint
+
+    copy_checkpoint(str(ck), str(tmp_path / "copy"), hmac_key=V2_KEY)
+    copied = (tmp_path / "copy" / "manifest.json").read_bytes()
+    assert json.loads(copied)["format_version"] == 2 and not copied.startswith(SEAL_HEAD)
+    tgt = _target()
+    reshard.load(tgt, tmp_path / "copy", options=reshard.LoadOptions(hmac_key=V2_KEY))
+    assert torch.equal(tgt["w"], _state()["w"])
+    (ck / "manifest.json").write_bytes(raw.replace(b"0.001", b"0.002"))
+    with pytest.raises(IntegrityError, match=r"v2/manifest.json: manifest checksum mismatch.*extra"):
+        reshard.load(_target(), ck)
+
+
+def test_reseal_keeps_each_version_s_rule(tmp_path: Path) -> None:
+    """``reseal`` of an edited document (as tools and the fault matrix write
+    one): a version-3 document, dumped with any whitespace, gets the
+    canonical head; a version-2 one its extra's seal; a document with no
+    seal, or two in version 2's place, is a ValueError."""
+    p = tmp_path / "ck"
+    reshard.save(_state(), p, step=1)
+    doc = json.loads((p / "manifest.json").read_bytes())
+    doc["step"] = 9
+    raw = reseal(json.dumps(doc).encode())
+    assert raw.startswith(SEAL_HEAD) and decode_manifest(raw).step == 9
+    assert raw[SEALED_FROM:] == json.dumps(doc).encode().split(b",", 1)[1]  # the rest as it was dumped
+    v2 = _v2_doc(doc)
+    raw2 = reseal(json.dumps(v2).encode())
+    assert decode_manifest(raw2).step == 9 and decode_manifest(raw2).format_version == 2
+    del doc[SEAL_KEY]
+    with pytest.raises(ValueError, match="must be the first key of a version-3 manifest document"):
+        reseal(json.dumps(doc).encode())
+    with pytest.raises(ManifestError, match="begins with the seal of format version 3"):
+        decode_manifest(reseal(json.dumps({SEAL_KEY: "", **doc, "format_version": 2}).encode()))

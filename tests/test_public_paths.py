@@ -172,23 +172,24 @@ def test_each_module_imports_first() -> None:
 def test_module_paths_before_the_package_layout_still_import() -> None:
     """Every module path of the flat layout (reshard.tiers, reshard.manifest,
     reshard.testing.faults, ...) imports as the module at its new path (the
-    same object) with one FutureWarning naming the new path; the public
-    functions reshard.save/load/verify stay functions; `from reshard.manager
-    import CheckpointManager` works."""
+    same object) with one FutureWarning naming the new path and the release
+    that removes the old one; the public functions reshard.save/load/verify
+    stay functions; `from reshard.manager import CheckpointManager` works."""
     import subprocess
     import sys
 
     code = r'''
 import importlib, sys, warnings
 import reshard
-from reshard._moved import MOVED
+from reshard._moved import MOVED, REMOVED_IN
 for old, new in sorted(MOVED.items()):
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         mod = importlib.import_module(old)
     assert mod is importlib.import_module(new), (old, new)
-    assert [str(x.message).split(":")[0] for x in w if x.category is FutureWarning] == \
-        [f"{old} has moved to {new}"], (old, [str(x.message) for x in w])
+    assert [str(x.message) for x in w if x.category is FutureWarning] == \
+        [f"{old} has moved to {new}: import it from there; the old path is an alias that will be "
+         f"removed in reshard {REMOVED_IN}"], (old, [str(x.message) for x in w])
 assert callable(reshard.save) and callable(reshard.load) and callable(reshard.verify)
 from reshard.manager import CheckpointManager
 assert CheckpointManager is reshard.CheckpointManager
@@ -197,3 +198,44 @@ print(len(MOVED))
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     assert int(p.stdout.strip()) >= 30
+
+
+def test_the_dcp_re_exports_warn_with_their_removal_version() -> None:
+    """``reshard.formats.dcp`` (and ``dcp_metadata``, ``dcp_values``,
+    ``dcp_blob``), the re-exports of the DCP reader in ``reshard.ondisk``, still
+    import, as the module in ``reshard.ondisk``, with a FutureWarning naming
+    that module and the release that removes the alias (0.2, the minor
+    version after pyproject.toml's); the names stay in ``reshard.formats``
+    without a warning."""
+    code = r'''
+import warnings
+warnings.simplefilter("error")
+import reshard.formats
+from reshard.formats import DCPStorage, open_dcp, read_dcp_metadata
+import reshard.ondisk.dcp, reshard.ondisk.dcp_metadata
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    from reshard.formats.dcp import open_dcp as old_open, DCPStorage as old_storage
+    from reshard.formats.dcp_metadata import MAX_METADATA_BYTES, read_dcp_metadata as old_read
+assert old_open is open_dcp and old_storage is DCPStorage and old_read is read_dcp_metadata
+assert MAX_METADATA_BYTES == reshard.ondisk.dcp_metadata.MAX_METADATA_BYTES
+for x in w:
+    print(x.category.__name__, x.message)
+'''
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.splitlines() == [
+        "FutureWarning reshard.formats.dcp has moved to reshard.ondisk.dcp: import it from there; "
+        "the old path is an alias that will be removed in reshard 0.2",
+        "FutureWarning reshard.formats.dcp_metadata has moved to reshard.ondisk.dcp_metadata: import it "
+        "from there; the old path is an alias that will be removed in reshard 0.2",
+    ], p.stdout + p.stderr
+
+    from reshard._moved import REMOVED_IN
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    release = tuple(int(x) for x in version.split(".")[:2])
+    assert release < tuple(int(x) for x in REMOVED_IN.split(".")), (
+        f"pyproject.toml's version {version} has reached {REMOVED_IN}, the release that removes the "
+        "aliases of reshard/_moved.py: remove them (and docs/architecture.md's paragraph on them)")

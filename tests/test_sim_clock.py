@@ -69,12 +69,12 @@ def test_slow_simulated_write_never_makes_a_rank_time_negative(monkeypatch) -> N
 
 def test_bench_scale_measures_the_sealed_manifest(monkeypatch) -> None:
     """The simulated save encodes the manifest as a real publish does (sealed:
-    the seal's two hashes are in ``manifest_encode_s``, its check in
+    the seal's hash is in ``manifest_encode_s``, its check in
     ``manifest_parse_s``); it encoded it unsealed, so the bench timed a
     manifest no save writes."""
     import json
 
-    from reshard.ondisk.manifest import SEAL_FEATURE, SEAL_KEY
+    from reshard.ondisk.manifest import SEAL_KEY
 
     seen: list[bytes] = []
     real = scale_sim.decode_manifest
@@ -88,4 +88,4 @@ def test_bench_scale_measures_the_sealed_manifest(monkeypatch) -> None:
     row = scale_sim.simulate_one("llama-8b", lay, scale_sim.default_target(lay))
     assert seen and row["manifest_bytes"] == len(seen[0])
     doc = json.loads(seen[0])
-    assert len(doc["extra"][SEAL_KEY]) == 16 and SEAL_FEATURE in doc["required_features"]
+    assert next(iter(doc)) == SEAL_KEY and len(doc[SEAL_KEY]) == 16

@@ -1,12 +1,18 @@
-"""The module paths of reshard before its package layout keep importing.
+"""The module paths of reshard before its package layout keep importing, until
+reshard :data:`REMOVED_IN`.
 
 ``import reshard.tiers`` (now :mod:`reshard.manager.tiers`) and the like
 resolve, through a finder on ``sys.meta_path``, to the module at its new path
 (the same module object, so its classes are the same), with one
-FutureWarning naming the new path. Only whole modules are mapped here;
-names that are public API are in ``reshard.__all__`` and its subpackages
-(``reshard.formats``, ``reshard.adapters``, ``reshard.storage``,
-``reshard.transforms``, ``reshard.collectives``, ``reshard.testing``).
+FutureWarning naming the new path and the release that removes the old one.
+The re-export modules ``reshard.formats.dcp``, ``dcp_metadata``,
+``dcp_values`` and ``dcp_blob`` are aliases here too (their modules live in
+:mod:`reshard.ondisk`; the names users import, ``open_dcp``, ``DCPStorage``,
+``read_dcp_metadata``, ..., stay in :mod:`reshard.formats`). Only whole
+modules are mapped here; names that are public API are in ``reshard.__all__``
+and its subpackages (``reshard.formats``, ``reshard.adapters``,
+``reshard.storage``, ``reshard.transforms``, ``reshard.collectives``,
+``reshard.testing``).
 ``reshard.save``, ``reshard.load`` and ``reshard.verify`` are the public
 functions, so their old modules are not mapped (their contents are at
 :mod:`reshard.saving.save`, :mod:`reshard.loading.load`,
@@ -24,6 +30,10 @@ import warnings
 from collections.abc import Sequence
 from types import ModuleType
 
+#: the release that removes every path of :data:`MOVED` (the next minor
+#: version after the one that made them aliases)
+REMOVED_IN = "0.2"
+
 #: old dotted module path -> its path now
 MOVED: dict[str, str] = {
     "reshard.attempts": "reshard.commit.attempts",
@@ -36,6 +46,10 @@ MOVED: dict[str, str] = {
     "reshard.coordination": "reshard.planning.coordination",
     "reshard.coordination_load": "reshard.planning.coordination_load",
     "reshard.diff": "reshard.catalog.diff",
+    "reshard.formats.dcp": "reshard.ondisk.dcp",
+    "reshard.formats.dcp_blob": "reshard.ondisk.dcp_blob",
+    "reshard.formats.dcp_metadata": "reshard.ondisk.dcp_metadata",
+    "reshard.formats.dcp_values": "reshard.ondisk.dcp_values",
     "reshard.dryrun": "reshard.planning.dryrun",
     "reshard.lineage": "reshard.commit.lineage",
     "reshard.manifest": "reshard.ondisk.manifest",
@@ -68,6 +82,12 @@ MOVED: dict[str, str] = {
 }
 
 
+def message(old: str) -> str:
+    """The FutureWarning an import of the old path ``old`` gives."""
+    return (f"{old} has moved to {MOVED[old]}: import it from there; the old path is an alias "
+            f"that will be removed in reshard {REMOVED_IN}")
+
+
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds the old paths of :data:`MOVED` and loads them as the new module."""
 
@@ -79,8 +99,7 @@ class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         new = MOVED[spec.name]
-        warnings.warn(f"{spec.name} has moved to {new}: import it from there (the old path is an "
-                      "alias that may go in a later release)", FutureWarning, stacklevel=2)
+        warnings.warn(message(spec.name), FutureWarning, stacklevel=2)
         return importlib.import_module(new)
 
     def exec_module(self, module: ModuleType) -> None:

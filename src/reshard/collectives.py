@@ -48,6 +48,7 @@ from .collectives_base import (
     drive,
 )
 from .errors import CheckpointError, rank_ranges
+from .timeouts import DefaultSeconds
 
 __all__ = ["MAX_SHIPPED_FAILURES", "MAX_SHIPPED_TRACEBACK", "OPS", "Collectives", "Counting",
            "Request", "SingleProcess", "TorchCollectives", "agree_steps", "drive",
@@ -530,9 +531,9 @@ def _check_world() -> None:
         _BROKEN.clear()
         _SEQ.clear()
         _ARRIVED.clear()
-        from . import collectives_base
+        from .collectives_base import _BOUNDED
 
-        collectives_base._BOUNDED.clear()
+        _BOUNDED.clear()
         for forget in _ON_NEW_WORLD:
             forget()
     _WORLD[0] = world  # (held: the identity of a group object is never reused while held)
@@ -766,8 +767,6 @@ def checkpoint_timeout_s(group: Any, timeout_s: float | None) -> float | None:
     """The timeout (seconds) of the checkpoint group for ``timeout_s``: the
     value as given, except the default (:data:`reshard.options.DEFAULT_TIMEOUT_S`,
     600 s), which is capped at ``group``'s own timeout when that is shorter."""
-    from .options import DefaultSeconds
-
     if not isinstance(timeout_s, DefaultSeconds):
         return timeout_s
     own = group_timeout_s(group)

@@ -13,7 +13,7 @@ from ..errors import ShardingError
 from ..state.kinds import Tree, Where, handler_for, is_plain_tensor
 from ..state.sharding import ShardedObject, ShardedTensor
 from ..state.tree import is_dtensor
-from .names import canonical_names
+from .names import canonical_names, canonical_parameters
 
 #: ``layout(fqn, tensor)`` -> the ShardedTensor(s) describing this rank's
 #: ``tensor`` (several views of one local buffer for fused layouts), or None
@@ -111,9 +111,7 @@ class ModelState:
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """``(canonical fqn, parameter)`` of every parameter of the model."""
-        params = list(self.model.named_parameters())
-        names = canonical_names(self.model, [n for n, _ in params])
-        return [(names[n], p) for n, p in params]
+        return canonical_parameters(self.model)
 
     def trainable(self) -> set[str]:
         """Canonical fqns of the parameters that require gradients."""

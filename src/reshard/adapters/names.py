@@ -96,3 +96,11 @@ def unwrapped_names(names: Any) -> dict[str, str]:
                              "wrapper prefixes are left out")
         seen[c] = n
     return out
+
+
+def canonical_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(canonical fqn, parameter)`` of every parameter of ``model``
+    (:meth:`reshard.ModelState.named_parameters`)."""
+    params = list(model.named_parameters())
+    names = canonical_names(model, [n for n, _ in params])
+    return [(names[n], p) for n, p in params]

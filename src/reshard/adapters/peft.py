@@ -43,6 +43,7 @@ import xxhash
 
 from ..errors import CheckpointError, ShardingError
 from ..state.sharding import ShardedTensor, dtype_name, numel
+from .names import canonical_parameters
 
 _M64 = (1 << 64) - 1
 #: two lanes: (odd multiplier of the index, of the bits, of the mix), splitmix64-style constants
@@ -287,9 +288,7 @@ def lora_layout(model: torch.nn.Module, base_layout: Callable[[str, torch.Tensor
     ``base_layout`` says, every ``lora_A``/``lora_B`` weight by the LoRA rule
     from its base layer's chunk (``<prefix>.base_layer.weight``), anything
     else as ``base_layout`` says (None: replicated)."""
-    from .model import ModelState
-
-    params = dict(ModelState(model).named_parameters())
+    params = dict(canonical_parameters(model))
 
     def layout(fqn: str, t: torch.Tensor) -> Any:
         m = _LORA.match(fqn)

@@ -187,8 +187,8 @@ def _tree_bytes(path: str) -> int:
 
 def matrix_cells(*, quick: bool = False) -> list[Cell]:
     """This backend's cells of the matrix: its own and the shared-root ones
-    (``quick``: :func:`reshard.faults.matrix.quick_subset` of them)."""
-    from .matrix import quick_subset
+    (``quick``: :func:`reshard.faults.model.quick_subset` of them)."""
+    from .model import quick_subset
     from .shared import cells as shared_cells
 
     out = cells() + shared_cells(LocalBackend.name)

@@ -48,11 +48,9 @@ lived, else by the restarted job's housekeeping).
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import shutil
 import signal
-import socket
 import time
 from typing import Any
 from unittest import mock
@@ -69,6 +67,7 @@ from .model import (
     named_lost,
     steps,
 )
+from .procs import _context, _free_port, _Proc
 
 __all__ = ["Cell", "CellResult", "PG_TIMEOUT_S", "WORLD", "cells", "named_lost", "run_cell", "run_matrix"]
 
@@ -94,92 +93,6 @@ def fault_backends() -> list[str]:
     from ..storage import schemes
 
     return [s.backend for s in schemes() if s.fault_kit is not None]
-
-
-def quick_subset(out: list[Cell]) -> list[Cell]:
-    """The quick matrix of a backend's cells ``out``: the first cell of each
-    fault class, and the few of ``_QUICK_EXTRA``."""
-    seen: set[str] = set()
-    q = []
-    for c in out:
-        if (c.fault_class not in seen and c.fault_class not in _QUICK_SKIP) or c.name in _QUICK_EXTRA:
-            seen.add(c.fault_class)
-            q.append(c)
-    return q
-
-
-#: besides the first cell of each fault class, the quick matrix runs these
-#: (an async kill, the coordinator killed, an interrupted retention, a rank
-#: lost by an async save, a broken manifest, a disk that fills mid-write and
-#: clears, a rank stopped in the write phase under a checkpoint timeout)
-_QUICK_EXTRA = ("sigkill-save/save-async/data/kill/rank1", "sigkill-save/save-sync/plan/kill/rank0",
-                "sigkill-save/save-sync/retention-mid/kill/rank0", "lost-rank/save-async/data/delay/rank1",
-                "integrity/integrity--/missing-manifest/-/rank0",
-                "enospc-clears/save-async/data/enospc/rank0",
-                "sigstop-save/save-sync/data/stop/rank1/timeout3s",
-                "integrity/integrity--/shared-shard/-/rank0", "incremental/gc--/sweep-mid/gc-kill/rank0")
-#: classes the quick matrix leaves to the full one (a stop cell waits out its
-#: timeout twice: one runs, above; the SIGTERM and exit cells start two
-#: interpreters each, and tests/test_failure_budget.py and
-#: tests/test_async_exit.py cover them on one)
-_QUICK_SKIP = ("sigstop-save", "sigstop-load", "sigterm-unwinding", "sigkill-exit")
-
-
-# --------------------------------------------------------------------------- processes
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-_CTX: Any = None
-
-
-def _context() -> Any:
-    global _CTX
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "reshard",
-                                     "reshard.faults.ranks"])
-    return _CTX
-
-
-class _Proc:
-    """A rank process: a forkserver child or a plain interpreter (Popen)."""
-
-    def __init__(self, p: Any):
-        self.p = p
-        self.popen = not hasattr(p, "is_alive")
-        self.exited_at: float | None = None
-        self.hung = False  # killed by the runner when the cell's time was up
-
-    def alive(self) -> bool:
-        return self.p.poll() is None if self.popen else bool(self.p.is_alive())
-
-    @property
-    def code(self) -> int | None:
-        return self.p.returncode if self.popen else self.p.exitcode
-
-    def signal(self, sig: int) -> None:
-        try:
-            os.kill(self.p.pid, sig)
-        except ProcessLookupError:
-            pass
-
-    def kill(self) -> None:
-        self.signal(signal.SIGKILL)
-        self.join(5)
-
-    def join(self, timeout: float | None = None) -> None:
-        if self.popen:
-            try:
-                self.p.wait(timeout)
-            except Exception:  # noqa: BLE001 - still running: the caller decides
-                pass
-        else:
-            self.p.join(timeout)
 
 
 def _start(cell: Cell, target: Any, cdir: str, spec: dict[str, Any], world: int) -> list[_Proc]:

@@ -167,9 +167,12 @@ def detect_bound_s(cell: Cell) -> float:
     retry deadline where the cell is on S3."""
     if cell.process_fault:
         return 2 * collective_bound_s(cell) + SLACK_S
-    from .ranks import rank_backend
+    import importlib
 
-    return SLACK_S + float(getattr(rank_backend(cell.backend), "DETECT_EXTRA_S", 0.0))
+    from ..storage import get_scheme
+
+    kit = get_scheme(cell.backend).fault_kit  # the backend's fault kit (faults.ranks.rank_backend)
+    return SLACK_S + float(getattr(importlib.import_module(kit), "DETECT_EXTRA_S", 0.0) if kit else 0.0)
 
 
 _LOST = re.compile(r"\branks? ([\d,-]+)(?: \(global [\d,-]+\))?(?: \(the coordinator\))? (?:was|were) lost")
@@ -218,3 +221,32 @@ def steps(cell: Cell) -> tuple[int, int, int]:
     if cell.fault_class == "incremental" and cell.action == "gc":  # gc deletes step 1 that 2 and 3 link
         return (2, 3, 4)
     return (1, 2, 3)
+
+
+def quick_subset(out: list[Cell]) -> list[Cell]:
+    """The quick matrix of a backend's cells ``out``: the first cell of each
+    fault class, and the few of ``_QUICK_EXTRA``."""
+    seen: set[str] = set()
+    q = []
+    for c in out:
+        if (c.fault_class not in seen and c.fault_class not in _QUICK_SKIP) or c.name in _QUICK_EXTRA:
+            seen.add(c.fault_class)
+            q.append(c)
+    return q
+
+
+#: besides the first cell of each fault class, the quick matrix runs these
+#: (an async kill, the coordinator killed, an interrupted retention, a rank
+#: lost by an async save, a broken manifest, a disk that fills mid-write and
+#: clears, a rank stopped in the write phase under a checkpoint timeout)
+_QUICK_EXTRA = ("sigkill-save/save-async/data/kill/rank1", "sigkill-save/save-sync/plan/kill/rank0",
+                "sigkill-save/save-sync/retention-mid/kill/rank0", "lost-rank/save-async/data/delay/rank1",
+                "integrity/integrity--/missing-manifest/-/rank0",
+                "enospc-clears/save-async/data/enospc/rank0",
+                "sigstop-save/save-sync/data/stop/rank1/timeout3s",
+                "integrity/integrity--/shared-shard/-/rank0", "incremental/gc--/sweep-mid/gc-kill/rank0")
+#: classes the quick matrix leaves to the full one (a stop cell waits out its
+#: timeout twice: one runs, above; the SIGTERM and exit cells start two
+#: interpreters each, and tests/test_failure_budget.py and
+#: tests/test_async_exit.py cover them on one)
+_QUICK_SKIP = ("sigstop-save", "sigstop-load", "sigterm-unwinding", "sigkill-exit")

@@ -41,6 +41,7 @@ import time
 from typing import Any
 
 from .model import Cell, CellResult
+from .procs import _context, _free_port, _Proc
 
 #: seconds within which every command must answer beside a FIFO (the issue's bound)
 ANSWER_S = 2.0
@@ -250,8 +251,6 @@ def reader_main(root: str, cdir: str, env: dict[str, str], n: int) -> None:
 
 
 def _job(cell: Cell, cdir: str, spec: dict[str, Any], role: str, **extra: Any) -> list[Any]:
-    from .matrix import _context, _free_port, _Proc
-
     port = _free_port()
     sp = {**spec, "role": role, **extra}
     ctx = _context()

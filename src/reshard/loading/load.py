@@ -24,7 +24,7 @@ from ..errors import (
 )
 from ..ondisk import codec
 from ..ondisk.committed import read_manifest
-from ..ondisk.manifest import FORMAT_VERSION, Manifest
+from ..ondisk.manifest import FORMAT_VERSION, PATH_KEYS_VERSION, Manifest
 from ..options import LoadOptions, hmac_key_of
 from ..planning.coordination_load import key_census, read_shared
 from ..state.sharding import ShardedTensor
@@ -407,7 +407,7 @@ def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
     loaded_objects: dict[tuple[str, tuple[int, ...]], Any] = {}
     leaves = flatten(state, loaded_values=loaded_values, loaded_objects=loaded_objects,
                      module_adapter=ModelState)
-    if m.format_version < FORMAT_VERSION:
+    if m.format_version < PATH_KEYS_VERSION:
         version = m.format_version
         m, moved = _migrate_v1(m, leaves.legacy)
         notes[MIGRATED] = {"from_format_version": version, "renamed": moved}

@@ -34,19 +34,34 @@ import xxhash
 
 from ..errors import CoverageError, IntegrityError, ManifestError
 from ..state.geometry import DTYPE_NAMES, itemsize, numel
+from .seal import (
+    SEAL_FEATURE,
+    SEAL_HEAD,
+    SEAL_KEY,
+    head_seal,
+    head_seal_matches,
+    placeholder,
+    seal,
+    seal_token,
+    v2_seal_matches,
+)
+from .seal import reseal as reseal  # its public path stays here
 
 FORMAT = "reshard"
-#: 2: a leaf's key is its tree path (DESIGN.md section 2); 1 named a
+#: 3: the manifest's own checksum at the head of its bytes, over the bytes
+#: after it (:mod:`reshard.ondisk.seal`); 2 sealed it in ``extra`` (still
+#: read, and written for a copy of a version-2 checkpoint).
+FORMAT_VERSION = 3
+#: the first version whose seal is the head of the bytes
+SEALED_BY_HEAD = 3
+#: the first version whose keys are tree paths (DESIGN.md section 2): 1 named a
 #: ShardedTensor/ShardedObject by its own fqn, without its container's path:
 #: :func:`reshard.load` migrates those names (``LoadResult.notes``).
-FORMAT_VERSION = 2
+PATH_KEYS_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 #: largest ``world_size`` a manifest may declare (2**24 ranks, far above any
 #: job; a larger one is a corrupt or hostile manifest, not a cluster)
 MAX_WORLD_SIZE = 1 << 24
-#: ``required_features`` entry of a manifest that carries its own checksum
-#: (:func:`encode_sealed`): a reader must check it, and one that cannot refuses it
-SEAL_FEATURE = "manifest-seal"
 KNOWN_FEATURES: frozenset[str] = frozenset({SEAL_FEATURE})
 # A declared dimension above this is refused before anything is allocated.
 MAX_DIM = 2**48
@@ -132,7 +147,7 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """A committed checkpoint's description.
 
     Attributes:
-        format / format_version: the storage format ("reshard", 2).
+        format / format_version: the storage format ("reshard", 3).
         required_features: features a reader must understand to load this.
         schema_version: the user's model/training schema version (opaque str).
         step: training step recorded by ``save(..., step=N)``.
@@ -202,108 +217,99 @@ def encode_manifest(m: Manifest) -> bytes:
     return _ENCODER.encode(m)
 
 
-#: ``extra`` key of the manifest's own checksum: xxh3_64 (hex) of the
-#: manifest's bytes as written, with this value replaced by 16 zeros
-SEAL_KEY = "manifest_xxh3_64"
-_SEAL_ZERO = "0" * 16
-
-
-def _seal_token(digest: str) -> bytes:
-    return _ENCODER.encode(SEAL_KEY) + b":" + _ENCODER.encode(digest)
+def _unsealed(m: Manifest) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``m``'s extra and required features without a version-2 seal."""
+    return ({k: v for k, v in m.extra.items() if k != SEAL_KEY},
+            tuple(f for f in m.required_features if f != SEAL_FEATURE))
 
 
 def encode_sealed(m: Manifest) -> bytes:
-    """The manifest's bytes as published, with its own checksum
-    (``extra[SEAL_KEY]``, and ``SEAL_FEATURE`` among ``required_features``):
-    every byte is covered (a changed number in ``values``, a file size, a
-    chunk offset), which the block and file checksums cannot do for the
-    manifest itself. The checksum is over the bytes, not over a re-encoding,
-    so it is checked whatever fields the reader knows. A user value holding
+    """The manifest's bytes as published, with its own checksum: every byte
+    is covered (a changed number in ``values``, a file size, a chunk
+    offset), which the block and file checksums cannot do for the manifest
+    itself. The checksum is over the bytes, not over a re-encoding, so it is
+    checked whatever fields the reader knows.
+
+    From format version 3 (:data:`SEALED_BY_HEAD`), the bytes begin with
+    ``{"manifest_xxh3_64":"<xxh3_64>",`` and the checksum covers every byte
+    after that (:mod:`reshard.ondisk.seal`). A manifest of an earlier version
+    (a copy of an old checkpoint keeps its version) is sealed by the rule of
+    version 2 (:func:`_encode_sealed_v2`)."""
+    if m.format_version < SEALED_BY_HEAD:
+        return _encode_sealed_v2(m)
+    extra, feats = _unsealed(m)
+    raw = encode_manifest(msgspec.structs.replace(m, extra=extra, required_features=feats))
+    return seal(raw[1:])  # the object's members after its "{": the seal is its first member
+
+
+def _encode_sealed_v2(m: Manifest) -> bytes:
+    """Version 2's seal: ``extra[SEAL_KEY]`` (the last key of the top-level
+    ``extra``) the xxh3_64 of the bytes with that value read as 16 zeros,
+    and ``SEAL_FEATURE`` among ``required_features``. A user value holding
     the exact text of the key and 16 zeros leaves the seal's own occurrence
-    the last one (the key is the last of the top-level ``extra``); written
-    without a seal only if that ever failed to hold (checked by decoding)."""
-    extra = {k: v for k, v in m.extra.items() if k != SEAL_KEY}
-    feats = tuple(f for f in m.required_features if f != SEAL_FEATURE)
+    the last one; written without a seal only if that ever failed to hold
+    (checked by decoding)."""
+    extra, feats = _unsealed(m)
     raw = encode_manifest(msgspec.structs.replace(
-        m, extra={**extra, SEAL_KEY: _SEAL_ZERO}, required_features=(*feats, SEAL_FEATURE)))
-    zero = _seal_token(_SEAL_ZERO)
+        m, extra={**extra, SEAL_KEY: "0" * 16}, required_features=(*feats, SEAL_FEATURE)))
+    zero = placeholder()
     digest = xxhash.xxh3_64_hexdigest(raw)
-    seal = _seal_token(digest)
+    token = seal_token(digest)
     if raw.count(zero) == 1:
-        return raw.replace(zero, seal)
+        return raw.replace(zero, token)
     # a user value holds the placeholder's text too: the seal is the last key of the top-level
     # extra (what follows extra holds no user keys), so its occurrence is the last one; checked
     at = raw.rfind(zero)
-    out = raw[:at] + seal + raw[at + len(zero):]
+    out = raw[:at] + token + raw[at + len(zero):]
     if _DECODER.decode(out).extra.get(SEAL_KEY) == digest:
         return out
     return encode_manifest(msgspec.structs.replace(m, extra=extra, required_features=feats))
 
 
-#: the seal's key and its string value (group 1), with whatever JSON
-#: whitespace a writer put around the colon
-_SEAL_RE = re.compile(rb'"' + re.escape(SEAL_KEY.encode()) + rb'"[ \t\n\r]*:[ \t\n\r]*("[^"\\]*")')
-
-
-def _seal_spans(raw: bytes, value: str | None = None) -> list[re.Match[bytes]]:
-    """The occurrences of the key in ``raw`` (with ``value`` only, when given)."""
-    want = None if value is None else _ENCODER.encode(value)
-    return [mt for mt in _SEAL_RE.finditer(raw) if want is None or mt.group(1) == want]
-
-
-def _with_value(raw: bytes, at: re.Match[bytes], value: str) -> bytes:
-    return raw[:at.start(1)] + _ENCODER.encode(value) + raw[at.end(1):]
-
-
-def reseal(raw: bytes) -> bytes:
-    """``raw`` (the JSON bytes of a manifest document that holds
-    ``extra[SEAL_KEY]`` once, with any string value, and names
-    ``SEAL_FEATURE``) sealed over its own bytes as :func:`encode_sealed`
-    seals: for tools and tests that write a manifest document themselves.
-
-    Raises:
-        ValueError: the key does not appear exactly once.
-    """
-    spans = _seal_spans(raw)
-    if len(spans) != 1:
-        raise ValueError(f"{SEAL_KEY!r} must appear once in the manifest bytes")
-    zeroed = _with_value(raw, spans[0], _SEAL_ZERO)
-    return _with_value(zeroed, _seal_spans(zeroed)[0], xxhash.xxh3_64_hexdigest(zeroed))
-
-
-def _zeroed(raw: bytes, got: str) -> bytes:
-    """``raw`` with the seal's value (``got``, the one occurrence of the key
-    and that value) read as 16 zeros; ``b""`` when it is not there exactly once."""
-    spans = _seal_spans(raw, got)
-    return _with_value(raw, spans[0], _SEAL_ZERO) if len(spans) == 1 else b""
-
-
 def check_seal(raw: bytes, m: Manifest, *, where: str) -> Manifest:
     """Check the manifest's own checksum (:func:`encode_sealed`) and return
-    ``m`` without it (``extra`` and ``required_features`` as the writer was
-    given them). The checksum is over ``raw`` with the one occurrence of
-    the key and its value read as 16 zeros, whatever JSON whitespace the
-    writer put around the colon (another JSON writer, ``json.dumps`` with
-    its default separators or an indent). A manifest written before seals
-    existed (neither the feature nor the key) passes unchanged.
+    ``m`` without a version-2 seal (``extra`` and ``required_features`` as
+    the writer was given them). The rule is the one of the bytes' version: a
+    manifest that begins with the seal's head is checked by version 3's (and
+    must be of version 3 or later), one of version 3 or later must begin with
+    it; an earlier one is checked by version 2's rule, over ``raw`` with the
+    one occurrence of ``extra[SEAL_KEY]`` and its value read as 16 zeros,
+    whatever JSON whitespace the writer put around the colon. A manifest
+    written before seals existed (neither the feature nor the key) passes
+    unchanged.
 
     Raises:
         IntegrityError: the bytes changed after they were written (the
-            checksum differs, or the feature is named and the checksum is
-            gone).
+            checksum differs, or it is gone where the version or the
+            feature says there is one).
+        ManifestError: the seal's head on a manifest of version 1 or 2.
     """
+    if not 1 <= m.format_version <= FORMAT_VERSION:
+        return m  # a version this reader does not know: refused by validate_manifest, naming it
+    head = head_seal(raw)
+    if head is not None:
+        if not head_seal_matches(raw):
+            raise IntegrityError(_mismatch(where, f"the head's {SEAL_KEY!r} = {head!r}"))
+        if m.format_version < SEALED_BY_HEAD:
+            raise ManifestError(f"{where}: format_version {m.format_version} begins with the seal of "
+                                f"format version {SEALED_BY_HEAD}: not a manifest reshard writes")
+        return m
+    if m.format_version >= SEALED_BY_HEAD:
+        raise IntegrityError(_mismatch(where, f"no seal: a version-{m.format_version} manifest begins "
+                                              f"with {SEAL_HEAD.decode()}"))
     got = m.extra.get(SEAL_KEY)
     sealed = SEAL_FEATURE in m.required_features
     if got is None and not sealed:
         return m
-    zeroed = _zeroed(raw, got) if isinstance(got, str) else b""
-    if not sealed or not zeroed or xxhash.xxh3_64_hexdigest(zeroed) != got:
-        raise IntegrityError(
-            f"{where}: manifest checksum mismatch: its bytes changed after it was written "
-            f"(bit rot, a torn copy or an edit; extra[{SEAL_KEY!r}] = {got!r}); nothing was loaded")
-    return msgspec.structs.replace(
-        m, extra={k: v for k, v in m.extra.items() if k != SEAL_KEY},
-        required_features=tuple(f for f in m.required_features if f != SEAL_FEATURE))
+    if not sealed or not isinstance(got, str) or not v2_seal_matches(raw, got):
+        raise IntegrityError(_mismatch(where, f"extra[{SEAL_KEY!r}] = {got!r}"))
+    extra, feats = _unsealed(m)
+    return msgspec.structs.replace(m, extra=extra, required_features=feats)
+
+
+def _mismatch(where: str, what: str) -> str:
+    return (f"{where}: manifest checksum mismatch: its bytes changed after it was written "
+            f"(bit rot, a torn copy or an edit; {what}); nothing was loaded")
 
 
 def check_file_name(name: str, *, where: str) -> None:
