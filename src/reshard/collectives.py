@@ -41,6 +41,7 @@ from .collectives_base import (
     OPS,
     Collectives,
     Counting,
+    OnFail,
     Request,
     SingleProcess,
     Tries,
@@ -51,7 +52,7 @@ from .collectives_base import (
 from .errors import CheckpointError, rank_ranges
 
 __all__ = ["MAX_SHIPPED_FAILURES", "MAX_SHIPPED_TRACEBACK", "OPS", "Collectives", "Counting",
-           "Request", "SingleProcess", "TorchCollectives", "Tries", "agree_steps", "drive",
+           "OnFail", "Request", "SingleProcess", "TorchCollectives", "Tries", "agree_steps", "drive",
            "Arrival", "arrive", "checkpoint_timeout_s", "get_collectives", "group_key", "group_timeout_s",
            "new_checkpoint_group",
            "is_broken", "timed_collectives", "timed_keys", "wait_report_s", "watch"]
