@@ -41,8 +41,10 @@ from .collectives_base import (
     OPS,
     Collectives,
     Counting,
+    OnFail,
     Request,
     SingleProcess,
+    Tries,
     agree_steps,
     bounded_store,
     drive,
@@ -51,7 +53,7 @@ from .errors import CheckpointError, rank_ranges
 from .timeouts import DefaultSeconds
 
 __all__ = ["MAX_SHIPPED_FAILURES", "MAX_SHIPPED_TRACEBACK", "OPS", "Collectives", "Counting",
-           "Request", "SingleProcess", "TorchCollectives", "agree_steps", "drive",
+           "OnFail", "Request", "SingleProcess", "TorchCollectives", "Tries", "agree_steps", "drive",
            "Arrival", "arrive", "checkpoint_timeout_s", "get_collectives", "group_key", "group_timeout_s",
            "new_checkpoint_group",
            "is_broken", "on_new_world", "timed_collectives", "timed_keys", "wait_report_s", "watch"]

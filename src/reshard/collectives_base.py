@@ -13,14 +13,21 @@ from __future__ import annotations
 import queue
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from .errors import RankFailure, agreed_error, summarize_failures
+from .errors import (
+    CheckpointError,
+    RankFailure,
+    agreed_error,
+    outcome,
+    raise_agreed,
+    summarize_failures,
+)
 
 if TYPE_CHECKING:  # (annotations only: the pure parts need no torch)
     import torch
@@ -158,6 +165,99 @@ def agree_steps(rank: int, what: str, exc: BaseException | None,
     if exc is not None:
         raise err from exc
     raise err
+
+
+#: what :class:`Tries` calls when the ranks agreed on a failure, before the
+#: agreed error is raised: ``on_fail(agreed, mine)`` (``mine``: this rank's
+#: own exception, or None); it may clean up (discard an attempt) or raise
+#: another error in the agreed one's place
+OnFail = Callable[[CheckpointError, "BaseException | None"], None]
+
+
+class Tries:
+    """Every rank tries, then all agree: the one way a phase of a collective
+    operation fails on every rank or on none.
+
+    Each step of the phase runs under ``with tries:``, which keeps the
+    step's exception (the first one; ``Exception`` only, a
+    ``KeyboardInterrupt`` still propagates) instead of raising it. Then the
+    ranks agree on the phase: :meth:`agree` (one all-reduce on success, see
+    :meth:`Collectives.agree`), :meth:`agree_steps` (the same inside a
+    protocol generator driven by :func:`drive`) or :meth:`gather` (every
+    rank's JSON outcome to every rank, for small groups). On any rank's
+    failure every rank raises the same agreed
+    :class:`~reshard.errors.CheckpointError`, chained to its own exception,
+    after ``on_fail`` (:data:`OnFail`) ran. After an agreement the record is
+    empty again, ready for the next phase::
+
+        tries = Tries()
+        with tries:
+            plan = check(...)
+        tries.agree(coll, "load (checked before writing)")
+
+    Not thread-safe: one per rank and operation, used on the caller's thread.
+    """
+
+    __slots__ = ("err",)
+
+    def __init__(self, err: BaseException | None = None) -> None:
+        #: the first exception of the phase so far (None: every step succeeded)
+        self.err = err
+
+    @property
+    def ok(self) -> bool:
+        """No step of the phase failed so far."""
+        return self.err is None
+
+    def __enter__(self) -> Tries:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: Any) -> bool:
+        if isinstance(e, Exception):  # agreed by the caller
+            if self.err is None:
+                self.err = e
+            return True
+        return False
+
+    def _take(self) -> BaseException | None:
+        err, self.err = self.err, None
+        return err
+
+    def agree(self, coll: Collectives, what: str, values: Sequence[int] = (), *,
+              on_fail: OnFail | None = None) -> list[int]:
+        """Agree on the phase over ``coll``; returns ``values`` reduced by max."""
+        err = self._take()
+        try:
+            return coll.agree(what, err, values)
+        except CheckpointError as agreed:
+            if on_fail is not None:
+                on_fail(agreed, err)
+            raise
+
+    def agree_steps(self, rank: int, what: str, values: Sequence[int] = (), *,
+                    on_fail: OnFail | None = None) -> Generator[Request, Any, list[int]]:
+        """:meth:`agree` as protocol steps (:func:`agree_steps`)."""
+        err = self._take()
+        try:
+            return (yield from agree_steps(rank, what, err, values))
+        except CheckpointError as agreed:
+            if on_fail is not None:
+                on_fail(agreed, err)
+            raise
+
+    def gather(self, coll: Collectives, what: str, payload: dict[str, Any] | None = None, *,
+               on_fail: OnFail | None = None) -> list[dict[str, Any]]:
+        """Agree by gathering every rank's :func:`~reshard.errors.outcome`
+        (``payload`` on success) to every rank; returns them in rank order."""
+        err = self._take()
+        gathered = coll.all_gather_json(outcome(coll.rank, err, **(payload or {})))
+        try:
+            raise_agreed(what, gathered, err)
+        except CheckpointError as agreed:
+            if on_fail is not None:
+                on_fail(agreed, err)
+            raise
+        return gathered
 
 
 def _representatives(failures: dict[int, RankFailure]) -> list[RankFailure]:

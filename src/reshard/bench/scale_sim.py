@@ -40,7 +40,7 @@ import xxhash
 from ..ondisk.manifest import Manifest, decode_manifest, encode_sealed
 from ..planning.coordination import Assignment, CacheEntry
 from ..planning.coordination_load import key_census_steps, saved_keys
-from ..planning.coordination_save import RankSave, report_bytes, save_steps
+from ..planning.coordination_save import Attempt, RankSave, report_bytes, save_steps
 from ..planning.plan_store import restart_entry
 from ..planning.planner import LocalPlan, Request, plan_reads
 from .scale_layout import Layout, item_digest, rank_items, rank_plan, scaled_layouts
@@ -61,8 +61,8 @@ def scale_target(top: Layout, top_target: Layout, layout: Layout) -> Layout:
                   dp=f(top.dp, top_target.dp, layout.dp), ep=layout.ep)
 
 
-def _fake_persist(plan: LocalPlan, world: SimWorld) -> Callable[[dict[str, Any], Assignment], tuple[bytes, int]]:
-    def persist(info: dict[str, Any], a: Assignment) -> tuple[bytes, int]:
+def _fake_persist(plan: LocalPlan, world: SimWorld) -> Callable[[Attempt, Assignment], tuple[bytes, int]]:
+    def persist(info: Attempt, a: Assignment) -> tuple[bytes, int]:
         # stands in for the data I/O: left out of the rank's seconds, by the clock that counts them
         with world.uncounted():
             return _fake_report(plan, a)
@@ -93,38 +93,66 @@ def _fake_report(plan: LocalPlan, a: Assignment) -> tuple[bytes, int]:
 SIM_TARGET = "/checkpoints/run/step-00000001"
 
 
-def _attempt_info(target: str) -> dict[str, Any]:
+def _attempt_info(target: str) -> Attempt:
     """What the coordinator broadcasts about a new attempt, shaped as a
     real save's (:func:`reshard.saving.save.open_attempt`: target, attempt id, path, nonce)."""
     from ..commit.protocol import new_attempt_id
     from ..ondisk.committed import INCOMPLETE
 
     aid = new_attempt_id()
-    return {"target": target, "attempt": aid, "attempt_path": f"{target}{INCOMPLETE}{aid}",
-            "nonce": os.urandom(16).hex()}
+    return Attempt(target=target, attempt_id=aid, attempt_path=f"{target}{INCOMPLETE}{aid}",
+                   nonce=os.urandom(16).hex())
+
+
+class _SimHooks:
+    """The I/O of a simulated rank's save (:class:`SaveHooks`): nothing is
+    written; the coordinator keeps the encoded manifest and plan in ``out``."""
+
+    checks_space = False
+    keeps_plan = True
+
+    def __init__(self, plan: LocalPlan, world: SimWorld, target: str, out: dict[str, Any]) -> None:
+        self.target, self.out = target, out
+        self._persist = _fake_persist(plan, world)
+
+    def begin(self) -> Attempt:
+        return _attempt_info(self.target)
+
+    def check_location(self, attempt: Attempt) -> None:
+        pass
+
+    def check_space(self, attempt: Attempt, needed: int) -> None:
+        pass
+
+    def linkable(self, attempt: Attempt, layout: Any) -> int:
+        return 0
+
+    def persist(self, attempt: Attempt, assignment: Any) -> tuple[bytes, int]:
+        return self._persist(attempt, assignment)
+
+    def manifest_args(self) -> dict[str, Any]:
+        return dict(step=1, checksum_block_bytes=BLOCK, schema_version=None, mesh=None, values={}, extra={})
+
+    def write_plan(self, attempt: Attempt, raw: bytes) -> None:
+        self.out["plan"] = raw
+
+    def publish(self, attempt: Attempt, m: Manifest) -> None:
+        t0 = time.process_time()
+        self.out["raw"] = encode_sealed(m)  # as commit.publish writes it
+        self.out["encode_s"] = time.process_time() - t0
+
+    def discard(self, attempt: Attempt) -> None:
+        pass
 
 
 def _save(plans: list[LocalPlan], caches: list[CacheEntry | None],
           target: str = SIM_TARGET) -> tuple[list[RankSave], Any, dict[str, Any]]:
     n = len(plans)
     out: dict[str, Any] = {}
-
-    def publish(info: dict[str, Any], m: Manifest) -> None:
-        t0 = time.process_time()
-        out["raw"] = encode_sealed(m)  # as commit.publish writes it
-        out["encode_s"] = time.process_time() - t0
-
-    def write_plan(info: dict[str, Any], raw: bytes) -> None:
-        out["plan"] = raw
-
     world = SimWorld(n)
     ctxs = [RankSave(rank=r, world_size=n, plan=plans[r], value_digests={"step": "1"}, err=None,
-                     files_per_rank=1, begin=lambda: _attempt_info(target),
-                     check_location=lambda info: None, persist=_fake_persist(plans[r], world),
-                     publish=publish, discard=lambda a: None,
-                     manifest_args=lambda: dict(step=1, checksum_block_bytes=BLOCK, schema_version=None,
-                                                mesh=None, values={}, extra={}),
-                     cache=caches[r], write_plan=write_plan) for r in range(n)]
+                     files_per_rank=1, hooks=_SimHooks(plans[r], world, target, out),
+                     cache=caches[r]) for r in range(n)]
     results, stats = world.run([save_steps(c) for c in ctxs])
     bad = [x for x in results if isinstance(x, BaseException)]
     if bad:

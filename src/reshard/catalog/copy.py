@@ -67,7 +67,7 @@ def copy_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
                              "(--hmac-key-file) so that it is checked and the copy signed with it")
     leases: list[attempts.AttemptLease] = []
     info = open_attempt(dst_st, dkey, SaveOptions(overwrite=overwrite), leases=leases)
-    attempt, aid = info["attempt_path"], info["attempt"]
+    attempt, aid = info.attempt_path, info.attempt_id
     keyed = not dst_st.capabilities.atomic_rename  # attempts share the prefix: keys carry the id
     names = {n: attempts.data_name(aid, _plain(n)) if keyed else _plain(n) for n in m.files}
     if len(set(names.values())) != len(names):
@@ -97,7 +97,7 @@ def copy_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
             plan=None)
         if hmac_key is not None and "hmac_sha256" in m.extra:
             out = sign_manifest(out, hmac_key)
-        publish(dst_st, attempt, info["target"], out, overwrite=overwrite, durable=True)
+        publish(dst_st, attempt, info.target, out, overwrite=overwrite, durable=True)
     except BaseException:
         try:
             if keyed:

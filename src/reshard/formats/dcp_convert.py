@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import closing
 from typing import Any
 
 from ..errors import CheckpointError, IntegrityError
@@ -103,18 +104,18 @@ def _convert_dcp(
     skip_unsafe_values: bool = False,
 ) -> Any:
     """The body of :func:`convert_dcp` (the lease is the caller's)."""
-    from ..collectives import timed_collectives
+    from ..collectives import Tries, timed_collectives
     from ..commit import attempts
     from ..commit.protocol import publish
-    from ..errors import outcome, raise_agreed
     from ..ondisk.committed import sign_manifest
     from ..ondisk.manifest import MANIFEST_NAME
     from ..ondisk.shardfile import FileItem, tensor_bytes, write_shard_file
     from ..options import SaveOptions, hmac_key_of
+    from ..planning.coordination_save import Attempt
     from ..saving.attempt import (
         agree_attempt_location,
-        agree_or_discard,
         discard_attempt,
+        discarding,
         open_attempt,
     )
     from ..saving.save import SaveResult
@@ -124,11 +125,11 @@ def _convert_dcp(
     rank, world = coll.rank, coll.world_size
     t0 = time.perf_counter()
     dst_st, dst_key = resolve(dst, dst_storage)
-    err: BaseException | None = None
+    tries = Tries()
     local: dict[str, Any] = {}
     dcp_st: DCPStorage | None = None
     m: Manifest | None = None
-    try:
+    with tries:
         dcp_st, m = open_dcp(src, storage=src_storage, cache_bytes=0)
         refused = m.extra.get("dcp_skipped_values") or {}
         if refused and not skip_unsafe_values:
@@ -136,21 +137,17 @@ def _convert_dcp(
                 f"{src}: {len(refused)} value(s) need more than torch.load(weights_only=True) and are "
                 f"refused: {sorted(refused)[:5]} (pass skip_unsafe_values=True to convert without them)")
         if rank == 0:
-            local.update(open_attempt(dst_st, dst_key, opts))
-    except Exception as e:  # noqa: BLE001
-        err = e
-    gathered = coll.all_gather_json(outcome(rank, err, **local))
-    try:
-        raise_agreed("convert_dcp", gathered, err)
-    except CheckpointError:
-        if gathered[0].get("error") is None:
-            discard_attempt(coll, dst_st, gathered[0]["attempt_path"],
-                            attempt_id=gathered[0]["attempt"])
-        raise
+            local.update(open_attempt(dst_st, dst_key, opts).to_json())
+
+    def discard_opened(agreed: CheckpointError, mine: BaseException | None) -> None:
+        if local:  # the coordinator opened the attempt (the others hold nothing)
+            discard_attempt(coll, dst_st, local["attempt_path"], attempt_id=local["attempt"])
+
+    gathered = tries.gather(coll, "convert_dcp", local, on_fail=discard_opened)
     assert dcp_st is not None and m is not None
-    attempt, target = gathered[0]["attempt_path"], gathered[0]["target"]
-    attempt_id = gathered[0]["attempt"]
-    agree_attempt_location(coll, dst_st, dst_key, gathered[0])
+    coord = Attempt.from_json(gathered[0])
+    attempt, target, attempt_id = coord.attempt_path, coord.target, coord.attempt_id
+    agree_attempt_location(coll, dst_st, dst_key, coord)
     t1 = time.perf_counter()
     # pack chunks into files (deterministic on every rank), round-robin over ranks
     files: list[list[tuple[str, int]]] = [[]]
@@ -165,12 +162,11 @@ def _convert_dcp(
     files = [f for f in files if f]
     mine = [(k, f) for k, f in enumerate(files) if k % world == rank]
     written: list[dict[str, Any]] = []
-    err = None
     from ..progress import bar, wanted
 
     pb = bar(sum(m.tensors[f].chunks[ci].length for _k, mem in mine for f, ci in mem), "convert",
              enabled=rank == 0 and wanted(opts.progress))
-    try:
+    with tries, closing(pb):  # agreed below
         for n, (_k, members) in enumerate(mine):
             name = f"data-r{rank:05d}-{n}.safetensors"
             if not dst_st.capabilities.atomic_rename:  # attempts share the prefix: keys carry the id
@@ -190,17 +186,12 @@ def _convert_dcp(
             written.append({"name": name, "size": fsize, "checksum": checksum,
                             "items": [[fqn, ci, w.offset, w.length, list(w.checksums)]
                                       for (fqn, ci), w in zip(members, wr, strict=True)]})
-    except Exception as e:  # noqa: BLE001
-        err = e
-    finally:
-        pb.close()
     t2 = time.perf_counter()
-    reports = agree_or_discard(coll, dst_st, attempt, "convert_dcp",
-                               outcome(rank, err, written=written), err, attempt_id=attempt_id)
+    reports = tries.gather(coll, "convert_dcp", {"written": written},
+                           on_fail=discarding(coll, dst_st, coord))
     out: Manifest | None = None
-    err = None
     if rank == 0:
-        try:
+        with tries:
             new_files: dict[str, FileEntry] = {}
             chunks: dict[str, list[Chunk]] = {fqn: [] for fqn in m.tensors}
             for r in reports:
@@ -229,10 +220,7 @@ def _convert_dcp(
                 out = sign_manifest(out, mac_key)
             validate_manifest(out, where=f"{dst_key}/{MANIFEST_NAME}")
             publish(dst_st, attempt, target, out, overwrite=opts.overwrite, durable=opts.durable)
-        except Exception as e:  # noqa: BLE001
-            err = e
-    agree_or_discard(coll, dst_st, attempt, "convert_dcp (publish)", outcome(rank, err), err,
-                     attempt_id=attempt_id)
+    tries.gather(coll, "convert_dcp (publish)", on_fail=discarding(coll, dst_st, coord))
     total = sum(f["size"] for r in reports for f in r["written"])
     nfiles = sum(len(r["written"]) for r in reports)
     return SaveResult(path=dst_key, step=step if step is not None else m.step, attempt_id=attempt_id,

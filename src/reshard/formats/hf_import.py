@@ -12,7 +12,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..collectives import timed_collectives
+from ..collectives import Tries, timed_collectives
 from ..errors import CheckpointNotFoundError, ManifestError, ShardingError
 from ..loading.load import LoadResult, load
 from ..ondisk.limits import default_limits, too_large
@@ -422,14 +422,12 @@ def import_hf(
         if auto:
             subtree = find_subtree(state, m, where=key)
     else:
-        err: BaseException | None = None
-        try:
+        tries = Tries()
+        with tries:  # every rank must learn of a failure
             st, key, m = hf_manifest(hf_dir, storage=storage, limits=getattr(options, "limits", None))
             if auto:
                 subtree = find_subtree(state, m, where=key)
-        except Exception as e:  # noqa: BLE001 - every rank must learn of it
-            err = e
-        coll.agree(f"import_hf {os.fspath(hf_dir)}", err)
+        tries.agree(coll, f"import_hf {os.fspath(hf_dir)}")
     if subtree:
         from ..transforms import Rename
 

@@ -10,7 +10,7 @@ import fnmatch
 import re
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,11 +28,37 @@ from ..options import LoadOptions
 from ..planning.coordination_load import KeyCensus
 from ..planning.planner import Request, check_entry_coverage, plan_reads
 from ..state.sharding import ShardedObject, ShardedTensor
-from ..state.tree import join
+from ..state.tree import Leaves, join
 from ..storage import Storage
 from ..transforms import provided_by
 from ..transforms import resolve as resolve_target
 from .reading import Groups, Reader, Target
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadContext:
+    """What the manifest phase of a load hands the check (:func:`_check`)
+    and the reads: the manifest as this rank sees it (through the
+    transforms, migrated, DCP values regrouped), the target tree's leaves
+    (:class:`reshard.state.tree.Leaves`), every target tensor as
+    ShardedTensors (detached: filled in place), what this rank requests by
+    key ("tensor", "object", "value" or "handled"), and the containers the
+    load fills: the loaded values and objects the tree's leaves read back,
+    and ``LoadResult.notes``; the leaves whose kind changed between the
+    save and the load (:func:`reshard.loading.load._kind_changes`)."""
+
+    manifest: Manifest
+    leaves: Leaves
+    sts: list[ShardedTensor]
+    requested: dict[str, str]
+    loaded_values: dict[str, Any]
+    loaded_objects: dict[tuple[str, tuple[int, ...]], Any]
+    notes: dict[str, Any]
+    #: saved as a tensor, requested as a plain value: read whole into these
+    #: new CPU tensors (among ``sts``), handed over as the value
+    as_tensor: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: saved as a number, requested as a one-element tensor: filled with it
+    as_number: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +100,7 @@ def _check_devices(sts: Sequence[ShardedTensor], key: str) -> None:
                             "model.to_empty(device='cpu'))")
 
 
-def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
+def _check(ctx: LoadContext, census: KeyCensus, st: Storage, key: str,
            opts: LoadOptions, strict: bool, allow_missing: Sequence[Any],
            transforms: Sequence[Any]) -> _Plan:
     """Everything that can be checked before any target is written: keys
@@ -84,14 +110,38 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
     ``LoadResult.values``, not into targets) and values. Writes nothing (the
     checksums of ``verify_first`` are checked by the caller, once it knows
     which blocks this rank reads)."""
-    m: Manifest = ctx["manifest"]
-    leaves = ctx["leaves"]
+    m = ctx.manifest
     allow = _compile_allow(allow_missing)
+    missing, unexpected = _check_keys(ctx, census, key, allow, strict, transforms)
+    _check_devices(ctx.sts, key)
+    missing_set = set(missing)
+    tensors = _plan_tensors(ctx, missing_set, allow, transforms)
+    wanted = _wanted_objects(ctx, missing_set)
+    _check_unchecked(m, tensors.groups, wanted, key, opts)
+    reader = Reader(st, key, m, opts)
+    reader.check_files(tensors.files | {oc.file for _, oc in wanted})
+    objects, values = _read_objects(st, key, m, reader, wanted, opts)
+    _check_hooks(ctx.leaves.statefuls, objects, ctx.notes, values)
+    return _Plan(manifest=m, reader=reader, groups=tensors.groups, rules=tensors.rules,
+                 finalize=tensors.finalize, missing=tuple(missing), unexpected=tuple(unexpected),
+                 objects=objects, values=values)
+
+
+Allow = list[tuple[Callable[[str], bool], Any]]
+
+
+def _check_keys(ctx: LoadContext, census: KeyCensus, key: str, allow: Allow, strict: bool,
+                transforms: Sequence[Any]) -> tuple[list[str], list[str]]:
+    """The requested keys against the saved ones (through the transforms):
+    returns the missing and the unexpected keys, or raises when nothing
+    matches, a requested value was refused by the DCP reader, or a strict
+    load misses keys that no ``allow_missing`` rule allows."""
+    m = ctx.manifest
     saved = set(m.tensors) | set(m.aliases) | set(m.objects) | set((m.values or {}).keys())
     # names a Split/Merge fills are available, but are not saved keys: one that no
     # rank requests is not "unexpected" (its source is reported if nothing reads it)
     available = saved | provided_by(transforms, m)
-    requested: dict[str, str] = ctx["requested"]
+    requested = ctx.requested
     missing = sorted(k for k in requested if k not in available)
     unexpected = list(census.unexpected)
     if census.any_requested and not census.any_matched:
@@ -118,16 +168,33 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
         if unexpected:
             parts.append(f"unexpected (saved but not requested): {unexpected[:20]}")
         raise ShardingError(f"{key}: strict load: " + "; ".join(parts))
-    _check_devices(ctx["sts"], key)
-    # plan tensor reads (through the transforms)
+    return missing, unexpected
+
+
+@dataclass(frozen=True, kw_only=True)
+class _TensorReads:
+    """The tensor part of a load plan (:func:`_plan_tensors`): read groups by
+    (saved fqn, chunk index), the ``allow_missing`` rules of missing
+    targets, the transforms' finishing steps and the data files read."""
+
+    groups: Groups
+    rules: list[tuple[str, Any, torch.Tensor]]
+    finalize: list[Callable[[], None]]
+    files: set[str]
+
+
+def _plan_tensors(ctx: LoadContext, missing: set[str], allow: Allow,
+                  transforms: Sequence[Any]) -> _TensorReads:
+    """Plan every target tensor's reads (through the transforms), checking
+    the coverage of each saved tensor read from."""
+    m = ctx.manifest
     groups: Groups = defaultdict(list)
     rules: list[tuple[str, Any, torch.Tensor]] = []
     finalize: list[Callable[[], None]] = []
-    missing_set = set(missing)
     covered: set[str] = set()
     files: set[str] = set()
-    for s in ctx["sts"]:
-        res = None if s.fqn in missing_set else resolve_target(s, m, transforms)
+    for s in ctx.sts:
+        res = None if s.fqn in missing else resolve_target(s, m, transforms)
         if res is None:
             rule = next((r for match, r in allow if match(s.fqn)), "keep")
             if rule != "keep":
@@ -145,10 +212,16 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
             for item in plan_reads(entry, req):
                 groups[(pc.saved, item.chunk_index)].append((item, tgt))
                 files.add(entry.chunks[item.chunk_index].file)
-    # objects: grid checks, then (below) read and verified before any target is written
+    return _TensorReads(groups=groups, rules=rules, finalize=finalize, files=files)
+
+
+def _wanted_objects(ctx: LoadContext, missing: set[str]) -> list[tuple[ShardedObject, ObjectChunk]]:
+    """The saved chunk of every requested object element (grid checks; read
+    and verified by :func:`_read_objects` before any target is written)."""
+    m = ctx.manifest
     wanted: list[tuple[ShardedObject, ObjectChunk]] = []
-    for ob in leaves.objects:
-        if ob.key in missing_set:
+    for ob in ctx.leaves.objects:
+        if ob.key in missing:
             continue
         oe = m.objects.get(ob.key)
         if oe is None:
@@ -162,10 +235,16 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
         if oc is None:
             raise ShardingError(f"object {ob.key}: element {list(ob.global_offset)} is not saved")
         wanted.append((ob, oc))
-        files.add(oc.file)
-    _check_unchecked(m, groups, wanted, key, opts)
-    reader = Reader(st, key, m, opts)
-    reader.check_files(files)
+    return wanted
+
+
+def _read_objects(st: Storage, key: str, m: Manifest, reader: Reader,
+                  wanted: Sequence[tuple[ShardedObject, ObjectChunk]],
+                  opts: LoadOptions) -> tuple[dict[tuple[str, tuple[int, ...]], Any], dict[str, Any]]:
+    """Read, verify and decode the wanted object elements (each bounded by
+    ``LoadLimits.value_bytes`` before it is read), and decode the saved
+    values; returns the objects by ``(key, global_offset)`` and the values
+    by key or tree path."""
     objects: dict[tuple[str, tuple[int, ...]], Any] = {}
     values: dict[str, Any] = {}
     from ..ondisk.limits import default_limits, too_large
@@ -190,10 +269,7 @@ def _check(ctx: dict[str, Any], census: KeyCensus, st: Storage, key: str,
         values[ob.key] = v
     for p, enc in (m.values or {}).items():
         values[p] = codec.from_json(enc)
-    _check_hooks(leaves.statefuls, objects, ctx["notes"], values)
-    return _Plan(manifest=m, reader=reader, groups=groups, rules=rules, finalize=finalize,
-                 missing=tuple(missing), unexpected=tuple(unexpected), objects=objects,
-                 values=values)
+    return objects, values
 
 
 def _object_reader(st: Storage, key: str, chunks: Sequence[Any]) -> Any:

@@ -120,18 +120,16 @@ def _hand_over(coll: Collectives, plan: _Plan, hand: _Handover) -> str | None:
     return mine or "the handover failed on another rank"
 
 
-def _raise_after_writes(coll: Collectives, mine: BaseException | None, written: Sequence[str]) -> None:
-    """Raise the agreed failure of the writing phase (when any rank failed),
-    naming the targets this rank had already written: they hold a mix of
-    checkpoint and earlier values and must be reloaded."""
-    try:
-        coll.agree("load", mine)
-    except CheckpointError as e:
-        rank = coll.rank
-        if written:
-            note = (f"\nrank {rank} had already written {len(written)} target(s), which must be "
-                    f"reloaded (they may mix checkpoint and earlier values): {list(written[:20])}"
-                    + (f" and {len(written) - 20} more" if len(written) > 20 else ""))
-        else:
-            note = f"\nrank {rank} had written no target (every target of this rank is unchanged)"
-        raise type(e)(str(e) + note, failures=e.failures) from mine
+def _raise_after_writes(rank: int, agreed: CheckpointError, mine: BaseException | None,
+                        written: Sequence[str]) -> None:
+    """Raise the agreed failure of the writing phase (``on_fail`` of
+    :class:`reshard.collectives.Tries`), naming the targets this rank had
+    already written: they hold a mix of checkpoint and earlier values and
+    must be reloaded."""
+    if written:
+        note = (f"\nrank {rank} had already written {len(written)} target(s), which must be "
+                f"reloaded (they may mix checkpoint and earlier values): {list(written[:20])}"
+                + (f" and {len(written) - 20} more" if len(written) > 20 else ""))
+    else:
+        note = f"\nrank {rank} had written no target (every target of this rank is unchanged)"
+    raise type(agreed)(str(agreed) + note, failures=agreed.failures) from mine

@@ -14,7 +14,7 @@ import msgspec
 import torch
 
 from ..adapters.model import ModelState
-from ..collectives import Arrival, Collectives, get_collectives, timed_collectives, watch
+from ..collectives import Arrival, Collectives, Tries, get_collectives, timed_collectives, watch
 from ..commit.leases import ReaderLease
 from ..errors import (
     CheckpointError,
@@ -31,9 +31,9 @@ from ..state.sharding import ShardedTensor
 from ..state.tree import HANDLED, flatten, join, positions, scoped_manifest, v1_rules
 from ..storage import Storage, resolve
 from ..transforms import consumed_by, extra_allow_missing, manifest_view
-from .check import _check, _Plan
+from .check import LoadContext, _check, _Plan
 from .handover import _hand_over, _Handover, _plan_handover, _raise_after_writes
-from .reading import read_once_wanted
+from .reading import Groups, read_once_wanted
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,7 +216,10 @@ def _load(
     lease: Any = None,
     lease_err: BaseException | None = None,
 ) -> LoadResult:
-    """The body of :func:`load` (the lease is the caller's)."""
+    """The body of :func:`load` (the lease is the caller's): the manifest
+    phase (:func:`_open`), the check (:func:`_checked_reads`), the reads
+    (:func:`_read_and_place`), then the Stateful objects
+    (:func:`_load_statefuls`), each agreed by every rank."""
     opts = options or LoadOptions()
     # every rank checks in first: a load called on some ranks only fails there, naming the others
     coll = timed_collectives(group, opts.timeout_s, arrival=Arrival(
@@ -229,39 +232,85 @@ def _load(
     t0 = time.perf_counter()
     st, key = resolve(path, storage)
     base, before = st, st.bytes_read  # (a DCP checkpoint is read through `base`)
-    err: BaseException | None = lease_err
+    st, ctx = _open(coll, state, st, key, opts, transforms, manifest, Tries(lease_err))
+    doing.update(what=f"load of step {ctx.manifest.step}", phase="plan")
+    t_plan = time.perf_counter()
+    reads = _checked_reads(coll, ctx, st, base, key, opts, strict, allow_missing, transforms)
+    t_read = time.perf_counter()
+    doing["phase"] = "read"
+    result = _read_and_place(coll, reads, ctx, key, lease)
+    t_placed = time.perf_counter()
+    # hand loaded plain values to Stateful objects, only once every rank succeeded
+    doing["phase"] = "load_state_dict"
+    tries = Tries()
+    with tries:
+        _load_statefuls(ctx.leaves.statefuls)
+    tries.agree(coll, "load (load_state_dict)")
+    total = time.perf_counter() - t0
+    timings = {"manifest": t_plan - t0, "plan": t_read - t_plan, "read": t_placed - t_read}
+    timings["place"] = total - sum(timings.values())
+    hand = reads.hand
+    return dataclasses.replace(result, path=base.url(key), bytes_read=base.bytes_read - before,
+                               chunk_bytes_read=reads.plan.reader.chunk_bytes,
+                               bytes_received=hand.received if hand is not None else 0,
+                               bytes_sent=hand.sent if hand is not None else 0,
+                               duration_s=total, timings=timings)
+
+
+#: what a failure agreed before any target was written says
+_UNCHANGED = "load (checked before writing: every target is unchanged)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Reads:
+    """What the check phase of a load hands the reads: the checked plan,
+    the replica handover (None: every rank reads all it needs) and the read
+    groups this rank reads from storage itself."""
+
+    plan: _Plan
+    hand: _Handover | None
+    local: Groups
+
+
+def _open(coll: Collectives, state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
+          transforms: Sequence[Any], manifest: Manifest | None,
+          tries: Tries) -> tuple[Storage, LoadContext]:
+    """The manifest phase: the manifest read once and shared (unless given),
+    its structure checked on the coordinator, the target tree walked
+    (:func:`_prepare`); agreed (one all-reduce). Returns the storage the
+    checkpoint is read through (a DCP checkpoint's own) and the context."""
     if manifest is None:
-        try:
+        with tries:
             st, manifest = _read_shared(coll, st, key, opts)
-        except Exception as e:  # noqa: BLE001 - raised on every rank below
-            err = err or e
-    ctx: dict[str, Any] = {}
-    try:
-        if err is not None:
-            raise err
-        if coll.rank == 0 and manifest is not None:  # what verify and inspect refuse, load refuses
-            _check_structure(manifest, st.join(key, "manifest.json"))
-        ctx = _prepare(state, st, key, opts, transforms, coll, manifest)
-    except Exception as e:  # noqa: BLE001
-        err = e
+    ctx: LoadContext | None = None
+    if tries.ok:
+        with tries:
+            if coll.rank == 0 and manifest is not None:  # what verify and inspect refuse, load refuses
+                _check_structure(manifest, st.join(key, "manifest.json"))
+            ctx = _prepare(state, st, key, opts, transforms, coll, manifest)
     # agree on the manifest (one all-reduce); the coordinator finds the keys no
     # rank requested from every rank's key bitmap (gather, then one broadcast)
-    coll.agree("load", err)
-    doing.update(what=f"load of step {ctx['manifest'].step}", phase="plan")
-    t_plan = time.perf_counter()
-    census = key_census(coll, ctx["manifest"], ctx["requested"], transforms)
-    # every check that needs no target write (files, coverage, shapes, dtypes,
-    # strictness, devices), agreed before any rank changes any target
-    err = None
+    tries.agree(coll, "load")
+    assert ctx is not None
+    return st, ctx
+
+
+def _checked_reads(coll: Collectives, ctx: LoadContext, st: Storage, base: Storage, key: str,
+                   opts: LoadOptions, strict: bool, allow_missing: Sequence[Any],
+                   transforms: Sequence[Any]) -> _Reads:
+    """The check phase: the key census, every check that needs no target
+    write (files, coverage, shapes, dtypes, strictness, devices) and, with
+    ``verify_first``, every block this rank reads; agreed before any rank
+    changes any target. Decides whether replicas are read once (and plans
+    the handover)."""
+    census = key_census(coll, ctx.manifest, ctx.requested, transforms)
+    tries = Tries()
     plan: _Plan | None = None
-    try:
+    with tries:
         plan = _check(ctx, census, st, key, opts, strict,
                       [*allow_missing, *extra_allow_missing(transforms)], transforms)
-    except Exception as e:  # noqa: BLE001
-        err = e
     # read_once ("auto": on for remote storage) rides along (max of "off"): on only when every rank asks for it
-    off = coll.agree("load (checked before writing: every target is unchanged)", err,
-                     values=[0 if read_once_wanted(opts.read_once, base, key) else 1])
+    off = tries.agree(coll, _UNCHANGED, values=[0 if read_once_wanted(opts.read_once, base, key) else 1])
     assert plan is not None
     share = coll.world_size > 1 and not off[0]
     hand: _Handover | None = None
@@ -270,65 +319,64 @@ def _load(
         hand = _plan_handover(coll, plan, opts.read_once_min_bytes)
         local = {k: v for k, v in plan.groups.items() if k not in hand.recv}
     if opts.verify_first:  # every block this rank reads, before any target is written
-        err = None
-        try:
+        with tries:
             plan.reader.verify_only(local)
-        except Exception as e:  # noqa: BLE001
-            err = e
-        coll.agree("load (checked before writing: every target is unchanged)", err)
-    t_read = time.perf_counter()
-    doing["phase"] = "read"
-    err = None
-    result: LoadResult | None = None
-    try:
-        plan.reader.run(local, keep=hand.send if hand is not None else ())
-    except Exception as e:  # noqa: BLE001
-        err = _vanished(e, key, lease)
-    _raise_after_writes(coll, err, plan.reader.written)
+        tries.agree(coll, _UNCHANGED)
+    return _Reads(plan=plan, hand=hand, local=local)
+
+
+def _read_and_place(coll: Collectives, reads: _Reads, ctx: LoadContext, key: str,
+                    lease: Any) -> LoadResult:
+    """The read phase: this rank's reads, the replica handover (or, when it
+    failed on any rank, the fallback reads), the finishing steps and
+    ``allow_missing`` rules; each agreed, a failure naming the targets this
+    rank had already written."""
+    plan, hand = reads.plan, reads.hand
+
+    def after_writes(agreed: CheckpointError, mine: BaseException | None) -> None:
+        _raise_after_writes(coll.rank, agreed, mine, plan.reader.written)
+
+    tries = Tries()
+    with tries:
+        try:
+            plan.reader.run(reads.local, keep=hand.send if hand is not None else ())
+        except Exception as e:  # noqa: BLE001 - a deleted file named as such, agreed below
+            gone = _vanished(e, key, lease)
+            if gone is e:
+                raise
+            raise gone from e
+    tries.agree(coll, "load", on_fail=after_writes)
     fallback = _hand_over(coll, plan, hand) if hand is not None else None
     # finishing steps and allow_missing rules: only once every rank's reads succeeded
-    err = None
-    try:
+    result: LoadResult | None = None
+    with tries:
         if fallback is not None and hand is not None:  # every rank reads what it was to receive
             plan.reader.run({k: plan.groups[k] for k in hand.recv})
-            ctx["notes"][READ_ONCE] = {"fallback": fallback}
+            ctx.notes[READ_ONCE] = {"fallback": fallback}
         result = _finish(plan, ctx, key)
-    except Exception as e:  # noqa: BLE001
-        err = e
-    _raise_after_writes(coll, err, plan.reader.written)
+    tries.agree(coll, "load", on_fail=after_writes)
     assert result is not None
-    result = dataclasses.replace(result, timings={"read": time.perf_counter() - t_read})
-    # hand loaded plain values to Stateful objects, only once every rank succeeded
-    doing["phase"] = "load_state_dict"
-    err = None
-    try:
-        statefuls = ctx["leaves"].statefuls
-        peers = [obj for _path, obj, _ in statefuls]
-        # a Stateful with reshard_before_load(peers) sees every other one as constructed
-        # (OptimizerState notes its LR schedulers' constructed per-group lists)
-        for _path, obj, _ in statefuls:
-            hook = getattr(obj, "reshard_before_load", None)
-            if callable(hook):
-                hook(peers)
-        for _path, _obj, restore in statefuls:  # post-order: a leaf restored before its holder
-            restore()  # (a Stateful's load_state_dict, a handler's Tree.restore: reshard.state.kinds)
-        # then a Stateful with reshard_finish_load(peers) sees every other one loaded
-        # (OptimizerState(hyperparams="current") rebases the LR schedulers of its optimizer)
-        for _path, obj, _ in statefuls:
-            hook = getattr(obj, "reshard_finish_load", None)
-            if callable(hook):
-                hook(peers)
-    except Exception as e:  # noqa: BLE001
-        err = e
-    coll.agree("load (load_state_dict)", err)
-    total = time.perf_counter() - t0
-    timings = {"manifest": t_plan - t0, "plan": t_read - t_plan, "read": result.timings["read"]}
-    timings["place"] = total - sum(timings.values())
-    return LoadResult(**{**result.__dict__, "path": base.url(key), "bytes_read": base.bytes_read - before,
-                         "chunk_bytes_read": plan.reader.chunk_bytes,
-                         "bytes_received": hand.received if hand is not None else 0,
-                         "bytes_sent": hand.sent if hand is not None else 0,
-                         "duration_s": total, "timings": timings})
+    return result
+
+
+def _load_statefuls(statefuls: Sequence[tuple[str, Any, Callable[[], Any]]]) -> None:
+    """Hand the loaded state to the Stateful objects of the tree (once
+    every rank's reads succeeded), with their hooks around it."""
+    peers = [obj for _path, obj, _ in statefuls]
+    # a Stateful with reshard_before_load(peers) sees every other one as constructed
+    # (OptimizerState notes its LR schedulers' constructed per-group lists)
+    for _path, obj, _ in statefuls:
+        hook = getattr(obj, "reshard_before_load", None)
+        if callable(hook):
+            hook(peers)
+    for _path, _obj, restore in statefuls:  # post-order: a leaf restored before its holder
+        restore()  # (a Stateful's load_state_dict, a handler's Tree.restore: reshard.state.kinds)
+    # then a Stateful with reshard_finish_load(peers) sees every other one loaded
+    # (OptimizerState(hyperparams="current") rebases the LR schedulers of its optimizer)
+    for _path, obj, _ in statefuls:
+        hook = getattr(obj, "reshard_finish_load", None)
+        if callable(hook):
+            hook(peers)
 
 
 def _check_structure(m: Manifest, where: str) -> None:
@@ -392,7 +440,7 @@ def _read_or_dcp(st: Storage, key: str, opts: LoadOptions) -> tuple[Storage, Man
 
 def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
              transforms: Sequence[Any], coll: Collectives,
-             manifest: Manifest | None = None) -> dict[str, Any]:
+             manifest: Manifest | None = None) -> LoadContext:
     from ..adapters.dtensor import dtensor_shards
 
     if manifest is None:
@@ -439,9 +487,9 @@ def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
         requested.setdefault(k, "handled")
     for k in consumed_by(transforms, requested):
         requested.setdefault(k, "handled")
-    return {"manifest": m, "leaves": leaves, "sts": sts, "requested": requested,
-            "loaded_values": loaded_values, "loaded_objects": loaded_objects, "notes": notes,
-            "as_tensor": as_tensor, "as_number": as_number}
+    return LoadContext(manifest=m, leaves=leaves, sts=sts, requested=requested,
+                       loaded_values=loaded_values, loaded_objects=loaded_objects, notes=notes,
+                       as_tensor=as_tensor, as_number=as_number)
 
 
 def _kind_changes(m: Manifest, leaves: Any, sts: list[ShardedTensor]
@@ -530,7 +578,7 @@ def _migrate_v1(m: Manifest, legacy: dict[str, str]) -> tuple[Manifest, dict[str
                                    objects=move(m.objects), aliases=aliases), moved
 
 
-def _finish(plan: _Plan, ctx: dict[str, Any], key: str) -> LoadResult:
+def _finish(plan: _Plan, ctx: LoadContext, key: str) -> LoadResult:
     """What follows the reads of a checked plan: transforms' finishing steps,
     then the ``allow_missing`` rules; hand objects and values to the tree."""
     m = plan.manifest
@@ -545,18 +593,17 @@ def _finish(plan: _Plan, ctx: dict[str, Any], key: str) -> LoadResult:
             rule(fqn, t)
         if fqn not in initialized:
             initialized.append(fqn)
-    ctx["loaded_objects"].update(plan.objects)
-    leaves = ctx["leaves"]
+    ctx.loaded_objects.update(plan.objects)
     for p in m.values or {}:
-        if p in leaves.values:
-            ctx["loaded_values"][p] = plan.values[p]
-    for p, t in ctx["as_tensor"].items():  # saved as a tensor, requested as a value
-        ctx["loaded_values"][p] = t
-    for p, t in ctx["as_number"].items():  # saved as a number, requested as a tensor
+        if p in ctx.leaves.values:
+            ctx.loaded_values[p] = plan.values[p]
+    for p, t in ctx.as_tensor.items():  # saved as a tensor, requested as a value
+        ctx.loaded_values[p] = t
+    for p, t in ctx.as_number.items():  # saved as a number, requested as a tensor
         t.fill_(plan.values[p])
     return LoadResult(path=key, step=m.step, missing=plan.missing, unexpected=plan.unexpected,
                       initialized=tuple(initialized), values=plan.values, objects=dict(plan.objects),
                       manifest=m,
-                      notes=dict(ctx["notes"]))
+                      notes=dict(ctx.notes))
 
 

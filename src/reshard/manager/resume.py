@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from ..catalog.records import record_path
 from ..catalog.verify import verify
-from ..collectives import Collectives
+from ..collectives import Collectives, Tries
 from ..commit.lineage import Head, lineage_of, resume_order
 from ..commit.listing import committed, read_head_tagged, scan, write_head
 from ..commit.protocol import quarantine
@@ -151,13 +151,12 @@ def _coordinated(mgr: Managed, what: str, fn: Any, *args: Any) -> Any:
     """``fn(*args)`` on the coordinator, its JSON result on every rank (its
     failure raised on every rank)."""
     coll = mgr.coll
-    out, err = None, None
+    out = None
+    tries = Tries()
     if coll.rank == 0:
-        try:
+        with tries:
             out = fn(*args)
-        except Exception as e:  # noqa: BLE001 - raised on every rank by agree()
-            err = e
-    coll.agree(what, err)
+    tries.agree(coll, what)
     return json.loads(coll.broadcast_bytes(json.dumps(out).encode() if coll.rank == 0 else None))
 
 
@@ -350,13 +349,11 @@ def _write_head(mgr: Managed, name: str, attempt_id: str | None,
     head = Head(name=name, id=f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-"
                 f"{os.urandom(4).hex()}", time=listed_at, attempt_id=attempt_id, step=step,
                 owner=mgr._owner_lease() if coll.rank == 0 else None)
-    err = None
+    tries = Tries()
     if coll.rank == 0:
-        try:
+        with tries:
             write_head(mgr.storage, mgr.root, head.to_record(), expect=expect)
-        except Exception as we:  # noqa: BLE001 - raised on every rank by agree()
-            err = we
-    coll.agree(f"restore {mgr.root} (writing HEAD)", err)
+    tries.agree(coll, f"restore {mgr.root} (writing HEAD)")
     raw = coll.broadcast_bytes(json.dumps(head.to_record()).encode() if coll.rank == 0 else None)
     agreed = Head.from_record(json.loads(raw))
     assert agreed is not None

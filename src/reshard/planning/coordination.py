@@ -26,7 +26,7 @@ restart the cache is rebuilt from the parent checkpoint's
 
 Messages are msgpack (msgspec) records encoded as arrays, with each rank's fqns
 interned in a table. Nothing here does I/O: writing, publishing and discarding
-are callbacks of :class:`~reshard.planning.coordination_save.RankSave`.
+are the hooks of :class:`~reshard.planning.coordination_save.SaveHooks`.
 """
 
 from __future__ import annotations

@@ -6,10 +6,12 @@ a target removed meanwhile is named as such.
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from ..collectives import (
     Collectives,
+    OnFail,
+    Tries,
 )
 from ..commit import attempts
 from ..commit.protocol import (
@@ -19,15 +21,16 @@ from ..commit.protocol import (
     create_attempt,
     new_attempt_id,
 )
-from ..errors import CheckpointError, outcome, raise_agreed
+from ..errors import CheckpointError
 from ..ondisk.manifest import (
     MANIFEST_NAME,
 )
 from ..options import SaveOptions
+from ..planning.coordination_save import Attempt
 from ..storage import Storage
 
 
-def _raise_removed(st: Storage, info: dict[str, Any], e: BaseException) -> NoReturn:
+def _raise_removed(st: Storage, info: Attempt, e: BaseException) -> NoReturn:
     """Raise :func:`removed_error` of ``e`` (chained to it), or ``e`` itself."""
     gone = removed_error(st, info, e)
     if gone is e:
@@ -35,16 +38,16 @@ def _raise_removed(st: Storage, info: dict[str, Any], e: BaseException) -> NoRet
     raise gone from e
 
 
-def removed_error(st: Storage, info: dict[str, Any], e: BaseException) -> BaseException:
+def removed_error(st: Storage, info: Attempt, e: BaseException) -> BaseException:
     """``e`` as a CheckpointError naming what happened when the attempt
     directory no longer exists (removed under the running save: a ``reshard
     gc`` of another version, a person, a script), else ``e`` itself."""
-    attempt = info["attempt_path"]
+    attempt = info.attempt_path
     if isinstance(e, CheckpointError) and "was removed while the save ran" in str(e):
         return e
     try:
         if not st.capabilities.atomic_rename or st.exists(attempt) or st.exists(
-                st.join(info["target"], MANIFEST_NAME)):
+                st.join(info.target, MANIFEST_NAME)):
             return e
     except Exception:  # noqa: BLE001 - the original error is what matters then
         return e
@@ -55,7 +58,7 @@ def removed_error(st: Storage, info: dict[str, Any], e: BaseException) -> BaseEx
 
 
 def open_attempt(st: Storage, key: str, options: SaveOptions,
-                 leases: list[attempts.AttemptLease] | None = None) -> dict[str, Any]:
+                 leases: list[attempts.AttemptLease] | None = None) -> Attempt:
     """Coordinator, before any rank writes: decide where the checkpoint goes.
 
     ``key`` is made canonical (``Storage.canonical``: absolute, symbolic
@@ -63,8 +66,8 @@ def open_attempt(st: Storage, key: str, options: SaveOptions,
     attempt is created with a nonce in it (:func:`~reshard.commit.protocol.create_attempt`).
     With ``leases``, the attempt's lease (:class:`reshard.commit.attempts.AttemptLease`)
     is started first and appended to it (the caller stops it).
-    Returns what every rank needs (JSON-safe): ``target`` (the canonical
-    checkpoint location), ``attempt`` (id), ``attempt_path`` and ``nonce``.
+    Returns what every rank needs: the :class:`~reshard.planning.coordination_save.Attempt`
+    (the canonical checkpoint location, the attempt id, path and nonce).
     """
     target = st.canonical(key)
     st.check_publish(target)  # a store that cannot publish safely is refused before any data
@@ -90,10 +93,10 @@ def open_attempt(st: Storage, key: str, options: SaveOptions,
         except Exception:  # noqa: BLE001, S110 - best effort; the creation error is what matters
             pass
         raise
-    return {"target": target, "attempt": attempt_id, "attempt_path": attempt, "nonce": nonce}
+    return Attempt(target=target, attempt_id=attempt_id, attempt_path=attempt, nonce=nonce)
 
 
-def check_attempt_location(rank: int, st: Storage, key: str, coord: dict[str, Any]) -> None:
+def check_attempt_location(rank: int, st: Storage, key: str, coord: Attempt) -> None:
     """This rank names the coordinator's checkpoint (same canonical spelling)
     and sees the coordinator's attempt (reads the nonce back through its own
     storage).
@@ -102,15 +105,15 @@ def check_attempt_location(rank: int, st: Storage, key: str, coord: dict[str, An
         CheckpointError: a different checkpoint, or the attempt is not visible.
     """
     mine = st.canonical(key)
-    if mine != coord["target"]:
+    if mine != coord.target:
         raise CheckpointError(
             f"rank {rank} names checkpoint {mine!r}, the coordinator (rank 0) names "
-            f"{coord['target']!r}: every rank must pass the same checkpoint path (no per-rank "
+            f"{coord.target!r}: every rank must pass the same checkpoint path (no per-rank "
             "names, relative paths resolved in one directory)")
-    check_attempt(st, coord["attempt_path"], coord["nonce"], rank=rank, attempt_id=coord["attempt"])
+    check_attempt(st, coord.attempt_path, coord.nonce, rank=rank, attempt_id=coord.attempt_id)
 
 
-def agree_attempt_location(coll: Collectives, st: Storage, key: str, coord: dict[str, Any]) -> None:
+def agree_attempt_location(coll: Collectives, st: Storage, key: str, coord: Attempt) -> None:
     """Every rank, before writing any data: the checkpoint this rank named is
     the coordinator's (same canonical spelling), and this rank sees the
     coordinator's attempt (it reads the nonce back through its own storage).
@@ -124,28 +127,18 @@ def agree_attempt_location(coll: Collectives, st: Storage, key: str, coord: dict
         CheckpointError: ranks name different checkpoints, or a rank cannot
             see the coordinator's attempt (node-local storage).
     """
-    err: BaseException | None = None
-    try:
+    tries = Tries()
+    with tries:
         check_attempt_location(coll.rank, st, key, coord)
-    except Exception as e:  # noqa: BLE001 - agreed below
-        err = e
-    agree_or_discard(coll, st, coord["attempt_path"], "save (attempt location)",
-                     outcome(coll.rank, err), err, attempt_id=coord["attempt"])
+    tries.gather(coll, "save (attempt location)", on_fail=discarding(coll, st, coord))
 
 
-def agree_or_discard(coll: Collectives, st: Storage, attempt: str, what: str,
-                     mine: dict[str, Any], err: BaseException | None, *,
-                     attempt_id: str | None = None) -> list[dict[str, Any]]:
-    """Gather every rank's outcome of a save phase; if any failed, discard the
-    attempt (coordinator) and raise the agreed error on every rank. Returns the
-    gathered outcomes."""
-    gathered = coll.all_gather_json(mine)
-    try:
-        raise_agreed(what, gathered, err)
-    except CheckpointError:
-        discard_attempt(coll, st, attempt, attempt_id=attempt_id)
-        raise
-    return gathered
+def discarding(coll: Collectives, st: Storage, coord: Attempt) -> OnFail:
+    """``on_fail`` of a save phase (:class:`reshard.collectives.Tries`):
+    the coordinator discards the attempt (:func:`discard_attempt`)."""
+    def discard(agreed: CheckpointError, mine: BaseException | None) -> None:
+        discard_attempt(coll, st, coord.attempt_path, attempt_id=coord.attempt_id)
+    return discard
 
 
 def discard_attempt(coll: Collectives, st: Storage, attempt: str, *,

@@ -13,7 +13,7 @@ How a save decides, and who does what (``SaveOptions.incremental``):
   xxh3_128 (:func:`reshard.ondisk.shardfile.content_digest`), off the
   training loop's critical path for an asynchronous save;
 * the coordinator names the parent it links from in the attempt's
-  ``info`` (:func:`link_source`: its location and attempt id, O(1) bytes);
+  :class:`~reshard.planning.coordination_save.Attempt` (:func:`link_source`: its location and attempt id, O(1) bytes);
 * persist (every writing rank, per file of one chunk): the parent's file of
   the same name is linked when it is byte for byte the file this save would
   write: its size and its header (which records each item's content digest)
@@ -44,6 +44,7 @@ from ..errors import CheckpointError
 from ..ondisk.committed import read_manifest
 from ..ondisk.manifest import Manifest
 from ..planning.coordination import Layout
+from ..planning.coordination_save import LinkSource
 from ..planning.plan_store import parent_path
 from ..storage import Storage
 
@@ -81,11 +82,12 @@ def is_chunk_file(name: str) -> bool:
 
 
 def link_source(st: Storage, key: str, parent: str | None, *,
-                hmac_key: bytes | None = None) -> tuple[dict[str, Any] | None, Manifest | None]:
+                hmac_key: bytes | None = None) -> tuple[LinkSource | None, Manifest | None]:
     """Coordinator, when an incremental save opens its attempt: the parent
-    checkpoint to link from (JSON-safe, for every rank: ``path``, its
-    canonical location, and ``attempt``, its attempt id, which names its
-    files where attempts share a prefix) and its manifest; ``(None, None)``
+    checkpoint to link from (for every rank, in the broadcast
+    :class:`~reshard.planning.coordination_save.Attempt`: its canonical
+    location and its attempt id, which names its files where attempts share
+    a prefix) and its manifest; ``(None, None)``
     when there is no parent or it is not a committed checkpoint that reads
     (the save then writes everything; never a failure of the save)."""
     prev = parent_path(st, key, parent)
@@ -99,16 +101,16 @@ def link_source(st: Storage, key: str, parent: str | None, *,
             m = read_manifest(st, where, hmac_key=hmac_key)
         except (CheckpointError, OSError):
             return None, None
-    return {"path": where, "attempt": m.attempt_id}, m
+    return LinkSource(path=where, attempt_id=m.attempt_id), m
 
 
-def source_key(st: Storage, src: dict[str, Any], name: str) -> str:
+def source_key(st: Storage, src: LinkSource, name: str) -> str:
     """The key of the parent's file ``name`` (as the plan names it, or as
     this attempt's key)."""
     name = plain_name(name)
     if st.capabilities.atomic_rename:
-        return st.join(src["path"], name)
-    return st.join(src["path"], attempts.data_name(src["attempt"], name))
+        return st.join(src.path, name)
+    return st.join(src.path, attempts.data_name(src.attempt_id, name))
 
 
 def _parent_name(st: Storage, parent: Manifest, name: str) -> str | None:

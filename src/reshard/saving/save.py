@@ -49,6 +49,8 @@ from ..ondisk.shardfile import (
 from ..options import SaveOptions, hmac_key_of
 from ..planning.coordination import PLAN_CACHE, Assignment
 from ..planning.coordination_save import (
+    Attempt,
+    LinkSource,
     RankSave,
     integrity_check_assignment,
     report_bytes,
@@ -325,7 +327,7 @@ def _cpus() -> int:
 
 
 def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignment,
-            options: SaveOptions, link_from: dict[str, Any] | None = None) -> tuple[bytes, int]:
+            options: SaveOptions, link_from: LinkSource | None = None) -> tuple[bytes, int]:
     """Write this rank's files of ``assignment``; returns the write report for
     the coordinator (see :class:`reshard.planning.coordination.Report`) and the bytes
     written. ``link_from`` (an incremental save with a parent,
@@ -594,127 +596,26 @@ def run_save(
     ``save`` and the background thread of ``async_save``), through the
     coordinator protocol of :func:`reshard.planning.coordination.save_steps`; the
     plan is reused from the cache when no rank's structure changed."""
-    from . import incremental
-
     timings: dict[str, float] = {"stage": time.perf_counter() - t0}
-    rank = coll.rank
-    inc = options.incremental is True
-    parent_m: list[Manifest] = []  # the coordinator's view of the parent it links from
     lp = None
     if snap is not None:
-        lp = LocalPlan(rank=rank, tensors=tuple(t for t, _, _ in snap.tensors),
+        lp = LocalPlan(rank=coll.rank, tensors=tuple(t for t, _, _ in snap.tensors),
                        objects=tuple(o for o, _ in snap.objects), aliases=snap.aliases)
     gkey = group_key(coll)
-
-    def check_location(info: dict[str, Any]) -> None:
-        try:
-            check_attempt_location(coll.rank, st, key, info)
-        except Exception as e:
-            if coll.rank != 0:  # elsewhere an unseen attempt is node-local storage, not removal
-                raise
-            _raise_removed(st, info, e)
-
-    def do_persist(info: dict[str, Any], assignment: Assignment) -> tuple[bytes, int]:
-        assert snap is not None and lp is not None
-        integrity_check_assignment(assignment, lp)
-        attempt = info["attempt_path"]
-        if not st.capabilities.atomic_rename:  # attempts under one prefix never share a key
-            assignment = msgspec.structs.replace(
-                assignment, files=[attempts.data_name(info["attempt"], f) for f in assignment.files])
-        if on_attempt is not None:
-            on_attempt(attempt)
-        try:  # into the coordinator's attempt, which this rank has been shown to see
-            return persist(st, attempt, snap, assignment, options, link_from=info.get("link_from"))
-        except Exception as e:
-            gone = removed_error(st, info, e)
-            if gone is not e:
-                raise gone from e
-            if isinstance(e, OSError):  # a backend that raised a bare OSError: the store failed
-                raise StorageError(f"{key}: writing rank {rank}'s files failed: "
-                                   f"{type(e).__name__}: {e}") from e
-            raise
-
-    def do_publish(info: dict[str, Any], manifest: Manifest) -> None:
-        if abort is not None and abort.is_set():
-            raise CheckpointError(f"{key}: save abandoned before publishing")
-        if not st.capabilities.atomic_rename:  # the keys persist wrote
-            manifest = attempts.rename_files(
-                manifest, {n: attempts.data_name(info["attempt"], n) for n in manifest.files})
-        if options.hmac_key is not None:
-            manifest = sign_manifest(manifest, options.hmac_key)
-        try:
-            publish(st, info["attempt_path"], info["target"], manifest, overwrite=options.overwrite,
-                    durable=options.durable)
-        except Exception as e:
-            _raise_removed(st, info, e)
-        published.append(manifest)
-        if inc:
-            incremental.remember(st, info["target"], manifest)
-
-    def manifest_args() -> dict[str, Any]:
-        assert snap is not None
-        return dict(step=step, checksum_block_bytes=options.checksum_block_bytes,
-                    schema_version=options.schema_version, mesh=options.mesh,
-                    values=snap.values_json, extra=dict(options.extra), parent=options.parent,
-                    lineage=options.lineage, adapters=snap.adapters,
-                    origin_of=incremental.origin_of(st, parent_m[0]) if parent_m else None)
-
-    published: list[Manifest] = []
-    cache = PLAN_CACHE.pop(gkey, None)
-    restored = False
-    if cache is None and lp is not None:  # a new process: the parent checkpoint's plan, if it fits
-        prev = parent_path(st, key, options.parent)
-        if prev is not None:
-            cache = restart_entry(st, prev, rank, coll.world_size, files_per_rank=options.files_per_rank,
-                                  hmac_key=options.hmac_key)
-            restored = cache is not None
-
-    def write_plan(info: dict[str, Any], raw: bytes) -> None:
-        try:
-            st.write_bytes(st.join(info["attempt_path"], PLAN_FILE), raw, durable=options.durable)
-        except Exception as e:
-            _raise_removed(st, info, e)
-
-    leases: list[attempts.AttemptLease] = []
-
-    def begin() -> dict[str, Any]:
-        # the lease is held by the coordinator until publish (and rename) or
-        # discard; it is written before the attempt exists, so no gc ever
-        # sees the attempt without it
-        info = open_attempt(st, key, options, leases=leases)
-        if inc:  # the parent to link unchanged chunks from (none: everything is written)
-            src, pm = incremental.link_source(st, key, options.parent, hmac_key=options.hmac_key)
-            if src is not None and pm is not None:
-                info["link_from"] = src
-                parent_m.append(pm)
-        return info
-
-    def check_space(info: dict[str, Any], needed: int) -> None:
-        free = st.free_bytes(info["attempt_path"])
-        if free is not None and needed > free:
-            raise StorageError(
-                f"{info['target']}: not enough space for the checkpoint of step {step}: it needs "
-                f"about {needed} bytes ({needed / 2**20:.1f} MiB), {free} bytes "
-                f"({free / 2**20:.1f} MiB) are free; nothing was written")
-
-    ctx = RankSave(rank=rank, world_size=coll.world_size, plan=lp,
+    cache, restored = _plan_cache(coll, st, key, options, gkey, lp is not None)
+    hooks = _RankSaver(coll=coll, st=st, key=key, snap=snap, plan=lp, step=step, options=options,
+                       on_attempt=on_attempt, abort=abort)
+    inc = options.incremental is True
+    ctx = RankSave(rank=coll.rank, world_size=coll.world_size, plan=lp,
                    value_digests=snap.value_digests if snap is not None else {}, err=err,
-                   files_per_rank=options.files_per_rank, begin=begin,
-                   check_location=check_location, persist=do_persist, publish=do_publish,
-                   discard=lambda info: discard_attempt(coll, st, info["attempt_path"],
-                                                        attempt_id=info["attempt"]),
-                   manifest_args=manifest_args, cache=cache, check_space=check_space,
-                   own_file_bytes=options.own_file_bytes if inc else 0,
-                   linkable=(lambda info, layout: incremental.linkable_bytes(st, parent_m[0], layout)
-                             if parent_m else 0) if inc else None,
-                   # attempts share the final prefix without rename: no plan kept there
-                   write_plan=write_plan if st.capabilities.atomic_rename else None)
+                   files_per_rank=options.files_per_rank, hooks=hooks, cache=cache,
+                   own_file_bytes=options.own_file_bytes if inc else 0)
     # progress lines and collective failures name the save and its phase
     watch(coll, lambda: (f"save of step {step}", ctx.phase))
     try:
         out = drive(coll, save_steps(ctx))
     finally:
-        for lease in leases:
+        for lease in hooks.leases:
             lease.stop()
     if ctx.new_cache is not None:
         PLAN_CACHE[gkey] = ctx.new_cache
@@ -725,7 +626,146 @@ def run_save(
     timings["plan_from_parent"] = float(out.cached and restored)
     return SaveResult(path=st.url(key), step=step, attempt_id=out.attempt_id, bytes_written=out.bytes_written,
                       total_bytes=out.total_bytes, num_files=out.num_files, timings=timings,
-                      manifest=published[0] if published else None)
+                      manifest=hooks.published[0] if hooks.published else None)
+
+
+def _plan_cache(coll: Collectives, st: Storage, key: str, options: SaveOptions, gkey: Any,
+                planned: bool) -> tuple[Any, bool]:
+    """The cached plan of this group (taken out of the cache), or, in a new
+    process, the parent checkpoint's plan if it fits; and whether it came
+    from the parent."""
+    cache = PLAN_CACHE.pop(gkey, None)
+    if cache is None and planned:  # a new process: the parent checkpoint's plan, if it fits
+        prev = parent_path(st, key, options.parent)
+        if prev is not None:
+            cache = restart_entry(st, prev, coll.rank, coll.world_size,
+                                  files_per_rank=options.files_per_rank, hmac_key=options.hmac_key)
+            return cache, cache is not None
+    return cache, False
+
+
+class _RankSaver:
+    """The I/O of one rank's save at the steps of
+    :func:`reshard.planning.coordination_save.save_steps` (its
+    :class:`~reshard.planning.coordination_save.SaveHooks`): the attempt
+    opened and checked, the snapshot persisted, the manifest signed and
+    published. Holds the coordinator's attempt lease (``leases``, stopped by
+    the caller) and the published manifest (``published``)."""
+
+    checks_space = True
+
+    def __init__(self, *, coll: Collectives, st: Storage, key: str, snap: Snapshot | None,
+                 plan: LocalPlan | None, step: int | None, options: SaveOptions,
+                 on_attempt: Any, abort: Any) -> None:
+        self.coll, self.st, self.key, self.snap, self.plan = coll, st, key, snap, plan
+        self.step, self.options, self.on_attempt, self.abort = step, options, on_attempt, abort
+        self.inc = options.incremental is True
+        # attempts share the final prefix without rename: no plan kept there
+        self.keeps_plan = st.capabilities.atomic_rename
+        self.leases: list[attempts.AttemptLease] = []
+        self.published: list[Manifest] = []
+        self.parent_m: Manifest | None = None  # the coordinator's view of the parent it links from
+
+    def begin(self) -> Attempt:
+        # the lease is held by the coordinator until publish (and rename) or
+        # discard; it is written before the attempt exists, so no gc ever
+        # sees the attempt without it
+        from . import incremental
+
+        st, options = self.st, self.options
+        attempt = open_attempt(st, self.key, options, leases=self.leases)
+        if self.inc:  # the parent to link unchanged chunks from (none: everything is written)
+            src, pm = incremental.link_source(st, self.key, options.parent, hmac_key=options.hmac_key)
+            if src is not None and pm is not None:
+                attempt = dataclasses.replace(attempt, link_from=src)
+                self.parent_m = pm
+        return attempt
+
+    def check_location(self, info: Attempt) -> None:
+        try:
+            check_attempt_location(self.coll.rank, self.st, self.key, info)
+        except Exception as e:
+            if self.coll.rank != 0:  # elsewhere an unseen attempt is node-local storage, not removal
+                raise
+            _raise_removed(self.st, info, e)
+
+    def check_space(self, info: Attempt, needed: int) -> None:
+        free = self.st.free_bytes(info.attempt_path)
+        if free is not None and needed > free:
+            raise StorageError(
+                f"{info.target}: not enough space for the checkpoint of step {self.step}: it needs "
+                f"about {needed} bytes ({needed / 2**20:.1f} MiB), {free} bytes "
+                f"({free / 2**20:.1f} MiB) are free; nothing was written")
+
+    def linkable(self, info: Attempt, layout: Any) -> int:
+        from . import incremental
+
+        if not self.inc or self.parent_m is None:
+            return 0
+        return incremental.linkable_bytes(self.st, self.parent_m, layout)
+
+    def persist(self, info: Attempt, assignment: Assignment) -> tuple[bytes, int]:
+        snap, lp, st, options = self.snap, self.plan, self.st, self.options
+        assert snap is not None and lp is not None
+        integrity_check_assignment(assignment, lp)
+        attempt = info.attempt_path
+        if not st.capabilities.atomic_rename:  # attempts under one prefix never share a key
+            assignment = msgspec.structs.replace(
+                assignment, files=[attempts.data_name(info.attempt_id, f) for f in assignment.files])
+        if self.on_attempt is not None:
+            self.on_attempt(attempt)
+        try:  # into the coordinator's attempt, which this rank has been shown to see
+            return persist(st, attempt, snap, assignment, options, link_from=info.link_from)
+        except Exception as e:
+            gone = removed_error(st, info, e)
+            if gone is not e:
+                raise gone from e
+            if isinstance(e, OSError):  # a backend that raised a bare OSError: the store failed
+                raise StorageError(f"{self.key}: writing rank {self.coll.rank}'s files failed: "
+                                   f"{type(e).__name__}: {e}") from e
+            raise
+
+    def manifest_args(self) -> dict[str, Any]:
+        from . import incremental
+
+        snap, options = self.snap, self.options
+        assert snap is not None
+        return dict(step=self.step, checksum_block_bytes=options.checksum_block_bytes,
+                    schema_version=options.schema_version, mesh=options.mesh,
+                    values=snap.values_json, extra=dict(options.extra), parent=options.parent,
+                    lineage=options.lineage, adapters=snap.adapters,
+                    origin_of=incremental.origin_of(self.st, self.parent_m)
+                    if self.parent_m is not None else None)
+
+    def write_plan(self, info: Attempt, raw: bytes) -> None:
+        try:
+            self.st.write_bytes(self.st.join(info.attempt_path, PLAN_FILE), raw,
+                                durable=self.options.durable)
+        except Exception as e:
+            _raise_removed(self.st, info, e)
+
+    def publish(self, info: Attempt, manifest: Manifest) -> None:
+        from . import incremental
+
+        st, options = self.st, self.options
+        if self.abort is not None and self.abort.is_set():
+            raise CheckpointError(f"{self.key}: save abandoned before publishing")
+        if not st.capabilities.atomic_rename:  # the keys persist wrote
+            manifest = attempts.rename_files(
+                manifest, {n: attempts.data_name(info.attempt_id, n) for n in manifest.files})
+        if options.hmac_key is not None:
+            manifest = sign_manifest(manifest, options.hmac_key)
+        try:
+            publish(st, info.attempt_path, info.target, manifest, overwrite=options.overwrite,
+                    durable=options.durable)
+        except Exception as e:
+            _raise_removed(st, info, e)
+        self.published.append(manifest)
+        if self.inc:
+            incremental.remember(st, info.target, manifest)
+
+    def discard(self, info: Attempt) -> None:
+        discard_attempt(self.coll, self.st, info.attempt_path, attempt_id=info.attempt_id)
 
 
 def drop_plan_cache(group: Any = None) -> None:
