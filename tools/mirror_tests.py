@@ -178,12 +178,16 @@ MOVES: dict[str, str] = {
     "_staging_fns.py": "saving/_staging_fns.py",
     "test_staging_threads.py": "saving/test_staging_threads.py",
     # -- state (reshard/state) ---------------------------------------------------------
+    "test_state_kinds.py": "state/test_kinds.py",
+    "_kinds_fns.py": "state/_kinds_fns.py",
     "test_naming.py": "state/test_naming.py",
     "_naming_fns.py": "state/_naming_fns.py",
     "data": "state/data",  # a format-version-1 checkpoint that test_naming migrates
     "test_sharding.py": "state/test_sharding.py",
     # -- storage (reshard/storage) -----------------------------------------------------
     "test_storage.py": "storage/test_conformance.py",
+    "test_storage_registry.py": "storage/test_registry.py",
+    "test_storage_backend_toy.py": "storage/test_backend_toy.py",
     "test_paths.py": "storage/test_path_schemes.py",
     "test_s3.py": "storage/test_s3.py",
     "_s3_fns.py": "storage/_s3_fns.py",
@@ -193,6 +197,8 @@ MOVES: dict[str, str] = {
     "_pool_fns.py": "testing/_pool_fns.py",
     # -- tests/ itself: top-level modules, the facade, the repository's documents ------
     "test_arrival.py": "test_collectives_arrival.py",
+    "test_tries.py": "test_collectives_tries.py",
+    "test_architecture.py": "test_architecture.py",
     "_arrival_fns.py": "_arrival_fns.py",
     "test_contract.py": "test_api_edge_cases.py",
     "test_distributed.py": "test_save_load_dist.py",
