@@ -194,7 +194,7 @@ MOVES: dict[str, str] = {
     "test_s3rver.py": "storage/test_s3rver.py",
     # -- testing (reshard/testing) -----------------------------------------------------
     "test_pool.py": "testing/test_pool.py",
-    "_pool_fns.py": "testing/_pool_fns.py",
+    "_pool_fns.py": "support/_pool_fns.py",
     # -- tests/ itself: top-level modules, the facade, the repository's documents ------
     "test_arrival.py": "test_collectives_arrival.py",
     "test_tries.py": "test_collectives_tries.py",
