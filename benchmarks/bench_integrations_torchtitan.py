@@ -2,7 +2,7 @@
 same run stopped after step k and resumed with reshard as TorchTitan's checkpoint
 component, on the same layout and on another number of ranks; both curves printed.
 
-TorchTitan's own components on gloo ranks (tests/_torchtitan_fns.py: a Llama 3
+TorchTitan's own components on gloo ranks (tests/integrations/_torchtitan_fns.py: a Llama 3
 debugmodel made smaller, FSDP2 by TorchTitan's code, OptimizersContainer,
 LRSchedulersContainer, the Trainer's loop and hooks). Cells:
 
@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, "src"), os.path.join(ROOT, "tests")]
+sys.path[:0] = [os.path.join(ROOT, "src"), os.path.join(ROOT, "tests", "integrations")]
 
 
 def _cell(pool: Any, d: str, name: str, ranks: tuple[int, int], steps: int, interval: int, stop: int,

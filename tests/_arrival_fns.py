@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_arrival.py (run inside WorkerPool workers,
+"""Rank functions for tests/test_collectives_arrival.py (run inside WorkerPool workers,
 imported by name)."""
 
 from __future__ import annotations

@@ -1,4 +1,12 @@
-"""Session-wide fixtures: the gloo ``WorkerPool`` and hypothesis profiles."""
+"""Session-wide fixtures: the gloo ``WorkerPool`` and hypothesis profiles.
+
+``tests/`` mirrors ``src/reshard/``: ``tests/saving/`` tests ``reshard.saving`` and so
+on; tests of the top-level modules, of the facade and of the documents stay here. A rank
+helper (``_*_fns.py``) sits beside the tests that use it; one used from several folders
+sits in ``tests/support/`` (on pytest's ``pythonpath``). Basenames are unique over the
+tree (pytest imports each test file by its basename, and the pool's workers import rank
+functions by module name). ``tools/mirror_tests.py`` keeps the layout; run it after
+merging a branch that adds tests."""
 
 from __future__ import annotations
 

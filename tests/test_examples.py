@@ -135,7 +135,7 @@ def test_packing_resumed_on_another_dp_and_global_batch(tmp_path: Path, packing:
     """6 steps with packing (global batch 16), resumed on another DP size with
     another global batch size to step 10: every sample drawn is trained or
     left over exactly once (all 224 within epoch 0), from the consumed-sample
-    position on. (Per-rank packing across DP sizes: tests/test_cursor_packing.py;
+    position on. (Per-rank packing across DP sizes: tests/adapters/test_cursor_packing.py;
     ("rank", (1, 2), 8) passes here too, left out for time.)"""
     from collections import Counter
 

@@ -1,5 +1,5 @@
 """The scale simulator checked by real gloo ranks (``benchmarks/bench_real_ranks.py``,
-``tests/test_real_ranks.py``).
+``tests/bench/test_real_ranks.py``).
 
 Every rank builds the state the simulator describes for its layout
 (:func:`reshard.bench.scale_layout.rank_items` of a tiny Llama,

@@ -247,6 +247,6 @@ _QUICK_EXTRA = ("sigkill-save/save-async/data/kill/rank1", "sigkill-save/save-sy
                 "integrity/integrity--/shared-shard/-/rank0", "incremental/gc--/sweep-mid/gc-kill/rank0")
 #: classes the quick matrix leaves to the full one (a stop cell waits out its
 #: timeout twice: one runs, above; the SIGTERM and exit cells start two
-#: interpreters each, and tests/test_failure_budget.py and
-#: tests/test_async_exit.py cover them on one)
+#: interpreters each, and tests/faults/test_fault_costs_one_save.py and
+#: tests/saving/test_async_exit.py cover them on one)
 _QUICK_SKIP = ("sigstop-save", "sigstop-load", "sigterm-unwinding", "sigkill-exit")

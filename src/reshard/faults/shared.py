@@ -526,7 +526,7 @@ def _fifo(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[str, Any])
         t = tgt(0, 1, 8)
         return reshard.load(t, ck, storage=st)
 
-    def gc() -> Any:  # what `reshard gc --keep-last 2 --grace 0` runs (the CLI itself: tests/test_shared_root.py)
+    def gc() -> Any:  # what `reshard gc --keep-last 2 --grace 0` runs (the CLI itself: tests/commit/test_shared_root.py)
         m = CheckpointManager(root, keep_last=2, writer=False, gc_grace_s=0.0, preempt_signals=(), storage=st)
         m.apply_retention(smoke_newer=True)
         return m.gc_abandoned()

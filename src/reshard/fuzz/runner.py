@@ -14,7 +14,7 @@ CheckpointError merely wraps the MemoryError), or a load that returns data
 other than the saved bytes when only shard-file bytes were changed (checksums
 must catch that).
 
-Used by ``reshard fuzz`` and ``tests/test_fuzz.py`` (which drives
+Used by ``reshard fuzz`` and ``tests/fuzz/test_fuzz.py`` (which drives
 :func:`~.fuzz_cases.generate` from hypothesis' ``randoms()`` so failures shrink).
 """
 

@@ -404,7 +404,7 @@ class ReshardCheckpoint(Checkpoint):
             raise CheckpointError(
                 f"ReshardCheckpoint: the installed Lightning ({pl.__version__}) lacks what this "
                 f"integration relies on: {'; '.join(missing)}. Pin a Lightning release it supports "
-                "(tests/test_integration_lightning.py names the one it is tested with)")
+                "(tests/integrations/test_lightning.py names the one it is tested with)")
         self._ckpt_path = _fit_ckpt_path()
         self._refuse_reshard_ckpt_path(self._ckpt_path)
         self._lightning_restored = False

@@ -242,7 +242,7 @@ class ReshardTrainerMixin:
             raise CheckpointError(
                 f"ReshardTrainer: the installed transformers ({transformers.__version__}) lacks "
                 f"what this integration relies on: {'; '.join(missing)}. Pin a transformers release "
-                "it supports (tests/test_integration_transformers.py names the one it is tested with)")
+                "it supports (tests/integrations/test_transformers.py names the one it is tested with)")
         super().__init__(*args, **kwargs)
         t: Any = self
         if t.args.save_only_model:

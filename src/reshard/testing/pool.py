@@ -4,8 +4,10 @@ Who calls what:
 
 * ``tests/conftest.py`` creates one :class:`WorkerPool` per pytest session (fixture ``pool``).
 * Tests call ``pool.run(world_size, fn, *args, **kwargs)``; ``fn`` is a module-level function
-  (usually in ``tests/_*.py``) that runs once on every rank of an already initialised default
-  gloo process group of exactly ``world_size`` ranks.
+  (usually in a rank helper ``tests/<package>/_*_fns.py`` beside the tests that use it) that
+  runs once on every rank of an already initialised default gloo process group of exactly
+  ``world_size`` ranks. Workers import it by its module name with the parent's ``sys.path``
+  (under pytest: ``tests``, ``tests/support`` and the folder of every collected test file).
 * :func:`_worker_main` is the entry point of each spawned worker process; it is called only by
   :mod:`multiprocessing`. Nothing else in this module should be called from inside a worker.
 
