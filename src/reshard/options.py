@@ -85,6 +85,101 @@ def hmac_key_of(given: bytes | None) -> bytes | None:
     return env_hmac_key()
 
 
+#: SaveOptions' fields by concern: group name -> (its record's fields, in order).
+#: The flat fields stay SaveOptions' own (``dataclasses.replace``, ``asdict``
+#: and ``==`` work as before); each group is a read-only view and a way to
+#: build one (:meth:`SaveOptions.of`).
+SAVE_OPTION_GROUPS: dict[str, tuple[str, ...]] = {
+    "integrity": ("checksums", "checksum_block_bytes", "hmac_key", "verify_replicas"),
+    "files": ("files_per_rank", "durable", "overwrite"),
+    "record": ("schema_version", "mesh", "extra"),
+    "lineage": ("parent", "lineage", "incremental", "own_file_bytes"),
+    "background": ("max_pending", "if_busy", "background_nice", "staging_threads",
+                   "staging_budget_bytes", "overlap_staging"),
+    "timeouts": ("timeout_s", "arrival_timeout_s"),
+    "display": ("progress",),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class IntegrityOptions:
+    """What a save records to check its bytes: see :class:`SaveOptions`
+    (``checksums``, ``checksum_block_bytes``, ``hmac_key``, ``verify_replicas``)."""
+
+    checksums: bool = True
+    checksum_block_bytes: int = 1 << 20
+    hmac_key: bytes | None = None
+    verify_replicas: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileOptions:
+    """How a save writes its files: see :class:`SaveOptions` (``files_per_rank``,
+    ``durable``, ``overwrite``)."""
+
+    files_per_rank: int = 1
+    durable: bool = True
+    overwrite: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecordOptions:
+    """What the manifest records beside the state: see :class:`SaveOptions`
+    (``schema_version``, ``mesh``, ``extra``)."""
+
+    schema_version: str | None = None
+    mesh: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LineageOptions:
+    """Where a checkpoint comes from and what it shares with it: see
+    :class:`SaveOptions` (``parent``, ``lineage``, ``incremental``, ``own_file_bytes``)."""
+
+    parent: str | None = None
+    lineage: str | None = None
+    incremental: bool | None = None
+    own_file_bytes: int = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackgroundOptions:
+    """How an asynchronous save stages and runs: see :class:`SaveOptions`
+    (``max_pending``, ``if_busy``, ``background_nice``, ``staging_threads``,
+    ``staging_budget_bytes``, ``overlap_staging``)."""
+
+    max_pending: int = 1
+    if_busy: str = "block"
+    background_nice: int = 10
+    staging_threads: int | None = None
+    staging_budget_bytes: int | None = None
+    overlap_staging: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimeoutOptions:
+    """How long a save's collectives wait: see :class:`SaveOptions`
+    (``timeout_s``, ``arrival_timeout_s``; seconds)."""
+
+    timeout_s: float | None = DEFAULT_TIMEOUT_S
+    arrival_timeout_s: float | None = DEFAULT_ARRIVAL_TIMEOUT_S
+
+
+@dataclass(frozen=True, kw_only=True)
+class DisplayOptions:
+    """What a save shows: see :class:`SaveOptions` (``progress``)."""
+
+    progress: bool | None = None
+
+
+_GROUP_TYPES: dict[str, type] = {
+    "integrity": IntegrityOptions, "files": FileOptions, "record": RecordOptions,
+    "lineage": LineageOptions, "background": BackgroundOptions, "timeouts": TimeoutOptions,
+    "display": DisplayOptions,
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class SaveOptions:
     """How a save runs.
@@ -277,6 +372,75 @@ class SaveOptions:
         if SEAL_KEY in self.extra:
             raise ValueError(f"extra[{SEAL_KEY!r}] is reserved for the manifest's own checksum "
                              "(it would be replaced when the manifest is written); use another key")
+
+    # -- the same fields by concern (SAVE_OPTION_GROUPS)
+    @classmethod
+    def of(cls, *, integrity: IntegrityOptions | None = None, files: FileOptions | None = None,
+           record: RecordOptions | None = None, lineage_options: LineageOptions | None = None,
+           background: BackgroundOptions | None = None, timeouts: TimeoutOptions | None = None,
+           display: DisplayOptions | None = None, **flat: Any) -> SaveOptions:
+        """SaveOptions from its groups (and any flat field besides), e.g.
+        ``SaveOptions.of(integrity=IntegrityOptions(checksums=False),
+        background=BackgroundOptions(overlap_staging=True))``.
+
+        Raises:
+            TypeError: a flat field also given by its group, or an unknown name.
+            ValueError: what the flat constructor raises for a bad value."""
+        kw: dict[str, Any] = {}
+        given = {"integrity": integrity, "files": files, "record": record, "lineage": lineage_options,
+                 "background": background, "timeouts": timeouts, "display": display}
+        for name, grp in given.items():
+            if grp is None:
+                continue
+            if not isinstance(grp, _GROUP_TYPES[name]):
+                arg = "lineage_options" if name == "lineage" else name
+                raise TypeError(f"SaveOptions.of({arg}=...) takes a {_GROUP_TYPES[name].__name__}, "
+                                f"got {type(grp).__name__}")
+            for f in SAVE_OPTION_GROUPS[name]:
+                if f in flat:
+                    raise TypeError(f"SaveOptions.of: {f!r} given both flat and in its group ({name})")
+                kw[f] = getattr(grp, f)
+        return cls(**kw, **flat)
+
+    def _group(self, name: str) -> Any:
+        return _GROUP_TYPES[name](**{f: getattr(self, f) for f in SAVE_OPTION_GROUPS[name]})
+
+    @property
+    def integrity(self) -> IntegrityOptions:
+        """``checksums``, ``checksum_block_bytes``, ``hmac_key``, ``verify_replicas``."""
+        return self._group("integrity")
+
+    @property
+    def files(self) -> FileOptions:
+        """``files_per_rank``, ``durable``, ``overwrite``."""
+        return self._group("files")
+
+    @property
+    def record(self) -> RecordOptions:
+        """``schema_version``, ``mesh``, ``extra``."""
+        return self._group("record")
+
+    @property
+    def lineage_options(self) -> LineageOptions:
+        """``parent``, ``lineage``, ``incremental``, ``own_file_bytes`` (``lineage``
+        is a flat field's name: the group is ``lineage_options``)."""
+        return self._group("lineage")
+
+    @property
+    def background(self) -> BackgroundOptions:
+        """``max_pending``, ``if_busy``, ``background_nice``, ``staging_threads``,
+        ``staging_budget_bytes``, ``overlap_staging``."""
+        return self._group("background")
+
+    @property
+    def timeouts(self) -> TimeoutOptions:
+        """``timeout_s``, ``arrival_timeout_s``."""
+        return self._group("timeouts")
+
+    @property
+    def display(self) -> DisplayOptions:
+        """``progress``."""
+        return self._group("display")
 
 
 @dataclass(frozen=True, kw_only=True)
