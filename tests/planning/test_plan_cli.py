@@ -100,14 +100,20 @@ def test_plan_refuses_an_uncoverable_layout_naming_the_first_missing_region(tmp_
     chunks = doc["tensors"]["model.layers.2.attn.o.weight"]["chunks"]
     chunks[1]["global_offset"] = [0, 8]  # columns 8..24 twice, 24..32 held by no chunk
     write_manifest_doc(p, doc)
+    from reshard.ondisk.manifest import decode_manifest
+
+    m = decode_manifest(p.read_bytes())  # parsed, before the structure check that inspect and plan make
+    with pytest.raises(reshard.CoverageError) as e:
+        plan_layout(m, parse_target_layout("tp2,pp2"), read_once_min_bytes=0)
+    msg = str(e.value)
+    assert ("no saved chunk holds 'model.layers.2.attn.o.weight' at offset [0, 24] shape [32, 8]" in msg
+            and "needed by rank 3" in msg), msg
+    # the command refuses the checkpoint itself first, as load and verify do (its chunks overlap)
     out = tmp_path / "plan.json"
     r = CliRunner().invoke(main, ["plan", str(ck), "--layout", "tp2,pp2", "--read-rate", "1",
                                   "--json", str(out)])
-    assert r.exit_code == 1
-    msg = r.output.replace("\n", " ")
-    assert ("no saved chunk holds 'model.layers.2.attn.o.weight' at offset [0, 24] shape [32, 8]" in msg
-            and "needed by rank 3" in msg), r.output
-    assert json.loads(out.read_text())["covered"] is False
+    assert r.exit_code == 2, r.output
+    assert "load and verify refuse too" in r.output and "overlapping chunks" in r.output, r.output
     with pytest.raises(reshard.CheckpointError):  # the load refuses it as well
         tgt = {k: torch.zeros(v.global_shape) for k, v in reshard.inspect(str(ck)).tensors.items()}
         reshard.load(tgt, ck)
