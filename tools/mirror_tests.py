@@ -182,7 +182,7 @@ MOVES: dict[str, str] = {
     "_kinds_fns.py": "state/_kinds_fns.py",
     "test_naming.py": "state/test_naming.py",
     "_naming_fns.py": "state/_naming_fns.py",
-    "data": "state/data",  # a format-version-1 checkpoint that test_naming migrates
+    "data": "support/data",  # checkpoints of earlier format versions (test_naming: v1, test_manifest_seal: v2)
     "test_sharding.py": "state/test_sharding.py",
     # -- storage (reshard/storage) -----------------------------------------------------
     "test_storage.py": "storage/test_conformance.py",

@@ -646,7 +646,7 @@ def arrive(group: Any, arrival: Arrival, timeout_s: float | None = None) -> None
         CheckpointError: ranks did not arrive within the bound (the error
             names them, in the group and globally, the call and the phase
             "arrival"; their ranks in ``absent_ranks``), or the job's store
-            did not answer (its host is stopped or gone).
+            did not answer (its host is stopped) or went away (its host ended).
     """
     if arrival.timeout_s is None or isinstance(group, Collectives):
         return
@@ -709,6 +709,10 @@ def arrive(group: Any, arrival: Arrival, timeout_s: float | None = None) -> None
     except TimeoutError as e:  # BoundedStore: the store's host is stopped or gone
         raise CheckpointError(f"{arrival.what}: the job's store did not answer while the ranks "
                               f"checked in (phase arrival): {e}") from None
+    except (dist.DistError, ConnectionError) as e:  # the store's host ended (its connection closed)
+        raise CheckpointError(f"{arrival.what}: the job's store went away while the ranks checked in "
+                              f"(phase arrival: the process hosting it, rank 0 of a TCP store, ended?): "
+                              f"{type(e).__name__}: {e}") from None
     _ARRIVED[ident] = (raw, seq)
 
 

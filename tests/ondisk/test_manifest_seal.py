@@ -4,7 +4,7 @@ not loaded. Format version 3 writes it at the head of the bytes
 (``{"manifest_xxh3_64":"<xxh3_64 of every byte after the head>",...``);
 manifests of version 2 (sealed in ``extra["manifest_xxh3_64"]``, the value
 read as 16 zeros) and unsealed ones of versions 1 and 2 still load, checked
-by their own rule (``tests/state/data/v2_checkpoint`` was written by version 2)."""
+by their own rule (``tests/support/data/v2_checkpoint`` was written by version 2)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from reshard.ondisk.manifest import (
 )
 from reshard.ondisk.seal import SEALED_FROM
 
-V2 = Path(__file__).parent / "data" / "v2_checkpoint"
+V2 = Path(__file__).parents[1] / "support" / "data" / "v2_checkpoint"
 V2_KEY = b"v2-fixture-key"  # the HMAC key it was signed with
 
 
@@ -167,7 +167,7 @@ def _sealed_bytes() -> bytes:
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
 def test_any_single_byte_change_is_refused_or_fails_to_decode(version: int, data: st.DataObject) -> None:
-    """Version 3 (a save's manifest) and version 2 (tests/state/data/v2_checkpoint):
+    """Version 3 (a save's manifest) and version 2 (tests/support/data/v2_checkpoint):
     a byte flipped anywhere, the seal's head included, never decodes."""
     raw = _sealed_bytes() if version == 3 else (V2 / "manifest.json").read_bytes()
     assert decode_manifest(raw).format_version == version
@@ -288,7 +288,7 @@ def test_a_user_value_holding_the_seal_text_is_still_sealed(tmp_path: Path) -> N
 
 
 def test_a_version_2_checkpoint_loads_and_verifies(tmp_path: Path) -> None:
-    """tests/state/data/v2_checkpoint, written and signed by format version 2 (its
+    """tests/support/data/v2_checkpoint, written and signed by format version 2 (its
     seal in extra): it loads (with its HMAC key too; another key is
     refused), verify passes, a changed value is refused, and a copy keeps
     its version and seal rule."""

@@ -19,7 +19,7 @@ import reshard
 from reshard import ModelState, OptimizerState, ShardingError
 from reshard.loading.load import MIGRATED
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "support" / "data"
 
 
 def test_model_state_dict_saved_on_2_loaded_on_1_and_3(pool, tmp_path: Path) -> None:
@@ -155,7 +155,7 @@ def test_tensor_keys_equal_those_dcp_writes(tmp_path: Path) -> None:
 
 
 def test_format_version_1_checkpoint_is_migrated(tmp_path: Path) -> None:
-    """``tests/state/data/v1_checkpoint`` was written by reshard's format version 1
+    """``tests/support/data/v1_checkpoint`` was written by reshard's format version 1
     (ShardedTensors named by their own fqn, ModelState without its tree key,
     RNGState as "rng"): it loads strictly into today's tree, the renames are
     recorded in LoadResult.notes, and the values are those of the run that
