@@ -30,6 +30,7 @@ from ..commit import attempts
 from ..commit.protocol import (
     publish,
 )
+from ..commit.strategy import strategy_for
 from ..errors import CheckpointError, ShardingError, StorageError
 from ..ondisk import codec
 from ..ondisk.committed import sign_manifest
@@ -618,7 +619,7 @@ def run_save(
         assert snap is not None and lp is not None
         integrity_check_assignment(assignment, lp)
         attempt = info["attempt_path"]
-        if not st.capabilities.atomic_rename:  # attempts under one prefix never share a key
+        if strategy_for(st).shares_prefix:  # attempts under one prefix never share a key
             assignment = msgspec.structs.replace(
                 assignment, files=[attempts.data_name(info["attempt"], f) for f in assignment.files])
         if on_attempt is not None:
@@ -637,7 +638,7 @@ def run_save(
     def do_publish(info: dict[str, Any], manifest: Manifest) -> None:
         if abort is not None and abort.is_set():
             raise CheckpointError(f"{key}: save abandoned before publishing")
-        if not st.capabilities.atomic_rename:  # the keys persist wrote
+        if strategy_for(st).shares_prefix:  # the keys persist wrote
             manifest = attempts.rename_files(
                 manifest, {n: attempts.data_name(info["attempt"], n) for n in manifest.files})
         if options.hmac_key is not None:
@@ -708,7 +709,7 @@ def run_save(
                    linkable=(lambda info, layout: incremental.linkable_bytes(st, parent_m[0], layout)
                              if parent_m else 0) if inc else None,
                    # attempts share the final prefix without rename: no plan kept there
-                   write_plan=write_plan if st.capabilities.atomic_rename else None)
+                   write_plan=write_plan if strategy_for(st).keeps_plan else None)
     # progress lines and collective failures name the save and its phase
     watch(coll, lambda: (f"save of step {step}", ctx.phase))
     try:
