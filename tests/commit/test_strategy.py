@@ -14,7 +14,7 @@ from reshard.faults.inject import FaultStorage
 from reshard.ondisk.committed import read_record
 from reshard.storage import Capabilities, resolve
 
-SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "reshard"
+SRC = pathlib.Path(__file__).resolve().parents[2] / "src" / "reshard"
 
 
 def test_a_store_gets_its_strategy_by_its_capabilities_once(tmp_path) -> None:
