@@ -198,6 +198,7 @@ MOVES: dict[str, str] = {
     # -- tests/ itself: top-level modules, the facade, the repository's documents ------
     "test_arrival.py": "test_collectives_arrival.py",
     "test_tries.py": "test_collectives_tries.py",
+    "test_commit_strategy.py": "commit/test_strategy.py",
     "test_options.py": "test_options.py",
     "test_architecture.py": "test_architecture.py",
     "_arrival_fns.py": "_arrival_fns.py",

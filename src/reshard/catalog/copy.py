@@ -30,6 +30,7 @@ import msgspec
 
 from ..commit import attempts
 from ..commit.protocol import publish
+from ..commit.strategy import strategy_for
 from ..errors import CheckpointError, IntegrityError
 from ..ondisk.committed import read_manifest, sign_manifest
 from ..ondisk.manifest import Manifest
@@ -68,8 +69,8 @@ def copy_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
     leases: list[attempts.AttemptLease] = []
     info = open_attempt(dst_st, dkey, SaveOptions(overwrite=overwrite), leases=leases)
     attempt, aid = info.attempt_path, info.attempt_id
-    keyed = not dst_st.capabilities.atomic_rename  # attempts share the prefix: keys carry the id
-    names = {n: attempts.data_name(aid, _plain(n)) if keyed else _plain(n) for n in m.files}
+    strategy = strategy_for(dst_st)  # where attempts share the prefix, keys carry the id
+    names = {n: strategy.data_name(aid, _plain(n)) for n in m.files}
     if len(set(names.values())) != len(names):
         raise CheckpointError(f"{sst.url(skey)}: two data files map to one name at {dst_st.url(dkey)}")
     try:
@@ -100,10 +101,7 @@ def copy_checkpoint(src: str | os.PathLike[str], dst: str | os.PathLike[str], *,
         publish(dst_st, attempt, info.target, out, overwrite=overwrite, durable=True)
     except BaseException:
         try:
-            if keyed:
-                attempts.discard(dst_st, attempt, aid)
-            else:
-                dst_st.delete_tree(attempt)
+            strategy.discard(dst_st, attempt, aid)
         except Exception:  # noqa: BLE001, S110 - gc removes what is left
             pass
         raise

@@ -18,13 +18,13 @@ import time
 from typing import Any
 
 from ..commit.listing import Entry
+from ..commit.strategy import write_record
 from ..errors import CheckpointError, StorageError
 from ..ondisk.committed import (
     manifest_digest,
     read_manifest_bytes,
     read_record,
     torn_files,
-    write_record,
 )
 from ..ondisk.manifest import MANIFEST_NAME, Manifest, decode_manifest
 from ..options import LoadOptions

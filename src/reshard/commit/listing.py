@@ -18,11 +18,10 @@ from ..ondisk.committed import (
     INCOMPLETE,
     QUARANTINE_MARK,
     QUARANTINED,
-    RETIRED,
+    is_leftover,
     manifest_digest,
     read_manifest_bytes,
     read_record,
-    write_record,
 )
 from ..ondisk.manifest import (
     MANIFEST_NAME,
@@ -30,6 +29,7 @@ from ..ondisk.manifest import (
     decode_manifest,
 )
 from ..storage import Storage
+from .strategy import strategy_for, write_record
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +77,7 @@ def scan(storage: Storage, root: str) -> list[Entry]:
         if name.endswith(QUARANTINE_MARK) or _TMP in name or storage.is_link(p) or (
                 INCOMPLETE in name and name.endswith(ATTEMPT_LEASE)):  # an attempt's lease
             continue
-        if INCOMPLETE in name or RETIRED in name:
+        if is_leftover(name):
             out.append(Entry(path=p, name=name, manifest=None, abandoned=True,
                              mtime=storage.modified_time(p)))
             continue
@@ -103,7 +103,7 @@ def scan(storage: Storage, root: str) -> list[Entry]:
                                  quarantined=True, mtime=storage.modified_time(p),
                                  problem=str(rec.get("reason") or problem or "quarantined")))
                 continue
-        if not storage.capabilities.atomic_rename and (m is not None or problem == "no manifest"):
+        if strategy_for(storage).shares_prefix and (m is not None or problem == "no manifest"):
             extra = _prefix_attempts(storage, p, name, m)  # attempts share the prefix: one entry each
             if extra is not None:
                 out.extend(extra)
@@ -167,7 +167,7 @@ def _holds_shard_files(storage: Storage, p: str) -> bool:
         return False
     if any(_SHARD_FILE.match(n) for n in names):
         return True
-    return not storage.capabilities.atomic_rename and any(attempt_of(n) for n in names)
+    return strategy_for(storage).shares_prefix and any(attempt_of(n) for n in names)
 
 
 def committed(storage: Storage, root: str) -> list[Entry]:
@@ -196,8 +196,7 @@ def read_head_tagged(storage: Storage, root: str) -> tuple[dict[str, Any] | None
     object). The tag is read only where :func:`write_head` swaps
     conditionally (no rename, conditional puts); elsewhere it is None."""
     path = storage.join(root, HEAD_NAME)
-    caps = storage.capabilities
-    if caps.atomic_rename or not caps.conditional_put:
+    if not strategy_for(storage).swaps_head:
         return read_record(storage, path), None
     try:
         data, tag = storage.read_tagged(path)
@@ -231,8 +230,7 @@ def write_head(storage: Storage, root: str, record: dict[str, Any], *,
         StorageError: the store failed.
     """
     path = storage.join(root, HEAD_NAME)
-    caps = storage.capabilities
-    if caps.atomic_rename or not caps.conditional_put:
+    if not strategy_for(storage).swaps_head:
         write_record(storage, path, record)
         return
     if expect == _UNREAD:

@@ -1,8 +1,9 @@
 """The commit protocol: attempt directories, manifest-last publish, discovery.
 
 A checkpoint is committed when, and only when, ``<path>/manifest.json`` exists
-and validates. Two publish strategies, chosen by the storage's capabilities
-(after Orbax ``path/atomicity.py``):
+and validates. Two publish strategies, chosen once per store by its
+capabilities (:mod:`reshard.commit.strategy`, after Orbax ``path/atomicity.py``);
+this module holds what both share and asks the store's strategy the rest:
 
 * atomic rename (local file system): data and manifest are written in
   ``<path>.incomplete-<attempt_id>/``; the manifest is written last and fsynced,
@@ -47,21 +48,14 @@ from ..ondisk.committed import (  # noqa: E402, F401
     linked_children,
     read_manifest,
     read_record,
-    write_record,
 )
 from ..ondisk.manifest import (
     MANIFEST_NAME,
     Manifest,
-    decode_manifest,
-    encode_sealed,
 )
 from ..storage import Storage
 from .listing import Entry, committed, read_head, scan  # noqa: E402, F401
-
-#: the coordinator's proof of an attempt's location: written into the attempt
-#: before any data, read back by every rank, deleted before the manifest is
-#: written (so a committed checkpoint holds only its manifest and data files)
-ATTEMPT_NONCE = "attempt-nonce.json"
+from .strategy import ATTEMPT_NONCE, strategy_for, write_record  # noqa: F401
 
 
 def new_attempt_id() -> str:
@@ -72,10 +66,9 @@ def new_attempt_id() -> str:
 
 def attempt_path(storage: Storage, path: str, attempt_id: str) -> str:
     """Where an attempt writes: a sibling directory where rename is atomic,
-    else the final prefix itself."""
-    if storage.capabilities.atomic_rename:
-        return f"{path}{INCOMPLETE}{attempt_id}"
-    return path
+    else the final prefix itself (:meth:`CommitStrategy.attempt_path
+    <reshard.commit.strategy.CommitStrategy.attempt_path>`)."""
+    return strategy_for(storage).attempt_path(storage, path, attempt_id)
 
 
 def nonce_key(storage: Storage, attempt: str, attempt_id: str) -> str:
@@ -83,11 +76,7 @@ def nonce_key(storage: Storage, attempt: str, attempt_id: str) -> str:
     directory, or, where attempts share the final prefix (no rename), a key
     carrying the attempt id (``att-<id>.attempt-nonce.json``), so concurrent
     attempts never overwrite each other's."""
-    if storage.capabilities.atomic_rename:
-        return storage.join(attempt, ATTEMPT_NONCE)
-    from .attempts import data_name
-
-    return storage.join(attempt, data_name(attempt_id, ATTEMPT_NONCE))
+    return strategy_for(storage).nonce_key(storage, attempt, attempt_id)
 
 
 def create_attempt(storage: Storage, attempt: str, attempt_id: str) -> str:
@@ -163,29 +152,7 @@ def check_target(storage: Storage, path: str, *, overwrite: bool) -> None:
     atomic: publish under a new step instead). Anything else already at
     ``path`` on a rename-capable store (a directory that is not a committed
     checkpoint) is never replaced, ``overwrite`` or not."""
-    if not storage.exists(storage.join(path, MANIFEST_NAME)):
-        if storage.capabilities.atomic_rename and _non_empty(storage, path):
-            raise FileExistsError(f"{path}: exists and is not a committed checkpoint; refusing to "
-                                  "replace it (choose another path)")
-        return
-    if not overwrite:
-        raise FileExistsError(f"{path}: a committed checkpoint is already there "
-                              "(pass SaveOptions(overwrite=True) to replace it)")
-    if not storage.capabilities.atomic_rename:
-        from ..errors import CheckpointError
-
-        raise CheckpointError(f"{path}: overwrite is refused on a store without atomic rename; "
-                              "publish under a new step instead")
-
-
-def _non_empty(storage: Storage, path: str) -> bool:
-    """``path`` exists and is a file or a directory with entries."""
-    if not storage.exists(path):
-        return False
-    try:
-        return bool(storage.list_dir(path))
-    except (NotADirectoryError, FileNotFoundError):
-        return True
+    strategy_for(storage).check_target(storage, path, overwrite=overwrite)
 
 
 def publish(storage: Storage, attempt: str, path: str, manifest: Manifest, *, overwrite: bool,
@@ -203,62 +170,9 @@ def publish(storage: Storage, attempt: str, path: str, manifest: Manifest, *, ov
         FileExistsError: something appeared at ``path`` during the save.
     """
     confirm_files(storage, attempt, {n: fe.size for n, fe in manifest.files.items()})
-    storage.delete_tree(nonce_key(storage, attempt, manifest.attempt_id))
-    if not storage.capabilities.atomic_rename:
-        return publish_marker(storage, path, manifest)
-    raw = encode_sealed(manifest)
-    storage.write_bytes(storage.join(attempt, MANIFEST_NAME), raw, durable=durable)
-    if durable:
-        storage.fsync_dir(attempt)
-    retired = None
-    if storage.exists(path) and not _non_empty(storage, path):
-        storage.delete_tree(path)  # an empty directory the user made: take its place
-    if storage.exists(path):
-        if not overwrite or not storage.exists(storage.join(path, MANIFEST_NAME)):
-            raise FileExistsError(f"{path}: appeared during the save and is not ours to replace")
-        retired = f"{path}{RETIRED}{manifest.attempt_id}"
-        storage.rename_dir(path, retired)
-    storage.rename_dir(attempt, path)
-    if durable:
-        storage.fsync_dir(storage.parent(path) or "/")
-    if retired is not None:
-        storage.delete_tree(retired)
-    return len(raw)
-
-
-def publish_marker(storage: Storage, path: str, manifest: Manifest) -> int:
-    """Publish on a store without rename: put ``path/manifest.json`` only if
-    absent (the data objects, named by the manifest, are already durable);
-    returns the bytes of the manifest put.
-
-    Raises:
-        FileExistsError: another writer published this checkpoint first; this
-            attempt's objects are not named by it and are discarded by the caller.
-    """
-    raw = encode_sealed(manifest)
-    where = storage.join(path, MANIFEST_NAME)
-    try:
-        storage.put_if_absent(where, raw)
-    except FileExistsError:
-        raise FileExistsError(
-            f"{path}: another writer published this checkpoint first (conditional put of "
-            f"{MANIFEST_NAME} refused); attempt {manifest.attempt_id} published nothing "
-            "(save under a new step)") from None
-    # the publish relied on the conditional put: prove it, the manifest there is ours
-    try:
-        back = storage.read_bytes(where)
-    except FileNotFoundError:
-        back = b""
-    if back != raw:
-        try:
-            other = decode_manifest(back, where=where).attempt_id if back else None
-        except CheckpointError:
-            other = "unreadable"
-        raise FileExistsError(
-            f"{path}: the manifest read back after publishing is not attempt {manifest.attempt_id}'s "
-            f"(it is {'absent' if other is None else repr(other)}): another writer replaced it, "
-            "the store did not honour the conditional put; this save is not committed") from None
-    return len(raw)
+    strategy = strategy_for(storage)
+    storage.delete_tree(strategy.nonce_key(storage, attempt, manifest.attempt_id))
+    return strategy.publish(storage, attempt, path, manifest, overwrite=overwrite, durable=durable)
 
 
 #: what :func:`retire_checkpoint` did
@@ -301,16 +215,11 @@ def retire_checkpoint(storage: Storage, root: str, name: str) -> str:
     n = live_readers(storage, root, {name}).get(name, 0)
     if n:
         return in_use(n)
+    strategy = strategy_for(storage)
     mpath = storage.join(path, MANIFEST_NAME)
     aside = storage.join(root, f"{name}{DELETING}{os.urandom(4).hex()}.json")
-    raw = b""
     try:
-        if storage.capabilities.atomic_rename:
-            storage.rename_dir(mpath, aside)
-        else:
-            raw = storage.read_bytes(mpath)
-            storage.write_bytes(aside, raw)
-            storage.delete_tree(mpath)
+        raw = strategy.manifest_aside(storage, mpath, aside)
     except (FileNotFoundError, NotADirectoryError):
         return ALREADY_REMOVED
     except CheckpointError:
@@ -320,11 +229,7 @@ def retire_checkpoint(storage: Storage, root: str, name: str) -> str:
         raise
     n = live_readers(storage, root, {name}).get(name, 0)
     if n:  # a reader came while the manifest was being moved: put it back
-        if storage.capabilities.atomic_rename:
-            storage.rename_dir(aside, mpath)
-        else:
-            storage.put_if_absent(mpath, raw)
-            storage.delete_tree(aside)
+        strategy.manifest_back(storage, mpath, aside, raw)
         return in_use(n)
     finish_deletion(storage, root, name, aside)
     return DELETED
@@ -337,24 +242,7 @@ def in_use(n: int) -> str:
 def finish_deletion(storage: Storage, root: str, name: str, aside: str | None) -> None:
     """Step 4 of :func:`retire_checkpoint`: delete the checkpoint
     ``root/name`` whose manifest is gone (moved to ``aside``)."""
-    path = storage.join(root, name)
-    if storage.capabilities.atomic_rename:
-        doomed = f"{path}{INCOMPLETE}deleting-{os.urandom(4).hex()}"
-        try:
-            storage.rename_dir(path, doomed)
-        except CheckpointError:
-            if storage.exists(path):
-                raise
-            doomed = ""  # another deleter took it
-        storage.fsync_dir(storage.parent(path) or "/")
-        if aside is not None:
-            storage.delete_tree(aside)
-        if doomed:
-            storage.delete_tree(doomed)
-        return
-    storage.delete_tree(path)
-    if aside is not None:
-        storage.delete_tree(aside)
+    strategy_for(storage).finish_deletion(storage, storage.join(root, name), aside)
 
 
 def finish_interrupted(storage: Storage, root: str, names: list[str], *, dry_run: bool = False) -> list[str]:
@@ -375,7 +263,7 @@ def finish_interrupted(storage: Storage, root: str, names: list[str], *, dry_run
         aside = storage.join(root, child)
         # where attempts share the final prefix (no rename), a prefix without a manifest
         # may be a new save of the same name: its objects are gc_root's (attempt leases)
-        has_dir = name in names and storage.capabilities.atomic_rename
+        has_dir = name in names and not strategy_for(storage).shares_prefix
         if has_dir and not storage.exists(storage.join(path, MANIFEST_NAME)):
             out.append(name)
             if not dry_run:
@@ -395,18 +283,8 @@ def delete_checkpoint(storage: Storage, path: str) -> None:
 
     root, name = storage.parent(path), storage.basename(path)
     aside = storage.join(root, f"{name}{DELETING}{os.urandom(4).hex()}.json")
-    mpath = storage.join(path, MANIFEST_NAME)
-    if storage.capabilities.atomic_rename:
-        try:
-            storage.rename_dir(mpath, aside)
-        except CheckpointError:
-            if storage.exists(mpath):
-                raise
-            aside = None  # type: ignore[assignment]
-    elif storage.exists(mpath):
-        storage.delete_tree(mpath)
-        aside = None  # type: ignore[assignment]
-    finish_deletion(storage, root, name, aside)
+    moved = strategy_for(storage).drop_manifest(storage, storage.join(path, MANIFEST_NAME), aside)
+    finish_deletion(storage, root, name, moved)
 
 
 def quarantine(storage: Storage, root: str, name: str, *, reason: str,
@@ -417,12 +295,6 @@ def quarantine(storage: Storage, root: str, name: str, *, reason: str,
     the marker ``<name>.quarantined.json``. Returns the name it now has (the
     same name, on stores that keep it in place)."""
     rec = {"name": name, "reason": reason[:2000], "time": time.time(), "attempt_id": attempt_id}
-    if storage.capabilities.atomic_rename:
-        new = f"{name}{QUARANTINED}{new_attempt_id()}"
-        storage.rename_dir(storage.join(root, name), storage.join(root, new))
-        write_record(storage, storage.join(root, new + QUARANTINE_MARK), rec)
-        return new
-    write_record(storage, storage.join(root, name + QUARANTINE_MARK), rec)
-    return name
+    return strategy_for(storage).quarantine(storage, root, name, rec, new_attempt_id())
 
 

@@ -105,8 +105,8 @@ def _convert_dcp(
 ) -> Any:
     """The body of :func:`convert_dcp` (the lease is the caller's)."""
     from ..collectives import Tries, timed_collectives
-    from ..commit import attempts
     from ..commit.protocol import publish
+    from ..commit.strategy import strategy_for
     from ..ondisk.committed import sign_manifest
     from ..ondisk.manifest import MANIFEST_NAME
     from ..ondisk.shardfile import FileItem, tensor_bytes, write_shard_file
@@ -168,9 +168,8 @@ def _convert_dcp(
              enabled=rank == 0 and wanted(opts.progress))
     with tries, closing(pb):  # agreed below
         for n, (_k, members) in enumerate(mine):
-            name = f"data-r{rank:05d}-{n}.safetensors"
-            if not dst_st.capabilities.atomic_rename:  # attempts share the prefix: keys carry the id
-                name = attempts.data_name(attempt_id, name)
+            # where attempts share the prefix, keys carry the id
+            name = strategy_for(dst_st).data_name(attempt_id, f"data-r{rank:05d}-{n}.safetensors")
             fitems = []
             for fqn, ci in members:
                 c = m.tensors[fqn].chunks[ci]

@@ -45,6 +45,7 @@ from ..commit.protocol import (
     scan,
 )
 from ..commit.retention import Policy
+from ..commit.strategy import strategy_for
 from ..errors import CheckpointError, IntegrityError, RootOwnedError, StorageError
 from ..loading.load import LoadResult
 from ..ondisk.committed import OWNER_NAME
@@ -224,8 +225,7 @@ class CheckpointManager(RetentionMixin):
         self.storage.makedirs(self.root)
         self._owner_args: dict[str, Any] | None = None
         if writer and self.coll.rank == 0:  # ownership before the job trains (other ranks: at restore/save)
-            if not self.storage.capabilities.atomic_rename:
-                self.storage.check_publish(self.storage.join(self.root, OWNER_NAME))
+            strategy_for(self.storage).prove_publish(self.storage, self.storage.join(self.root, OWNER_NAME))
             self._owner_args = dict(
                 job_id=job_id, require_signed=require_signed, hmac_key=hmac_key_of(self.options.hmac_key),
                 policy={"keep_last": keep_last, "keep_every": keep_every, "keep_best": keep_best,

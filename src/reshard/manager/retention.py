@@ -20,31 +20,26 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..commit import ownership
-from ..commit.attempts import LEASE_SUFFIX, local_lease_key, read_lease
 from ..commit.leases import LEASE as _READER_LEASE
 from ..commit.leases import ReaderLease, expired_leases, live_readers
 from ..commit.lineage import Head, lineage_of
 from ..commit.protocol import (
-    _TMP,
     DELETED,
-    INCOMPLETE,
-    RETIRED,
     Entry,
     committed,
     finish_interrupted,
     linked_children,
     read_head,
     retire_checkpoint,
-    scan,
 )
 from ..commit.retention import Candidate, Decision, Policy, decide
+from ..commit.strategy import TMP_MIN_AGE_S, strategy_for  # noqa: F401 - TMP_MIN_AGE_S re-exported
 
 if TYPE_CHECKING:
     from ..saving.staging import SaveHandle
@@ -53,11 +48,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("reshard.manager.manager")
 
 LEASE = _READER_LEASE
-
-
-#: seconds: a record's temporary (``*.tmp-<id>``) younger than this is never
-#: collected, whatever the grace: its writer renames it within one call
-TMP_MIN_AGE_S = 60.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,59 +298,13 @@ class RetentionMixin:
         expired leases whose attempt is gone. On a store without atomic rename
         (S3): the attempts whose lease has expired, and their open multipart
         uploads (:func:`reshard.commit.attempts.gc_root`); returns ``<checkpoint>/<attempt
-        id>`` names."""
+        id>`` names. Which of the two is the store's commit strategy's
+        (:meth:`reshard.commit.strategy.CommitStrategy.collect_attempts`)."""
         grace = self.gc_grace_s if grace_s is None else grace_s
-        if not self.storage.capabilities.atomic_rename:  # attempts live under the final prefix
-            from ..commit.attempts import gc_root
-
-            got = gc_root(self.storage, self.root, grace_s=grace, dry_run=dry_run)
-            self.last_in_progress = dict(got.in_progress)
-            self.last_litter = self._gc_records(dry_run)
-            return list(got.attempts)
-        now = time.time()
-        inflight = set(self._pending_names())
-        live = self.attempts_in_progress(now)
-        self.last_in_progress = live
-        out = []
-        for e in scan(self.storage, self.root):
-            if not e.abandoned or e.quarantined or (INCOMPLETE not in e.name
-                                                    and RETIRED not in e.name):
-                continue
-            if e.name.split(INCOMPLETE, 1)[0] in inflight or e.name in live:
-                continue
-            # a deletion's leftover (``.incomplete-deleting-``) is never a running save: at once
-            if e.mtime is not None and now - e.mtime < grace and f"{INCOMPLETE}deleting-" not in e.name:
-                continue
-            out.append(e.name)
-            if not dry_run:
-                self.storage.delete_tree(e.path)
-                self.storage.delete_tree(local_lease_key(e.path))
-        names = self.storage.list_dir(self.root) if self.storage.exists(self.root) else []
-        for child in names:  # an expired lease whose attempt is gone (its coordinator died)
-            if INCOMPLETE not in child or not child.endswith(LEASE_SUFFIX):
-                continue
-            attempt = child[: -len(LEASE_SUFFIX)]
-            if attempt in live or attempt in names:
-                continue
-            p = self.storage.join(self.root, child)
-            if read_lease(self.storage, p, now) is None:
-                out.append(child)
-                if not dry_run:
-                    self.storage.delete_tree(p)
-        for child in names:
-            if _TMP not in child:  # a record's temporary left by a SIGKILL (HEAD.tmp-..., ...)
-                continue
-            p = self.storage.join(self.root, child)
-            mtime = self.storage.modified_time(p)
-            # a live writer renames its temporary within one call: never one younger
-            # than TMP_MIN_AGE_S, whatever the grace (gc --grace 0 beside a running job)
-            if mtime is not None and now - mtime < max(grace, TMP_MIN_AGE_S):
-                continue
-            out.append(child)
-            if not dry_run:
-                self.storage.delete_tree(p)
+        removed, self.last_in_progress = strategy_for(self.storage).collect_attempts(
+            self.storage, self.root, grace_s=grace, inflight=set(self._pending_names()), dry_run=dry_run)
         self.last_litter = self._gc_records(dry_run)
-        return out
+        return removed
 
     def _gc_records(self, dry_run: bool) -> list[str]:
         """The litter of interrupted work, beside the checkpoints: a deletion
@@ -394,18 +338,7 @@ class RetentionMixin:
         where attempts share the final prefix) -> seconds since the lease was
         renewed. gc and retention never delete these, whatever the grace."""
         now = time.time() if now is None else now
-        if not self.storage.capabilities.atomic_rename:
-            from ..commit.attempts import gc_root
-
-            return dict(gc_root(self.storage, self.root, grace_s=math.inf, dry_run=True).in_progress)
-        names = self.storage.list_dir(self.root) if self.storage.exists(self.root) else []
-        out: dict[str, float] = {}
-        for child in names:
-            if INCOMPLETE in child and not child.endswith(LEASE_SUFFIX) and child + LEASE_SUFFIX in names:
-                age = read_lease(self.storage, self.storage.join(self.root, child + LEASE_SUFFIX), now)
-                if age is not None:
-                    out[child] = age
-        return out
+        return strategy_for(self.storage).attempts_in_progress(self.storage, self.root, now)
 
     def _pending_names(self) -> list[str]:
         return [n for n, _ in self._pending]

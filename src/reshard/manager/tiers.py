@@ -34,7 +34,8 @@ from typing import Any
 from ..collectives_deferred import Deferred
 from ..commit import attempts
 from ..commit.listing import committed
-from ..commit.protocol import attempt_path, check_target, new_attempt_id, publish
+from ..commit.protocol import check_target, new_attempt_id, publish
+from ..commit.strategy import strategy_for
 from ..errors import CheckpointError, IntegrityError, StorageError
 from ..loading.load import LoadResult
 from ..ondisk.committed import read_manifest, sign_manifest
@@ -152,10 +153,12 @@ def copy_checkpoint(src: Storage, src_path: str, dst: Storage, dst_path: str, *,
         raise IntegrityError(f"{src_path}: refusing to copy a corrupt checkpoint: "
                              + "; ".join(rep.problems[:3]))
     aid = new_attempt_id()
-    rename = dst.capabilities.atomic_rename
-    names = {n: n if rename else attempts.data_name(aid, n) for n in m.files}
-    target = attempt_path(dst, dst_path, aid)
-    lease = None if rename else attempts.AttemptLease(dst, dst_path, aid).start()
+    strategy = strategy_for(dst)
+    names = {n: strategy.data_name(aid, n) for n in m.files}
+    target = strategy.attempt_path(dst, dst_path, aid)
+    # a lease where attempts share the prefix (gc collects them by it); the
+    # local tier's attempt directory is protected by gc's grace period
+    lease = strategy.attempt_lease(dst, dst_path, target, aid).start() if strategy.shares_prefix else None
     copied = 0
     try:
         dst.makedirs(target)
@@ -167,10 +170,7 @@ def copy_checkpoint(src: Storage, src_path: str, dst: Storage, dst_path: str, *,
         copied += publish(dst, target, dst_path, new, overwrite=False, durable=True)
     except BaseException:
         with contextlib.suppress(Exception):
-            if rename:
-                dst.delete_tree(target)
-            else:
-                attempts.discard(dst, dst_path, aid)
+            strategy.discard(dst, target, aid)
         raise
     finally:
         if lease is not None:

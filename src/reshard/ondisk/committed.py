@@ -1,5 +1,6 @@
 """What is committed, read back: the manifest (its bytes, HMAC signature and digest), the files
-it names that are torn, and the small JSON records beside a checkpoint (write_record, read_record).
+it names that are torn, and the small JSON records beside a checkpoint (read_record; they are
+written by the commit strategy, :func:`reshard.commit.strategy.write_record`).
 The lowest floor of the commit protocol (:mod:`reshard.commit.protocol`): attempts, scans and lineage read
 through it.
 """
@@ -8,7 +9,6 @@ from __future__ import annotations
 
 import hmac
 import json
-import os
 from hashlib import sha256
 from typing import Any
 
@@ -36,6 +36,16 @@ _TMP = ".tmp-"
 #: the suffix of an attempt's lease (:mod:`reshard.commit.attempts`); beside an
 #: attempt directory ``<attempt>.lease.json`` where rename is atomic
 ATTEMPT_LEASE = ".lease.json"
+
+
+def is_leftover(name: str) -> bool:
+    """``name`` (a child of a root) is an attempt that never committed or a
+    retired checkpoint left behind (``*.incomplete-*``, ``*.retired-*``):
+    never a quarantine marker, a record's temporary or an attempt's lease."""
+    if name.endswith(QUARANTINE_MARK) or _TMP in name or (
+            INCOMPLETE in name and name.endswith(ATTEMPT_LEASE)):
+        return False
+    return INCOMPLETE in name or RETIRED in name
 
 
 def sign_manifest(m: Manifest, key: bytes) -> Manifest:
@@ -146,27 +156,6 @@ def torn_files(storage: Storage, path: str, m: Manifest) -> dict[str, str]:
         if size != fe.size:
             problems[name] = f"{p}: {size} bytes, manifest declares {fe.size}"
     return problems
-
-
-def write_record(storage: Storage, path: str, record: dict[str, Any]) -> None:
-    """Write a small JSON record durably and, where the store can rename,
-    atomically (a temporary file, fsynced, renamed over ``path``, the parent
-    fsynced): a reader sees the old record or the new one, never a torn one.
-    On stores without rename, a plain put (whole-object writes are atomic
-    there). The one place such records are written, so a store with
-    conditional puts can make the replace conditional here."""
-    data = json.dumps(record, sort_keys=True).encode()
-    if not storage.capabilities.atomic_rename:
-        storage.write_bytes(path, data)
-        return
-    tmp = f"{path}{_TMP}{os.urandom(4).hex()}"
-    try:
-        storage.write_bytes(tmp, data, durable=True)
-        storage.rename_dir(tmp, path)  # os.rename: atomic for files as for directories
-    except BaseException:
-        storage.delete_tree(tmp)
-        raise
-    storage.fsync_dir(storage.parent(path) or "/")
 
 
 def read_record(storage: Storage, path: str) -> dict[str, Any] | None:

@@ -21,10 +21,8 @@ from ..commit.protocol import (
     create_attempt,
     new_attempt_id,
 )
+from ..commit.strategy import strategy_for
 from ..errors import CheckpointError
-from ..ondisk.manifest import (
-    MANIFEST_NAME,
-)
 from ..options import SaveOptions
 from ..planning.coordination_save import Attempt
 from ..storage import Storage
@@ -46,8 +44,7 @@ def removed_error(st: Storage, info: Attempt, e: BaseException) -> BaseException
     if isinstance(e, CheckpointError) and "was removed while the save ran" in str(e):
         return e
     try:
-        if not st.capabilities.atomic_rename or st.exists(attempt) or st.exists(
-                st.join(info.target, MANIFEST_NAME)):
+        if not strategy_for(st).vanished(st, attempt, info.target):
             return e
     except Exception:  # noqa: BLE001 - the original error is what matters then
         return e
@@ -74,22 +71,14 @@ def open_attempt(st: Storage, key: str, options: SaveOptions,
     check_target(st, target, overwrite=options.overwrite)
     attempt_id = new_attempt_id()
     attempt = attempt_path(st, target, attempt_id)
+    strategy = strategy_for(st)
     try:
         if leases is not None:
-            if st.capabilities.atomic_rename:
-                st.makedirs(st.parent(attempt) or "/")
-                lease = attempts.AttemptLease(st, target, attempt_id,
-                                              key=attempts.local_lease_key(attempt))
-            else:
-                lease = attempts.AttemptLease(st, target, attempt_id)
-            leases.append(lease.start())
+            leases.append(strategy.attempt_lease(st, target, attempt, attempt_id).start())
         nonce = create_attempt(st, attempt, attempt_id)
     except Exception:
         try:  # nothing was published: the attempt (or its objects under the prefix) goes
-            if st.capabilities.atomic_rename:
-                st.delete_tree(attempt)
-            else:
-                attempts.discard(st, attempt, attempt_id)
+            strategy.discard(st, attempt, attempt_id)
         except Exception:  # noqa: BLE001, S110 - best effort; the creation error is what matters
             pass
         raise
@@ -149,14 +138,7 @@ def discard_attempt(coll: Collectives, st: Storage, attempt: str, *,
     multipart uploads) whose keys carry ``attempt_id`` are deleted."""
     if coll.rank != 0:
         return
-    if attempt_id is not None and not st.capabilities.atomic_rename:
-        try:
-            attempts.discard(st, attempt, attempt_id)
-        except Exception:  # noqa: BLE001 - best effort; gc removes what is left
-            pass
-        return
     try:
-        if st.capabilities.atomic_rename or not st.exists(st.join(attempt, MANIFEST_NAME)):
-            st.delete_tree(attempt)
-    except Exception:  # noqa: BLE001 - best effort; abandoned attempts are ignored anyway
+        strategy_for(st).discard(st, attempt, attempt_id)
+    except Exception:  # noqa: BLE001 - best effort; gc and abandoned-attempt listing handle the rest
         pass

@@ -40,6 +40,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ..commit import attempts
+from ..commit.strategy import strategy_for
 from ..errors import CheckpointError
 from ..ondisk.committed import read_manifest
 from ..ondisk.manifest import Manifest
@@ -107,10 +108,7 @@ def link_source(st: Storage, key: str, parent: str | None, *,
 def source_key(st: Storage, src: LinkSource, name: str) -> str:
     """The key of the parent's file ``name`` (as the plan names it, or as
     this attempt's key)."""
-    name = plain_name(name)
-    if st.capabilities.atomic_rename:
-        return st.join(src.path, name)
-    return st.join(src.path, attempts.data_name(src.attempt_id, name))
+    return st.join(src.path, strategy_for(st).data_name(src.attempt_id, plain_name(name)))
 
 
 def _parent_name(st: Storage, parent: Manifest, name: str) -> str | None:
@@ -118,11 +116,8 @@ def _parent_name(st: Storage, parent: Manifest, name: str) -> str | None:
     name = plain_name(name)
     if name in parent.files:
         return name
-    if not st.capabilities.atomic_rename:
-        keyed = attempts.data_name(parent.attempt_id, name)
-        if keyed in parent.files:
-            return keyed
-    return None
+    keyed = strategy_for(st).data_name(parent.attempt_id, name)  # where attempts share the prefix
+    return keyed if keyed in parent.files else None
 
 
 def origin_of(st: Storage, parent: Manifest) -> Any:

@@ -30,6 +30,7 @@ from ..commit import attempts
 from ..commit.protocol import (
     publish,
 )
+from ..commit.strategy import strategy_for
 from ..errors import CheckpointError, ShardingError, StorageError
 from ..ondisk import codec
 from ..ondisk.committed import sign_manifest
@@ -661,7 +662,7 @@ class _RankSaver:
         self.step, self.options, self.on_attempt, self.abort = step, options, on_attempt, abort
         self.inc = options.incremental is True
         # attempts share the final prefix without rename: no plan kept there
-        self.keeps_plan = st.capabilities.atomic_rename
+        self.keeps_plan = strategy_for(st).keeps_plan
         self.leases: list[attempts.AttemptLease] = []
         self.published: list[Manifest] = []
         self.parent_m: Manifest | None = None  # the coordinator's view of the parent it links from
@@ -709,9 +710,9 @@ class _RankSaver:
         assert snap is not None and lp is not None
         integrity_check_assignment(assignment, lp)
         attempt = info.attempt_path
-        if not st.capabilities.atomic_rename:  # attempts under one prefix never share a key
-            assignment = msgspec.structs.replace(
-                assignment, files=[attempts.data_name(info.attempt_id, f) for f in assignment.files])
+        strategy = strategy_for(st)  # attempts under one prefix never share a key
+        assignment = msgspec.structs.replace(
+            assignment, files=[strategy.data_name(info.attempt_id, f) for f in assignment.files])
         if self.on_attempt is not None:
             self.on_attempt(attempt)
         try:  # into the coordinator's attempt, which this rank has been shown to see
@@ -750,9 +751,9 @@ class _RankSaver:
         st, options = self.st, self.options
         if self.abort is not None and self.abort.is_set():
             raise CheckpointError(f"{self.key}: save abandoned before publishing")
-        if not st.capabilities.atomic_rename:  # the keys persist wrote
+        if strategy_for(st).shares_prefix:  # the keys persist wrote
             manifest = attempts.rename_files(
-                manifest, {n: attempts.data_name(info.attempt_id, n) for n in manifest.files})
+                manifest, {n: strategy_for(st).data_name(info.attempt_id, n) for n in manifest.files})
         if options.hmac_key is not None:
             manifest = sign_manifest(manifest, options.hmac_key)
         try:

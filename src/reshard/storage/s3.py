@@ -25,7 +25,7 @@ files (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
   checkpoint would be replaced. ``RESHARD_S3_TRUST_CONDITIONAL=1`` skips the
   probe (a store known to honour them; the probe costs five requests once per
   process and bucket). After every publish the manifest is read back and
-  must be this attempt's (:func:`reshard.commit.protocol.publish_marker`).
+  must be this attempt's (:meth:`reshard.commit.strategy.MarkerCommit.publish`).
 * Retries: throttling (503 SlowDown), 5xx, timeouts and reset connections are
   retried with exponential backoff and full jitter, bounded by
   ``deadline_s`` seconds per request; past it a :class:`StorageError`.
