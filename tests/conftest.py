@@ -11,7 +11,8 @@ merging a branch that adds tests."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -120,3 +121,28 @@ def s3r(s3rver_session: S3Endpoint, monkeypatch: pytest.MonkeyPatch) -> Iterator
         yield s3rver_session
     finally:
         s3rver_session.proxy.clear()
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """``mount_tmpfs(size)``: a real tmpfs of ``size`` (mount's syntax, e.g.
+    ``"4m"``) at ``tmp_path/disk`` (:func:`reshard.faults.jobs.mount_tmpfs`;
+    the test is skipped where mount is refused), unmounted after the test."""
+    from reshard.faults.jobs import mount_tmpfs as mount
+    from reshard.faults.jobs import umount
+
+    mounted: list[str] = []
+
+    def make(size: str) -> Path:
+        disk = str(tmp_path / "disk")
+        why = mount(disk, size)
+        if why is not None:
+            pytest.skip(f"cannot mount a tmpfs here: {why}")
+        mounted.append(disk)
+        return Path(disk)
+
+    try:
+        yield make
+    finally:
+        for disk in mounted:
+            umount(disk)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -392,18 +393,9 @@ def test_pin_holds_a_checkpoint_for_a_long_task(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def tmpfs(tmp_path: Path) -> Any:
+def tmpfs(mount_tmpfs: Callable[[str], Path]) -> str:
     """A real 6 MiB tmpfs (skipped where mount is refused)."""
-    from reshard.faults.jobs import mount_tmpfs, umount
-
-    disk = str(tmp_path / "disk")
-    why = mount_tmpfs(disk, "6m")
-    if why is not None:
-        pytest.skip(why)
-    try:
-        yield disk
-    finally:
-        umount(disk)
+    return str(mount_tmpfs("6m"))
 
 
 def _free(path: str) -> int:

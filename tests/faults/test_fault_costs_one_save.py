@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +23,9 @@ from reshard.testing.pool import WorkerPool
 
 
 @pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Path]:
+def tmpfs(mount_tmpfs: Callable[[str], Path]) -> Path:
     """A 4 MiB tmpfs (needs root and mount permission; skipped elsewhere)."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    return mount_tmpfs("4m")
 
 
 @pytest.mark.timeout(120)

@@ -12,7 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -226,18 +226,9 @@ def test_retention_keeps_every_named_byte(pool: Any, tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Path]:
+def tmpfs(mount_tmpfs: Callable[[str], Path]) -> Path:
     """A 10 MiB tmpfs (needs root and mount permission; skipped elsewhere)."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    return mount_tmpfs("10m")
 
 
 @pytest.mark.timeout(180)
