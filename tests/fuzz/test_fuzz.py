@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import reshard
 from reshard.cli import main
 from reshard.errors import ManifestError
 from reshard.fuzz import runner as F
@@ -259,3 +260,17 @@ def test_regression_values_nested_past_the_recursion_limit(corpus):
     assert F.run_case(F.Case("reshard", "deep value", files), corpus) != "ok"
     with pytest.raises(ManifestError, match="nested too deeply"):
         codec.decode(b"[" * 900 + b"]" * 900)
+
+
+def test_regression_seeds_are_the_same_bytes_in_every_workdir(tmp_path):
+    """CI saw input i classified ManifestError in one process and
+    IntegrityError in another: the seed manifest held the save's clock and
+    random attempt id (a created_at one digit shorter moves every later byte
+    offset) and the DCP seed its path and a random save id. The seeds are
+    pinned now: byte-equal whatever the workdir, and still valid."""
+    a = F.Corpus(str(tmp_path / "a"))
+    b = F.Corpus(str(tmp_path / "a-longer-path"))
+    assert a.reshard == b.reshard and a.dcp == b.dcp and a.hf == b.hf
+    assert reshard.verify(str(tmp_path / "a" / "seed" / "reshard")).ok
+    assert F.run_case(F.Case("reshard", "seed", dict(a.reshard)), a) == "ok"
+    assert F.run_case(F.Case("dcp", "seed", dict(a.dcp)), a) == "ok"

@@ -103,6 +103,43 @@ def _read_dir(d: str) -> dict[str, bytes]:
     return out
 
 
+# The seeds are the same bytes in every run and every worker directory: input
+# i is derived from (seed, i) alone, and a byte mutation at an offset must
+# meet the same field whatever the clock, the attempt id or the workdir's path
+# were when the seed was written (a created_at one digit shorter moved every
+# later offset: CI saw one input classified ManifestError in one process and
+# IntegrityError in another).
+PINNED_ATTEMPT_ID = "20260101T000000-00000000"
+PINNED_CREATED_AT = 1767225600.0
+
+
+def _pin_manifest(path: str) -> None:
+    """Rewrite the seed manifest at ``path`` with the pinned attempt id and
+    creation time, sealed again (the fields a save takes from the clock and
+    a random source)."""
+    from ..ondisk.manifest import reseal
+
+    with open(path, "rb") as f:
+        doc = json.loads(f.read())
+    doc["attempt_id"], doc["created_at"] = PINNED_ATTEMPT_ID, PINNED_CREATED_AT
+    with open(path, "wb") as f:
+        f.write(reseal(json.dumps(doc, separators=(",", ":")).encode()))
+
+
+def _pin_dcp_metadata(path: str) -> None:
+    """Rewrite the seed DCP ``.metadata`` at ``path`` without its
+    ``storage_meta`` (the checkpoint's path and a random save id). The file
+    is the one DCP just wrote in this process: trusted, so the stdlib
+    unpickler reads it (untrusted ones meet the restricted unpickler)."""
+    import pickle
+
+    with open(path, "rb") as f:
+        md = pickle.load(f)  # noqa: S301 - written just above by DCP itself
+    md.storage_meta = None
+    with open(path, "wb") as f:
+        pickle.dump(md, f)
+
+
 class Corpus:
     """Valid seed inputs, written once under ``workdir``: a reshard checkpoint
     (block checksums of 16 bytes, so chunks span several blocks), a DCP
@@ -121,6 +158,7 @@ class Corpus:
         os.makedirs(seed)
         rs = os.path.join(seed, "reshard")
         save(base_state(), rs, step=3, options=SaveOptions(checksum_block_bytes=16, durable=False))
+        _pin_manifest(os.path.join(rs, MANIFEST))
         self.reshard = _read_dir(rs)
         self.manifest: dict[str, Any] = json.loads(self.reshard[MANIFEST])
         self.data_files = sorted(n for n in self.reshard if n != MANIFEST)
@@ -132,6 +170,7 @@ class Corpus:
             dcp.save({"w": torch.arange(24, dtype=torch.float32).reshape(4, 6),
                       "b": torch.arange(5, dtype=torch.float32).to(torch.bfloat16), "n": 3},
                      checkpoint_id=dd, no_dist=True)
+        _pin_dcp_metadata(os.path.join(dd, DCP_META))
         self.dcp = _read_dir(dd)
         hd = os.path.join(seed, "hf")
         os.makedirs(hd)
