@@ -112,3 +112,54 @@ def r_after_a_new_default_group(root: str) -> dict[str, Any]:
         loaded = reshard.load(_state(), f"{root}/{turn}-async")
         out[turn] = [got.step if got is not None else None, loaded.step]
     return out
+
+
+def r_store_host_stops_in_group_creation(timeout_s: float) -> dict[str, Any]:
+    """Both ranks arrive for a load with a ``timeout_s`` checkpoint timeout;
+    then rank 0 (the host of the job's TCP store) stops (SIGSTOP) where it
+    would make the checkpoint group. Rank 1, making its part of the group,
+    must fail within the bound with a CheckpointError (it waited for the
+    store's own timeout before), then wakes rank 0 (SIGCONT)."""
+    import os
+    import signal
+
+    from reshard.collectives import Arrival, timed_collectives
+    from reshard.errors import CheckpointError
+
+    rank = dist.get_rank()
+    pids: list[Any] = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    real = dist.new_group
+    store = dist.distributed_c10d._get_default_store()
+    key = f"test-stop/{pids[0]}"
+    if rank == 0:
+        def stop_here(*a: Any, **k: Any) -> Any:
+            store.wait([key])  # rank 1 is past its arrival, making its part of the group
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            raise RuntimeError("woken by rank 1 after it gave up")
+        dist.new_group = stop_here
+    else:
+        def mark_then_make(*a: Any, **k: Any) -> Any:
+            store.set(key, "1")
+            return real(*a, **k)
+        dist.new_group = mark_then_make
+    t0 = time.monotonic()
+    try:
+        timed_collectives(None, timeout_s, arrival=Arrival(kind="load", what="load of x", timeout_s=30.0))
+        out: dict[str, Any] = {"type": None}
+    except CheckpointError as e:
+        out = {"type": type(e).__name__, "message": str(e)}
+    except Exception as e:  # noqa: BLE001 - reported to the test (torch's DistStoreError before)
+        out = {"type": type(e).__name__, "message": str(e)}
+    finally:
+        dist.new_group = real
+        if rank == 1:  # wake rank 0 once it is stopped (state T), not before
+            for _ in range(200):
+                with open(f"/proc/{pids[0]}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                        break
+                time.sleep(0.05)
+            os.kill(pids[0], signal.SIGCONT)
+    out["seconds"] = time.monotonic() - t0
+    return out

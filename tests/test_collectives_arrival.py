@@ -72,3 +72,23 @@ def test_a_process_that_makes_its_default_group_again_saves_and_loads(pool: Work
 
     got = pool.run(2, r_after_a_new_default_group, str(tmp_path), timeout=120)
     assert got == [{"before": [4, 2], "after": [4, 2]}] * 2
+
+
+def test_a_store_host_stopped_in_group_creation_fails_within_the_timeout(pool: WorkerPool) -> None:
+    """Found by the fault matrix (``sigstop-load/load--/manifest/stop/rank0/timeout3s``,
+    now and then under load): every rank arrived, then rank 0, which hosts
+    the job's store, stopped while rank 1 was still making the checkpoint
+    group. Rank 1 waited on the store for its own timeout (the training
+    group's, 30 s here), past the checkpoint's 3 s, and raised torch's raw
+    DistStoreError. Now a CheckpointError in phase group within the bound."""
+    from _arrival_fns import r_store_host_stops_in_group_creation
+
+    try:
+        got = pool.run(2, r_store_host_stops_in_group_creation, 3.0, timeout=90)
+    finally:
+        pool.restart(2)  # the two ranks made different numbers of groups: a fresh pair for the next test
+    r1 = got[1]
+    assert r1["type"] == "CheckpointError", r1
+    assert "load of x: the checkpoint group was not made within 8 s (its timeout 3 s + 5 s) (phase group" in r1["message"], r1
+    assert r1["seconds"] < 3.0 + 5 + 4, r1  # not the store's 30 s
+    assert got[0]["type"] == "CheckpointError", got[0]  # rank 0, woken, fails the same way

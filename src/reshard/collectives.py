@@ -26,9 +26,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -39,6 +42,7 @@ from .collectives_base import (
     MAX_SHIPPED_FAILURES,
     MAX_SHIPPED_TRACEBACK,
     OPS,
+    STORE_CALL_TIMEOUT_S,
     Collectives,
     Counting,
     OnFail,
@@ -577,7 +581,51 @@ def new_checkpoint_group(group: Any = None, timeout_s: float | None = None) -> A
         timeout_s = group_timeout_s(group)
     if timeout_s is not None:
         kwargs["timeout"] = timedelta(seconds=timeout_s)
-    return dist.new_group(ranks=ranks, **kwargs)
+    return _new_group_within(timeout_s, "a background checkpoint group", ranks=ranks, **kwargs)
+
+
+def _new_group_within(timeout_s: float | None, what: str, **kwargs: Any) -> Any:
+    """``dist.new_group(**kwargs)`` that gives up after ``timeout_s`` +
+    :data:`STORE_CALL_TIMEOUT_S` seconds, not only on its gloo connections.
+
+    Group creation reads the other ranks' addresses from the job's store,
+    whose client, when the store's host (rank 0 of a TCP store) is stopped
+    (SIGSTOP, a debugger), neither answers nor fails for the training
+    group's timeout (minutes; lowering the store's timeout does not bound
+    it: the rendezvous retries). A rank that finished its part of the group
+    and then stopped left the others blocked there, past the checkpoint's
+    timeout (the fault matrix's ``sigstop-load/load--/manifest/stop/rank0/
+    timeout3s``, now and then under load). The group is made on a daemon
+    thread; past the bound the caller raises and the thread is left blocked
+    in the store (as :class:`~reshard.collectives_base.BoundedStore`'s is).
+    Unbounded (``timeout_s`` None): made on the caller's thread.
+
+    Raises:
+        CheckpointError: the group was not made within the bound, or its
+            creation failed (names ``what``, the phase ``group`` and the cause).
+    """
+    import torch.distributed as dist
+
+    if timeout_s is None:
+        return dist.new_group(**kwargs)
+    bound = float(timeout_s) + STORE_CALL_TIMEOUT_S
+    fut: Future[Any] = Future()
+
+    def make() -> None:
+        try:
+            fut.set_result(dist.new_group(**kwargs))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            fut.set_exception(e)
+
+    threading.Thread(target=make, name="reshard-new-group", daemon=True).start()
+    try:
+        return fut.result(bound)
+    except FutureTimeout:
+        cause = f"not made within {bound:g} s (its timeout {float(timeout_s):g} s + {STORE_CALL_TIMEOUT_S:g} s)"
+    except (dist.DistError, RuntimeError) as e:
+        cause = f"not made: {type(e).__name__}: {e}"
+    raise CheckpointError(f"{what}: the checkpoint group was {cause} (phase group: a rank stopped or ended "
+                          "while the ranks connected, or the job's store did not answer)")
 
 
 _TIMED_GROUPS: dict[tuple[Any, float | None], Any] = {}
@@ -764,7 +812,8 @@ def timed_collectives(group: Any, timeout_s: float | None, *,
     if pg is None or str(getattr(pg, "group_name", "")) in _BROKEN:  # (again, after a failure)
         ranks = dist.get_process_group_ranks(group) if group is not None else None
         kw: dict[str, Any] = {} if timeout_s is None else {"timeout": timedelta(seconds=float(timeout_s))}
-        pg = _TIMED_GROUPS[key] = dist.new_group(
+        pg = _TIMED_GROUPS[key] = _new_group_within(
+            timeout_s, arrival.what if arrival is not None else "a checkpoint collective",
             ranks=ranks, backend="gloo", use_local_synchronization=group is not None, **kw)
     return TorchCollectives(pg)
 
