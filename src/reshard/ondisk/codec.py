@@ -28,6 +28,7 @@ import math
 import pathlib
 import sys
 import zoneinfo
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -170,6 +171,16 @@ def from_json(data: Any) -> Any:
 
 
 def _from_json(data: Any) -> Any:
+    """Decode one encoded value: the containers here (each level of nesting
+    costs the interpreter the same frames as it always did, so the depth at
+    which :func:`from_json` reports "nested too deeply" is kept), every other
+    tag by its entry in :data:`_LEAVES`.
+
+    Raises:
+        ManifestError: not a single-tag object, an unknown tag or payload.
+        TypeError, ValueError, KeyError, IndexError: a malformed payload
+            (:func:`from_json` reports them as ManifestError).
+    """
     if isinstance(data, list):
         return [_from_json(v) for v in data]
     if not isinstance(data, dict):
@@ -177,10 +188,6 @@ def _from_json(data: Any) -> Any:
     if len(data) != 1:
         raise ManifestError(f"encoded value: expected a single-tag object, got keys {sorted(data)}")
     tag, p = next(iter(data.items()))
-    if tag == "$float":
-        return float(p)
-    if tag == "$bigint":
-        return int(p)
     if tag == "$tuple":
         return tuple(_from_json(v) for v in p)
     if tag in ("$dict", "$odict", "$counter"):
@@ -189,69 +196,101 @@ def _from_json(data: Any) -> Any:
         for k, v in p:
             out[_from_json(k)] = _from_json(v)
         return out
-    if tag == "$bytes":
-        return base64.b64decode(p)
     if tag == "$set":
         return {_from_json(v) for v in p}
     if tag == "$frozenset":
         return frozenset(_from_json(v) for v in p)
     if tag == "$slice":
         return slice(*(_from_json(v) for v in p))
-    if tag == "$ndarray":
-        import numpy as np
-
-        dt, shape, b64 = p
-        return np.frombuffer(base64.b64decode(b64), dtype=np.dtype(dt)).reshape(shape).copy()
-    if tag == "$npscalar":
-        import numpy as np
-
-        dt, b64 = p
-        return np.frombuffer(base64.b64decode(b64), dtype=np.dtype(dt))[0]
-    if tag == "$torch_dtype":
-        import torch
-
-        dtype = getattr(torch, str(p), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ManifestError(f"encoded value: unknown torch dtype {p!r}")
-        return dtype
     if tag == "$complex":
         return complex(_from_json(p[0]), _from_json(p[1]))
-    if tag == "$torch_device":
-        import torch
+    leaf = _LEAVES.get(tag)
+    if leaf is None:
+        raise ManifestError(f"encoded value: unknown tag {tag!r}")
+    return leaf(p)
 
-        return torch.device(str(p))
-    if tag == "$path":
-        kind, s = p
-        if kind not in _PATHS:
-            raise ManifestError(f"encoded value: unknown path kind {kind!r}")
-        try:
-            return _PATHS[kind](str(s))
-        except (NotImplementedError, OSError):  # a WindowsPath read on POSIX (or back): keep its flavour
-            return _PATHS["pure_" + kind](str(s))
-    if tag == "$datetime":
-        *f, tz = p
-        y, mo, d, h, mi, s, us, fold = (int(x) for x in f)
-        return _dt.datetime(y, mo, d, h, mi, s, us, tzinfo=_dec_tz(tz), fold=fold)
-    if tag == "$date":
-        return _dt.date(*(int(x) for x in p))
-    if tag == "$time":
-        *f, tz = p
-        h, mi, s, us, fold = (int(x) for x in f)
-        return _dt.time(h, mi, s, us, tzinfo=_dec_tz(tz), fold=fold)
-    if tag == "$timedelta":
-        return _dt.timedelta(days=int(p[0]), seconds=int(p[1]), microseconds=int(p[2]))
-    if tag == "$tensor":
-        import torch
 
-        from ..state.sharding import torch_dtype
+def _dec_ndarray(p: Any) -> Any:
+    import numpy as np
 
-        name, shape, b64 = p
-        raw = bytearray(base64.b64decode(b64))
-        dtype = torch_dtype(name)
-        if not raw:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape).clone()
-    raise ManifestError(f"encoded value: unknown tag {tag!r}")
+    dt, shape, b64 = p
+    return np.frombuffer(base64.b64decode(b64), dtype=np.dtype(dt)).reshape(shape).copy()
+
+
+def _dec_npscalar(p: Any) -> Any:
+    import numpy as np
+
+    dt, b64 = p
+    return np.frombuffer(base64.b64decode(b64), dtype=np.dtype(dt))[0]
+
+
+def _dec_torch_dtype(p: Any) -> Any:
+    import torch
+
+    dtype = getattr(torch, str(p), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ManifestError(f"encoded value: unknown torch dtype {p!r}")
+    return dtype
+
+
+def _dec_torch_device(p: Any) -> Any:
+    import torch
+
+    return torch.device(str(p))
+
+
+def _dec_path(p: Any) -> pathlib.PurePath:
+    kind, s = p
+    if kind not in _PATHS:
+        raise ManifestError(f"encoded value: unknown path kind {kind!r}")
+    try:
+        return _PATHS[kind](str(s))
+    except (NotImplementedError, OSError):  # a WindowsPath read on POSIX (or back): keep its flavour
+        return _PATHS["pure_" + kind](str(s))
+
+
+def _dec_datetime(p: Any) -> _dt.datetime:
+    *f, tz = p
+    y, mo, d, h, mi, s, us, fold = (int(x) for x in f)
+    return _dt.datetime(y, mo, d, h, mi, s, us, tzinfo=_dec_tz(tz), fold=fold)
+
+
+def _dec_date(p: Any) -> _dt.date:
+    return _dt.date(*(int(x) for x in p))
+
+
+def _dec_time(p: Any) -> _dt.time:
+    *f, tz = p
+    h, mi, s, us, fold = (int(x) for x in f)
+    return _dt.time(h, mi, s, us, tzinfo=_dec_tz(tz), fold=fold)
+
+
+def _dec_timedelta(p: Any) -> _dt.timedelta:
+    return _dt.timedelta(days=int(p[0]), seconds=int(p[1]), microseconds=int(p[2]))
+
+
+def _dec_tensor(p: Any) -> Any:
+    import torch
+
+    from ..state.sharding import torch_dtype
+
+    name, shape, b64 = p
+    raw = bytearray(base64.b64decode(b64))
+    dtype = torch_dtype(name)
+    if not raw:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape).clone()
+
+
+#: the decoder of each tag that holds no encoded value (its payload -> the
+#: value); ``float``, ``int`` and ``b64decode`` are called directly, as before
+_LEAVES: dict[str, Callable[[Any], Any]] = {
+    "$float": float, "$bigint": int, "$bytes": base64.b64decode,
+    "$ndarray": _dec_ndarray, "$npscalar": _dec_npscalar,
+    "$torch_dtype": _dec_torch_dtype, "$torch_device": _dec_torch_device, "$path": _dec_path,
+    "$datetime": _dec_datetime, "$date": _dec_date, "$time": _dec_time,
+    "$timedelta": _dec_timedelta, "$tensor": _dec_tensor,
+}
 
 
 def encode(value: Any, *, path: str = "") -> bytes:

@@ -365,17 +365,94 @@ def _value_paths(md: Any, byte_fqns: list[str], tensor_fqns: list[str]) -> dict[
     return out
 
 
+@dataclass(frozen=True)
+class _StorageIndex:
+    """``storage_data`` of a DCP ``Metadata``, checked.
+
+    Attributes:
+        infos: ``(fqn, chunk offset)`` -> its ``_StorageInfo`` (offset None
+            for a BYTE_IO item); each location lies inside its data file.
+        file_sizes: data file name (relative) -> size in bytes, in the order
+            first named.
+    """
+
+    infos: Mapping[tuple[str, tuple[int, ...] | None], Any]
+    file_sizes: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class _TensorIndex:
+    """The tensors of a DCP ``state_dict_metadata``.
+
+    Attributes:
+        items: virtual file name (``dcp-NNNNNN``) -> the DCP chunk it serves.
+        tensors: fqn -> its manifest entry (non-empty chunks, sorted by offset).
+        skipped: fqn -> why the tensor is not offered (a dtype off the allow-list).
+        byte_fqns: the BYTE_IO keys, sorted.
+    """
+
+    items: Mapping[str, _Item]
+    tensors: Mapping[str, TensorEntry]
+    skipped: Mapping[str, str]
+    byte_fqns: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class _ByteValues:
+    """The BYTE_IO values of a DCP checkpoint, as the manifest records them.
+
+    Attributes:
+        paths: DCP key -> its state-dict path (tensors' keys included).
+        table: DCP key -> ``[state-dict path, length of its default group's path]``
+            (the manifest's ``extra[DCP_VALUES]``).
+        values: DCP key -> value in :mod:`reshard.ondisk.codec`'s encoding.
+        skipped: DCP key -> why it was not decoded.
+    """
+
+    paths: Mapping[str, tuple[Any, ...]]
+    table: Mapping[str, list[Any]]
+    values: Mapping[str, Any]
+    skipped: Mapping[str, str]
+
+
 def _build(st: Storage, key: str, md: Any, *, values: bool,
            limits: Any = None) -> tuple[dict[str, _Item], Manifest]:
-    from torch.distributed.checkpoint import metadata as dm
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    """The virtual files and the manifest of the DCP checkpoint ``md`` (its
+    ``Metadata``) at ``key`` of ``st``, in steps: the storage index
+    (:func:`_index_storage`), the tensors (:func:`_index_tensors`), the
+    values (:func:`_byte_values`), the manifest (:func:`_dcp_manifest`).
 
+    Raises:
+        ManifestError, IntegrityError: as :func:`open_dcp`; AttributeError,
+            TypeError, KeyError from records of the right class with wrong
+            contents (:func:`open_dcp` reports them as ManifestError).
+    """
     where = st.join(key, DCP_METADATA)
     sdm = md.state_dict_metadata
     sdata = md.storage_data
     if not isinstance(sdm, dict) or not isinstance(sdata, dict):
         raise ManifestError(f"{where}: state_dict_metadata and storage_data must be dicts")
-    # storage_data by (fqn, offset); values checked field by field
+    index = _index_storage(st, key, sdata, where)
+    ti = _index_tensors(sdm, index.infos, where)
+    bv = _byte_values(st, key, md, where, ti, index.infos, values=values, limits=limits)
+    m = _dcp_manifest(st, md, where, index, ti, bv)
+    validate_manifest(m, where=f"{where} (as a reshard manifest)")
+    return dict(ti.items), m
+
+
+def _index_storage(st: Storage, key: str, sdata: dict[Any, Any], where: str) -> _StorageIndex:
+    """Check ``storage_data`` field by field: every key a ``MetadataIndex``,
+    every value a ``_StorageInfo`` without stream transforms whose data file
+    is a plain name, present, not a link, and holds its bytes.
+
+    Raises:
+        ManifestError: a malformed record, a file name outside the directory,
+            a symbolic link, stream transforms.
+        IntegrityError: a data file is missing or ends before a location.
+    """
+    from torch.distributed.checkpoint import metadata as dm
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
     infos: dict[tuple[str, tuple[int, ...] | None], Any] = {}
     file_sizes: dict[str, int] = {}
     for idx, info in sdata.items():
@@ -404,6 +481,20 @@ def _build(st: Storage, key: str, md: Any, *, values: bool,
             raise IntegrityError(f"{where}: {fqn}: bytes [{o}, {o + n}) reach past the end "
                                  f"({file_sizes[rel]} bytes) of {rel!r}")
         infos[(fqn, off)] = info
+    return _StorageIndex(infos=infos, file_sizes=file_sizes)
+
+
+def _index_tensors(sdm: dict[Any, Any], infos: Mapping[tuple[str, tuple[int, ...] | None], Any],
+                   where: str) -> _TensorIndex:
+    """Sort ``state_dict_metadata`` into tensors (:func:`_tensor_entry`, in
+    key order: the virtual files are numbered in that order) and BYTE_IO keys.
+
+    Raises:
+        ManifestError: a key that is not a str, unknown storage metadata, or
+            a malformed tensor record.
+    """
+    from torch.distributed.checkpoint import metadata as dm
+
     items: dict[str, _Item] = {}
     tensors: dict[str, TensorEntry] = {}
     skipped_tensors: dict[str, str] = {}
@@ -417,56 +508,83 @@ def _build(st: Storage, key: str, md: Any, *, values: bool,
             continue
         if not isinstance(meta, dm.TensorStorageMetadata):
             raise ManifestError(f"{where}: {fqn}: unknown storage metadata {type(meta).__name__}")
-        w = f"{where}: tensor {fqn!r}"
-        props = meta.properties
-        if not isinstance(props, dm.TensorProperties) or not isinstance(props.dtype, torch.dtype):
-            raise ManifestError(f"{w}: malformed TensorProperties")
-        try:
-            dt = dtype_name(props.dtype)
-        except ShardingError:  # not offered (a load that asks for it reports it missing)
-            skipped_tensors[fqn] = f"dtype {props.dtype} is not on reshard's allow-list"
-            continue
-        if props.layout != torch.strided:
-            raise ManifestError(f"{w}: layout {props.layout} is not supported")
-        gshape = _ints(meta.size, what="size", where=w)
-        if not isinstance(meta.chunks, list):
-            raise ManifestError(f"{w}: chunks must be a list")
-        chunks: list[Chunk] = []
-        for c in meta.chunks:
-            if not isinstance(c, dm.ChunkStorageMetadata):
-                raise ManifestError(f"{w}: malformed chunk {c!r:.200}")
-            off = _ints(c.offsets, what="chunk offsets", where=w)
-            shape = _ints(c.sizes, what="chunk sizes", where=w)
-            if len(off) != len(gshape) or len(shape) != len(gshape):
-                raise ManifestError(f"{w}: chunk at {list(off)} has another rank than {list(gshape)}")
-            if numel(shape) == 0:
-                continue  # an empty shard (uneven FSDP): nothing to read
-            info = infos.get((fqn, off))
-            if info is None:
-                raise ManifestError(f"{w}: chunk at {list(off)} has no storage_data entry")
-            name = f"dcp-{len(items):06d}"
-            it = _Item(fqn=fqn, global_offset=off, shape=shape, dtype=dt, file=info.relative_path,
-                       offset=info.offset, length=info.length)
-            items[name] = it
-            chunks.append(Chunk(global_offset=off, local_shape=shape, file=name, offset=0,
-                                length=it.nbytes))
-        tensors[fqn] = TensorEntry(dtype=dt, global_shape=gshape,
-                                   chunks=tuple(sorted(chunks, key=lambda c: c.global_offset)))
+        entry = _tensor_entry(fqn, meta, infos, items, where)
+        if isinstance(entry, str):
+            skipped_tensors[fqn] = entry
+        else:
+            tensors[fqn] = entry
+    return _TensorIndex(items=items, tensors=tensors, skipped=skipped_tensors, byte_fqns=tuple(byte_fqns))
+
+
+def _tensor_entry(fqn: str, meta: Any, infos: Mapping[tuple[str, tuple[int, ...] | None], Any],
+                  items: dict[str, _Item], where: str) -> TensorEntry | str:
+    """The manifest entry of tensor ``fqn`` (its ``TensorStorageMetadata``
+    ``meta``), adding a virtual file to ``items`` for each non-empty chunk;
+    a str: the reason the tensor is not offered (a dtype off reshard's
+    allow-list; a load that asks for it reports it missing).
+
+    Raises:
+        ManifestError: malformed properties, chunks or sizes, a layout other
+            than strided, a chunk of another rank or without storage_data.
+    """
+    from torch.distributed.checkpoint import metadata as dm
+
+    w = f"{where}: tensor {fqn!r}"
+    props = meta.properties
+    if not isinstance(props, dm.TensorProperties) or not isinstance(props.dtype, torch.dtype):
+        raise ManifestError(f"{w}: malformed TensorProperties")
+    try:
+        dt = dtype_name(props.dtype)
+    except ShardingError:
+        return f"dtype {props.dtype} is not on reshard's allow-list"
+    if props.layout != torch.strided:
+        raise ManifestError(f"{w}: layout {props.layout} is not supported")
+    gshape = _ints(meta.size, what="size", where=w)
+    if not isinstance(meta.chunks, list):
+        raise ManifestError(f"{w}: chunks must be a list")
+    chunks: list[Chunk] = []
+    for c in meta.chunks:
+        if not isinstance(c, dm.ChunkStorageMetadata):
+            raise ManifestError(f"{w}: malformed chunk {c!r:.200}")
+        off = _ints(c.offsets, what="chunk offsets", where=w)
+        shape = _ints(c.sizes, what="chunk sizes", where=w)
+        if len(off) != len(gshape) or len(shape) != len(gshape):
+            raise ManifestError(f"{w}: chunk at {list(off)} has another rank than {list(gshape)}")
+        if numel(shape) == 0:
+            continue  # an empty shard (uneven FSDP): nothing to read
+        info = infos.get((fqn, off))
+        if info is None:
+            raise ManifestError(f"{w}: chunk at {list(off)} has no storage_data entry")
+        name = f"dcp-{len(items):06d}"
+        it = _Item(fqn=fqn, global_offset=off, shape=shape, dtype=dt, file=info.relative_path,
+                   offset=info.offset, length=info.length)
+        items[name] = it
+        chunks.append(Chunk(global_offset=off, local_shape=shape, file=name, offset=0,
+                            length=it.nbytes))
+    return TensorEntry(dtype=dt, global_shape=gshape,
+                       chunks=tuple(sorted(chunks, key=lambda c: c.global_offset)))
+
+
+def _byte_values(st: Storage, key: str, md: Any, where: str, ti: _TensorIndex,
+                 infos: Mapping[tuple[str, tuple[int, ...] | None], Any], *, values: bool,
+                 limits: Any) -> _ByteValues:
+    """Every BYTE_IO item is kept as the value of its own DCP key; its
+    state-dict path and default group (the largest container without a
+    tensor below it) are recorded, so that a load regroups the values into
+    the paths it asks for (:func:`reshard.ondisk.dcp_values.regroup`). Each
+    is decoded by :func:`_decode_value` (``values``: else none is); one
+    that fails is listed as skipped, with the reason."""
     vals: dict[str, Any] = {}
     skipped: dict[str, str] = {}
-    all_tensors = [*tensors, *skipped_tensors]
-    paths = _value_paths(md, byte_fqns, all_tensors)
+    all_tensors = [*ti.tensors, *ti.skipped]
+    paths = _value_paths(md, list(ti.byte_fqns), all_tensors)
     tensor_prefixes = {paths[f][:i] for f in all_tensors for i in range(1, len(paths[f]) + 1)}
     groups: dict[tuple[Any, ...], list[tuple[tuple[Any, ...], str]]] = {}
     order = {k: i for i, k in enumerate(md.planner_data)} if isinstance(md.planner_data, dict) else {}
-    for fqn in sorted(byte_fqns, key=lambda k: (order.get(k, len(order)), k)):
+    for fqn in sorted(ti.byte_fqns, key=lambda k: (order.get(k, len(order)), k)):
         vp = paths[fqn]
         cut = next((i for i in range(1, len(vp) + 1) if vp[:i] not in tensor_prefixes), len(vp))
         groups.setdefault(vp[:cut], []).append((vp[cut:], fqn))
-    # every BYTE_IO item is kept as the value of its own DCP key; its state-dict
-    # path and default group (the largest container without a tensor below it)
-    # are recorded, so that a load regroups the values into the paths it asks
-    # for (reshard.ondisk.dcp_values.regroup)
     table: dict[str, list[Any]] = {}
     for root, members in groups.items():
         for _sub, fqn in members:
@@ -475,34 +593,57 @@ def _build(st: Storage, key: str, md: Any, *, values: bool,
                 skipped[fqn] = "not decoded (values=False)"
                 continue
             try:
-                info = infos.get((fqn, None))
-                if info is None:
-                    raise ManifestError(f"{fqn}: no storage_data entry")
-                from .limits import default_limits, too_large
-
-                cap = (limits if limits is not None else default_limits()).value_bytes
-                if isinstance(info.length, int) and info.length > cap:
-                    raise ManifestError(too_large(f"{where}: value {fqn!r}", "the encoded value",
-                                                  info.length, cap, "value_bytes"))
-                raw = st.read_bytes(st.join(key, info.relative_path), info.offset, info.length)
-                vals[fqn] = codec.to_json(_torch_load(raw, where=f"{where}: value {fqn!r}"), path=fqn)
+                vals[fqn] = _decode_value(st, key, where, fqn, infos, limits)
             except (CheckpointError, TypeError, ValueError) as e:
                 skipped[fqn] = f"{type(e).__name__}: {e}"[:500]
-    ranks = [re.match(r"__(\d+)_", f) for f in file_sizes]
+    return _ByteValues(paths=paths, table=table, values=vals, skipped=skipped)
+
+
+def _decode_value(st: Storage, key: str, where: str, fqn: str,
+                  infos: Mapping[tuple[str, tuple[int, ...] | None], Any], limits: Any) -> Any:
+    """BYTE_IO item ``fqn``, read (at most ``limits.value_bytes``), decoded
+    with ``torch.load(weights_only=True)`` and encoded by :func:`codec.to_json`.
+
+    Raises:
+        ManifestError: no storage_data entry, or larger than ``value_bytes``.
+        IntegrityError: not loadable with ``torch.load(weights_only=True)``.
+        TypeError: a value the codec cannot store.
+    """
+    info = infos.get((fqn, None))
+    if info is None:
+        raise ManifestError(f"{fqn}: no storage_data entry")
+    from .limits import default_limits, too_large
+
+    cap = (limits if limits is not None else default_limits()).value_bytes
+    if isinstance(info.length, int) and info.length > cap:
+        raise ManifestError(too_large(f"{where}: value {fqn!r}", "the encoded value",
+                                      info.length, cap, "value_bytes"))
+    raw = st.read_bytes(st.join(key, info.relative_path), info.offset, info.length)
+    return codec.to_json(_torch_load(raw, where=f"{where}: value {fqn!r}"), path=fqn)
+
+
+def _dcp_manifest(st: Storage, md: Any, where: str, index: _StorageIndex, ti: _TensorIndex,
+                  bv: _ByteValues) -> Manifest:
+    """The reshard manifest of the checked parts (not yet validated): world
+    size from the data files' ``__<rank>_`` names, ``extra`` recording the
+    DCP source, its value table, tensor paths and what was skipped; the step
+    from a top-level ``step`` or TorchTitan's ``train_state.step`` value."""
+    ranks = [re.match(r"__(\d+)_", f) for f in index.file_sizes]
     world = 1 + max((int(r.group(1)) for r in ranks if r is not None), default=0)
     sm = getattr(md, "storage_meta", None)
     save_id = getattr(sm, "save_id", None)
     extra: dict[str, Any] = {"source": "dcp", "dcp_version": md.version if type(md.version) is str else None,
-                             "dcp_files": len(file_sizes)}
-    if table:
-        extra[DCP_VALUES] = table
-    tensor_paths = {f: list(paths[f]) for f in tensors if paths[f] != (f,)}
+                             "dcp_files": len(index.file_sizes)}
+    if bv.table:
+        extra[DCP_VALUES] = dict(bv.table)
+    paths = bv.paths
+    tensor_paths = {f: list(paths[f]) for f in ti.tensors if paths[f] != (f,)}
     if tensor_paths:
         extra[DCP_TENSOR_PATHS] = tensor_paths
-    if skipped:
-        extra["dcp_skipped_values"] = skipped
-    if skipped_tensors:
-        extra["dcp_skipped_tensors"] = skipped_tensors
+    if bv.skipped:
+        extra["dcp_skipped_values"] = dict(bv.skipped)
+    if ti.skipped:
+        extra["dcp_skipped_tensors"] = dict(ti.skipped)
     try:
         created = st.modified_time(where) or 0.0
     except Exception:  # noqa: BLE001
@@ -510,16 +651,15 @@ def _build(st: Storage, key: str, md: Any, *, values: bool,
     # the training step the state dict saved at its top level ({"app": ..., "step": 5}), as DCP's
     # own tutorials do, or in TorchTitan's train state ({"train_state": {"step": 5, ...}});
     # reshard's manifests carry it as `step`
+    vals = bv.values
     found = [v for v in (vals.get("step"), vals.get("train_state.step")) if type(v) is int]
     step = found[0] if found else None
-    m = Manifest(
+    return Manifest(
         attempt_id=f"dcp-{save_id}" if type(save_id) is str else "dcp",
         created_at=round(created, 3), world_size=world, checksum_block_bytes=1 << 20,
-        tensors=tensors, values=vals, step=step,
-        files={name: FileEntry(size=it.nbytes) for name, it in items.items()}, extra=extra,
+        tensors=dict(ti.tensors), values=dict(vals),
+        step=step, files={name: FileEntry(size=it.nbytes) for name, it in ti.items.items()}, extra=extra,
     )
-    validate_manifest(m, where=f"{where} (as a reshard manifest)")
-    return items, m
 
 
 def open_dcp(

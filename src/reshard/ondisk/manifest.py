@@ -27,6 +27,8 @@ file itself is in this checkpoint: a reader never follows ``origin``.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -416,6 +418,33 @@ def decode_manifest(raw: bytes, *, where: str = MANIFEST_NAME, limits: Any = Non
 
 
 def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
+    """Check a decoded manifest's meaning, in this order: the header
+    (:func:`_check_header`), the files (:func:`_check_files`), every tensor
+    (:func:`_check_tensor`), every object grid (:func:`_check_object`), the
+    values and the aliases (:func:`_check_names`). The first failure is raised.
+
+    Raises:
+        ManifestError: unsupported format, version, feature or checksum
+            algorithm; a world size, shape, offset, dtype, file name,
+            checksum count or block-table range out of bounds; an object
+            grid not covered exactly once; values not an object; an alias
+            to an unknown tensor or shadowing a saved name.
+        IntegrityError: a chunk's declared byte length disagrees with its
+            shape and dtype, or its range reaches past its file's declared size.
+        CoverageError: a tensor's chunks do not hold exactly its elements.
+    """
+    _check_header(m, where)
+    files = _check_files(m, where)
+    for fqn, te in m.tensors.items():
+        _check_tensor(fqn, te, files)
+    for key, oe in m.objects.items():
+        _check_object(key, oe, files)
+    _check_names(m, where)
+
+
+def _check_header(m: Manifest, where: str) -> None:
+    """Format, version, required features, checksum algorithm and block size,
+    world size (ManifestError on the first that this reader cannot take)."""
     if m.format != FORMAT:
         raise ManifestError(f"{where}: format is {m.format!r}, expected {FORMAT!r}")
     if m.format_version > FORMAT_VERSION or m.format_version < 1:
@@ -431,7 +460,60 @@ def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
         raise ManifestError(f"{where}: checksum_block_bytes must be positive")
     if not 1 <= m.world_size <= MAX_WORLD_SIZE:
         raise ManifestError(f"{where}: world_size {m.world_size} is outside [1, {MAX_WORLD_SIZE}]")
-    block = m.checksum_block_bytes
+
+
+@dataclass(frozen=True)
+class _Files:
+    """The checked file table of a manifest, for :meth:`check_range`.
+
+    Attributes:
+        where: the manifest's name in messages.
+        block: ``checksum_block_bytes`` (bytes, positive).
+        sizes: file name -> declared size (bytes).
+        tables: file name -> entries of its block table (0: none).
+    """
+
+    where: str
+    block: int
+    sizes: Mapping[str, int]
+    tables: Mapping[str, int]
+
+    def check_range(self, key: str, file: str, offset: int, length: int, checksums: tuple[str, ...],
+                    c: Chunk | ObjectChunk) -> None:
+        """Bytes ``[offset, offset + length)`` of ``file`` as record ``key``
+        declares them: a listed file, inside its size, one checksum per block
+        (or a digest whose blocks lie in the file's block table).
+
+        Raises:
+            ManifestError: an unlisted or unsafe file name, a wrong checksum
+                count, blocks outside the block table.
+            IntegrityError: the range reaches past the file's declared size.
+        """
+        where, block = self.where, self.block
+        size = self.sizes.get(file)
+        if size is None:
+            check_file_name(file, where=f"{where}: {key}")
+            raise ManifestError(f"{where}: {key}: names file {file!r} that the manifest does not list")
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IntegrityError(
+                f"{where}: {key}: bytes [{offset}, {offset + length}) reach past the declared "
+                f"size {size} of file {file!r}"
+            )
+        if checksums and len(checksums) != -(-length // block):
+            raise ManifestError(
+                f"{where}: {key}: {len(checksums)} checksums for {length} bytes in blocks of {block}"
+            )
+        tables = self.tables
+        if c.digest and not checksums and (
+                c.block_index < 0 or c.block_index + -(-length // block) > tables[file]
+                or offset + length > size - 8 * tables[file]):
+            raise ManifestError(f"{where}: {key}: blocks from {c.block_index} are not in the block table "
+                                f"of file {file!r} ({tables[file]} entries)")
+
+
+def _check_files(m: Manifest, where: str) -> _Files:
+    """Every file entry: a plain name, a non-negative size, a block table
+    that fits, an attempt-id origin (ManifestError otherwise)."""
     sizes: dict[str, int] = {}
     tables: dict[str, int] = {}
     for name, fe in m.files.items():
@@ -445,78 +527,77 @@ def validate_manifest(m: Manifest, *, where: str = MANIFEST_NAME) -> None:
             raise ManifestError(f"{where}: file {name!r}: origin {fe.origin[:80]!r} is not an attempt id")
         sizes[name] = fe.size
         tables[name] = fe.blocks
+    return _Files(where=where, block=m.checksum_block_bytes, sizes=sizes, tables=tables)
 
-    def check_range(key: str, file: str, offset: int, length: int, checksums: tuple[str, ...],
-                    c: Chunk | ObjectChunk) -> None:
-        size = sizes.get(file)
-        if size is None:
-            check_file_name(file, where=f"{where}: {key}")
-            raise ManifestError(f"{where}: {key}: names file {file!r} that the manifest does not list")
-        if offset < 0 or length < 0 or offset + length > size:
-            raise IntegrityError(
-                f"{where}: {key}: bytes [{offset}, {offset + length}) reach past the declared "
-                f"size {size} of file {file!r}"
-            )
-        if checksums and len(checksums) != -(-length // block):
-            raise ManifestError(
-                f"{where}: {key}: {len(checksums)} checksums for {length} bytes in blocks of {block}"
-            )
-        if c.digest and not checksums and (
-                c.block_index < 0 or c.block_index + -(-length // block) > tables[file]
-                or offset + length > size - 8 * tables[file]):
-            raise ManifestError(f"{where}: {key}: blocks from {c.block_index} are not in the block table "
-                                f"of file {file!r} ({tables[file]} entries)")
 
-    for fqn, te in m.tensors.items():
-        if te.dtype not in DTYPE_NAMES:
-            raise ManifestError(f"{where}: tensor {fqn!r}: dtype {te.dtype!r} is not on the allow-list")
-        gshape = te.global_shape
-        if any(d < 0 or d > MAX_DIM for d in gshape):
-            raise ManifestError(f"{where}: tensor {fqn!r}: global_shape {list(gshape)} out of range")
-        isz = itemsize(te.dtype)
-        volume = 0
-        for c in te.chunks:
-            key = f"tensor {fqn!r} chunk at {list(c.global_offset)}"
-            if len(c.global_offset) != len(gshape) or len(c.local_shape) != len(gshape):
-                raise ManifestError(f"{where}: {key}: rank differs from global_shape {list(gshape)}")
-            for o, s, g in zip(c.global_offset, c.local_shape, gshape, strict=True):
-                if o < 0 or s < 0 or o + s > g:
-                    raise ManifestError(
-                        f"{where}: {key}: box {list(c.local_shape)} lies outside global_shape {list(gshape)}"
-                    )
-            n = c.numel
-            if c.flattened_range is not None:
-                a, b = c.flattened_range
-                if not 0 <= a <= b <= numel(c.local_shape):
-                    raise ManifestError(f"{where}: {key}: flattened_range {a}:{b} outside its box")
-            if c.length != n * isz:
-                raise IntegrityError(
-                    f"{where}: {key}: declared length {c.length} bytes, but {n} elements of "
-                    f"{te.dtype} need {n * isz}"
+def _check_tensor(fqn: str, te: TensorEntry, files: _Files) -> None:
+    """One tensor: an allow-listed dtype, a shape in range, every chunk's box
+    inside it with a byte length matching its elements and a range inside
+    its file, and the chunks' elements adding up to the shape's.
+
+    Raises:
+        ManifestError, IntegrityError, CoverageError: as :func:`validate_manifest`.
+    """
+    where = files.where
+    if te.dtype not in DTYPE_NAMES:
+        raise ManifestError(f"{where}: tensor {fqn!r}: dtype {te.dtype!r} is not on the allow-list")
+    gshape = te.global_shape
+    if any(d < 0 or d > MAX_DIM for d in gshape):
+        raise ManifestError(f"{where}: tensor {fqn!r}: global_shape {list(gshape)} out of range")
+    isz = itemsize(te.dtype)
+    volume = 0
+    for c in te.chunks:
+        key = f"tensor {fqn!r} chunk at {list(c.global_offset)}"
+        if len(c.global_offset) != len(gshape) or len(c.local_shape) != len(gshape):
+            raise ManifestError(f"{where}: {key}: rank differs from global_shape {list(gshape)}")
+        for o, s, g in zip(c.global_offset, c.local_shape, gshape, strict=True):
+            if o < 0 or s < 0 or o + s > g:
+                raise ManifestError(
+                    f"{where}: {key}: box {list(c.local_shape)} lies outside global_shape {list(gshape)}"
                 )
-            check_range(key, c.file, c.offset, c.length, c.checksums, c)
-            if c.content and not _CONTENT_RE.match(c.content):
-                raise ManifestError(f"{where}: {key}: content digest {c.content[:80]!r} is not 32 hex digits")
-            volume += n
-        if volume != numel(gshape):
-            raise CoverageError(
-                f"{where}: tensor {fqn!r}: chunks hold {volume} elements, global_shape "
-                f"{list(gshape)} needs {numel(gshape)}"
+        n = c.numel
+        if c.flattened_range is not None:
+            a, b = c.flattened_range
+            if not 0 <= a <= b <= numel(c.local_shape):
+                raise ManifestError(f"{where}: {key}: flattened_range {a}:{b} outside its box")
+        if c.length != n * isz:
+            raise IntegrityError(
+                f"{where}: {key}: declared length {c.length} bytes, but {n} elements of "
+                f"{te.dtype} need {n * isz}"
             )
-    for key, oe in m.objects.items():
-        for oc in oe.chunks:
-            if len(oc.global_offset) != len(oe.global_shape) or any(
-                o < 0 or o >= g for o, g in zip(oc.global_offset, oe.global_shape, strict=True)
-            ):
-                raise ManifestError(f"{where}: object {key!r}: element {list(oc.global_offset)} "
-                                    f"outside its grid {list(oe.global_shape)}")
-            check_range(f"object {key!r} element {list(oc.global_offset)}", oc.file, oc.offset,
-                        oc.length, oc.checksums, oc)
-        distinct = {tuple(oc.global_offset) for oc in oe.chunks}
-        if len(distinct) != len(oe.chunks) or len(distinct) != numel(oe.global_shape):
-            raise ManifestError(f"{where}: object {key!r}: {len(oe.chunks)} records of {len(distinct)} "
-                                f"distinct elements for a grid {list(oe.global_shape)} of "
-                                f"{numel(oe.global_shape)}")
+        files.check_range(key, c.file, c.offset, c.length, c.checksums, c)
+        if c.content and not _CONTENT_RE.match(c.content):
+            raise ManifestError(f"{where}: {key}: content digest {c.content[:80]!r} is not 32 hex digits")
+        volume += n
+    if volume != numel(gshape):
+        raise CoverageError(
+            f"{where}: tensor {fqn!r}: chunks hold {volume} elements, global_shape "
+            f"{list(gshape)} needs {numel(gshape)}"
+        )
+
+
+def _check_object(key: str, oe: ObjectEntry, files: _Files) -> None:
+    """One object grid: every element inside the grid with a range inside its
+    file, each element recorded exactly once (ManifestError, IntegrityError)."""
+    where = files.where
+    for oc in oe.chunks:
+        if len(oc.global_offset) != len(oe.global_shape) or any(
+            o < 0 or o >= g for o, g in zip(oc.global_offset, oe.global_shape, strict=True)
+        ):
+            raise ManifestError(f"{where}: object {key!r}: element {list(oc.global_offset)} "
+                                f"outside its grid {list(oe.global_shape)}")
+        files.check_range(f"object {key!r} element {list(oc.global_offset)}", oc.file, oc.offset,
+                          oc.length, oc.checksums, oc)
+    distinct = {tuple(oc.global_offset) for oc in oe.chunks}
+    if len(distinct) != len(oe.chunks) or len(distinct) != numel(oe.global_shape):
+        raise ManifestError(f"{where}: object {key!r}: {len(oe.chunks)} records of {len(distinct)} "
+                            f"distinct elements for a grid {list(oe.global_shape)} of "
+                            f"{numel(oe.global_shape)}")
+
+
+def _check_names(m: Manifest, where: str) -> None:
+    """``values`` an object (or absent); every alias names a saved tensor and
+    is not itself a saved name (ManifestError otherwise)."""
     if m.values is not None and not isinstance(m.values, dict):
         raise ManifestError(f"{where}: values must be an object, got {type(m.values).__name__}")
     for alias, target in m.aliases.items():
