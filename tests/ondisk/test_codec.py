@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from reshard.errors import ManifestError
 from reshard.ondisk import codec
+from reshard.ondisk.codec import from_json, to_json
 
 
 def same(a: Any, b: Any) -> bool:
@@ -278,3 +279,32 @@ def test_float_bits_property(x: float) -> None:
     out = codec.decode(codec.encode(x))
     assert type(out) is float
     assert math.isnan(out) if math.isnan(x) else (out == x and math.copysign(1, out) == math.copysign(1, x))
+
+
+@pytest.mark.parametrize("value, expect", [
+    ({"$torch_device": "bogus"}, "RuntimeError: Expected one of"),
+    ({"$torch_device": "cuda:-5"}, "malformed"),
+    ({"$tensor": ["float32", [3], "AAAA"]}, "3 bytes of data for shape [3] of float32 (12 expected)"),
+    ({"$tensor": ["float32", [1 << 20], ""]}, "0 bytes of data for shape [1048576]"),
+    ({"$tensor": ["float32", [1 << 40, 1 << 40], ""]}, "0 bytes of data"),
+    ({"$tensor": ["float32", [-1], ""]}, "not a list of at most 64 non-negative ints"),
+    ({"$tensor": ["float32", ["a"], "AAAA"]}, "not a list"),
+    ({"$tensor": ["float32", 3, "AAAA"]}, "not a list"),
+])
+def test_regression_hostile_payloads_are_manifest_errors(value: Any, expect: str) -> None:
+    """A hostile manifest value escaped as torch's raw RuntimeError (a device
+    name torch refuses, a tensor payload of the wrong size), and a tensor with
+    a shape but no bytes decoded to an uninitialised allocation of that shape
+    (garbage values, or gigabytes from a few bytes of JSON). Every one is a
+    ManifestError now, and nothing is allocated from a shape alone."""
+    with pytest.raises(ManifestError, match="encoded") as ei:
+        from_json(value)
+    assert expect in str(ei.value), str(ei.value)
+
+
+def test_empty_tensors_still_decode() -> None:
+    import torch
+
+    for t in (torch.empty(0), torch.empty(3, 0, dtype=torch.bfloat16), torch.tensor(2.5)):
+        back = from_json(to_json(t))
+        assert back.shape == t.shape and back.dtype == t.dtype and torch.equal(back, t)

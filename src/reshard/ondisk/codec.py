@@ -164,10 +164,11 @@ def from_json(data: Any) -> Any:
         return _from_json(data)
     except ManifestError:
         raise
-    except (TypeError, ValueError, KeyError, IndexError) as e:
-        raise ManifestError(f"encoded value is malformed: {type(e).__name__}: {e}") from None
-    except RecursionError:
+    except RecursionError:  # (a RuntimeError: before it)
         raise ManifestError("encoded value is nested too deeply to decode") from None
+    except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as e:
+        # RuntimeError: torch's own refusals (torch.device("bogus"), a view of a bad size)
+        raise ManifestError(f"encoded value is malformed: {type(e).__name__}: {str(e)[:200]}") from None
 
 
 def _from_json(data: Any) -> Any:
@@ -277,6 +278,14 @@ def _dec_tensor(p: Any) -> Any:
     name, shape, b64 = p
     raw = bytearray(base64.b64decode(b64))
     dtype = torch_dtype(name)
+    if (not isinstance(shape, list) or len(shape) > 64
+            or not all(type(d) is int and 0 <= d < 2**62 for d in shape)):
+        raise ManifestError(f"encoded tensor: shape {str(shape)[:80]} is not a list of at most 64 "
+                            "non-negative ints")
+    numel = math.prod(shape)
+    if numel * dtype.itemsize != len(raw):  # nothing allocated from a shape alone
+        raise ManifestError(f"encoded tensor: {len(raw)} bytes of data for shape {shape} of {name} "
+                            f"({numel * dtype.itemsize} expected)")
     if not raw:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape).clone()
