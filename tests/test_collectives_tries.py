@@ -3,10 +3,13 @@ process, and N ranks of a protocol run in lockstep by the simulator)."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import reshard
 from reshard.bench.simulate import SimWorld
 from reshard.collectives import SingleProcess, Tries
 from reshard.errors import CheckpointError, ShardingError
@@ -85,3 +88,43 @@ def test_one_rank_fails_every_rank_raises_the_agreed_error() -> None:
         assert isinstance(res, ShardingError), res
         assert "phase two" in str(res) and "rank 1: late" in str(res)
         assert (res.__cause__ is not None) == (r == 1)
+
+
+def _hand_agreements(tree: ast.AST) -> list[int]:
+    """Lines of calls that agree without :class:`Tries`: ``Collectives.agree``
+    (its receiver a ``coll``, or its first argument the phase's text: a
+    ``Tries.agree`` takes the collectives first) and the bare protocol
+    function ``agree_steps``."""
+    out = []
+    for n in ast.walk(tree):
+        if not isinstance(n, ast.Call):
+            continue
+        f = n.func
+        if isinstance(f, ast.Name) and f.id == "agree_steps":
+            out.append(n.lineno)
+        elif isinstance(f, ast.Attribute) and f.attr == "agree":
+            recv = f.value
+            by_coll = (isinstance(recv, ast.Name) and recv.id == "coll") or \
+                (isinstance(recv, ast.Attribute) and recv.attr == "coll")
+            text_first = bool(n.args) and isinstance(n.args[0], (ast.Constant, ast.JoinedStr))
+            if by_coll or text_first:
+                out.append(n.lineno)
+    return out
+
+
+def test_the_scan_finds_an_agreement_by_hand() -> None:
+    hand = ast.parse("coll.agree('x', err)\nself._mgr.coll.agree(f'y {p}', err)\n"
+                     "c.agree('z', None)\nagree_steps(0, 'w', err)\nTries().agree(coll, 'ok')\n")
+    assert _hand_agreements(hand) == [1, 2, 3, 4]
+
+
+def test_every_agreement_outside_the_collectives_goes_through_tries() -> None:
+    root = Path(reshard.__file__).parent
+    found = {}
+    for p in sorted(root.rglob("*.py")):
+        if p.name == "collectives_base.py":  # Tries itself, and the interface it calls
+            continue
+        lines = _hand_agreements(ast.parse(p.read_text(encoding="utf-8")))
+        if lines:
+            found[str(p.relative_to(root))] = lines
+    assert not found, f"agreed by hand, not through reshard.collectives.Tries: {found}"

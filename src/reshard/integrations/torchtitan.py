@@ -83,6 +83,7 @@ from torchtitan.components.checkpointer.base import (
 from torchtitan.tools import filesystem
 
 from ..adapters.data import DataCursor
+from ..collectives import Tries
 from ..errors import CheckpointError, CheckpointNotFoundError, ShardingError
 from ..loading.load import LoadResult, load
 from ..manager.manager import CheckpointManager
@@ -419,15 +420,13 @@ class ReshardCheckpointManager(BaseCheckpointManager):
         out = filesystem.join(self.folder, f"step-{step}")
         save({"hf": hf_sd}, tmp, step=step, group=self._mgr.group,
              options=SaveOptions(overwrite=True, timeout_s=self._mgr.timeout_s))
-        err: BaseException | None = None
+        tries = Tries()
         if self._mgr.coll.rank == 0:
-            try:
+            with tries:
                 export_hf(tmp, out, subtree="hf", overwrite=True)
                 st, key = resolve(tmp)
                 st.delete_tree(key)
-            except Exception as e:  # noqa: BLE001 - raised on every rank by agree()
-                err = e
-        self._mgr.coll.agree(f"last_save_in_hf export to {out}", err)
+        tries.agree(self._mgr.coll, f"last_save_in_hf export to {out}")
 
     # ------------------------------------------------------------------ waits
     def _maybe_wait_for_staging(self) -> None:
@@ -488,13 +487,12 @@ class ReshardCheckpointManager(BaseCheckpointManager):
         import json
 
         coll = self._mgr.coll
-        out, err = None, None
+        out = None
+        tries = Tries()
         if coll.rank == 0:
-            try:
+            with tries:
                 out = self._listing(step)
-            except Exception as e:  # noqa: BLE001 - raised on every rank by agree()
-                err = e
-        coll.agree(f"listing {self.folder}", err)
+        tries.agree(coll, f"listing {self.folder}")
         return json.loads(coll.broadcast_bytes(json.dumps(out).encode() if coll.rank == 0 else None))
 
     @torch.no_grad()
@@ -563,16 +561,14 @@ class ReshardCheckpointManager(BaseCheckpointManager):
         msd = self.states[MODEL].state_dict()
         tree: dict[str, Any] = dict(msd)
         node: Any = None
-        err: BaseException | None = None
+        tries = Tries()
         if DATALOADER not in ex and self.dataloader is not None:
             if isinstance(self.dataloader, DataCursor):
                 node = self.dataloader
             else:
-                try:
+                with tries:
                     node = self._dcp_loader(path)
-                except Exception as e:  # noqa: BLE001 - raised on every rank by agree()
-                    err = e
-        self._mgr.coll.agree(f"dataloader state of {path}", err)
+        tries.agree(self._mgr.coll, f"dataloader state of {path}")
         for k, v in self.states.items():
             if k == MODEL or k in ex or v is None:
                 continue

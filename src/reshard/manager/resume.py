@@ -194,76 +194,145 @@ def restore_collective(mgr: Managed, state: Mapping[str, Any], *, step: int | No
                        name: str | None, allow_fresh_start: bool,
                        load_kwargs: dict[str, Any], record_head: bool = True,
                        accept: Callable[[Manifest], bool] | None = None) -> LoadResult | None:
-    coll, st, root = mgr.coll, mgr.storage, mgr.root
+    """:meth:`reshard.CheckpointManager.restore` on every rank of ``mgr``'s
+    group: the agreed plan (:func:`_agreed_plan`), then each checkpoint of
+    its order in turn (:func:`_attempt`) until one loads; its HEAD is
+    written when ``record_head``. Returns its result, or None for a fresh
+    start (nothing committed, and ``allow_fresh_start`` where something was
+    left behind: :func:`_refuse_fresh_start`).
+
+    Raises:
+        CheckpointNotFoundError: the ``step`` / ``name`` asked for is not committed.
+        CheckpointError: as the module docstring says; the same on every rank.
+    """
+    root = mgr.root
     opts = load_kwargs.get("options")
     hmac_key = hmac_key_of(getattr(opts, "hmac_key", None))  # the caller's, else the environment's
-    # this job still owns the root; a root that requires signing is resumed with a key only
-    _coordinated(mgr, f"restore {root} (owner)", mgr._check_owner, hmac_key)
-    if record_head:  # the HEAD write needs a conditional replace: a store without one is refused first
-        _coordinated(mgr, f"restore {root} (store check)", st.check_publish, st.join(root, HEAD_NAME))
-    plan = _coordinated(mgr, f"restore {root} (listing)", _plan, mgr, step, name, accept)
+    plan = _agreed_plan(mgr, hmac_key, step, name, accept, record_head)
     for note in plan["notes"]:
         warnings.warn(note, RuntimeWarning, stacklevel=3)
     if (step is not None or name is not None) and not plan["order"]:
-        # the one asked for was committed but its manifest is damaged (set aside just now):
-        # not "not found", which a caller may take for "start fresh"
-        hit = [a["note"] for a in plan["aside"]
-               if (step is None or a["step"] == step) and (name is None or a["name"] == name)]
-        what = f"of step {step}" if step is not None else f"named {name!r}"
-        if hit:
-            raise CheckpointError(f"{root}: the checkpoint {what} is unloadable: " + "; ".join(hit))
-        if step is not None:
-            raise CheckpointNotFoundError(f"{root}: no committed checkpoint of step {step}")
-        raise CheckpointNotFoundError(f"{root}: no committed checkpoint named {name!r}")
+        _raise_not_found(root, plan, step, name)
     failures: list[str] = list(plan["notes"])
     for cname in plan["order"]:
-        path = st.join(root, cname)
-        status, detail, exc = _probe(mgr, path, hmac_key)
-        counts = _census(coll, status)
-        if counts["storage"]:
-            coll.agree(f"restore {path}", exc)
-        if counts["key"]:  # never a reason to quarantine, nor to fall back (older ones too)
-            coll.agree(f"restore {path} (the HMAC key given does not verify its manifest; "
-                       "nothing was quarantined)", exc)
-        torn_coord = counts["torn_coordinator"]  # from the probe: did rank 0 itself find it torn
-        failed: list[int] | None = None  # the load's failing ranks (the coordinator knows all)
-        if not counts["torn"] and not counts["gone"]:
-            try:
-                res = load(state, path, group=mgr.group, storage=st, **load_kwargs)
-            except (IntegrityError, ManifestError) as le:
-                status, detail = "torn", f"load failed: {le}"
-                torn_coord = int(0 in (sorted(le.failures) or [0]))  # agreed: same on every rank
-                failed = sorted(le.failures) or None
-            except CheckpointNotFoundError as le:
-                status, detail = "gone", str(le)
-                failed = sorted(le.failures) or None
-            else:
-                status = "ok"
-            counts = _census(coll, status)  # load agrees its errors; confirm anyway
-        if not counts["bad"]:
-            if cname in plan["other"]:
-                warnings.warn(f"{root}: no checkpoint of the current lineage (HEAD: "
-                              f"{plan['head']}) loads; resuming {cname} of another lineage",
-                              RuntimeWarning, stacklevel=3)
-            if record_head:  # (an evaluation reading a live root leaves its lineage alone)
-                _write_head(mgr, cname, plan["attempt"].get(cname), plan["step"].get(cname),
-                            plan["listed_at"], plan["head_tag"])
-            if failures:
-                res.notes["fallback"] = failures
-            return res
-        msg = _unloadable(coll, path, status, detail, failed)
-        if counts["torn"] and not torn_coord \
-                and not _coordinated(mgr, f"restore {path} (re-checking)", _damaged, mgr, path):
-            # only other ranks failed, and the coordinator finds every byte
-            # intact: those ranks see another copy (node-local storage, a
-            # partial sync), never a reason to quarantine or to fall back
-            raise CheckpointError(
-                f"{msg}, but the coordinator (rank 0) finds it intact (every file and checksum): "
-                "those rank(s) do not see the same storage as rank 0; nothing was quarantined")
-        if counts["torn"]:
-            msg += _quarantine(mgr, cname, plan["attempt"].get(cname), msg)
-        failures.append(msg)
-        warnings.warn(f"{msg}; falling back to an older checkpoint", RuntimeWarning, stacklevel=3)
+        res, msg = _attempt(mgr, state, cname, plan["attempt"].get(cname), hmac_key, load_kwargs)
+        if res is None:
+            failures.append(msg)
+            warnings.warn(f"{msg}; falling back to an older checkpoint", RuntimeWarning, stacklevel=3)
+            continue
+        if cname in plan["other"]:
+            warnings.warn(f"{root}: no checkpoint of the current lineage (HEAD: "
+                          f"{plan['head']}) loads; resuming {cname} of another lineage",
+                          RuntimeWarning, stacklevel=3)
+        if record_head:  # (an evaluation reading a live root leaves its lineage alone)
+            _write_head(mgr, cname, plan["attempt"].get(cname), plan["step"].get(cname),
+                        plan["listed_at"], plan["head_tag"])
+        if failures:
+            res.notes["fallback"] = failures
+        return res
+    _refuse_fresh_start(mgr, failures, allow_fresh_start)
+    return None
+
+
+def _agreed_plan(mgr: Managed, hmac_key: bytes | None, step: int | None, name: str | None,
+                 accept: Callable[[Manifest], bool] | None, record_head: bool) -> dict[str, Any]:
+    """The checks before any checkpoint is tried, then the coordinator's
+    :func:`_plan`, on every rank: this job still owns the root (a root that
+    requires signing is resumed with a key only) and, when ``record_head``,
+    the store can replace HEAD conditionally (a store that cannot is refused
+    first). Raises the coordinator's failure of any of them on every rank."""
+    st, root = mgr.storage, mgr.root
+    _coordinated(mgr, f"restore {root} (owner)", mgr._check_owner, hmac_key)
+    if record_head:
+        _coordinated(mgr, f"restore {root} (store check)", st.check_publish, st.join(root, HEAD_NAME))
+    return dict(_coordinated(mgr, f"restore {root} (listing)", _plan, mgr, step, name, accept))
+
+
+def _raise_not_found(root: str, plan: dict[str, Any], step: int | None, name: str | None) -> None:
+    """Raise for the checkpoint of ``step`` / ``name`` that the plan does not
+    order. One committed whose manifest is damaged (set aside just now by
+    :func:`_plan`) is unloadable, not "not found", which a caller may take
+    for "start fresh".
+
+    Raises:
+        CheckpointError: it was set aside (the plan's notes on it).
+        CheckpointNotFoundError: no committed checkpoint of ``step`` / named ``name``.
+    """
+    hit = [a["note"] for a in plan["aside"]
+           if (step is None or a["step"] == step) and (name is None or a["name"] == name)]
+    what = f"of step {step}" if step is not None else f"named {name!r}"
+    if hit:
+        raise CheckpointError(f"{root}: the checkpoint {what} is unloadable: " + "; ".join(hit))
+    if step is not None:
+        raise CheckpointNotFoundError(f"{root}: no committed checkpoint of step {step}")
+    raise CheckpointNotFoundError(f"{root}: no committed checkpoint named {name!r}")
+
+
+def _attempt(mgr: Managed, state: Mapping[str, Any], cname: str, attempt_id: str | None,
+             hmac_key: bytes | None, load_kwargs: dict[str, Any]) -> tuple[LoadResult | None, str]:
+    """Every rank tries the checkpoint ``cname``: the probe (:func:`_probe`),
+    agreed by :func:`_census`, then the load. Returns ``(result, "")`` when
+    it loaded on every rank, else ``(None, message)``: the agreed message of
+    why it is unloadable (a torn one quarantined, the outcome appended), the
+    same on every rank.
+
+    Raises:
+        CheckpointError: on every rank: some rank's store failed (``storage``),
+            the HMAC key does not verify its manifest (``key``), or only other
+            ranks than the coordinator found it torn and the coordinator finds
+            it intact (nothing quarantined).
+    """
+    coll, path = mgr.coll, mgr.storage.join(mgr.root, cname)
+    status, detail, exc = _probe(mgr, path, hmac_key)
+    counts = _census(coll, status)
+    if counts["storage"]:
+        Tries(exc).agree(coll, f"restore {path}")
+    if counts["key"]:  # never a reason to quarantine, nor to fall back (older ones too)
+        Tries(exc).agree(coll, f"restore {path} (the HMAC key given does not verify its manifest; "
+                         "nothing was quarantined)")
+    torn_coord = counts["torn_coordinator"]  # from the probe: did rank 0 itself find it torn
+    failed: list[int] | None = None  # the load's failing ranks (the coordinator knows all)
+    if not counts["torn"] and not counts["gone"]:
+        try:
+            res = load(state, path, group=mgr.group, storage=mgr.storage, **load_kwargs)
+        except (IntegrityError, ManifestError) as le:
+            status, detail = "torn", f"load failed: {le}"
+            torn_coord = int(0 in (sorted(le.failures) or [0]))  # agreed: same on every rank
+            failed = sorted(le.failures) or None
+        except CheckpointNotFoundError as le:
+            status, detail = "gone", str(le)
+            failed = sorted(le.failures) or None
+        else:
+            status = "ok"
+        counts = _census(coll, status)  # load agrees its errors; confirm anyway
+    if not counts["bad"]:
+        return res, ""
+    msg = _unloadable(coll, path, status, detail, failed)
+    if counts["torn"] and not torn_coord \
+            and not _coordinated(mgr, f"restore {path} (re-checking)", _damaged, mgr, path):
+        # only other ranks failed, and the coordinator finds every byte
+        # intact: those ranks see another copy (node-local storage, a
+        # partial sync), never a reason to quarantine or to fall back
+        raise CheckpointError(
+            f"{msg}, but the coordinator (rank 0) finds it intact (every file and checksum): "
+            "those rank(s) do not see the same storage as rank 0; nothing was quarantined")
+    if counts["torn"]:
+        msg += _quarantine(mgr, cname, attempt_id, msg)
+    return None, msg
+
+
+def _refuse_fresh_start(mgr: Managed, failures: list[str], allow_fresh_start: bool) -> None:
+    """Nothing loaded: return when a fresh start is safe (nothing committed
+    failed; nothing quarantined or abandoned is left, or
+    ``allow_fresh_start``), else raise on every rank.
+
+    Raises:
+        CheckpointError: some checkpoint failed to load (``failures``, this
+            restore's messages), or some is quarantined (without ``allow_fresh_start``).
+        CheckpointNotFoundError: only abandoned attempts are left (without
+            ``allow_fresh_start``).
+    """
+    root = mgr.root
     rest = _coordinated(mgr, f"restore {root} (listing)", _rest, mgr)
     quarantined = rest["quarantined"]
     if failures or (quarantined and not allow_fresh_start):
@@ -277,7 +346,6 @@ def restore_collective(mgr: Managed, state: Mapping[str, Any], *, step: int | No
         raise CheckpointNotFoundError(
             f"{root}: no committed checkpoint, but {len(abandoned)} abandoned attempt(s) "
             f"{abandoned[:3]}; refusing a silent fresh start (pass allow_fresh_start=True)")
-    return None
 
 
 def _damaged(mgr: Managed, path: str) -> bool:
