@@ -20,6 +20,7 @@ from reshard.planning.planner import (
     LocalTensorItem,
     Request,
     check_entry_coverage,
+    chunk_file_name,
     chunk_request,
     data_file_name,
     plan_reads,
@@ -326,6 +327,83 @@ def test_objects_dedup_and_grid_checks() -> None:
     with pytest.raises(ShardingError, match=r"element \[\] is held by ranks \[0, 1\] with different"):
         plan_save([LocalPlan(rank=0, objects=(ob("cfg", (), (), 0, "a"),)),
                    LocalPlan(rank=1, objects=(ob("cfg", (), (), 1, "b"),))])
+
+
+def _mixed_t(fqn: str, gshape: Shape, off: Shape, shape: Shape, rid: int, fr: tuple[int, int] | None = None,
+             dtype: str = "float32", isz: int = 4) -> LocalTensorItem:
+    n = numel(shape) if fr is None else fr[1] - fr[0]
+    return LocalTensorItem(fqn=fqn, dtype=dtype, global_shape=gshape, global_offset=off, local_shape=shape,
+                           flattened_range=fr, replica_id=rid, nbytes=n * isz, digest=f"{fqn}@{off}{fr}")
+
+
+def _mixed_o(key: str, grid: Shape, off: Shape, rid: int, nbytes: int) -> LocalObjectItem:
+    return LocalObjectItem(key=key, global_shape=grid, global_offset=off, replica_id=rid, nbytes=nbytes,
+                           digest=f"{key}@{off}")
+
+
+def mixed_plans() -> list[LocalPlan]:
+    """Three ranks, items in no particular local order: row slabs (one writer each), a bias replicated
+    on every rank, FSDP flat ranges of one box each held by two ranks, a 256-byte chunk replicated on
+    ranks 1 and 2, a 0-dim int64, a per-rank object grid, an object replicated everywhere and an
+    object grid whose element 0 has two holders."""
+    w, t, o = "layers.0.w", _mixed_t, _mixed_o
+    return [
+        LocalPlan(rank=0, tensors=(
+            t("emb", (8, 4), (0, 0), (8, 4), 0, (0, 16)), t(w, (6, 4), (0, 0), (2, 4), 0),
+            t("layers.0.b", (4,), (0,), (4,), 0), t("step", (), (), (), 0, dtype="int64", isz=8),
+        ), objects=(o("cfg", (), (), 0, 40), o("rng", (3,), (0,), 0, 20), o("sched", (2,), (0,), 0, 12))),
+        LocalPlan(rank=1, tensors=(
+            t("big", (64,), (0,), (64,), 0), t("layers.0.b", (4,), (0,), (4,), 1),
+            t(w, (6, 4), (2, 0), (2, 4), 0), t("emb", (8, 4), (0, 0), (8, 4), 1, (0, 16)),
+            t("emb", (8, 4), (0, 0), (8, 4), 0, (16, 32)),
+        ), objects=(o("rng", (3,), (1,), 0, 21), o("sched", (2,), (0,), 1, 12), o("cfg", (), (), 1, 40))),
+        LocalPlan(rank=2, tensors=(
+            t(w, (6, 4), (4, 0), (2, 4), 0), t("emb", (8, 4), (0, 0), (8, 4), 1, (16, 32)),
+            t("big", (64,), (0,), (64,), 1), t("layers.0.b", (4,), (0,), (4,), 2),
+        ), objects=(o("sched", (2,), (1,), 0, 12), o("cfg", (), (), 2, 40), o("rng", (3,), (2,), 0, 22))),
+    ]
+
+
+def _f(r: int, k: int) -> str:
+    return data_file_name(r, k)
+
+
+# the plan of mixed_plans() as plan_save made it before it was split into steps (pins the
+# writer choice, the replica groups and their order, the file spread and the order within files)
+MIXED_BYTES = {0: 176, 1: 309, 2: 146}
+MIXED_REPLICAS = (
+    ("tensor", [(0, 0), (1, 3)]), ("tensor", [(0, 2), (1, 1), (2, 3)]), ("tensor", [(1, 0), (2, 2)]),
+    ("tensor", [(1, 4), (2, 1)]), ("object", [(0, 0), (1, 2), (2, 1)]), ("object", [(0, 2), (1, 1)]),
+)
+
+
+def test_mixed_state_plan_is_pinned() -> None:
+    """Tensors, objects and replicas of both together: the exact writes, files, bytes and replicas."""
+    plans = mixed_plans()
+    sp = plan_save(plans)
+    assert {r: [(w.kind, w.index, w.file) for w in ws] for r, ws in sp.writes.items()} == {
+        0: [("tensor", 0, _f(0, 0)), ("tensor", 1, _f(0, 0)), ("tensor", 3, _f(0, 0)),
+            ("object", 0, _f(0, 0)), ("object", 1, _f(0, 0)), ("object", 2, _f(0, 0))],
+        1: [("tensor", 0, _f(1, 0)), ("tensor", 2, _f(1, 0)), ("object", 0, _f(1, 0))],
+        2: [("tensor", 0, _f(2, 0)), ("tensor", 1, _f(2, 0)), ("tensor", 3, _f(2, 0)),
+            ("object", 0, _f(2, 0)), ("object", 2, _f(2, 0))],
+    }
+    assert sp.files == {r: (_f(r, 0),) for r in range(3)}
+    assert sp.bytes_per_rank == MIXED_BYTES and list(sp.bytes_per_rank) == [0, 1, 2]
+    assert sp.replicas == MIXED_REPLICAS
+
+    own = chunk_file_name(plans[1].tensors[0])  # "big" (256 bytes): a file of its own
+    sp = plan_save(plans, files_per_rank=2, own_file_bytes=128)
+    assert {r: [(w.kind, w.index, w.file) for w in ws] for r, ws in sp.writes.items()} == {
+        0: [("tensor", 0, _f(0, 0)), ("tensor", 3, _f(0, 0)), ("object", 1, _f(0, 0)),
+            ("tensor", 1, _f(0, 1)), ("object", 0, _f(0, 1)), ("object", 2, _f(0, 1))],
+        1: [("tensor", 2, _f(1, 0)), ("object", 0, _f(1, 1)), ("tensor", 0, own)],
+        2: [("tensor", 1, _f(2, 0)), ("object", 0, _f(2, 0)), ("tensor", 0, _f(2, 1)),
+            ("tensor", 3, _f(2, 1)), ("object", 2, _f(2, 1))],
+    }
+    assert sp.files == {0: (_f(0, 0), _f(0, 1)), 1: (_f(1, 0), _f(1, 1), own), 2: (_f(2, 0), _f(2, 1))}
+    assert sp.bytes_per_rank == MIXED_BYTES
+    assert sp.replicas == MIXED_REPLICAS
 
 
 # ----------------------------------------------------------------------------- plan_reads

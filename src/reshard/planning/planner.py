@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,30 +140,72 @@ def _ranks(holders: Iterable[tuple[int, int]]) -> list[int]:
     return sorted({r for r, _ in holders})
 
 
-def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1, own_file_bytes: int = 0) -> SavePlan:
-    """Deduplicate replicas, validate coverage, balance and assign files.
+# the holders of one chunk or object element: (rank, local index) pairs, in rank order
+_Holders = list[tuple[int, int]]
 
-    Linear in the number of items (one dict lookup per item); the rest is per
-    distinct chunk. Runs on the coordinator only, over the gathered plans.
 
-    Args:
-        plans: one LocalPlan per rank, in rank order.
-        files_per_rank: how many data files each writer spreads its bytes over.
-        own_file_bytes: tensor chunks of at least this many bytes get a file of
-            their own (:func:`chunk_file_name`); 0: none do.
+@dataclass(frozen=True, kw_only=True)
+class _TensorChunks:
+    """The distinct tensor chunks of the gathered local plans (step 1 of :func:`plan_save`).
 
-    Raises:
-        ShardingError: conflicting dtype or global_shape for one fqn, replicas
-            whose digests differ, overlapping chunks, holes, conflicting object
-            grids or missing grid elements; the message names the fqn/key and
-            the ranks involved.
+    A chunk is one distinct ``(fqn, dtype, global_shape, global_offset,
+    local_shape, flattened_range)``; chunks are numbered in order of first
+    appearance (plans in the order given, then each rank's local order).
+
+    Attributes:
+        keys: chunk -> its key, as above.
+        holders: chunk -> its holders (rank order); a list, shared as is with
+            :attr:`SavePlan.replicas`.
+        nbytes: chunk -> its size in bytes (as its first holder declares it).
+        differ: the chunks that have a holder whose digest differs from the
+            first holder's, in the order met (unsorted; a chunk may repeat).
     """
-    if files_per_rank < 1:
-        raise ValueError("files_per_rank must be >= 1")
-    # ---- tensors: one group per distinct (fqn, dtype, global_shape, chunk), holders in rank order
+
+    keys: tuple[tuple[Any, ...], ...]
+    holders: tuple[_Holders, ...]
+    nbytes: tuple[int, ...]
+    differ: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _ObjectElements:
+    """The object grids of the gathered local plans (step 3 of :func:`plan_save`).
+
+    Attributes:
+        grids: key -> (its grid shape, the first rank that declared it).
+        holders: key -> grid offset -> the holders of that element; keys and
+            offsets in order of first appearance.
+    """
+
+    grids: dict[str, tuple[Shape, int]]
+    holders: dict[str, dict[Shape, _Holders]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _WriterChoice:
+    """One writer per chunk and object element (step 5 of :func:`plan_save`).
+
+    Attributes:
+        chosen: rank -> the ``(kind, local index, nbytes)`` items it writes
+            (kind "tensor" or "object"); a rank that writes nothing may be absent.
+        load: rank -> the bytes it writes, every rank of the plans present, in
+            the order the plans were given.
+        replicas: as :attr:`SavePlan.replicas`: the holders of every tensor
+            chunk, then every object element, held by more than one rank.
+    """
+
+    chosen: dict[int, list[tuple[str, int, int]]]
+    load: dict[int, int]
+    replicas: tuple[tuple[str, _Holders], ...]
+
+
+def _collect_tensor_chunks(plans: Sequence[LocalPlan]) -> _TensorChunks:
+    """Group every rank's tensor items by chunk, holders in rank order (one
+    dict lookup per item); the digests of each chunk's holders are compared
+    to its first holder's."""
     gindex: dict[tuple[Any, ...], int] = {}
     gkeys: list[tuple[Any, ...]] = []
-    gholders: list[list[tuple[int, int]]] = []
+    gholders: list[_Holders] = []
     gdigest: list[str] = []
     gbytes: list[int] = []
     differ: list[int] = []
@@ -183,10 +225,25 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1, own_file_b
                 gholders[g].append((r, i))
                 if it.digest != gdigest[g]:
                     differ.append(g)
+    return _TensorChunks(keys=tuple(gkeys), holders=tuple(gholders), nbytes=tuple(gbytes), differ=tuple(differ))
+
+
+def _check_tensor_chunks(by_rank: dict[int, LocalPlan], chunks: _TensorChunks) -> dict[str, tuple[str, Shape, int]]:
+    """Validate the tensor chunks (step 2 of :func:`plan_save`), in this order:
+    one dtype and global_shape per fqn (chunks in order), replicas' digests
+    agree (the first chunk that differs), the chunks of each fqn tile its
+    global shape (fqns in order of first appearance).
+
+    Returns:
+        fqn -> (dtype, global_shape, the rank of its first chunk's first holder).
+
+    Raises:
+        ShardingError: the first failed check, naming the fqn and the ranks.
+    """
     meta: dict[str, tuple[str, Shape, int]] = {}
-    per_fqn: dict[str, dict[tuple, list[tuple[int, int]]]] = defaultdict(dict)
-    for g, (fqn, dtype, gshape, off, shape, fr) in enumerate(gkeys):
-        r0 = gholders[g][0][0]
+    per_fqn: dict[str, dict[tuple, _Holders]] = defaultdict(dict)
+    for g, (fqn, dtype, gshape, off, shape, fr) in enumerate(chunks.keys):
+        r0 = chunks.holders[g][0][0]
         prev = meta.get(fqn)
         if prev is None:
             meta[fqn] = (dtype, gshape, r0)
@@ -196,26 +253,40 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1, own_file_b
                 f"{fqn}: rank {one[2]} declares dtype {one[0]} global_shape {list(one[1])}, "
                 f"rank {two[2]} declares dtype {two[0]} global_shape {list(two[1])}"
             )
-        per_fqn[fqn][(off, shape, fr)] = gholders[g]
-    if differ:
-        g = min(differ)
-        fqn, _, _, off, shape, _ = gkeys[g]
-        by_digest: dict[str, list[int]] = defaultdict(list)
-        for r, i in gholders[g]:
-            by_digest[plans_by_rank(plans)[r].tensors[i].digest].append(r)
-        parts = sorted(by_digest.values(), key=lambda rs: (-len(rs), rs))
-        raise ShardingError(
-            f"{fqn}: replicas of chunk at offset {list(off)} shape {list(shape)} differ: "
-            f"ranks {parts[0]} hold one value, "
-            + ", ".join(f"ranks {rs} another" for rs in parts[1:])
-            + " (replicated data must be identical on every holder)"
-        )
-    for fqn, chunks in per_fqn.items():
-        _check_coverage(fqn, meta[fqn][1], chunks)
-    by_rank = plans_by_rank(plans)
-    # ---- objects
+        per_fqn[fqn][(off, shape, fr)] = chunks.holders[g]
+    if chunks.differ:
+        raise _replicas_differ(by_rank, chunks, min(chunks.differ))
+    for fqn, boxes in per_fqn.items():
+        _check_coverage(fqn, meta[fqn][1], boxes)
+    return meta
+
+
+def _replicas_differ(by_rank: dict[int, LocalPlan], chunks: _TensorChunks, g: int) -> ShardingError:
+    """The error for chunk ``g``, whose holders' digests differ: the ranks
+    grouped by the value they hold, the largest group first."""
+    fqn, _, _, off, shape, _ = chunks.keys[g]
+    by_digest: dict[str, list[int]] = defaultdict(list)
+    for r, i in chunks.holders[g]:
+        by_digest[by_rank[r].tensors[i].digest].append(r)
+    parts = sorted(by_digest.values(), key=lambda rs: (-len(rs), rs))
+    return ShardingError(
+        f"{fqn}: replicas of chunk at offset {list(off)} shape {list(shape)} differ: "
+        f"ranks {parts[0]} hold one value, "
+        + ", ".join(f"ranks {rs} another" for rs in parts[1:])
+        + " (replicated data must be identical on every holder)"
+    )
+
+
+def _collect_objects(plans: Sequence[LocalPlan], tensor_fqns: Container[str]) -> _ObjectElements:
+    """Group every rank's object items by key and grid offset (step 3 of
+    :func:`plan_save`), checking item by item that a key has one grid and is
+    not also a tensor fqn.
+
+    Raises:
+        ShardingError: two grids for one key, or a key that is a tensor fqn.
+    """
     omap: dict[str, tuple[Shape, int]] = {}
-    oholders: dict[str, dict[Shape, list[tuple[int, int]]]] = defaultdict(lambda: defaultdict(list))
+    oholders: dict[str, dict[Shape, _Holders]] = defaultdict(lambda: defaultdict(list))
     for p in plans:
         for i, ob in enumerate(p.objects):
             prev_o = omap.get(ob.key)
@@ -226,11 +297,22 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1, own_file_b
                     f"object {ob.key}: rank {prev_o[1]} declares grid {list(prev_o[0])}, "
                     f"rank {p.rank} declares {list(ob.global_shape)}"
                 )
-            if ob.key in meta:
+            if ob.key in tensor_fqns:
                 raise ShardingError(f"{ob.key}: used both as a tensor fqn and an object key")
             oholders[ob.key][ob.global_offset].append((p.rank, i))
-    for okey, elems in oholders.items():
-        grid = omap[okey][0]
+    return _ObjectElements(grids=omap, holders=oholders)
+
+
+def _check_objects(by_rank: dict[int, LocalPlan], objects: _ObjectElements) -> None:
+    """Every element of each object grid is held, and its holders hold the
+    same value (step 4 of :func:`plan_save`; keys in order of first appearance).
+
+    Raises:
+        ShardingError: a grid element that no rank holds, or holders of one
+            element whose digests differ.
+    """
+    for okey, elems in objects.holders.items():
+        grid = objects.grids[okey][0]
         if len(elems) != numel(grid):
             missing = numel(grid) - len(elems)
             raise ShardingError(
@@ -243,20 +325,29 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1, own_file_b
                     f"object {okey}: element {list(off)} is held by ranks {_ranks(hs)} with "
                     "different values (per-rank values need distinct global_offsets)"
                 )
-    # ---- choose writers, balancing bytes
+
+
+def _dedup_save_plans(
+    plans: Sequence[LocalPlan], by_rank: dict[int, LocalPlan], tensors: _TensorChunks, objects: _ObjectElements
+) -> _WriterChoice:
+    """Choose one writer per chunk and object element, balancing written
+    bytes (step 5 of :func:`plan_save`): a sole holder writes its own; the
+    replicated ones go largest first (ties in gather order: tensor chunks,
+    then object elements) to their least-loaded holder, the lowest rank on
+    ties (after Megatron Core's ``distribute_shards_to_ranks``)."""
     load: dict[int, int] = {p.rank: 0 for p in plans}
     chosen: dict[int, list[tuple[str, int, int]]] = defaultdict(list)  # rank -> (kind, index, nbytes)
-    multi: list[tuple[int, int, str, list[tuple[int, int]]]] = []
-    replicas: list[tuple[str, list[tuple[int, int]]]] = []
-    for g, hs in enumerate(gholders):
+    multi: list[tuple[int, int, str, _Holders]] = []
+    replicas: list[tuple[str, _Holders]] = []
+    for g, hs in enumerate(tensors.holders):
         if len(hs) == 1:
             r, i = hs[0]
-            chosen[r].append(("tensor", i, gbytes[g]))
-            load[r] += gbytes[g]
+            chosen[r].append(("tensor", i, tensors.nbytes[g]))
+            load[r] += tensors.nbytes[g]
         else:
-            multi.append((gbytes[g], len(multi), "tensor", hs))
+            multi.append((tensors.nbytes[g], len(multi), "tensor", hs))
             replicas.append(("tensor", hs))
-    for elems in oholders.values():
+    for elems in objects.holders.values():
         for hs in elems.values():
             n = by_rank[hs[0][0]].objects[hs[0][1]].nbytes
             if len(hs) == 1:
@@ -271,54 +362,138 @@ def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1, own_file_b
         r, i = hs[loads.index(min(loads))]  # least loaded, lowest rank on ties (holders in rank order)
         chosen[r].append((kind, i, n))
         load[r] += n
-    # ---- files: spread each rank's items over files_per_rank files by bytes
+    return _WriterChoice(chosen=chosen, load=load, replicas=tuple(replicas))
+
+
+def _take_own_files(
+    local: LocalPlan, items: list[tuple[str, int, int]], own_file_bytes: int, own_names: set[str]
+) -> tuple[list[tuple[str, int, int]], list[tuple[str, int, str]]]:
+    """Split a writer's items (largest first) into those spread over its data
+    files and the tensor chunks of at least ``own_file_bytes`` bytes that get a
+    file of their own (:func:`chunk_file_name`). ``own_names``: the names given
+    so far, over all ranks; a name already given is salted, and added to it.
+
+    Returns:
+        (the rest, in the given order; ``(kind, index, file name)`` per own file).
+    """
+    own: list[tuple[str, int, str]] = []
+    rest = []
+    for kind, i, n in items:
+        if kind == "tensor" and n >= own_file_bytes:
+            it = local.tensors[i]
+            salt = 0
+            name = chunk_file_name(it)
+            while name in own_names:  # a collision of two chunks' names: the later one moves
+                salt += 1
+                name = chunk_file_name(it, salt)
+            own_names.add(name)
+            own.append((kind, i, name))
+        else:
+            rest.append((kind, i, n))
+    return rest, own
+
+
+def _spread_over_files(items: list[tuple[str, int, int]], nfiles: int) -> dict[int, list[tuple[str, int]]]:
+    """File number -> the ``(kind, index)`` items it holds: ``items`` (largest
+    first) each go to the file with the fewest bytes so far, the lowest number
+    on ties; with ``nfiles`` 1, all to file 0. A file may get none."""
+    per_file: dict[int, list[tuple[str, int]]] = defaultdict(list)
+    if nfiles == 1:
+        per_file[0] = [(kind, i) for kind, i, _ in items]
+    else:
+        heap = [(0, k) for k in range(nfiles)]
+        for kind, i, n in items:
+            b, k = heapq.heappop(heap)
+            per_file[k].append((kind, i))
+            heapq.heappush(heap, (b + n, k))
+    return per_file
+
+
+def _finish_plan(
+    local: LocalPlan,
+    chosen: list[tuple[str, int, int]],
+    *,
+    files_per_rank: int,
+    own_file_bytes: int,
+    own_names: set[str],
+) -> tuple[tuple[WriteItem, ...], tuple[str, ...]]:
+    """One writer's write items and file names (step 6 of :func:`plan_save`).
+
+    ``chosen``: the ``(kind, index, nbytes)`` items that ``local.rank``
+    writes. Own files first take their chunks (with ``own_file_bytes`` > 0,
+    see :func:`_take_own_files`); the rest are spread by bytes over at most
+    ``files_per_rank`` data files (:func:`data_file_name`), empty ones
+    dropped. Items are listed data file by data file, tensors then objects
+    by local index within each, then the own files by local index.
+
+    Returns:
+        (the write items in file order, the file names in that order).
+    """
+    r = local.rank
+    items = sorted(chosen, key=lambda t: -t[2])
+    own: list[tuple[str, int, str]] = []
+    if own_file_bytes > 0:
+        items, own = _take_own_files(local, items, own_file_bytes, own_names)
+    nfiles = max(1, min(files_per_rank, len(items)))
+    per_file = _spread_over_files(items, nfiles)
+    out: list[WriteItem] = []
+    names: list[str] = []
+    for k in range(nfiles):
+        if not per_file.get(k):
+            continue
+        name = data_file_name(r, k)
+        names.append(name)
+        # keep each file in the rank's local order (deterministic, cache friendly)
+        for kind, i in sorted(per_file[k], key=lambda t: (t[0] != "tensor", t[1])):
+            out.append(WriteItem(kind=kind, index=i, file=name))
+    for kind, i, name in sorted(own, key=lambda t: t[1]):
+        names.append(name)
+        out.append(WriteItem(kind=kind, index=i, file=name))
+    return tuple(out), tuple(names)
+
+
+def plan_save(plans: Sequence[LocalPlan], *, files_per_rank: int = 1, own_file_bytes: int = 0) -> SavePlan:
+    """Deduplicate replicas, validate coverage, balance and assign files.
+
+    Linear in the number of items (one dict lookup per item); the rest is per
+    distinct chunk. Runs on the coordinator only, over the gathered plans
+    (the global step of PyTorch DCP's ``create_global_plan``), in six steps:
+    collect the tensor chunks (:func:`_collect_tensor_chunks`), check them
+    (:func:`_check_tensor_chunks`), collect and check the object grids
+    (:func:`_collect_objects`, :func:`_check_objects`), choose one writer
+    each (:func:`_dedup_save_plans`), then each writer's files
+    (:func:`_finish_plan`, ranks ascending).
+
+    Args:
+        plans: one LocalPlan per rank, in rank order.
+        files_per_rank: how many data files each writer spreads its bytes over.
+        own_file_bytes: tensor chunks of at least this many bytes get a file of
+            their own (:func:`chunk_file_name`); 0: none do.
+
+    Raises:
+        ValueError: ``files_per_rank`` < 1.
+        ShardingError: conflicting dtype or global_shape for one fqn, replicas
+            whose digests differ, overlapping chunks, holes, conflicting object
+            grids or missing grid elements; the message names the fqn/key and
+            the ranks involved.
+    """
+    if files_per_rank < 1:
+        raise ValueError("files_per_rank must be >= 1")
+    by_rank = plans_by_rank(plans)
+    tensors = _collect_tensor_chunks(plans)
+    meta = _check_tensor_chunks(by_rank, tensors)
+    objects = _collect_objects(plans, meta)
+    _check_objects(by_rank, objects)
+    choice = _dedup_save_plans(plans, by_rank, tensors, objects)
     writes: dict[int, tuple[WriteItem, ...]] = {}
     files: dict[int, tuple[str, ...]] = {}
-    own_names: set[str] = set()
-    for r in sorted(load):
-        items = sorted(chosen.get(r, []), key=lambda t: -t[2])
-        own: list[tuple[str, int, str]] = []
-        if own_file_bytes > 0:
-            rest = []
-            for kind, i, n in items:
-                if kind == "tensor" and n >= own_file_bytes:
-                    it = by_rank[r].tensors[i]
-                    salt = 0
-                    name = chunk_file_name(it)
-                    while name in own_names:  # a collision of two chunks' names: the later one moves
-                        salt += 1
-                        name = chunk_file_name(it, salt)
-                    own_names.add(name)
-                    own.append((kind, i, name))
-                else:
-                    rest.append((kind, i, n))
-            items = rest
-        nfiles = max(1, min(files_per_rank, len(items)))
-        per_file: dict[int, list[tuple[str, int]]] = defaultdict(list)
-        if nfiles == 1:
-            per_file[0] = [(kind, i) for kind, i, _ in items]
-        else:
-            heap = [(0, k) for k in range(nfiles)]
-            for kind, i, n in items:
-                b, k = heapq.heappop(heap)
-                per_file[k].append((kind, i))
-                heapq.heappush(heap, (b + n, k))
-        out: list[WriteItem] = []
-        names: list[str] = []
-        for k in range(nfiles):
-            if not per_file.get(k):
-                continue
-            name = data_file_name(r, k)
-            names.append(name)
-            # keep each file in the rank's local order (deterministic, cache friendly)
-            for kind, i in sorted(per_file[k], key=lambda t: (t[0] != "tensor", t[1])):
-                out.append(WriteItem(kind=kind, index=i, file=name))
-        for kind, i, name in sorted(own, key=lambda t: t[1]):
-            names.append(name)
-            out.append(WriteItem(kind=kind, index=i, file=name))
-        writes[r] = tuple(out)
-        files[r] = tuple(names)
-    return SavePlan(writes=writes, files=files, bytes_per_rank=dict(load), replicas=tuple(replicas))
+    own_names: set[str] = set()  # own-file names given so far, over all ranks
+    for r in sorted(choice.load):
+        writes[r], files[r] = _finish_plan(
+            by_rank[r], choice.chosen.get(r, []),
+            files_per_rank=files_per_rank, own_file_bytes=own_file_bytes, own_names=own_names,
+        )
+    return SavePlan(writes=writes, files=files, bytes_per_rank=dict(choice.load), replicas=choice.replicas)
 
 
 def plans_by_rank(plans: Sequence[LocalPlan]) -> dict[int, LocalPlan]:
