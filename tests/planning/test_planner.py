@@ -1,5 +1,6 @@
 """Property tests of the pure planners: plan_save (dedup, balance, coverage) and
-plan_reads (intersections and byte ranges)."""
+plan_reads (intersections and byte ranges: reshard.planning.read_plan, whose
+property tests share this file's layout strategies)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,12 @@ from reshard.planning.planner import (
     LocalObjectItem,
     LocalPlan,
     LocalTensorItem,
-    Request,
     check_entry_coverage,
     chunk_file_name,
-    chunk_request,
     data_file_name,
-    plan_reads,
     plan_save,
 )
+from reshard.planning.read_plan import Request, chunk_request, plan_reads
 from reshard.state.sharding import numel
 
 Shape = tuple[int, ...]

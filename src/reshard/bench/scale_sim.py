@@ -42,7 +42,8 @@ from ..planning.coordination import Assignment, CacheEntry
 from ..planning.coordination_load import key_census_steps, saved_keys
 from ..planning.coordination_save import Attempt, RankSave, report_bytes, save_steps
 from ..planning.plan_store import restart_entry
-from ..planning.planner import LocalPlan, Request, plan_reads
+from ..planning.planner import LocalPlan
+from ..planning.read_plan import Request, plan_reads
 from .scale_layout import Layout, item_digest, rank_items, rank_plan, scaled_layouts
 from .simulate import SimWorld
 

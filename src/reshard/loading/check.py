@@ -26,7 +26,8 @@ from ..ondisk.manifest import Manifest, ObjectChunk, TensorEntry
 from ..ondisk.shardfile import BlockTables
 from ..options import LoadOptions
 from ..planning.coordination_load import KeyCensus
-from ..planning.planner import Request, check_entry_coverage, plan_reads
+from ..planning.planner import check_entry_coverage
+from ..planning.read_plan import Request, plan_reads
 from ..state.sharding import ShardedObject, ShardedTensor
 from ..state.tree import Leaves, join
 from ..storage import Storage

@@ -27,7 +27,7 @@ from ..errors import IntegrityError, ManifestError
 from ..ondisk.manifest import Chunk, Manifest
 from ..ondisk.shardfile import BlockTables, note_rotten
 from ..options import LoadOptions
-from ..planning.planner import ReadItem, Request, _strides
+from ..planning.read_plan import ReadItem, Request, _strides
 from ..state.sharding import box_intersection, flat_range_boxes, torch_dtype
 from ..storage import Storage
 

@@ -38,7 +38,8 @@ from ..ondisk.manifest import Chunk, Manifest, TensorEntry
 from ..ondisk.shardfile import BlockTables
 from ..state.geometry import box_intersection, flat_range_boxes, numel
 from .coordination_load import Unit, assign_readers
-from .planner import Request, check_entry_coverage, plan_reads
+from .planner import check_entry_coverage
+from .read_plan import Request, plan_reads
 
 _LAYER = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
 _EMBED = ("emb", "wte", "wpe")
