@@ -477,46 +477,77 @@ def export_hf(
             ``include`` selects nothing.
     """
     from ..commit.leases import reader_lease
+
+    opts = _with_env_key(options)
+    st, key = resolve(ckpt, storage)
+    key = key.rstrip("/")
+    with reader_lease(st, key, what="export", required=opts.require_lease):
+        t0 = time.perf_counter()
+        out_dtype = None if dtype is None else parse_dtype(dtype)
+        limit = parse_size(max_shard_bytes)
+        read0 = st.bytes_read
+        # a PyTorch DCP folder (no manifest.json, a .metadata) is read as load, inspect and verify
+        # read it: through open_dcp's storage and manifest (no record of adapters: see model_candidates)
+        rst, saved = _read_or_dcp(st, key, opts)
+        sel = _select(saved, key, subtree=subtree, include=include, transforms=transforms,
+                      include_aliases=include_aliases, out_dtype=out_dtype)
+        job = _Job(st=rst, key=key, m=sel.m, opts=opts, layout=_layout(sel, limit),
+                   copies=_checked_copies(copy_files), out_dtype=out_dtype, validate=validate,
+                   overwrite=overwrite)
+        out_st, out_key = resolve(out_dir)
+        _refuse_inside(st, key, out_st, out_key, out_dir)
+        if isinstance(out_st, LocalStorage):
+            done = _write_local(job, out_key, progress)
+        else:
+            done = _write_remote(job, out_st, out_key)
+        return ExportResult(out_dir=out_st.url(out_key), files=job.layout.files,
+                            index_file=job.layout.index_file, weight_map=done.weight_map,
+                            total_size=job.layout.total, skipped=tuple(sorted(sel.skipped)),
+                            aliases=sel.aliases, copied=done.copied, bytes_read=st.bytes_read - read0,
+                            bytes_written=done.bytes_written, duration_s=time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------- export steps
+# export_hf: select (manifest only) -> _Selection; lay out shards -> _Layout; write (local
+# files, or a remote store through hf_store) the _Job -> _Written.
+
+
+def _with_env_key(options: LoadOptions | None) -> LoadOptions:
+    """``options`` (default LoadOptions()) with the environment's HMAC key when it names none."""
     from ..options import hmac_key_of
 
     opts = options or LoadOptions()
     if opts.hmac_key is None or not opts.hmac_key:
         opts = dataclasses.replace(opts, hmac_key=hmac_key_of(opts.hmac_key))
-    st, key = resolve(ckpt, storage)
-    with reader_lease(st, key, what="export", required=opts.require_lease):
-        return _export_hf(key, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes, include=include,
-                          transforms=transforms, copy_files=copy_files, include_aliases=include_aliases,
-                          subtree=subtree, overwrite=overwrite, validate=validate, options=opts,
-                          storage=st, progress=progress)
+    return opts
 
 
-def _export_hf(
-    ckpt: str | os.PathLike[str],
-    out_dir: str | os.PathLike[str],
-    *,
-    dtype: str | torch.dtype | None = None,
-    max_shard_bytes: int | str = 2 * 1024**3,
-    include: str | Sequence[str] | Callable[[str], bool] | None = None,
-    transforms: Sequence[Any] = (),
-    copy_files: Sequence[str | os.PathLike[str]] = (),
-    include_aliases: bool = False,
-    subtree: str | None = None,
-    overwrite: bool = False,
-    validate: bool = True,
-    options: LoadOptions | None = None,
-    storage: Storage | None = None,
-    progress: bool | None = None,
-) -> ExportResult:
-    """The body of :func:`export_hf` (the lease is the caller's)."""
-    t0 = time.perf_counter()
-    opts = options or LoadOptions()
-    out_dtype = None if dtype is None else parse_dtype(dtype)
-    limit = parse_size(max_shard_bytes)
-    st, key = resolve(ckpt, storage)
-    read0 = st.bytes_read
-    # a PyTorch DCP folder (no manifest.json, a .metadata) is read as load, inspect and verify
-    # read it: through open_dcp's storage and manifest (no record of adapters: see model_candidates)
-    rst, saved = _read_or_dcp(st, key, opts)
+@dataclass(frozen=True, kw_only=True)
+class _Selection:
+    """The tensors an export writes, chosen from the manifest alone.
+
+    Attributes:
+        m: the model's manifest (:func:`_subtree`: names relative to the model).
+        items: what is written, in output-name order (never empty).
+        skipped: checkpoint fqns not exported (see :attr:`ExportResult.skipped`), unsorted.
+        aliases: output alias -> output name of its target (:attr:`ExportResult.aliases`).
+    """
+
+    m: Manifest
+    items: tuple[_Item, ...]
+    skipped: tuple[str, ...]
+    aliases: dict[str, str]
+
+
+def _select(saved: Manifest, key: str, *, subtree: str | None, include: Any, transforms: Sequence[Any],
+            include_aliases: bool, out_dtype: torch.dtype | None) -> _Selection:
+    """The model of ``saved`` (:func:`_subtree`), its tensors that ``include``
+    selects under their output names (``transforms``), each cast to
+    ``out_dtype`` if floating-point, tied aliases as copies when ``include_aliases``.
+
+    Raises:
+        AmbiguousModelError, ValueError: as :func:`export_hf` (nothing selected included).
+    """
     m = _subtree(saved, subtree, key)
     keep = _include_fn(include)
     names, alias_names = _output_names(m, transforms)
@@ -544,105 +575,157 @@ def _export_hf(
         raise ValueError(f"export_hf: {key}: no tensor selected (include={include!r}; "
                          f"saved e.g. {sorted(m.tensors)[:3]})")
     items.sort(key=lambda it: it.out)
-    shards = _plan(items, limit)
+    return _Selection(m=m, items=tuple(items), skipped=tuple(skipped), aliases=out_aliases)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Layout:
+    """Where the selected tensors go.
+
+    Attributes:
+        files: shard file names, in order (``model.safetensors`` alone, or
+            ``model-0000i-of-0000N.safetensors``).
+        shards: the items of each file (same order; :func:`_plan`).
+        total: tensor bytes of all shards (the index's ``total_size``; bytes).
+        tied: alias -> target of the tied weights left out (both names
+            output names), recorded in every shard header and in the index.
+    """
+
+    files: tuple[str, ...]
+    shards: tuple[tuple[_Item, ...], ...]
+    total: int
+    tied: dict[str, str]
+
+    @property
+    def index_file(self) -> str | None:
+        """``model.safetensors.index.json`` for more than one shard, else None."""
+        return INDEX_NAME if len(self.files) > 1 else None
+
+    def index_body(self, weight_map: dict[str, str]) -> bytes | None:
+        """The index's bytes for ``weight_map`` (output name -> file), None for one shard."""
+        if self.index_file is None:
+            return None
+        meta: dict[str, Any] = {"total_size": self.total}
+        if self.tied:
+            meta[TIED_KEY] = dict(sorted(self.tied.items()))
+        body = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
+        return (json.dumps(body, indent=2) + "\n").encode()
+
+
+def _layout(sel: _Selection, limit: int) -> _Layout:
+    """The shards of ``sel`` at most ``limit`` tensor bytes each (:func:`_plan`), named."""
+    shards = _plan(list(sel.items), limit)
     n = len(shards)
     files = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    copies = [local_path(c) for c in copy_files]
+    written_names = {it.out for it in sel.items}
+    tied = {a: t for a, t in sel.aliases.items() if a not in written_names and t in written_names}
+    return _Layout(files=tuple(files), shards=tuple(tuple(s) for s in shards),
+                   total=sum(it.nbytes for it in sel.items), tied=tied)
+
+
+def _checked_copies(copy_files: Sequence[str | os.PathLike[str]]) -> tuple[str, ...]:
+    """``copy_files`` as absolute local paths.
+
+    Raises:
+        ValueError: one would replace a model file (its name).
+        FileNotFoundError: one is not a file.
+    """
+    copies = tuple(local_path(c) for c in copy_files)
     for c in copies:
         base = os.path.basename(c)
         if base in (SINGLE_NAME, INDEX_NAME) or _SHARD_RX.match(base):
             raise ValueError(f"export_hf: copy_files: {base!r} would replace a model file")
         if not os.path.isfile(c):
             raise FileNotFoundError(f"export_hf: copy_files: {c} is not a file")
-    total = sum(it.nbytes for it in items)
-    written_names = {it.out for it in items}
-    tied = {a: t for a, t in out_aliases.items() if a not in written_names and t in written_names}
+    return copies
 
-    def index_body(wm: dict[str, str]) -> bytes | None:
-        if n == 1:
-            return None
-        meta: dict[str, Any] = {"total_size": total}
-        if tied:
-            meta[TIED_KEY] = dict(sorted(tied.items()))
-        body = {"metadata": meta, "weight_map": dict(sorted(wm.items()))}
-        return (json.dumps(body, indent=2) + "\n").encode()
 
-    out_st, out_key = resolve(out_dir)
+def _refuse_inside(st: Storage, key: str, out_st: Storage, out_key: str,
+                   out_dir: str | os.PathLike[str]) -> None:
+    """Raise ValueError when the output ``out_key`` of ``out_st`` is (inside)
+    the checkpoint ``key`` of ``st``: a committed checkpoint is never modified."""
     if not isinstance(out_st, LocalStorage):
         if type(out_st) is type(st) and (out_key == key or out_key.startswith(key.rstrip("/") + "/")):
             raise ValueError(f"export_hf: {out_dir} is inside the checkpoint {key} (a committed "
                              "checkpoint is never modified)")
-        written, wmap, copied = write_shards(
-            rst, key, m, out_st, out_key, files, shards, opts=opts, validate=validate,
-            overwrite=overwrite, copies=copies, index=index_body, tied=tied,
-            payload=lambda c: copy_payload(c, out_dtype))
-        return ExportResult(out_dir=out_st.url(out_key), files=tuple(files),
-                            index_file=INDEX_NAME if n > 1 else None, weight_map=wmap,
-                            total_size=total, skipped=tuple(sorted(skipped)), aliases=out_aliases,
-                            copied=tuple(copied), bytes_read=st.bytes_read - read0,
-                            bytes_written=written, duration_s=time.perf_counter() - t0)
-    out = out_key
-    if isinstance(st, LocalStorage):
-        rk, ro = os.path.realpath(key), os.path.realpath(out)
+    elif isinstance(st, LocalStorage):
+        rk, ro = os.path.realpath(key), os.path.realpath(out_key)
         if ro == rk or ro.startswith(rk + os.sep):
-            raise ValueError(f"export_hf: {out} is inside the checkpoint {key} (a committed "
+            raise ValueError(f"export_hf: {out_key} is inside the checkpoint {key} (a committed "
                              "checkpoint is never modified)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Job:
+    """What the writing step needs.
+
+    Attributes:
+        st, key: the storage the tensors are read through (``open_dcp``'s for
+            a DCP folder) and the checkpoint's key.
+        m: the model's manifest (:attr:`_Selection.m`).
+        opts: LoadOptions of the reads.
+        layout: the shards to write.
+        copies: absolute local paths of the files copied alongside.
+        out_dtype: the export's dtype (a copied config.json records it), or None.
+        validate, overwrite: as :func:`export_hf`'s.
+    """
+
+    st: Storage
+    key: str
+    m: Manifest
+    opts: LoadOptions
+    layout: _Layout
+    copies: tuple[str, ...]
+    out_dtype: torch.dtype | None
+    validate: bool
+    overwrite: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Written:
+    """What the writing step wrote: ``weight_map`` (output name -> file),
+    ``copied`` (names of the copied files), ``bytes_written`` (shard bytes,
+    headers included)."""
+
+    weight_map: dict[str, str]
+    copied: tuple[str, ...]
+    bytes_written: int
+
+
+def _write_remote(job: _Job, out_st: Storage, out_key: str) -> _Written:
+    """Write ``job`` under ``out_key`` of a store that is not the local file
+    system (:func:`reshard.formats.hf_store.write_shards`)."""
+    written, wmap, copied = write_shards(
+        job.st, job.key, job.m, out_st, out_key, list(job.layout.files),
+        [list(s) for s in job.layout.shards], opts=job.opts, validate=job.validate,
+        overwrite=job.overwrite, copies=job.copies, index=job.layout.index_body, tied=job.layout.tied,
+        payload=lambda c: copy_payload(c, job.out_dtype))
+    return _Written(weight_map=wmap, copied=tuple(copied), bytes_written=written)
+
+
+def _write_local(job: _Job, out: str, progress: bool | None) -> _Written:
+    """Write ``job`` into the local directory ``out``: shards under temporary
+    names, renamed into place, stale model files removed, copies, the index
+    last, the directory fsync'd. A failure removes the temporary files.
+
+    Raises:
+        FileExistsError: model files already in ``out`` and not ``overwrite``.
+    """
     stale = _existing_outputs(out)
-    if stale and not overwrite:
+    if stale and not job.overwrite:
         raise FileExistsError(f"{out}: already holds model files {stale[:3]} (pass overwrite=True)")
     os.makedirs(out, exist_ok=True)
-    weight_map: dict[str, str] = {}
-    written = 0
-    tmps: list[str] = []
-    one = SingleProcess()
-    pb = bar(sum(it.nbytes for it in items), "export", enabled=wanted(progress))
+    tmps: list[str] = []  # partial files to remove on a failure
+    pb = bar(job.layout.total, "export", enabled=wanted(progress))
     try:
-        for fname, shard in zip(files, shards, strict=True):
-            tmp = os.path.join(out, f".{fname}.partial")
-            tmps.append(tmp)
-            written += _write_shard(rst, key, m, tmp, shard, opts, one, validate, pb, tied)
-            for it in shard:
-                weight_map[it.out] = fname
-        for tmp, fname in zip(tmps, files, strict=True):
-            os.replace(tmp, os.path.join(out, fname))
-        tmps = []
+        written, weight_map = _write_local_shards(job, out, tmps, pb)
         for name in stale:
-            if name not in files:
+            if name not in job.layout.files:
                 os.unlink(os.path.join(out, name))
-        copied = []
-        for c in copies:
-            dst = os.path.join(out, os.path.basename(c))
-            payload = copy_payload(c, out_dtype)
-            if payload is not None:
-                tmp = os.path.join(out, f".{os.path.basename(c)}.partial")
-                tmps.append(tmp)
-                with open(tmp, "wb") as fb:
-                    fb.write(payload)
-                    fb.flush()
-                    os.fsync(fb.fileno())
-                os.replace(tmp, dst)
-                tmps.remove(tmp)
-            elif os.path.abspath(dst) != c:
-                shutil.copyfile(c, dst)
-                _fsync_file(dst)
-            copied.append(os.path.basename(c))
-        total = sum(it.nbytes for it in items)
-        index_file = None
-        if n > 1:
-            index_file = INDEX_NAME
-            meta: dict[str, Any] = {"total_size": total}
-            if tied:
-                meta[TIED_KEY] = dict(sorted(tied.items()))
-            body = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}
-            tmp = os.path.join(out, f".{INDEX_NAME}.partial")
-            tmps.append(tmp)
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(body, f, indent=2)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(out, INDEX_NAME))
-            tmps = []
+        copied = _copy_local(job, out, tmps)
+        index = job.layout.index_body(weight_map)
+        if index is not None:
+            _put_file(out, INDEX_NAME, index, tmps)
         _fsync_dir(out)
     finally:
         pb.close()
@@ -651,10 +734,57 @@ def _export_hf(
                 os.unlink(tmp)
             except OSError:
                 pass
-    return ExportResult(out_dir=out_st.url(out), files=tuple(files), index_file=index_file,
-                        weight_map=weight_map, total_size=total, skipped=tuple(sorted(skipped)),
-                        aliases=out_aliases, copied=tuple(copied), bytes_read=st.bytes_read - read0,
-                        bytes_written=written, duration_s=time.perf_counter() - t0)
+    return _Written(weight_map=weight_map, copied=copied, bytes_written=written)
+
+
+def _write_local_shards(job: _Job, out: str, tmps: list[str], pb: Any) -> tuple[int, dict[str, str]]:
+    """Write every shard of ``job`` as ``out/.<file>.partial`` (listed in
+    ``tmps`` meanwhile), then rename them all into place. Returns ``(bytes
+    written, weight map)``."""
+    one = SingleProcess()
+    weight_map: dict[str, str] = {}
+    written = 0
+    for fname, shard in zip(job.layout.files, job.layout.shards, strict=True):
+        tmp = os.path.join(out, f".{fname}.partial")
+        tmps.append(tmp)
+        written += _write_shard(job.st, job.key, job.m, tmp, list(shard), job.opts, one, job.validate, pb,
+                                job.layout.tied)
+        for it in shard:
+            weight_map[it.out] = fname
+    for tmp, fname in zip(list(tmps), job.layout.files, strict=True):
+        os.replace(tmp, os.path.join(out, fname))
+    tmps.clear()
+    return written, weight_map
+
+
+def _copy_local(job: _Job, out: str, tmps: list[str]) -> tuple[str, ...]:
+    """Copy ``job.copies`` into ``out`` (a config.json rewritten with the
+    export's dtype: :func:`copy_payload`); returns their names."""
+    copied = []
+    for c in job.copies:
+        base = os.path.basename(c)
+        dst = os.path.join(out, base)
+        payload = copy_payload(c, job.out_dtype)
+        if payload is not None:
+            _put_file(out, base, payload, tmps)
+        elif os.path.abspath(dst) != c:
+            shutil.copyfile(c, dst)
+            _fsync_file(dst)
+        copied.append(base)
+    return tuple(copied)
+
+
+def _put_file(out: str, name: str, data: bytes, tmps: list[str]) -> None:
+    """Write ``data`` as ``out/name``: into ``.<name>.partial`` (listed in
+    ``tmps`` until renamed), flushed and fsync'd, renamed into place."""
+    tmp = os.path.join(out, f".{name}.partial")
+    tmps.append(tmp)
+    with open(tmp, "wb") as fb:
+        fb.write(data)
+        fb.flush()
+        os.fsync(fb.fileno())
+    os.replace(tmp, os.path.join(out, name))
+    tmps.remove(tmp)
 
 
 __all__ = ["AmbiguousModelError", "ExportResult", "copy_payload", "export_hf", "model_candidates",
