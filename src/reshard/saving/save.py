@@ -751,9 +751,7 @@ class _RankSaver:
         st, options = self.st, self.options
         if self.abort is not None and self.abort.is_set():
             raise CheckpointError(f"{self.key}: save abandoned before publishing")
-        if strategy_for(st).shares_prefix:  # the keys persist wrote
-            manifest = attempts.rename_files(
-                manifest, {n: strategy_for(st).data_name(info.attempt_id, n) for n in manifest.files})
+        manifest = strategy_for(st).name_files(manifest, info.attempt_id)  # the keys persist wrote
         if options.hmac_key is not None:
             manifest = sign_manifest(manifest, options.hmac_key)
         try:
