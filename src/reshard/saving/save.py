@@ -541,7 +541,6 @@ def _write_files(job: _PersistJob) -> tuple[list[_FileWritten], dict[int, str]]:
 
     snap, layout = job.snap, job.layout
     n = len(job.assignment.files)
-    replica_digests: dict[int, str] = {}
     with bar(None, "save", enabled=wanted(job.options.progress)) as pb:
         def write_counted(k: int) -> _FileWritten:
             r = _write_file(job, k)
@@ -549,12 +548,12 @@ def _write_files(job: _PersistJob) -> tuple[list[_FileWritten], dict[int, str]]:
             return r
 
         if n <= 1 and not layout.hash_only:
-            return [write_counted(k) for k in range(n)], replica_digests
+            return [write_counted(k) for k in range(n)], {}
         # one thread per file (files_per_rank), at most 16 (an incremental
         # save gives large chunks files of their own: there may be many)
         workers = min(n, max(16, job.options.files_per_rank)) + bool(layout.hash_only)
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard-write") as ex:
-            hashed = ex.submit(_hash_replicas, job, replica_digests) if layout.hash_only else None
+            hashed = ex.submit(_hash_replicas, job) if layout.hash_only else None
             # the files in the order their first chunk is staged (the staging run's
             # order: item size down, then position), so the writers running are
             # always those whose staged pieces hold the slabs (a file whose chunk is
@@ -564,21 +563,22 @@ def _write_files(job: _PersistJob) -> tuple[list[_FileWritten], dict[int, str]]:
                 default=(1, 0))) if snap.source is not None else list(range(n))
             done = dict(zip(order, ex.map(write_counted, order), strict=True))
             files = [done[k] for k in range(n)]
-            if hashed is not None:
-                hashed.result()
+            replica_digests = hashed.result() if hashed is not None else {}
     return files, replica_digests
 
 
-def _hash_replicas(job: _PersistJob, out: dict[int, str]) -> None:
+def _hash_replicas(job: _PersistJob) -> dict[int, str]:
     """The digest of each tensor this rank only reports (``layout.hash_only``),
-    from its staged pieces or its view, into ``out`` (tensor index -> digest)."""
+    from its staged pieces or its view: tensor index -> digest."""
     src, block = job.snap.source, job.options.checksum_block_bytes
+    out: dict[int, str] = {}
     for i in job.layout.hash_only:
         h, n = BlockHasher(block), 0
         for mv in (src.chunk(i) if src is not None else iter((job.snap.tensors[i][1],))):
             h.update(mv)
             n += len(mv)
         out[i] = digest_of(h.finish(), n)
+    return out
 
 
 def _write_file(job: _PersistJob, fi: int) -> _FileWritten:
