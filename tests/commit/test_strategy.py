@@ -51,6 +51,32 @@ def test_the_two_strategies_answer_the_attempt_questions_apart(tmp_path) -> None
         m.data_name("a.b", "data")
 
 
+def test_the_published_manifest_names_the_files_as_the_strategy_wrote_them(tmp_path) -> None:
+    import torch
+
+    from reshard import save
+    from reshard.ondisk.committed import read_manifest
+
+    local, root = resolve(str(tmp_path))
+    save({"w": torch.arange(6.0), "opt": {"lr": [0.1, 0.2]}}, str(tmp_path / "ck"))
+    m = read_manifest(local, local.join(root, "ck"))
+    assert m.files and any(te.chunks for te in m.tensors.values())
+    r, mk = strategy_for(local), strategy_for(resolve("memory://name-files/root")[0])
+    assert r.name_files(m, "x1") is m  # an attempt's own directory keeps the plain names
+    named = mk.name_files(m, "x1")
+    assert sorted(named.files) == sorted(f"att-x1.{n}" for n in m.files)
+    assert list(named.files.values()) == [m.files[n] for n in m.files]
+    chunks = [c for te in named.tensors.values() for c in te.chunks]
+    chunks += [c for oe in named.objects.values() for c in oe.chunks]
+    assert chunks and all(c.file.startswith("att-x1.") and c.file[len("att-x1."):] in m.files for c in chunks)
+    # the memory store's save publishes exactly the names its attempt wrote
+    save({"w": torch.arange(6.0)}, "memory://name-files/saved/ck")
+    mem, key = resolve("memory://name-files/saved/ck")
+    got = read_manifest(mem, key)
+    assert got.files and all(n.startswith(f"att-{got.attempt_id}.") for n in got.files)
+    assert all(mem.exists(mem.join(key, n)) for n in got.files)
+
+
 def test_records_are_written_by_rename_or_by_put_as_the_strategy_says(tmp_path) -> None:
     local, root = resolve(str(tmp_path))
     spy = FaultStorage(local)

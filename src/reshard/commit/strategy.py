@@ -76,6 +76,12 @@ class CommitStrategy(ABC):
         """The name (inside the attempt) under which the attempt writes the
         plan's file ``name``."""
 
+    @abstractmethod
+    def name_files(self, manifest: Manifest, attempt_id: str) -> Manifest:
+        """``manifest`` (planned with the plain file names) naming the data
+        files by the keys the attempt ``attempt_id`` wrote them under
+        (:meth:`data_name`), in ``files`` and in every chunk."""
+
     def nonce_key(self, storage: Storage, attempt: str, attempt_id: str) -> str:
         """Where the attempt's nonce (:data:`ATTEMPT_NONCE`) lives."""
         return storage.join(attempt, self.data_name(attempt_id, ATTEMPT_NONCE))
@@ -170,6 +176,10 @@ class RenameCommit(CommitStrategy):
 
     def data_name(self, attempt_id: str, name: str) -> str:
         return name
+
+    def name_files(self, manifest: Manifest, attempt_id: str) -> Manifest:
+        """``manifest`` itself: an attempt's directory holds the plain names."""
+        return manifest
 
     def attempt_lease(self, storage: Storage, path: str, attempt: str,
                       attempt_id: str) -> attempts.AttemptLease:
@@ -356,6 +366,13 @@ class MarkerCommit(CommitStrategy):
     def data_name(self, attempt_id: str, name: str) -> str:
         """``att-<attempt id>.<name>``: attempts at one step never share a key."""
         return attempts.data_name(attempt_id, name)
+
+    def name_files(self, manifest: Manifest, attempt_id: str) -> Manifest:
+        """Every data file renamed to ``att-<attempt id>.<name>``
+        (:func:`reshard.commit.attempts.rename_files`)."""
+        renamed: Manifest = attempts.rename_files(
+            manifest, {n: self.data_name(attempt_id, n) for n in manifest.files})
+        return renamed
 
     def attempt_lease(self, storage: Storage, path: str, attempt: str,
                       attempt_id: str) -> attempts.AttemptLease:

@@ -60,7 +60,7 @@ from ..planning.coordination_save import (
 from ..planning.plan_store import PLAN_FILE, parent_path, restart_entry
 from ..planning.planner import LocalObjectItem, LocalPlan, LocalTensorItem
 from ..state.sharding import ShardedTensor, dtype_name
-from ..state.tree import flatten
+from ..state.tree import Leaves, flatten
 from ..storage import Storage, resolve
 from .attempt import (
     _raise_removed,
@@ -159,6 +159,40 @@ def _alias_key(st: ShardedTensor) -> tuple[Any, ...] | None:
             st.flat_bounds)
 
 
+@dataclass(frozen=True, kw_only=True)
+class _TensorItems:
+    """The tensors of one rank's state, described (the collect phase's
+    result for tensors).
+
+    Attributes:
+        tensors: ``(item, bytes, block checksums)`` per chunk written or
+            compared, in the order of the flattened state; the bytes are an
+            empty view where a staging run holds them; checksums None (they
+            are computed later).
+        aliases: fqn -> the fqn whose chunk is the same memory viewed the
+            same way (tied weights: saved once).
+    """
+
+    tensors: tuple[tuple[LocalTensorItem, memoryview, tuple[str, ...] | None], ...]
+    aliases: Mapping[str, str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Values:
+    """The common values of one rank's state, encoded (the collect phase's
+    result for values).
+
+    Attributes:
+        as_json: tree path -> the value as JSON (``Manifest.values``).
+        digests: what every rank must agree on: tree path -> xxh3_64 of its
+            JSON, and ``<tensor><path>`` -> ``"<shape>:<dtype>"`` of every
+            plain tensor (a replica every rank must hold).
+    """
+
+    as_json: Mapping[str, Any]
+    digests: Mapping[str, str]
+
+
 def collect(
     state: Mapping[str, Any],
     rank: int,
@@ -178,21 +212,52 @@ def collect(
     ``digests=False``: the views' block digests are left to the writer, which
     computes them while it writes (a synchronous save: hashing then costs no
     time of its own on two cores).
+
+    Raises:
+        ShardingError: a chunk twice in this rank's state, a value that
+            cannot be saved, or a name used both for a tensor and a
+            value/object.
     """
+    leaves = flatten(state, module_adapter=ModelState)
+    tensors = _collect_tensors(_sharded_tensors(leaves, rank), rank, options, copy=copy, stage=stage)
+    objects = _collect_objects(leaves)
+    values = _collect_values(leaves)
+    clash = (set(values.as_json) | {o.key for o, _ in objects}) & {t.fqn for t, _, _ in tensors.tensors}
+    if clash:
+        raise ShardingError(f"names used both for a tensor and a value/object: {sorted(clash)[:5]}")
+    snap = Snapshot(tensors=list(tensors.tensors), objects=objects, values=leaves.values,
+                    values_json=dict(values.as_json), aliases=dict(tensors.aliases),
+                    value_digests=dict(values.digests), plain=set(leaves.plain),
+                    adapters=leaves.adapters, source=stage)
+    if copy is None and stage is None and digests:
+        finish_digests(snap, options)
+    return snap
+
+
+def _sharded_tensors(leaves: Leaves, rank: int) -> list[ShardedTensor]:
+    """Every tensor chunk of ``leaves``: its sharded tensors, its plain
+    tensors (whole, replica ``rank``) and its DTensors' local shards."""
     from ..adapters.dtensor import dtensor_shards
 
-    own = options.own_file_bytes if options.incremental else 0  # chunks that get a file of their own
-    leaves = flatten(state, module_adapter=ModelState)
     sts: list[ShardedTensor] = list(leaves.tensors)
     for path, t in leaves.plain.items():
         sts.append(ShardedTensor(path, t, global_shape=tuple(t.shape), global_offset=(0,) * t.dim(),
                                  replica_id=rank))
     for path, dt in leaves.dtensors.items():
         sts.extend(dtensor_shards(path, dt))
-    plain_fqns = set(leaves.plain)
-    # plain tensors are replicas: every rank must hold the same ones (a tensor
-    # held by one rank only is not a replica), compared like the common values
-    presence = {f"<tensor>{p}": f"{tuple(t.shape)}:{t.dtype}" for p, t in leaves.plain.items()}
+    return sts
+
+
+def _collect_tensors(sts: list[ShardedTensor], rank: int, options: SaveOptions, *,
+                     copy: Any, stage: Any) -> _TensorItems:
+    """Describe each chunk of ``sts`` (see :func:`collect` for ``copy`` and
+    ``stage``); a chunk that is another fqn's memory viewed the same way
+    becomes an alias.
+
+    Raises:
+        ShardingError: the same chunk (fqn, offset, shape, flat range) twice.
+    """
+    own = options.own_file_bytes if options.incremental else 0  # chunks that get a file of their own
     tensors: list[tuple[LocalTensorItem, memoryview, tuple[str, ...] | None]] = []
     seen: dict[tuple[Any, ...], int] = {}
     by_view: dict[tuple[Any, ...], str] = {}
@@ -224,9 +289,16 @@ def collect(
             flattened_range=st.flat_bounds, replica_id=st.replica_id, nbytes=nbytes,
         )
         tensors.append((item, mv, None))
+    return _TensorItems(tensors=tuple(tensors), aliases=aliases)
+
+
+def _collect_objects(leaves: Leaves) -> list[tuple[LocalObjectItem, bytes]]:
+    """Each object element of ``leaves`` with its encoded bytes; one value
+    under many keys (an optimizer group's hyperparameters, per parameter) is
+    encoded once."""
     objects: list[tuple[LocalObjectItem, bytes]] = []
-    encoded: dict[int, tuple[bytes, str]] = {}  # one value under many keys (an optimizer group's
-    for ob in leaves.objects:                   # hyperparameters, per parameter): encoded once
+    encoded: dict[int, tuple[bytes, str]] = {}
+    for ob in leaves.objects:
         got = encoded.get(id(ob.value))
         if got is None:
             raw = codec.encode(ob.value, path=ob.key)
@@ -235,24 +307,28 @@ def collect(
         objects.append((LocalObjectItem(key=ob.key, global_shape=ob.global_shape,
                                         global_offset=ob.global_offset, replica_id=ob.replica_id,
                                         nbytes=len(raw), digest=digest), raw))
-    values_json = {}
-    value_digests: dict[str, str] = dict(presence)
+    return objects
+
+
+def _collect_values(leaves: Leaves) -> _Values:
+    """The common values of ``leaves`` as JSON with their digests, and the
+    presence of its plain tensors.
+
+    Raises:
+        ShardingError: a value that cannot be saved as JSON.
+    """
+    # plain tensors are replicas: every rank must hold the same ones (a tensor
+    # held by one rank only is not a replica), compared like the common values
+    digests = {f"<tensor>{p}": f"{tuple(t.shape)}:{t.dtype}" for p, t in leaves.plain.items()}
+    as_json = {}
     for path, v in leaves.values.items():
         try:
             j = codec.to_json(v, path=path)
         except TypeError as e:
             raise ShardingError(str(e)) from None
-        values_json[path] = j
-        value_digests[path] = xxhash.xxh3_64_hexdigest(msgspec.json.encode(j))
-    clash = (set(values_json) | {o.key for o, _ in objects}) & {t.fqn for t, _, _ in tensors}
-    if clash:
-        raise ShardingError(f"names used both for a tensor and a value/object: {sorted(clash)[:5]}")
-    snap = Snapshot(tensors=tensors, objects=objects, values=leaves.values, values_json=values_json,
-                    aliases=aliases, value_digests=value_digests, plain=plain_fqns,
-                    adapters=leaves.adapters, source=stage)
-    if copy is None and stage is None and digests:
-        finish_digests(snap, options)
-    return snap
+        as_json[path] = j
+        digests[path] = xxhash.xxh3_64_hexdigest(msgspec.json.encode(j))
+    return _Values(as_json=as_json, digests=digests)
 
 
 _NO_BYTES = memoryview(b"")
@@ -327,6 +403,70 @@ def _cpus() -> int:
     return max(1, min(4, n))
 
 
+@dataclass(frozen=True, kw_only=True)
+class _WriteLayout:
+    """How one rank writes its part of an assignment (the persist phase's
+    plan, from :func:`_write_layout`).
+
+    Attributes:
+        per_file: per file of ``assignment.files`` (same index), its entries
+            ``(pos, kind, i)``: ``pos`` indexes ``assignment.writes``,
+            ``kind`` 0 a tensor (``i`` indexes ``snap.tensors``) or 1 an
+            object (``i`` indexes ``snap.objects``); in write order when
+            ``lazy`` (tensors by position, then objects).
+        lazy: the digests are computed here, while writing (a snapshot
+            staged piece by piece, or one not hashed beforehand).
+        written: the tensors (indices into ``snap.tensors``) this rank
+            writes (``lazy`` only; else empty).
+        hash_only: the tensors whose digest this rank reports for a replica
+            comparison without writing them, in the staging run's order
+            (item size down, then position; ``lazy`` only).
+    """
+
+    per_file: tuple[tuple[tuple[int, int, int], ...], ...]
+    lazy: bool
+    written: frozenset[int]
+    hash_only: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _PersistJob:
+    """One rank's write of its files of ``assignment`` into ``attempt`` (see
+    :func:`persist` for ``link_from``), laid out by ``layout``."""
+
+    storage: Storage
+    attempt: str
+    snap: Snapshot
+    assignment: Assignment
+    options: SaveOptions
+    link_from: LinkSource | None
+    layout: _WriteLayout
+
+
+@dataclass(frozen=True, kw_only=True)
+class _FileWritten:
+    """One file of the assignment, written or linked (:func:`_write_file`).
+
+    Attributes:
+        size: the file's bytes.
+        checksum: the file's checksum.
+        blocks: block checksums its block table holds.
+        linked: linked from the parent checkpoint, not written.
+        placed: ``(pos, (offset, length, root, block index))`` per entry of
+            the file: ``pos`` indexes ``assignment.writes``; offset and
+            length in bytes.
+        digests: ``(i, digest)`` of each tensor ``i`` whose digest was
+            computed while writing it.
+    """
+
+    size: int
+    checksum: str
+    blocks: int
+    linked: bool
+    placed: tuple[tuple[int, tuple[int, int, str, int]], ...]
+    digests: tuple[tuple[int, str], ...]
+
+
 def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignment,
             options: SaveOptions, link_from: LinkSource | None = None) -> tuple[bytes, int]:
     """Write this rank's files of ``assignment``; returns the write report for
@@ -353,136 +493,192 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
         CheckpointError: the staging run's mutation guard found a tensor
             changed before it was staged (the save then fails on every rank).
     """
-    from ..state.sharding import itemsize as isz
-    from . import incremental
-
     src = snap.source
-    lazy = src is not None or not snap.hashed  # digests computed here, while writing
+    layout = _write_layout(snap, assignment, options)
+    if src is not None:
+        src.need(set(layout.written) | set(layout.hash_only))
+    job = _PersistJob(storage=storage, attempt=attempt, snap=snap, assignment=assignment,
+                      options=options, link_from=link_from, layout=layout)
+    files, replica_digests = _write_files(job)
+    if src is not None:
+        src.finish()  # the mutation guard: a tensor changed before it was staged fails the save
+    return _write_report(job, files, replica_digests)
+
+
+def _write_layout(snap: Snapshot, assignment: Assignment, options: SaveOptions) -> _WriteLayout:
+    """Group ``assignment.writes`` by file and, when the digests are
+    computed while writing, order each file as the staging run stages and
+    find the replicas this rank only hashes."""
+    from ..state.sharding import itemsize as isz
+
+    lazy = snap.source is not None or not snap.hashed
     per_file: list[list[tuple[int, int, int]]] = [[] for _ in assignment.files]
     for pos, (kind, i, fi) in enumerate(assignment.writes):
         per_file[fi].append((pos, kind, i))
-    placed: list[tuple[int, int, str, int]] = [(0, 0, "", -1)] * len(assignment.writes)
-    digests_of: dict[int, str] = {}
-    hash_only: list[int] = []
-    if lazy:
-        # every file in write order (the order the staging run stages in): tensors
-        # by position (write_shard_file keeps it among equal item sizes), then objects
-        for entries in per_file:
-            entries.sort(key=lambda e: (e[1], e[2]))
-        written_idx = {i for kind, i, _ in assignment.writes if kind == 0}
-        hash_only = sorted((i for kind, i in assignment.check
-                            if kind == 0 and i not in written_idx
-                            and wants_digest(snap, snap.tensors[i][0], options)),
-                           key=lambda i: (-isz(snap.tensors[i][0].dtype), i))
-        if src is not None:
-            src.need(written_idx | set(hash_only))
+    if not lazy:
+        return _WriteLayout(per_file=tuple(map(tuple, per_file)), lazy=False, written=frozenset(),
+                            hash_only=())
+    # every file in write order (the order the staging run stages in): tensors
+    # by position (write_shard_file keeps it among equal item sizes), then objects
+    for entries in per_file:
+        entries.sort(key=lambda e: (e[1], e[2]))
+    written = frozenset(i for kind, i, _ in assignment.writes if kind == 0)
+    hash_only = sorted((i for kind, i in assignment.check
+                        if kind == 0 and i not in written
+                        and wants_digest(snap, snap.tensors[i][0], options)),
+                       key=lambda i: (-isz(snap.tensors[i][0].dtype), i))
+    return _WriteLayout(per_file=tuple(map(tuple, per_file)), lazy=True, written=written,
+                        hash_only=tuple(hash_only))
 
-    def chunk(i: int) -> Any:
-        """The bytes of snapshot tensor ``i`` as pieces: its staged ones, or its view."""
-        return src.chunk(i) if src is not None else iter((snap.tensors[i][1],))
 
-    linked: list[int] = []
-    own = options.own_file_bytes if options.incremental else 0
-
-    def content_of(i: int) -> str | None:
-        """The xxh3_128 of chunk ``i`` that gets a file of its own (None: unknown, written in full)."""
-        c = snap.content.get(i)
-        if c is None and own and snap.tensors[i][0].nbytes >= own:
-            c = src.content(i) if src is not None else content_digest(snap.tensors[i][1])
-            if c is not None:
-                snap.content[i] = c
-        return c
-
-    def write_one(fi: int) -> tuple[int, str, int]:
-        items: list[FileItem] = []
-        for _pos, kind, i in per_file[fi]:
-            if kind == 0:
-                it, mv, sums = snap.tensors[i]
-                shape = (it.flattened_range[1] - it.flattened_range[0],) if it.flattened_range else it.local_shape
-                single = len(per_file[fi]) == 1 and incremental.is_chunk_file(assignment.files[fi])
-                content = content_of(i) if single else None
-                if src is not None:
-                    items.append(FileItem(name=_storage_key(it), dtype=it.dtype, shape=tuple(shape), data=mv,
-                                          itemsize=isz(it.dtype), pieces=partial(src.chunk, i),
-                                          nbytes=it.nbytes, content=content))
-                else:  # its view (computing its digests while writing it when lazy)
-                    items.append(FileItem(name=_storage_key(it), dtype=it.dtype, shape=tuple(shape), data=mv,
-                                          itemsize=isz(it.dtype), checksums=None if lazy else sums,
-                                          content=content))
-            else:
-                ob, raw = snap.objects[i]
-                key = "__object__/" + ob.key + "@" + ",".join(map(str, ob.global_offset))
-                items.append(FileItem(name=key, dtype="uint8", shape=(len(raw),),
-                                      data=memoryview(raw), itemsize=1))
-        name = assignment.files[fi]
-        dst = storage.join(attempt, name)
-        got = None
-        if (link_from is not None and options.checksums and len(items) == 1
-                and incremental.is_chunk_file(name)):
-            # the per-chunk decision: the staged bytes' digest against the parent's file
-            got = link_shard_file(storage, incremental.source_key(storage, link_from, name), dst, items,
-                                  block_bytes=options.checksum_block_bytes, checksums=options.checksums,
-                                  block_table=True)
-            if got is not None:
-                linked.append(fi)
-                if src is not None:  # its staged pieces go back to the pool (and pass the guard)
-                    for _ in src.chunk(per_file[fi][0][2]):
-                        pass
-        if got is None:
-            got = write_shard_file(
-                storage, dst, items,
-                block_bytes=options.checksum_block_bytes, checksums=options.checksums,
-                durable=options.durable, block_table=True,
-                digests=lazy and (options.verify_replicas or bool(snap.plain)))
-        size, checksum, written = got
-        blocks = 0
-        for (pos, kind, i), w in zip(per_file[fi], written, strict=True):
-            placed[pos] = (w.offset, w.length, w.root, w.block_index)
-            blocks += len(w.checksums) if w.block_index >= 0 else 0
-            if lazy and kind == 0 and wants_digest(snap, snap.tensors[i][0], options):
-                digests_of[i] = digest_of(w.checksums, w.length)
-        return size, checksum, blocks
-
-    def hash_replicas() -> None:
-        block = options.checksum_block_bytes
-        for i in hash_only:
-            h, n = BlockHasher(block), 0
-            for mv in chunk(i):
-                h.update(mv)
-                n += len(mv)
-            digests_of[i] = digest_of(h.finish(), n)
-
-    n = len(assignment.files)
+def _write_files(job: _PersistJob) -> tuple[list[_FileWritten], dict[int, str]]:
+    """Write (or link) every file of the job, one thread per file (at most
+    16, more with ``files_per_rank``), and hash the replicas this rank only
+    reports on one more; returns the files in ``assignment.files`` order and
+    the replicas' digests (tensor index -> digest)."""
     from ..progress import bar, wanted
+    from ..state.sharding import itemsize as isz
 
-    with bar(None, "save", enabled=wanted(options.progress)) as pb:
-        def write_counted(k: int) -> tuple[int, str, int]:
-            r = write_one(k)
-            pb.update(r[0])
+    snap, layout = job.snap, job.layout
+    n = len(job.assignment.files)
+    with bar(None, "save", enabled=wanted(job.options.progress)) as pb:
+        def write_counted(k: int) -> _FileWritten:
+            r = _write_file(job, k)
+            pb.update(r.size)
             return r
 
-        if n <= 1 and not hash_only:
-            files = [write_counted(k) for k in range(n)]
+        if n <= 1 and not layout.hash_only:
+            return [write_counted(k) for k in range(n)], {}
+        # one thread per file (files_per_rank), at most 16 (an incremental
+        # save gives large chunks files of their own: there may be many)
+        workers = min(n, max(16, job.options.files_per_rank)) + bool(layout.hash_only)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard-write") as ex:
+            hashed = ex.submit(_hash_replicas, job) if layout.hash_only else None
+            # the files in the order their first chunk is staged (the staging run's
+            # order: item size down, then position), so the writers running are
+            # always those whose staged pieces hold the slabs (a file whose chunk is
+            # staged later never waits in a writer thread the earlier ones need)
+            order = sorted(range(n), key=lambda fi: min(
+                ((-isz(snap.tensors[i][0].dtype), i) for _p, kind, i in layout.per_file[fi] if kind == 0),
+                default=(1, 0))) if snap.source is not None else list(range(n))
+            done = dict(zip(order, ex.map(write_counted, order), strict=True))
+            files = [done[k] for k in range(n)]
+            replica_digests = hashed.result() if hashed is not None else {}
+    return files, replica_digests
+
+
+def _hash_replicas(job: _PersistJob) -> dict[int, str]:
+    """The digest of each tensor this rank only reports (``layout.hash_only``),
+    from its staged pieces or its view: tensor index -> digest."""
+    src, block = job.snap.source, job.options.checksum_block_bytes
+    out: dict[int, str] = {}
+    for i in job.layout.hash_only:
+        h, n = BlockHasher(block), 0
+        for mv in (src.chunk(i) if src is not None else iter((job.snap.tensors[i][1],))):
+            h.update(mv)
+            n += len(mv)
+        out[i] = digest_of(h.finish(), n)
+    return out
+
+
+def _write_file(job: _PersistJob, fi: int) -> _FileWritten:
+    """Write file ``fi`` of the assignment, or link it from the parent
+    checkpoint where its one chunk is unchanged (``link_from``, with
+    checksums)."""
+    from . import incremental
+
+    snap, options, src = job.snap, job.options, job.snap.source
+    entries = job.layout.per_file[fi]
+    items = _file_items(job, fi)
+    name = job.assignment.files[fi]
+    dst = job.storage.join(job.attempt, name)
+    got = None
+    if (job.link_from is not None and options.checksums and len(items) == 1
+            and incremental.is_chunk_file(name)):
+        # the per-chunk decision: the staged bytes' digest against the parent's file
+        got = link_shard_file(job.storage, incremental.source_key(job.storage, job.link_from, name), dst,
+                              items, block_bytes=options.checksum_block_bytes, checksums=options.checksums,
+                              block_table=True)
+        if got is not None and src is not None:  # its staged pieces go back to the pool (and pass the guard)
+            for _ in src.chunk(entries[0][2]):
+                pass
+    linked = got is not None
+    if got is None:
+        got = write_shard_file(
+            job.storage, dst, items,
+            block_bytes=options.checksum_block_bytes, checksums=options.checksums,
+            durable=options.durable, block_table=True,
+            digests=job.layout.lazy and (options.verify_replicas or bool(snap.plain)))
+    size, checksum, written = got
+    blocks = 0
+    placed: list[tuple[int, tuple[int, int, str, int]]] = []
+    digests: list[tuple[int, str]] = []
+    for (pos, kind, i), w in zip(entries, written, strict=True):
+        placed.append((pos, (w.offset, w.length, w.root, w.block_index)))
+        blocks += len(w.checksums) if w.block_index >= 0 else 0
+        if job.layout.lazy and kind == 0 and wants_digest(snap, snap.tensors[i][0], options):
+            digests.append((i, digest_of(w.checksums, w.length)))
+    return _FileWritten(size=size, checksum=checksum, blocks=blocks, linked=linked,
+                        placed=tuple(placed), digests=tuple(digests))
+
+
+def _file_items(job: _PersistJob, fi: int) -> list[FileItem]:
+    """The items of file ``fi`` in write order: each tensor from its staged
+    pieces or its view (its digests computed while writing it when lazy),
+    each object from its encoded bytes."""
+    from ..state.sharding import itemsize as isz
+    from . import incremental
+
+    snap, src, entries = job.snap, job.snap.source, job.layout.per_file[fi]
+    single = len(entries) == 1 and incremental.is_chunk_file(job.assignment.files[fi])
+    items: list[FileItem] = []
+    for _pos, kind, i in entries:
+        if kind != 0:
+            ob, raw = snap.objects[i]
+            key = "__object__/" + ob.key + "@" + ",".join(map(str, ob.global_offset))
+            items.append(FileItem(name=key, dtype="uint8", shape=(len(raw),),
+                                  data=memoryview(raw), itemsize=1))
+            continue
+        it, mv, sums = snap.tensors[i]
+        shape = (it.flattened_range[1] - it.flattened_range[0],) if it.flattened_range else it.local_shape
+        content = _content_of(snap, i, job.options) if single else None
+        if src is not None:
+            items.append(FileItem(name=_storage_key(it), dtype=it.dtype, shape=tuple(shape), data=mv,
+                                  itemsize=isz(it.dtype), pieces=partial(src.chunk, i),
+                                  nbytes=it.nbytes, content=content))
         else:
-            # one thread per file (files_per_rank), at most 16 (an incremental
-            # save gives large chunks files of their own: there may be many)
-            workers = min(n, max(16, options.files_per_rank)) + bool(hash_only)
-            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reshard-write") as ex:
-                hashed = ex.submit(hash_replicas) if hash_only else None
-                # the files in the order their first chunk is staged (the staging run's
-                # order: item size down, then position), so the writers running are
-                # always those whose staged pieces hold the slabs (a file whose chunk is
-                # staged later never waits in a writer thread the earlier ones need)
-                order = sorted(range(n), key=lambda fi: min(
-                    ((-isz(snap.tensors[i][0].dtype), i) for _p, kind, i in per_file[fi] if kind == 0),
-                    default=(1, 0))) if src is not None else list(range(n))
-                done = dict(zip(order, ex.map(write_counted, order), strict=True))
-                files = [done[k] for k in range(n)]
-                if hashed is not None:
-                    hashed.result()
-    if src is not None:
-        src.finish()  # the mutation guard: a tensor changed before it was staged fails the save
-    if lazy:
+            items.append(FileItem(name=_storage_key(it), dtype=it.dtype, shape=tuple(shape), data=mv,
+                                  itemsize=isz(it.dtype), checksums=None if job.layout.lazy else sums,
+                                  content=content))
+    return items
+
+
+def _content_of(snap: Snapshot, i: int, options: SaveOptions) -> str | None:
+    """The xxh3_128 of chunk ``i`` when it gets a file of its own (an
+    incremental save), remembered in ``snap.content``; None: unknown, the
+    file is written in full."""
+    own = options.own_file_bytes if options.incremental else 0
+    c = snap.content.get(i)
+    if c is None and own and snap.tensors[i][0].nbytes >= own:
+        src = snap.source
+        c = src.content(i) if src is not None else content_digest(snap.tensors[i][1])
+        if c is not None:
+            snap.content[i] = c
+    return c
+
+
+def _write_report(job: _PersistJob, files: list[_FileWritten],
+                  replica_digests: dict[int, str]) -> tuple[bytes, int]:
+    """The write report of the job's files (see :func:`persist`) and the
+    bytes this rank wrote (linked files excluded)."""
+    snap, assignment = job.snap, job.assignment
+    placed: list[tuple[int, int, str, int]] = [(0, 0, "", -1)] * len(assignment.writes)
+    digests_of = dict(replica_digests)
+    for f in files:
+        for pos, where in f.placed:
+            placed[pos] = where
+        digests_of.update(f.digests)
+    if job.layout.lazy:
         digests = [digests_of.get(i, "") if kind == 0 else snap.objects[i][0].digest
                    for kind, i in assignment.check]
     else:
@@ -490,9 +686,9 @@ def persist(storage: Storage, attempt: str, snap: Snapshot, assignment: Assignme
                    for kind, i in assignment.check]
     contents = [snap.content.get(i, "") if kind == 0 else "" for kind, i, _ in assignment.writes] \
         if snap.content else []
-    gone = set(linked)
-    return (report_bytes(files, placed, digests, contents, sorted(linked)),
-            sum(f[0] for k, f in enumerate(files) if k not in gone))
+    linked = [k for k, f in enumerate(files) if f.linked]
+    return (report_bytes([(f.size, f.checksum, f.blocks) for f in files], placed, digests, contents, linked),
+            sum(f.size for f in files if not f.linked))
 
 
 def check_step(step: Any) -> int | None:
@@ -751,9 +947,7 @@ class _RankSaver:
         st, options = self.st, self.options
         if self.abort is not None and self.abort.is_set():
             raise CheckpointError(f"{self.key}: save abandoned before publishing")
-        if strategy_for(st).shares_prefix:  # the keys persist wrote
-            manifest = attempts.rename_files(
-                manifest, {n: strategy_for(st).data_name(info.attempt_id, n) for n in manifest.files})
+        manifest = strategy_for(st).name_files(manifest, info.attempt_id)  # the keys persist wrote
         if options.hmac_key is not None:
             manifest = sign_manifest(manifest, options.hmac_key)
         try:
