@@ -17,7 +17,10 @@ guard (issue 29, points 1 and 2), on real gloo ranks.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import mmap
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +162,47 @@ def test_slab_pool_stays_within_its_budget_and_is_reused() -> None:
     pool.configure(256 << 10)  # a smaller budget drops the free slabs beyond it
     assert pool.allocated_bytes <= (256 << 10) + (128 << 10)
     assert pool.prewarm(10 << 20) <= 256 << 10
+
+
+def _resident_pages(t: torch.Tensor) -> tuple[int, int]:
+    """(resident pages, pages) of the memory of CPU tensor ``t`` (``mincore``)."""
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    end = -(-(t.data_ptr() + t.numel() * t.element_size()) // page) * page
+    n = (end - start) // page
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(end - start), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec), n
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore residency as Linux reports it")
+def test_second_save_reuses_the_pool_and_faults_in_no_slab_page(tmp_path: Path) -> None:
+    """The first asynchronous save allocates the slabs, every page of each
+    resident (the tail of the last slab too, which that save's pieces never
+    reach: a later save, whose slabs come back in another order, would
+    fault it in during its stall); the second save allocates no slab."""
+    from reshard.saving.staging import _saver, wait_all
+
+    opts = reshard.SaveOptions(staging_budget_bytes=64 << 20)  # slabs of 8 MiB
+    state = {"a": torch.ones(5 << 18), "b": torch.ones(5 << 18)}  # 2 x 5 MiB: 2 slabs, 6 MiB unwritten
+    pool = _saver(None).pool
+    wait_all()
+    pool.trim()
+    reshard.async_save(state, tmp_path / "c1", step=1, options=opts).wait()
+    assert pool.slab_bytes == 8 << 20 and pool.allocated_bytes == 16 << 20
+    with pool.cond:
+        free = list(pool._free)
+    assert len(free) == 2
+    for slab in free:
+        resident, pages = _resident_pages(slab.buf)
+        assert resident == pages, f"{pages - resident} of the slab's {pages} pages are not resident"
+    allocated = pool.slabs_allocated
+    h = reshard.async_save(state, tmp_path / "c2", step=2, options=opts)
+    assert pool.slabs_allocated == allocated  # the stall took the pool's slabs, no new one
+    h.wait()
+    assert pool.slabs_allocated == allocated and pool.allocated_bytes == 16 << 20
 
 
 def test_checkpoint_collectives_never_use_a_non_gloo_training_group(tmp_path: Path) -> None:

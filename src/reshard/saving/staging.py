@@ -248,114 +248,162 @@ def async_save(
     saver = _saver(group)
     saver.reclaim()
     st, key = resolve(path, storage)
-    busy = len(saver.pending) >= opts.max_pending
-    if opts.if_busy == "skip":
-        busy = saver.ctl.all_reduce_ints([int(busy)], "max")[0] > 0
-        if busy:
-            warnings.warn(f"async_save of step {step} skipped: {len(saver.pending)} save(s) still "
-                          "in flight", RuntimeWarning, stacklevel=2)
-            h = SaveHandle(st.url(key), step, skipped=True)
-            h.staged.set_result(None)
-            h.committed.set_result(None)
-            return h
+    if _skip_when_busy(saver, opts, step):
+        h = SaveHandle(st.url(key), step, skipped=True)
+        h.staged.set_result(None)
+        h.committed.set_result(None)
+        return h
     while len(saver.pending) >= opts.max_pending:
         saver.pending[0].handle.committed.exception()  # wait, errors surface below
         saver.reclaim()
     warn_pending_error(group, step=step)
-    handle = SaveHandle(st.url(key), step)
-    bg = saver.bg_for(opts.timeout_s)
-    budget = staging_budget(opts.staging_budget_bytes)
-    rss = PeakRss().start()
-    run = saver.stager.start(budget=budget, overlap=opts.overlap_staging,
-                             threads=opts.staging_threads or _cpus())
-    saver.pool.on_alloc = rss.sample
-    handle.staged = run.staged
-    snap: Snapshot | None = None
-    err: BaseException | None = None
-    try:
-        snap = collect(state, saver.rank, opts, stage=run)
-    except Exception as e:  # noqa: BLE001 - reported to every rank by the background save
-        err, snap = e, None
-        run.abandon()
-    returned = threading.Event()  # the caller's stall is known
+    save = _AsyncSave(saver, st, key, step, opts)
+    save.walk(state)
+    save.enqueue()
+    save.stage()
+    save.handle.stall_s = time.perf_counter() - t0
+    save.returned.set()
+    return save.handle
 
-    def work() -> None:
-        nonlocal snap
-        _lower_priority(opts.background_nice)
-        res: SaveResult | None = None
-        failure: BaseException | None = None
+
+def _skip_when_busy(saver: _Saver, opts: SaveOptions, step: int | None) -> bool:
+    """Whether this request is skipped (``if_busy="skip"`` and ``max_pending``
+    saves in flight on any rank: agreed by one all-reduce); warns when so."""
+    if opts.if_busy != "skip":
+        return False
+    busy = saver.ctl.all_reduce_ints([int(len(saver.pending) >= opts.max_pending)], "max")[0] > 0
+    if busy:  # stacklevel: the caller of async_save
+        warnings.warn(f"async_save of step {step} skipped: {len(saver.pending)} save(s) still "
+                      "in flight", RuntimeWarning, stacklevel=3)
+    return busy
+
+
+class _AsyncSave:
+    """One admitted asynchronous save, in named steps: :meth:`walk` (the
+    state into the staging run, caller's thread), :meth:`enqueue` (its
+    background thread, queued behind the group's previous save),
+    :meth:`stage` (the rest of the staging: the caller's thread in the
+    default mode, a staging thread in the overlap mode), and :meth:`work`
+    (the background thread: plan, persist, publish)."""
+
+    def __init__(self, saver: _Saver, st: Storage, key: str, step: int | None, opts: SaveOptions):
+        self.saver, self.st, self.key, self.step, self.opts = saver, st, key, step, opts
+        self.handle = SaveHandle(st.url(key), step)
+        self.bg = saver.bg_for(opts.timeout_s)
+        self.budget = staging_budget(opts.staging_budget_bytes)
+        self.rss = PeakRss().start()
+        self.run = saver.stager.start(budget=self.budget, overlap=opts.overlap_staging,
+                                      threads=opts.staging_threads or _cpus())
+        saver.pool.on_alloc = self.rss.sample
+        self.handle.staged = self.run.staged
+        self.snap: Snapshot | None = None
+        self.err: BaseException | None = None
+        #: the caller's stall is known (set when async_save returns)
+        self.returned = threading.Event()
+        self.prev: _Slot | None = None
+        self.slot: _Slot | None = None
+        self._start_lock = threading.Lock()
+
+    def walk(self, state: Mapping[str, Any]) -> None:
+        """Describe every tensor and hand it to the staging run; a failure
+        is kept for the background save, which reports it to every rank."""
         try:
-            if prev is not None:  # the previous save of the group first (its thread once started)
-                prev.running.wait()
-                prev.thread.join()
-            res = run_save(bg, st, key, snap, err, step=step, options=opts, t0=time.perf_counter(),
-                           abort=handle._abort)
-        except BaseException as e:  # noqa: BLE001
-            failure = e
-        finally:
-            run.close()  # every slab back to the pool (the staging stops if it has not ended)
-        peak = rss.stop()
-        if res is not None:
-            returned.wait()
-            # "stage": the caller's stall; hashing runs while writing ("write")
-            res.timings.update(stage=handle.stall_s, checksum=0.0, staging_wait=handle.staging_wait_s)
-            res = dataclasses.replace(res, peak_rss_bytes=peak, staging_peak_bytes=saver.pool.peak_in_use_bytes,
-                                      staging_budget_bytes=budget)
-        # Drop the snapshot (the staged tensor views) here, before the outcome
-        # wakes the caller: freeing a tensor releases the GIL, and a thread that
-        # takes it back after interpreter finalisation began is ended by
-        # pthread_exit inside libtorch's noexcept deallocator -> std::terminate
-        # (SIGABRT). Once the outcome is set, this thread runs no torch code.
-        snap = None
-        if failure is not None:
-            if saver.rank == 0:  # reported when it happens: one line, on the coordinator
-                log.warning("asynchronous save of step %s to %s failed: %s: %s", step, key,
-                            type(failure).__name__, " ".join(str(failure).split())[:2000])
-            handle.committed.set_exception(failure)
-        else:
-            handle.committed.set_result(res)
+            self.snap = collect(state, self.saver.rank, self.opts, stage=self.run)
+        except Exception as e:  # noqa: BLE001 - reported to every rank by the background save
+            self.err, self.snap = e, None
+            self.run.abandon()
 
-    # background saves of one group run one after another, in request order on
-    # every rank: they share the background group, whose collectives must not
-    # interleave between saves (concurrent ones mismatch across ranks)
-    prev = saver.pending[-1] if saver.pending else None
-    th = threading.Thread(target=work, name=f"reshard-async-save-{step}", daemon=True)
-    slot = _Slot(handle=handle, thread=th, world_size=bg.world_size,
-                 timeout_s=group_timeout_s(bg.group) if isinstance(bg, TorchCollectives) else None)
-    saver.pending.append(slot)
-    start_lock = threading.Lock()
+    def enqueue(self) -> None:
+        """The background thread (not started yet), after the group's
+        previous save. Background saves of one group run one after another,
+        in request order on every rank: they share the background group,
+        whose collectives must not interleave between saves (concurrent ones
+        mismatch across ranks)."""
+        saver, bg = self.saver, self.bg
+        self.prev = saver.pending[-1] if saver.pending else None
+        th = threading.Thread(target=self.work, name=f"reshard-async-save-{self.step}", daemon=True)
+        self.slot = _Slot(handle=self.handle, thread=th, world_size=bg.world_size,
+                          timeout_s=group_timeout_s(bg.group) if isinstance(bg, TorchCollectives) else None)
+        saver.pending.append(self.slot)
+        self.run.on_wait = self.start_writer
 
-    def start_writer() -> None:
+    def start_writer(self) -> None:
         """Start the background save once: when staging finished, or earlier
         when staging must wait for the writer to free a slab (a state larger
         than the budget is written piece by piece while later pieces are
         staged). Started later than that, its writes would compete with the
         copies of the stall for the same cores."""
-        with start_lock:
+        slot = self.slot
+        assert slot is not None  # enqueue() made it
+        with self._start_lock:
             if not slot.running.is_set():
-                th.start()
+                slot.thread.start()
                 slot.running.set()
 
-    run.on_wait = start_writer
-    if err is None:
-        if opts.overlap_staging:
-            def stage() -> None:
-                try:
-                    run.stage_rest()
-                finally:
-                    start_writer()
-
-            threading.Thread(target=stage, name=f"reshard-stage-{step}", daemon=True).start()
+    def stage(self) -> None:
+        """Stage the rest and start the writer: before returning in the
+        default mode, on a staging thread in the overlap mode."""
+        if self.err is not None:
+            self.start_writer()
+            return
+        if self.opts.overlap_staging:
+            threading.Thread(target=self._stage_rest, name=f"reshard-stage-{self.step}", daemon=True).start()
         else:
-            try:
-                run.stage_rest()
-            finally:
-                start_writer()
-    else:
-        start_writer()
-    handle.stall_s = time.perf_counter() - t0
-    returned.set()
-    return handle
+            self._stage_rest()
+
+    def _stage_rest(self) -> None:
+        try:
+            self.run.stage_rest()
+        finally:
+            self.start_writer()
+
+    def work(self) -> None:
+        """The background thread: after the previous save of the group, plan,
+        persist and publish; then set ``handle.committed``."""
+        _lower_priority(self.opts.background_nice)
+        res: SaveResult | None = None
+        failure: BaseException | None = None
+        try:
+            prev = self.prev
+            if prev is not None:  # the previous save of the group first (its thread once started)
+                prev.running.wait()
+                prev.thread.join()
+                self.prev = None  # the run keeps this save (its on_wait) until the next one starts
+            res = run_save(self.bg, self.st, self.key, self.snap, self.err, step=self.step, options=self.opts,
+                           t0=time.perf_counter(), abort=self.handle._abort)
+        except BaseException as e:  # noqa: BLE001
+            failure = e
+        finally:
+            self.run.close()  # every slab back to the pool (the staging stops if it has not ended)
+        peak = self.rss.stop()
+        if res is not None:
+            res = self._with_staging(res, peak)
+        # Drop the snapshot (the staged tensor views) here, before the outcome
+        # wakes the caller: freeing a tensor releases the GIL, and a thread that
+        # takes it back after interpreter finalisation began is ended by
+        # pthread_exit inside libtorch's noexcept deallocator -> std::terminate
+        # (SIGABRT). Once the outcome is set, this thread runs no torch code.
+        self.snap = None
+        self._settle(res, failure)
+
+    def _with_staging(self, res: SaveResult, peak: int) -> SaveResult:
+        """``res`` with the staging's figures, once the caller's stall is known."""
+        self.returned.wait()
+        h = self.handle
+        # "stage": the caller's stall; hashing runs while writing ("write")
+        res.timings.update(stage=h.stall_s, checksum=0.0, staging_wait=h.staging_wait_s)
+        return dataclasses.replace(res, peak_rss_bytes=peak, staging_peak_bytes=self.saver.pool.peak_in_use_bytes,
+                                   staging_budget_bytes=self.budget)
+
+    def _settle(self, res: SaveResult | None, failure: BaseException | None) -> None:
+        """Complete ``handle.committed`` (a failure: one warning on the coordinator)."""
+        if failure is not None:
+            if self.saver.rank == 0:  # reported when it happens: one line, on the coordinator
+                log.warning("asynchronous save of step %s to %s failed: %s: %s", self.step, self.key,
+                            type(failure).__name__, " ".join(str(failure).split())[:2000])
+            self.handle.committed.set_exception(failure)
+        else:
+            self.handle.committed.set_result(res)
 
 
 def wait_for_staging(group: Any = None, timeout: float | None = None) -> float:

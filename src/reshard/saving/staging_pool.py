@@ -62,6 +62,8 @@ class SlabPool:
         budget: bytes the pool may hold (slabs handed out and free ones).
         slab_bytes: the size of every slab.
         allocated_bytes: bytes of every slab the pool holds now.
+        slabs_allocated: how many slabs the pool has ever allocated (a save
+            that reuses the pool allocates none).
         pinned_bytes: of those, pinned.
         in_use_bytes: bytes of the slabs handed out now.
         peak_in_use_bytes: the most ``in_use_bytes`` since :meth:`reset_peak`.
@@ -76,6 +78,7 @@ class SlabPool:
         self._held = 0  # bytes of the slabs held (free and in use)
         self.in_use_bytes = 0
         self.peak_in_use_bytes = 0
+        self.slabs_allocated = 0
         self.on_alloc: Callable[[], None] | None = None  # called after a new slab (peak RSS sampling)
 
     # -- settings
@@ -111,8 +114,13 @@ class SlabPool:
 
     # -- slabs
     def _new(self) -> Slab:
+        """A new slab, every page of it resident (pageable memory is written
+        in full here: see the module docstring)."""
         buf = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pin)
+        if not self.pin:
+            buf.fill_(0)
         self._held += self.slab_bytes
+        self.slabs_allocated += 1
         return Slab(buf)
 
     def try_acquire(self) -> Slab | None:
@@ -162,13 +170,11 @@ class SlabPool:
             return self._held
 
     def prewarm(self, nbytes: int) -> int:
-        """Allocate (and touch) slabs until the pool holds ``nbytes`` (at
+        """Allocate (and fault in) slabs until the pool holds ``nbytes`` (at
         most the budget), so the first save faults no page; returns the
         bytes the pool holds."""
         with self.cond:
             want = min(nbytes, self.budget)
             while self._held < want and self._held + self.slab_bytes <= self.budget:
-                s = self._new()
-                s.buf.fill_(0)  # pinned memory is resident already; pageable memory faults in here
-                self._free.append(s)
+                self._free.append(self._new())
             return self.allocated_bytes
