@@ -202,91 +202,24 @@ def _box_slices(off: Shape, shape: Shape, base: Shape) -> tuple[slice, ...]:
 
 def resolve(s: ShardedTensor, m: Manifest, transforms: Sequence[Any]) -> Resolution | None:
     """Pieces that fill target ``s``; None when ``s.fqn`` is not in the
-    checkpoint (after transforms). Raises ShardingError on a dtype or shape
-    mismatch that no transform allows."""
+    checkpoint (after transforms). The first geometric transform (Split,
+    Merge, Transpose, ResizeVocab) that applies to ``s`` gives the pieces;
+    without one, ``s`` reads the saved tensor of its name (or alias) as it
+    is. Raises ShardingError on a dtype or shape mismatch that no transform
+    allows."""
     res = Resolution()
-    fr = s.flat_bounds
-    geometric = [t for t in transforms if isinstance(t, (Split, Merge, Transpose, ResizeVocab))]
-    for t in geometric:
+    for t in transforms:
         if isinstance(t, Split) and s.fqn in t.targets:
-            _need_box(s, t)
-            i = t.targets.index(s.fqn)
-            shift = sum(t.sizes[:i])
-            off = tuple(o + shift if d == t.dim else o for d, o in enumerate(s.global_offset))
-            entry = _entry(m, t.source)
-            want = tuple(t.sizes[i] if d == t.dim else g for d, g in enumerate(entry.global_shape))
-            _check_shape(s, want, f"{t.source} (split part {i})")
-            res.pieces.append(Piece(saved=t.source, offset=off, shape=s.local_shape, dst=s.data))
-            return _cast(s, m, transforms, res)
-        if isinstance(t, Merge) and s.fqn == t.target:
-            _need_box(s, t)
-            start = 0
-            for src, size in zip(t.sources, t.sizes, strict=True):
-                lo = max(start, s.global_offset[t.dim])
-                hi = min(start + size, s.global_offset[t.dim] + s.local_shape[t.dim])
-                if lo < hi:
-                    off = tuple(lo - start if d == t.dim else o for d, o in enumerate(s.global_offset))
-                    shp = tuple(hi - lo if d == t.dim else n for d, n in enumerate(s.local_shape))
-                    doff = tuple(lo if d == t.dim else o for d, o in enumerate(s.global_offset))
-                    dst = s.data[_box_slices(doff, shp, s.global_offset)]
-                    entry = _entry(m, src)
-                    want = tuple(size if d == t.dim else g for d, g in enumerate(s.global_shape))
-                    if tuple(entry.global_shape) != want:
-                        raise ShardingError(f"{src}: saved global_shape {list(entry.global_shape)}, "
-                                            f"Merge into {t.target} expects {list(want)}")
-                    res.pieces.append(Piece(saved=src, offset=off, shape=shp, dst=dst))
-                start += size
-            if start != s.global_shape[t.dim]:
-                raise ShardingError(f"{t.target}: Merge sizes add up to {start}, target has "
-                                    f"{s.global_shape[t.dim]} along dim {t.dim}")
-            return _cast(s, m, transforms, res)
-        if isinstance(t, Transpose) and _match(t.pattern, s.fqn):
-            _need_box(s, t)
-            a, b = t.dims
-            perm = list(range(len(s.global_shape)))
-            perm[a], perm[b] = perm[b], perm[a]
-            entry = _entry(m, s.fqn)
-            _check_shape(s, tuple(entry.global_shape[p] for p in perm), "Transpose")
-            tmp = torch.empty([s.local_shape[p] for p in perm], dtype=s.data.dtype)
-            res.pieces.append(Piece(saved=s.fqn, offset=tuple(s.global_offset[p] for p in perm),
-                                    shape=tuple(s.local_shape[p] for p in perm), dst=tmp))
-
-            def transpose_back(tmp: torch.Tensor = tmp, perm: list[int] = perm) -> None:
-                s.data.copy_(tmp.permute(perm))
-
-            res.finalize.append(transpose_back)
-            return _cast(s, m, transforms, res)
-        if isinstance(t, ResizeVocab) and _match(t.pattern, s.fqn) and s.fqn in m.tensors:
-            _need_box(s, t)
-            entry = m.tensors[s.fqn]
-            d = t.dim
-            if any(g != e for k, (g, e) in enumerate(zip(s.global_shape, entry.global_shape, strict=True))
-                   if k != d):
-                raise ShardingError(f"{s.fqn}: ResizeVocab changes dim {d} only; saved "
-                                    f"{list(entry.global_shape)}, requested {list(s.global_shape)}")
-            lo, hi = s.global_offset[d], min(s.global_offset[d] + s.local_shape[d], entry.global_shape[d])
-            if lo < hi:
-                shp = tuple(hi - lo if k == d else n for k, n in enumerate(s.local_shape))
-                dst = s.data[_box_slices(s.global_offset, shp, s.global_offset)]
-                res.pieces.append(Piece(saved=s.fqn, offset=s.global_offset, shape=shp, dst=dst))
-            if hi < s.global_offset[d] + s.local_shape[d]:
-                start = max(hi, lo) - s.global_offset[d]
-                extra = s.data.narrow(d, start, s.local_shape[d] - start)
-                read = s.data.narrow(d, 0, start) if start else None
-                if t.fill == "mean" and read is None:  # found before anything is written
-                    raise ShardingError(f"{s.fqn}: fill='mean' needs saved rows on this rank")
-
-                def fill(extra: torch.Tensor = extra, read: Any = read, t: ResizeVocab = t,
-                         d: int = d) -> None:
-                    if t.fill == "mean":
-                        if read is None:
-                            raise ShardingError(f"{s.fqn}: fill='mean' needs saved rows on this rank")
-                        extra.copy_(read.float().mean(dim=d, keepdim=True).expand_as(extra))
-                    else:
-                        extra.fill_(float(t.fill))
-
-                res.finalize.append(fill)
-            return _cast(s, m, transforms, res)
+            _split_pieces(s, t, m, res)
+        elif isinstance(t, Merge) and s.fqn == t.target:
+            _merge_pieces(s, t, m, res)
+        elif isinstance(t, Transpose) and _match(t.pattern, s.fqn):
+            _transpose_pieces(s, t, m, res)
+        elif isinstance(t, ResizeVocab) and _match(t.pattern, s.fqn) and s.fqn in m.tensors:
+            _resize_pieces(s, t, m, res)
+        else:
+            continue
+        return _cast(s, m, transforms, res)
     name = m.aliases.get(s.fqn, s.fqn)
     if name not in m.tensors:
         return None
@@ -295,8 +228,111 @@ def resolve(s: ShardedTensor, m: Manifest, transforms: Sequence[Any]) -> Resolut
         raise ShardingError(f"{s.fqn}: saved global_shape {list(entry.global_shape)}, requested "
                             f"{list(s.global_shape)}")
     res.pieces.append(Piece(saved=name, offset=s.global_offset, shape=s.local_shape, dst=s.data,
-                            flattened_range=fr))
+                            flattened_range=s.flat_bounds))
     return _cast(s, m, transforms, res)
+
+
+def _split_pieces(s: ShardedTensor, t: Split, m: Manifest, res: Resolution) -> None:
+    """Target ``s`` is part ``t.targets.index(s.fqn)`` of saved ``t.source``:
+    one piece, its box shifted along ``t.dim`` by the sizes of the parts before it."""
+    _need_box(s, t)
+    i = t.targets.index(s.fqn)
+    shift = sum(t.sizes[:i])
+    off = tuple(o + shift if d == t.dim else o for d, o in enumerate(s.global_offset))
+    entry = _entry(m, t.source)
+    want = tuple(t.sizes[i] if d == t.dim else g for d, g in enumerate(entry.global_shape))
+    _check_shape(s, want, f"{t.source} (split part {i})")
+    res.pieces.append(Piece(saved=t.source, offset=off, shape=s.local_shape, dst=s.data))
+
+
+def _merge_pieces(s: ShardedTensor, t: Merge, m: Manifest, res: Resolution) -> None:
+    """Target ``s`` is the concatenation of saved ``t.sources`` along
+    ``t.dim``: one piece per source that overlaps this chunk's box, each
+    filling a view of ``s.data``.
+
+    Raises:
+        ShardingError: a source's saved shape is not its part of the target;
+            the sizes do not add up to the target's extent along ``t.dim``.
+    """
+    _need_box(s, t)
+    start = 0
+    for src, size in zip(t.sources, t.sizes, strict=True):
+        lo = max(start, s.global_offset[t.dim])
+        hi = min(start + size, s.global_offset[t.dim] + s.local_shape[t.dim])
+        if lo < hi:
+            off = tuple(lo - start if d == t.dim else o for d, o in enumerate(s.global_offset))
+            shp = tuple(hi - lo if d == t.dim else n for d, n in enumerate(s.local_shape))
+            doff = tuple(lo if d == t.dim else o for d, o in enumerate(s.global_offset))
+            dst = s.data[_box_slices(doff, shp, s.global_offset)]
+            entry = _entry(m, src)
+            want = tuple(size if d == t.dim else g for d, g in enumerate(s.global_shape))
+            if tuple(entry.global_shape) != want:
+                raise ShardingError(f"{src}: saved global_shape {list(entry.global_shape)}, "
+                                    f"Merge into {t.target} expects {list(want)}")
+            res.pieces.append(Piece(saved=src, offset=off, shape=shp, dst=dst))
+        start += size
+    if start != s.global_shape[t.dim]:
+        raise ShardingError(f"{t.target}: Merge sizes add up to {start}, target has "
+                            f"{s.global_shape[t.dim]} along dim {t.dim}")
+
+
+def _transpose_pieces(s: ShardedTensor, t: Transpose, m: Manifest, res: Resolution) -> None:
+    """The saved tensor of ``s.fqn`` is ``s`` with ``t.dims`` swapped: its
+    transposed box is read into a temporary, permuted into ``s.data`` after
+    the reads."""
+    _need_box(s, t)
+    a, b = t.dims
+    perm = list(range(len(s.global_shape)))
+    perm[a], perm[b] = perm[b], perm[a]
+    entry = _entry(m, s.fqn)
+    _check_shape(s, tuple(entry.global_shape[p] for p in perm), "Transpose")
+    tmp = torch.empty([s.local_shape[p] for p in perm], dtype=s.data.dtype)
+    res.pieces.append(Piece(saved=s.fqn, offset=tuple(s.global_offset[p] for p in perm),
+                            shape=tuple(s.local_shape[p] for p in perm), dst=tmp))
+
+    def transpose_back(tmp: torch.Tensor = tmp, perm: list[int] = perm) -> None:
+        s.data.copy_(tmp.permute(perm))
+
+    res.finalize.append(transpose_back)
+
+
+def _resize_pieces(s: ShardedTensor, t: ResizeVocab, m: Manifest, res: Resolution) -> None:
+    """The saved tensor of ``s.fqn`` differs from ``s`` along ``t.dim`` only:
+    the rows of this chunk's box that it has are read in place; the rows past
+    its end are filled by ``t.fill`` after the reads.
+
+    Raises:
+        ShardingError: the shapes differ along another dim; ``fill="mean"``
+            with no saved row in this chunk (found before anything is written).
+    """
+    _need_box(s, t)
+    entry = m.tensors[s.fqn]
+    d = t.dim
+    if any(g != e for k, (g, e) in enumerate(zip(s.global_shape, entry.global_shape, strict=True))
+           if k != d):
+        raise ShardingError(f"{s.fqn}: ResizeVocab changes dim {d} only; saved "
+                            f"{list(entry.global_shape)}, requested {list(s.global_shape)}")
+    lo, hi = s.global_offset[d], min(s.global_offset[d] + s.local_shape[d], entry.global_shape[d])
+    if lo < hi:
+        shp = tuple(hi - lo if k == d else n for k, n in enumerate(s.local_shape))
+        dst = s.data[_box_slices(s.global_offset, shp, s.global_offset)]
+        res.pieces.append(Piece(saved=s.fqn, offset=s.global_offset, shape=shp, dst=dst))
+    if hi < s.global_offset[d] + s.local_shape[d]:
+        start = max(hi, lo) - s.global_offset[d]
+        extra = s.data.narrow(d, start, s.local_shape[d] - start)
+        read = s.data.narrow(d, 0, start) if start else None
+        if t.fill == "mean" and read is None:  # found before anything is written
+            raise ShardingError(f"{s.fqn}: fill='mean' needs saved rows on this rank")
+
+        def fill(extra: torch.Tensor = extra, read: Any = read, t: ResizeVocab = t, d: int = d) -> None:
+            if t.fill == "mean":
+                if read is None:
+                    raise ShardingError(f"{s.fqn}: fill='mean' needs saved rows on this rank")
+                extra.copy_(read.float().mean(dim=d, keepdim=True).expand_as(extra))
+            else:
+                extra.fill_(float(t.fill))
+
+        res.finalize.append(fill)
 
 
 def _entry(m: Manifest, name: str) -> TensorEntry:

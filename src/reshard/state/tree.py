@@ -209,6 +209,9 @@ def flatten(
     ``module_adapter`` presents an ``nn.Module`` leaf as a Stateful
     (:class:`reshard.ModelState`; passed in, so the walk knows no adapter).
 
+    The walk is depth first, in each mapping's own order (a list's or tuple's
+    by index); :class:`_Walk` has one step per kind of node.
+
     Raises:
         ShardingError: a key that is not a str or int, or is empty; two leaves
             that map to one checkpoint key (both tree paths named); a root that
@@ -220,145 +223,219 @@ def flatten(
         loaded_objects = {}
     if not isinstance(state, Mapping):
         raise ShardingError(f"state must be a mapping, got {type(state).__name__}")
-    out = Leaves()
-    #: checkpoint key -> (tree path parts, container of a ShardedTensor/ShardedObject or None)
-    owner: dict[str, tuple[tuple[str, ...], str | None]] = {}
-    loading = loaded_values is not None
-    #: paths whose subtree is not recorded further (optimizer state, or too many records)
-    quiet: list[str] = []
+    loaded = None if loaded_values is None else _Loaded(values=loaded_values, objects=loaded_objects)
+    walk = _Walk(loaded=loaded, module_adapter=module_adapter)
+    walk.container(state, "", (), _IDENTITY)
+    return walk.out
 
-    #: paths of mappings recorded as "tensors" (but the root): a plain mapping below one is part of it
-    plains: list[str] = []
 
-    def below(path: str, tops: list[str]) -> bool:
-        return any(path == q or path.startswith(q + ".") or not q for q in tops)
+#: version-1 naming rules: ``((v1_prefix, rel_prefix), ...)`` (see ``V1_NAMES``)
+_Rules = tuple[tuple[str, str], ...]
 
-    def record(path: str, kind: str) -> None:
-        if below(path, quiet) or (kind == "tensors" and below(path, plains)):
+
+@dataclass(frozen=True, kw_only=True)
+class _Loaded:
+    """What a load read, by checkpoint key: how a Stateful's state dict is
+    rebuilt after the reads (:meth:`rebuild`). The two mappings are the
+    caller's, filled after the walk and before any restore is called.
+
+    Attributes:
+        values: checkpoint key -> plain value loaded.
+        objects: ``(checkpoint key, global_offset)`` -> the value of one
+            ShardedObject grid element loaded.
+    """
+
+    values: dict[str, Any]
+    objects: dict[tuple[str, tuple[int, ...]], Any]
+
+    def rebuild(self, x: Any, path: str, cpath: str, root: bool = False) -> Any:
+        """``x`` (at checkpoint key ``path``, held by the container at
+        ``cpath``) with the loaded plain values and objects in place of its
+        own; tensors stay themselves (filled in place). ``root``: ``x`` is
+        the mapping a Stateful gave (rebuilt even when it holds only values).
+        A mapping is rebuilt as its own type, a tuple as a tuple."""
+        if isinstance(x, ShardedObject):
+            key = (join(cpath, x.key), x.global_offset)
+            return _with(x, "value", self.objects[key]) if key in self.objects else x
+        if not root and path in self.values and kinds.handler_for(x) is None:
+            return self.values[path]  # (a leaf a handler lowered to a value stays itself: restored)
+        if isinstance(x, Mapping) and (root or _is_special(x)):
+            d = {k: self.rebuild(v, join(path, k), path) for k, v in x.items()}
+            return d if type(x) is dict else type(x)(d)  # type: ignore[call-arg]
+        if isinstance(x, (list, tuple)) and _is_special(x):
+            if x and _all_sharded(x):
+                items = [self.rebuild(v, path, cpath) for v in x]
+            else:
+                items = [self.rebuild(v, join(path, i), path) for i, v in enumerate(x)]
+            return type(x)(items) if isinstance(x, tuple) else items
+        return x
+
+
+def _below(path: str, tops: list[str]) -> bool:
+    """Whether ``path`` is one of ``tops`` or lies below one (``""``: everything)."""
+    return any(path == q or path.startswith(q + ".") or not q for q in tops)
+
+
+class _Walk:
+    """One walk of a state tree (:func:`flatten`): what it has gathered so far
+    in :attr:`out`, and one method per kind of node.
+
+    Every step takes the node ``x``, its checkpoint key ``path``, the key of
+    the container holding it ``cpath`` (what a ShardedTensor's ``fqn`` is
+    named below), the steps of its tree path ``tree`` (for messages: e.g.
+    ``("['model']", "[0]")``) and the version-1 naming ``rules`` in force.
+    The walk holds no reference cycle: dropping the returned :class:`Leaves`
+    frees every tensor it holds without the cyclic garbage collector (the
+    restore closures of a load refer to :class:`_Loaded`, not to the walk).
+    """
+
+    def __init__(self, *, loaded: _Loaded | None, module_adapter: Callable[[torch.nn.Module], Any]) -> None:
+        self.out = Leaves()
+        self.loaded = loaded
+        self.loading = loaded is not None
+        self.module_adapter = module_adapter
+        #: checkpoint key -> (tree path parts, container of a ShardedTensor/ShardedObject or None)
+        self.owner: dict[str, tuple[tuple[str, ...], str | None]] = {}
+        #: paths whose subtree is not recorded further (optimizer state, or too many records)
+        self.quiet: list[str] = []
+        #: paths of mappings recorded as "tensors" (but the root): a plain mapping below one is part of it
+        self.plains: list[str] = []
+
+    # --------------------------------------------------------------- the bookkeeping
+
+    def record(self, path: str, kind: str) -> None:
+        """Record ``kind`` for the subtree at ``path`` in ``out.adapters``
+        (not below optimizer state, nor a mapping of tensors below another;
+        past :data:`MAX_ADAPTER_RECORDS`, nothing at all)."""
+        if _below(path, self.quiet) or (kind == "tensors" and _below(path, self.plains)):
             return
         if kind == "tensors" and path:  # the root is a container, not one model, when it nests them
-            plains.append(path)
-        if len(out.adapters) >= MAX_ADAPTER_RECORDS:
-            out.adapters.clear()
-            quiet.append("")
+            self.plains.append(path)
+        adapters = self.out.adapters
+        if len(adapters) >= MAX_ADAPTER_RECORDS:
+            adapters.clear()
+            self.quiet.append("")
             return
-        out.adapters[path] = kind
+        adapters[path] = kind
         if kind in NON_MODEL_KINDS:
-            quiet.append(path)
+            self.quiet.append(path)
 
-    def claim(key: str, tree: tuple[str, ...], group: str | None) -> None:
-        prev = owner.get(key)
+    def claim(self, key: str, tree: tuple[str, ...], group: str | None) -> None:
+        """Claim checkpoint key ``key`` for the leaf at ``tree``; ``group``:
+        the container of a ShardedTensor/ShardedObject (its chunks share a
+        key), :data:`_VALUE` for a plain value, None for a whole tensor.
+
+        Raises:
+            ShardingError: another leaf holds ``key`` (both tree paths named).
+        """
+        prev = self.owner.get(key)
         if prev is None:
-            owner[key] = (tree, group)
+            self.owner[key] = (tree, group)
             return
         if group is not None and prev[1] == group:
             return  # another chunk of the same tensor (element of the same grid)
-        if loading and group != _VALUE and prev[1] != _VALUE:
+        if self.loading and group != _VALUE and prev[1] != _VALUE:
             return  # at load, two destinations of one saved tensor are two requests
         raise ShardingError(
             f"checkpoint key {key!r} is given by two leaves: {_tree(prev[0])} and {_tree(tree)}; keys join tree "
             "paths with '.', so separate them: nest one under another key (e.g. "
             "{'model': ..., 'ema': ...}) or rename the tensor")
 
-    def rebuild(x: Any, path: str, cpath: str, root: bool = False) -> Any:
-        if loaded_values is None:
-            return x
-        if isinstance(x, ShardedObject):
-            key = (join(cpath, x.key), x.global_offset)
-            return _with(x, "value", loaded_objects[key]) if key in loaded_objects else x
-        if not root and path in loaded_values and kinds.handler_for(x) is None:
-            return loaded_values[path]  # (a leaf a handler lowered to a value stays itself: restored)
-        if isinstance(x, Mapping) and (root or _is_special(x)):
-            d = {k: rebuild(v, join(path, k), path) for k, v in x.items()}
-            return d if type(x) is dict else type(x)(d)  # type: ignore[call-arg]
-        if isinstance(x, (list, tuple)) and _is_special(x):
-            if x and _all_sharded(x):
-                items = [rebuild(v, path, cpath) for v in x]
-            else:
-                items = [rebuild(v, join(path, i), path) for i, v in enumerate(x)]
-            return type(x)(items) if isinstance(x, tuple) else items
-        return x
+    # --------------------------------------------------------------- the nodes
 
-    def sharded(x: Any, cpath: str, tree: tuple[str, ...], rules: tuple[tuple[str, str], ...]) -> None:
-        name = join(cpath, x.fqn)
-        claim(name, tree, cpath)
-        v1 = x.fqn if rules == _IDENTITY else _v1_name(rules, x.fqn)
-        if v1 != name:
-            out.legacy[name] = v1
-        (out.objects if isinstance(x, ShardedObject) else out.tensors).append(_renamed(x, name))
+    def container(self, m: Mapping[Any, Any], path: str, tree: tuple[str, ...], rules: _Rules) -> None:
+        """A mapping (the root, a Stateful's state dict, a mapping holding
+        something a handler takes): recorded at a save as optimizer state or
+        a mapping of tensors, then each item walked below ``path``."""
+        if not self.loading and path not in self.out.adapters:
+            if _is_optimizer_dict(m):
+                self.record(path, "optimizer")
+            elif any(_is_tensor_leaf(v) for v in m.values()):
+                self.record(path, "tensors")
+        for k, v in m.items():
+            self.walk(v, join(path, k), path, (*tree, f"[{k!r}]"), rules)
 
-    def walk(x: Any, path: str, cpath: str, tree: tuple[str, ...],
-             rules: tuple[tuple[str, str], ...]) -> None:
+    def walk(self, x: Any, path: str, cpath: str, tree: tuple[str, ...], rules: _Rules) -> None:
+        """Any object below the root: what the registry's handler for it
+        makes of it (:meth:`place`); without a handler, a mapping, list or
+        tuple holding something a handler takes is walked as a container,
+        anything else is a plain value (:data:`kinds.PLAIN_VALUE`)."""
         handler = kinds.handler_for(x)
         if handler is None:
             if isinstance(x, Mapping) and _is_special(x):
-                walk_container(x, path, tree, rules)
+                self.container(x, path, tree, rules)
                 return
             if isinstance(x, (list, tuple)) and _is_special(x):
                 for i, v in enumerate(x):
-                    walk(v, join(path, i), path, (*tree, f"[{i}]"), rules)
+                    self.walk(v, join(path, i), path, (*tree, f"[{i}]"), rules)
                 return
             handler = kinds.PLAIN_VALUE
         if not path:
             raise ShardingError("the root of the state must be a mapping")
-        at = kinds.Where(key=path, container=cpath, loading=loading, module_adapter=module_adapter)
-        form = handler.load(x, at) if loading else handler.save(x, at)
-        place(x, form, handler, path, cpath, tree, rules)
+        at = kinds.Where(key=path, container=cpath, loading=self.loading, module_adapter=self.module_adapter)
+        form = handler.load(x, at) if self.loading else handler.save(x, at)
+        self.place(x, form, handler, path, cpath, tree, rules)
 
-    def place(x: Any, form: Any, handler: Any, path: str, cpath: str, tree: tuple[str, ...],
-              rules: tuple[tuple[str, str], ...]) -> None:
-        """Put what ``handler`` made of leaf ``x`` (a form of :mod:`.kinds`) into ``out``."""
+    def place(self, x: Any, form: Any, handler: Any, path: str, cpath: str, tree: tuple[str, ...],
+              rules: _Rules) -> None:
+        """Put what ``handler`` made of leaf ``x`` (a form of :mod:`.kinds`) into ``out``.
+
+        Raises:
+            ShardingError: ``form`` is no form (or a Tree of ``x`` itself); a
+                ShardedTensor's data is a tensor subclass; a key claimed twice.
+        """
+        out = self.out
         if isinstance(form, kinds.Sharded):
-            for i, v in enumerate(form.items):
-                if isinstance(v, ShardedTensor) and not kinds.is_plain_tensor(v.data):
-                    raise kinds.unknown_tensor(join(cpath, v.fqn), v.data, loading=loading,
-                                               inside="the data of a ShardedTensor")
-                sharded(v, cpath, tree if v is x else (*tree, f"[{i}]"), rules)
+            self.sharded(x, form, cpath, tree, rules)
         elif isinstance(form, kinds.Replica):
-            claim(path, tree, None)
+            self.claim(path, tree, None)
             out.plain[path] = form.tensor
         elif isinstance(form, kinds.Distributed):
-            claim(path, tree, None)
+            self.claim(path, tree, None)
             out.dtensors[path] = form.dtensor
         elif isinstance(form, kinds.Value):
-            claim(path, tree, _VALUE)
+            self.claim(path, tree, _VALUE)
             out.values[path] = form.value
         elif isinstance(form, kinds.Tree) and form.subtree is not x:
-            sub, whole = form.subtree, isinstance(form.subtree, Mapping)
-            inner = (*tree, form.label) if form.label else tree
-            sub_rules = rules if form.v1_names is None else form.v1_names
-            if whole:
-                if not loading and form.record is not None:
-                    record(path, form.record)
-                walk_container(sub, path, inner, sub_rules)
-            else:
-                walk(sub, path, cpath, inner, sub_rules)
-            if loading and form.restore is not None:
-                out.statefuls.append((path, x, functools.partial(
-                    _restore, form.restore, functools.partial(rebuild, sub, path, cpath, whole))))
+            self.subtree(x, form, path, cpath, tree, rules)
         else:
             raise ShardingError(f"{path}: the handler {handler.name!r} made {type(form).__name__} of a "
                                 f"{type(x).__name__}, not a form of reshard.state.kinds (Replica, Sharded, "
                                 "Distributed, Value, or a Tree of something else)")
 
-    def walk_container(m: Mapping[Any, Any], path: str, tree: tuple[str, ...],
-                       rules: tuple[tuple[str, str], ...]) -> None:
-        if not loading and path not in out.adapters:
-            if _is_optimizer_dict(m):
-                record(path, "optimizer")
-            elif any(_is_tensor_leaf(v) for v in m.values()):
-                record(path, "tensors")
-        for k, v in m.items():
-            walk(v, join(path, k), path, (*tree, f"[{k!r}]"), rules)
+    def sharded(self, x: Any, form: kinds.Sharded, cpath: str, tree: tuple[str, ...], rules: _Rules) -> None:
+        """This rank's chunks and grid elements of leaf ``x``, each renamed
+        to its ``fqn`` (``key``) below ``cpath``, with its version-1 name."""
+        for i, v in enumerate(form.items):
+            if isinstance(v, ShardedTensor) and not kinds.is_plain_tensor(v.data):
+                raise kinds.unknown_tensor(join(cpath, v.fqn), v.data, loading=self.loading,
+                                           inside="the data of a ShardedTensor")
+            name = join(cpath, v.fqn)
+            self.claim(name, tree if v is x else (*tree, f"[{i}]"), cpath)
+            v1 = v.fqn if rules == _IDENTITY else _v1_name(rules, v.fqn)
+            if v1 != name:
+                self.out.legacy[name] = v1
+            (self.out.objects if isinstance(v, ShardedObject) else self.out.tensors).append(_renamed(v, name))
 
-    try:
-        walk_container(state, "", (), _IDENTITY)
-    finally:
-        # walk and walk_container refer to each other: break that cycle, which
-        # would otherwise keep `out` (and every tensor of the state) alive
-        # after the caller drops it, until the cyclic garbage collector runs
-        walk = walk_container = place = None  # type: ignore[assignment]
-    return out
+    def subtree(self, x: Any, form: kinds.Tree, path: str, cpath: str, tree: tuple[str, ...],
+                rules: _Rules) -> None:
+        """What stands for leaf ``x`` (a Stateful's state dict, a module's
+        ModelState, a handler's conversion): a mapping is walked as a
+        container at ``path`` (recorded at a save as ``form.record`` says),
+        anything else in ``x``'s place; at a load, ``form.restore`` is queued
+        after the restores of everything below."""
+        sub, whole = form.subtree, isinstance(form.subtree, Mapping)
+        inner = (*tree, form.label) if form.label else tree
+        sub_rules = rules if form.v1_names is None else form.v1_names
+        if whole:
+            if not self.loading and form.record is not None:
+                self.record(path, form.record)
+            self.container(sub, path, inner, sub_rules)
+        else:
+            self.walk(sub, path, cpath, inner, sub_rules)
+        if self.loaded is not None and form.restore is not None:
+            self.out.statefuls.append((path, x, functools.partial(
+                _restore, form.restore, functools.partial(self.loaded.rebuild, sub, path, cpath, whole))))
 
 
 def _restore(restore: Callable[[Any], None], rebuilt: Callable[[], Any]) -> None:
