@@ -436,3 +436,32 @@ def test_flat_param_shards_case6(tmp_path: Path) -> None:
         reshard.load(_flat_ranges(dst, n), ckpt)
         assert torch.equal(dst[:17], logical), n
         assert torch.equal(dst[17:], torch.full((padded - 17,), -7.0)), n
+
+
+def test_regression_geometric_transforms_read_through_an_alias(tmp_path: Path) -> None:
+    """A tied tensor is saved once and its other names are aliases. A Split or
+    Merge naming an alias as its source, or a Transpose / ResizeVocab of a
+    target whose saved name is an alias, failed with a bare KeyError (the
+    piece kept the alias name, the dtype check looked it up): each reads the
+    aliased tensor now, as a plain read of the alias does."""
+    qkv = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    ckpt = tmp_path / "alias"
+    emb = qkv.T.contiguous()
+    reshard.save({"qkv": qkv, "tied": qkv, "emb": emb, "emb2": emb}, ckpt)
+    m = reshard.inspect(ckpt)
+    assert m.aliases == {"tied": "qkv", "emb2": "emb"}
+    parts = {"q": torch.zeros(2, 4), "k": torch.zeros(2, 4), "v": torch.zeros(2, 4)}
+    res = reshard.load(parts, ckpt, strict=False,
+                       transforms=[Split("tied", ["q", "k", "v"], dim=0, sizes=[2, 2, 2])])
+    assert res.missing == () and "qkv" not in res.unexpected, res  # read through its alias
+    assert torch.equal(torch.cat([parts["q"], parts["k"], parts["v"]]), qkv)
+    whole = {"w": torch.zeros(12, 4)}
+    res = reshard.load(whole, ckpt, strict=False, transforms=[Merge(["tied", "qkv"], "w", dim=0, sizes=[6, 6])])
+    assert res.missing == (), res
+    assert torch.equal(whole["w"], torch.cat([qkv, qkv]))
+    t = {"emb2": torch.zeros(6, 4)}
+    reshard.load(t, ckpt, strict=False, transforms=[Transpose("emb2", dims=(0, 1))])
+    assert torch.equal(t["emb2"], qkv)
+    r = {"tied": torch.zeros(8, 4)}
+    reshard.load(r, ckpt, strict=False, transforms=[ResizeVocab("tied", dim=0, fill=0.0)])
+    assert torch.equal(r["tied"][:6], qkv) and not r["tied"][6:].any()

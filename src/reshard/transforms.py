@@ -174,21 +174,24 @@ def provided_by(transforms: Sequence[Any], m: Manifest) -> set[str]:
     """Target names that transforms can fill though the checkpoint lacks them."""
     out: set[str] = set()
     for t in transforms:
-        if isinstance(t, Split) and t.source in m.tensors:
+        if isinstance(t, Split) and _saved(m, t.source) in m.tensors:
             out.update(t.targets)
-        elif isinstance(t, Merge) and all(src in m.tensors for src in t.sources):
+        elif isinstance(t, Merge) and all(_saved(m, src) in m.tensors for src in t.sources):
             out.add(t.target)
     return out
 
 
-def consumed_by(transforms: Sequence[Any], requested: Any) -> set[str]:
-    """Saved names that transforms read on behalf of requested targets."""
+def consumed_by(transforms: Sequence[Any], requested: Any, m: Manifest | None = None) -> set[str]:
+    """Saved names that transforms read on behalf of requested targets (with
+    ``m``, an alias they name counts its saved tensor as read too)."""
     out: set[str] = set()
     for t in transforms:
         if isinstance(t, Split) and any(x in requested for x in t.targets):
             out.add(t.source)
         elif isinstance(t, Merge) and t.target in requested:
             out.update(t.sources)
+    if m is not None:
+        out |= {_saved(m, k) for k in out}
     return out
 
 
@@ -215,7 +218,7 @@ def resolve(s: ShardedTensor, m: Manifest, transforms: Sequence[Any]) -> Resolut
             _merge_pieces(s, t, m, res)
         elif isinstance(t, Transpose) and _match(t.pattern, s.fqn):
             _transpose_pieces(s, t, m, res)
-        elif isinstance(t, ResizeVocab) and _match(t.pattern, s.fqn) and s.fqn in m.tensors:
+        elif isinstance(t, ResizeVocab) and _match(t.pattern, s.fqn) and _saved(m, s.fqn) in m.tensors:
             _resize_pieces(s, t, m, res)
         else:
             continue
@@ -242,7 +245,7 @@ def _split_pieces(s: ShardedTensor, t: Split, m: Manifest, res: Resolution) -> N
     entry = _entry(m, t.source)
     want = tuple(t.sizes[i] if d == t.dim else g for d, g in enumerate(entry.global_shape))
     _check_shape(s, want, f"{t.source} (split part {i})")
-    res.pieces.append(Piece(saved=t.source, offset=off, shape=s.local_shape, dst=s.data))
+    res.pieces.append(Piece(saved=_saved(m, t.source), offset=off, shape=s.local_shape, dst=s.data))
 
 
 def _merge_pieces(s: ShardedTensor, t: Merge, m: Manifest, res: Resolution) -> None:
@@ -269,7 +272,7 @@ def _merge_pieces(s: ShardedTensor, t: Merge, m: Manifest, res: Resolution) -> N
             if tuple(entry.global_shape) != want:
                 raise ShardingError(f"{src}: saved global_shape {list(entry.global_shape)}, "
                                     f"Merge into {t.target} expects {list(want)}")
-            res.pieces.append(Piece(saved=src, offset=off, shape=shp, dst=dst))
+            res.pieces.append(Piece(saved=_saved(m, src), offset=off, shape=shp, dst=dst))
         start += size
     if start != s.global_shape[t.dim]:
         raise ShardingError(f"{t.target}: Merge sizes add up to {start}, target has "
@@ -287,7 +290,7 @@ def _transpose_pieces(s: ShardedTensor, t: Transpose, m: Manifest, res: Resoluti
     entry = _entry(m, s.fqn)
     _check_shape(s, tuple(entry.global_shape[p] for p in perm), "Transpose")
     tmp = torch.empty([s.local_shape[p] for p in perm], dtype=s.data.dtype)
-    res.pieces.append(Piece(saved=s.fqn, offset=tuple(s.global_offset[p] for p in perm),
+    res.pieces.append(Piece(saved=_saved(m, s.fqn), offset=tuple(s.global_offset[p] for p in perm),
                             shape=tuple(s.local_shape[p] for p in perm), dst=tmp))
 
     def transpose_back(tmp: torch.Tensor = tmp, perm: list[int] = perm) -> None:
@@ -306,7 +309,8 @@ def _resize_pieces(s: ShardedTensor, t: ResizeVocab, m: Manifest, res: Resolutio
             with no saved row in this chunk (found before anything is written).
     """
     _need_box(s, t)
-    entry = m.tensors[s.fqn]
+    name = _saved(m, s.fqn)
+    entry = m.tensors[name]
     d = t.dim
     if any(g != e for k, (g, e) in enumerate(zip(s.global_shape, entry.global_shape, strict=True))
            if k != d):
@@ -316,7 +320,7 @@ def _resize_pieces(s: ShardedTensor, t: ResizeVocab, m: Manifest, res: Resolutio
     if lo < hi:
         shp = tuple(hi - lo if k == d else n for k, n in enumerate(s.local_shape))
         dst = s.data[_box_slices(s.global_offset, shp, s.global_offset)]
-        res.pieces.append(Piece(saved=s.fqn, offset=s.global_offset, shape=shp, dst=dst))
+        res.pieces.append(Piece(saved=name, offset=s.global_offset, shape=shp, dst=dst))
     if hi < s.global_offset[d] + s.local_shape[d]:
         start = max(hi, lo) - s.global_offset[d]
         extra = s.data.narrow(d, start, s.local_shape[d] - start)
@@ -335,9 +339,15 @@ def _resize_pieces(s: ShardedTensor, t: ResizeVocab, m: Manifest, res: Resolutio
         res.finalize.append(fill)
 
 
+def _saved(m: Manifest, name: str) -> str:
+    """The saved tensor ``name`` reads: its alias's target where it is an
+    alias (a piece names the saved tensor, never the alias)."""
+    return m.aliases.get(name, name)
+
+
 def _entry(m: Manifest, name: str) -> TensorEntry:
     try:
-        return m.tensors[m.aliases.get(name, name)]
+        return m.tensors[_saved(m, name)]
     except KeyError:
         raise ShardingError(f"{name}: named by a transform but not in the checkpoint") from None
 

@@ -485,7 +485,7 @@ def _prepare(state: Mapping[str, Any], st: Storage, key: str, opts: LoadOptions,
         requested[p] = "value"
     for k in notes.pop(HANDLED, ()):
         requested.setdefault(k, "handled")
-    for k in consumed_by(transforms, requested):
+    for k in consumed_by(transforms, requested, m):
         requested.setdefault(k, "handled")
     return LoadContext(manifest=m, leaves=leaves, sts=sts, requested=requested,
                        loaded_values=loaded_values, loaded_objects=loaded_objects, notes=notes,
