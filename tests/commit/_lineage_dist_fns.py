@@ -260,6 +260,9 @@ def r_housekeeping_fails_after_commit(root: str) -> dict[str, Any]:
             out[f"ranks raised {step}"] = int(flags)
             dist.barrier()
             out[f"after {step}"] = _listing(root)
+            # every rank has listed before any goes on: rank 0's load below takes a reader lease
+            # (CI saw it in rank 1's listing of step 3, on a loaded machine)
+            dist.barrier()
             if raised is not None:
                 break
     finally:

@@ -186,10 +186,14 @@ def test_two_jobs_starting_at_once_one_wins(tmp_path: Path, s3e: Any) -> None:
     """Two processes take the same root at the same moment: the owner record's
     compare-and-swap lets exactly one win, locally (lockf + rename) and on S3
     (If-None-Match / If-Match)."""
+    # the winner holds the root until the other one was refused (not for a fixed 2 s: on a
+    # loaded machine the other's swaps on S3 took longer, and it then won the released root)
     code = ("import os,reshard,sys,time\nopen(sys.argv[2]+'.'+sys.argv[3],'w').close()\n"
             "while not os.path.exists(sys.argv[2]): time.sleep(0.001)\n"
-            "try:\n m=reshard.CheckpointManager(sys.argv[1], preempt_signals=()); print('won'); "
-            "time.sleep(2); m.close()\nexcept reshard.RootOwnedError as e: print('refused')\n")
+            "try:\n m=reshard.CheckpointManager(sys.argv[1], preempt_signals=()); print('won')\n"
+            " t=time.monotonic()\n"
+            " while not os.path.exists(sys.argv[2]+'.refused') and time.monotonic()-t<60: time.sleep(0.01)\n"
+            " m.close()\nexcept reshard.RootOwnedError as e: print('refused'); open(sys.argv[2]+'.refused','w').close()\n")
     env = {**_env(), **s3e.env}
     roots = (str(tmp_path / "race"), s3e.url("race"))
     gos = [str(tmp_path / f"go{i}") for i in range(2)]
@@ -861,3 +865,41 @@ def test_load_verify_and_inspect_agree(tmp_path: Path, bomb_base: Any, case: str
     if case == "world-size":
         for text in (str(e_load.value), rep.problems[0], str(e_inspect.value)):
             assert "world_size 16777216" in text, text
+
+
+def test_regression_a_renewal_in_flight_never_writes_a_released_lease_back(tmp_path: Path) -> None:
+    """Found in CI: a reader lease's file was still under the root after the
+    load that held it had returned. The keeper thread was renewing it (its
+    write under way) when the reader released it: the release deleted the
+    file, the renewal then wrote it back, and the lease stayed until it
+    expired. A renewal in flight now ends before the release deletes."""
+    from reshard.commit.leases import ReaderLease
+    from reshard.storage.local import LocalStorage
+
+    entered, go = threading.Event(), threading.Event()
+
+    class SlowRenewal(LocalStorage):
+        gate = False
+
+        def write_bytes(self, key: str, data: bytes, **kw: Any) -> None:
+            if self.gate and ".lease-" in key:
+                entered.set()
+                go.wait(10)
+            super().write_bytes(key, data, **kw)
+
+    ckpt = tmp_path / "step-00000001"
+    reshard.save({"w": torch.zeros(4)}, ckpt)
+    st = SlowRenewal()
+    lease = ReaderLease(st, str(ckpt), what="load").acquire()
+    assert lease.held and any(".lease-" in n for n in os.listdir(tmp_path))
+    st.gate = True
+    renewal = threading.Thread(target=lease._renew)
+    renewal.start()
+    assert entered.wait(10)
+    release = threading.Thread(target=lease.release)
+    release.start()
+    time.sleep(0.3)  # the release is waiting for the renewal (before: it had deleted the file)
+    go.set()
+    renewal.join(10)
+    release.join(10)
+    assert not any(".lease-" in n for n in os.listdir(tmp_path)), os.listdir(tmp_path)

@@ -467,3 +467,40 @@ def test_retention_keeps_the_target_of_a_link_in_the_root(tmp_path: Path) -> Non
     (root / "best").unlink()
     mgr.save(5, _state(5))
     assert _steps(root) == [5]
+
+
+def _job(root: Path, job: str) -> CheckpointManager:
+    return CheckpointManager(str(root), keep_last=1, job_id=job, preempt_signals=())
+
+
+def _w(v: float, step: int) -> dict[str, Any]:
+    return {"w": torch.full((8,), v), "step": step}
+
+
+def test_regression_another_job_started_fresh_keeps_the_first_jobs_checkpoints(tmp_path: Path) -> None:
+    """Found by a fresh user: job A (keep_last=1) saved step 2 and ended; job
+    B (another job id, started fresh: no restore) saved step 1 there, and
+    B's retention deleted its own new checkpoint at once (A's step 2 was
+    "newer" on the one lineage B had joined), then A's at B's next save; a
+    restart of B resumed A's state. Another job now starts a lineage of its
+    own: A's checkpoint is never B's to delete, B keeps its newest, and B's
+    restart resumes B's saves."""
+    root = tmp_path / "shared"
+    a = _job(root, "A")
+    a.save(2, _w(0.0, 2))
+    a.close()
+    b = _job(root, "B")
+    r = b.save(1, _w(1.0, 1))
+    assert _steps(root) == [1, 2] and os.path.isdir(r.path)  # its own first save kept
+    b.close()
+    b = _job(root, "B")  # B restarting (after a crash, say): its own step 1, not A's step 2
+    got = _w(-1.0, 0)
+    res = b.restore(got)
+    assert res is not None and res.path.endswith("step-00000001") and got["w"][0].item() == 1.0
+    b.save(3, _w(3.0, 3))
+    b.close()
+    assert _steps(root) == [2, 3]  # B's keep_last=1 on B's lineage; A's step 2 untouched
+    a = _job(root, "A")  # A again, started without restore: the same job joins the root's lineage
+    a.save(4, _w(4.0, 4))
+    a.close()
+    assert 4 in _steps(root)

@@ -155,6 +155,9 @@ class ReaderLease:
         self.why_not: str | None = None
         self.renewals = 0
         self.next_renew = float("inf")
+        # a renewal in flight and a release never overlap: a renewal that wrote the file after
+        # the release deleted it left a lease on a checkpoint nothing reads (until it expired)
+        self._io = threading.Lock()
 
     def _record(self) -> bytes:
         now = time.time()
@@ -193,13 +196,15 @@ class ReaderLease:
 
     def _renew(self) -> None:
         self.next_renew = time.monotonic() + self.ttl_s / 3
-        if self.key is None:
-            return
-        try:
-            self.storage.write_bytes(self.key, self._record(), durable=False)
-            self.renewals += 1
-        except Exception as e:  # noqa: BLE001 - a lapse only makes the checkpoint deletable
-            log.warning("renewing the reader lease %s failed: %s", self.key, e)
+        with self._io:
+            key = self.key
+            if key is None:  # released meanwhile
+                return
+            try:
+                self.storage.write_bytes(key, self._record(), durable=False)
+                self.renewals += 1
+            except Exception as e:  # noqa: BLE001 - a lapse only makes the checkpoint deletable
+                log.warning("renewing the reader lease %s failed: %s", key, e)
 
     def confirm(self) -> None:
         """After the lease is written: when the checkpoint's manifest is gone
@@ -232,14 +237,15 @@ class ReaderLease:
         unrenewed lease expires by itself)."""
         KEEPER.remove(self)
         self.next_renew = float("inf")
-        if self.key is None:
-            return
-        key, self.key, self.held = self.key, None, False
-        try:
-            self.storage.delete_tree(key)
-        except Exception as e:  # noqa: BLE001
-            _ENDED.add(self.storage.basename(key))  # over now: no deleter waits for it, gc removes it
-            log.warning("deleting the reader lease %s failed (it counts as released): %s", key, e)
+        with self._io:  # after a renewal in flight, which must not write the file back
+            if self.key is None:
+                return
+            key, self.key, self.held = self.key, None, False
+            try:
+                self.storage.delete_tree(key)
+            except Exception as e:  # noqa: BLE001
+                _ENDED.add(self.storage.basename(key))  # over now: no deleter waits for it, gc removes it
+                log.warning("deleting the reader lease %s failed (it counts as released): %s", key, e)
 
 
 def _deleting(st: Storage, path: str) -> bool:

@@ -170,6 +170,8 @@ class OwnerLease:
         self._key = key_bytes
         self.ttl_s = float(record.get("ttl_s") or owner_ttl_s())
         self.refs = 0
+        #: the owner record this lease replaced when it took the root (None: none was there)
+        self.replaced: dict[str, Any] | None = None
         self.lost: str | None = None
         self.renewals = 0
         self.next_renew = time.monotonic() + self.ttl_s / 3
@@ -328,6 +330,7 @@ def acquire(storage: Storage, root: str, *, job_id: str | None = None,
                "renewed": now, "expires": now + ttl, "ttl_s": ttl, "lease": os.urandom(8).hex(),
                "policy": dict(policy or {}), "require_signed": want, "released": False}
         lease = OwnerLease(storage, root, {"ttl_s": ttl}, tag, hmac_key)
+        lease.replaced = rec
         try:
             lease._write(new)
         except FileExistsError:

@@ -94,7 +94,7 @@ def decide(cands: Sequence[Candidate], policy: Policy) -> Decision:
             keep.setdefault(c.name, f"in use by {c.readers} reader{'' if c.readers == 1 else 's'}"
                                     " (deleted once released)")
         if c.protected:
-            keep.setdefault(c.name, "in flight, or the target of a link in the root")
+            keep.setdefault(c.name, "in flight, the target of a link in the root, or this run's newest save")
         if c.current and (newest_verified is None or _key(c) >= _key(newest_verified)):
             keep.setdefault(c.name, "no newer verified checkpoint")
         if not c.current and not policy.collect_other_lineages:

@@ -36,7 +36,7 @@ from ..collectives import Arrival, arrive, checkpoint_timeout_s
 from ..collectives_deferred import Deferred
 from ..commit import ownership
 from ..commit.lineage import Head, lineage_of, resume_order
-from ..commit.ownership import OwnerLease, job_identity
+from ..commit.ownership import OwnerLease, job_identity, read_owner
 from ..commit.protocol import (
     QUARANTINED,
     Entry,
@@ -53,7 +53,7 @@ from ..options import SaveOptions, check_timeout, hmac_key_of
 from ..saving.save import SaveResult, save
 from ..saving.staging import SaveHandle, async_save, exiting, prewarm_staging, wait_for_staging
 from ..storage import Storage, resolve
-from .resume import restore_collective
+from .resume import restore_collective, start_lineage
 from .retention import LEASE, RetentionMixin, RetentionPlan
 
 log = logging.getLogger("reshard.manager.manager")
@@ -364,7 +364,7 @@ class CheckpointManager(RetentionMixin):
         if metric is not None:
             extra["metric"] = float(metric)
         if self._lineage is None and not self._joined:
-            self._join_lineage()
+            self._join_lineage(step)
         if self.use_async and not sync and self.options.if_busy == "block":
             # the oldest in-flight save commits (and retention runs) before the
             # next is handed off: keep_last=K then holds at most K committed
@@ -428,10 +428,30 @@ class CheckpointManager(RetentionMixin):
             log.warning("%s: freeing space before the save of step %d failed (%s: %s)",
                         self.root, step, type(e).__name__, e)
 
-    def _join_lineage(self) -> None:
-        """A manager that did not restore joins the root's current lineage
-        (the HEAD's id), so its saves count as the lineage's descendants."""
+    def _join_lineage(self, step: int) -> None:
+        """At the first save of a manager that did not resume (restore found
+        nothing, or was not called): the same job restarting (the root's
+        previous owner had this job's id, or both are unnamed, or the root
+        has no owner record) joins the root's current lineage (the HEAD's
+        id), so its saves count as the lineage's descendants; another job
+        (the previous owner's job id differs from this one's) starts a
+        lineage of its own (:func:`~reshard.manager.resume.start_lineage`: a
+        fresh-start HEAD). Before, every such manager joined, and without a
+        HEAD every checkpoint in the root was its lineage: a job started
+        beside a finished job's checkpoints deleted them, and its own first
+        checkpoints for theirs of a greater step."""
         self._joined = True
+        same = b"1"
+        if self.coll.rank == 0:
+            try:
+                prev = self._owner.replaced if self._owner is not None else read_owner(self.storage, self.root)[0]
+            except CheckpointError:
+                prev = None
+            same = b"1" if prev is None or prev.get("job") == self.job_id else b""
+        if not self.coll.broadcast_bytes(same if self.coll.rank == 0 else None):
+            start_lineage(self, f"CheckpointManager.save of step {step} under {self.root} (starting "
+                                "this job's lineage: writing HEAD)")
+            return
         try:
             head = Head.from_record(read_head(self.storage, self.root)) if self.coll.rank == 0 else None
         except CheckpointError:

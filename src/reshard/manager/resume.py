@@ -404,15 +404,17 @@ def _quarantine(mgr: Managed, name: str, attempt_id: str | None, reason: str) ->
     return coll.broadcast_bytes(note.encode() if coll.rank == 0 else None).decode()
 
 
-def _write_head(mgr: Managed, name: str, attempt_id: str | None,
-                step: int | None, listed_at: float, expect: str | None) -> None:
+def _write_head(mgr: Managed, name: str | None, attempt_id: str | None,
+                step: int | None, listed_at: float, expect: str | None,
+                what: str = "") -> None:
     """Coordinator writes HEAD naming ``name``; every rank adopts it, or
     every rank raises the lost race (compare-and-swap on the HEAD the plan
     read, tag ``expect``, where the store swaps conditionally). Its
     time is when the coordinator listed the root (``listed_at``), not when
     the load ended: a checkpoint the source's run committed while this
     restore was loading (another job resuming for an evaluation, say) is
-    a descendant, not an abandoned branch."""
+    a descendant, not an abandoned branch. ``name`` None: a fresh start
+    (:func:`start_lineage`); ``what`` names the call in an error."""
     coll = mgr.coll
     head = Head(name=name, id=f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-"
                 f"{os.urandom(4).hex()}", time=listed_at, attempt_id=attempt_id, step=step,
@@ -421,8 +423,28 @@ def _write_head(mgr: Managed, name: str, attempt_id: str | None,
     if coll.rank == 0:
         with tries:
             write_head(mgr.storage, mgr.root, head.to_record(), expect=expect)
-    tries.agree(coll, f"restore {mgr.root} (writing HEAD)")
+    tries.agree(coll, what or f"restore {mgr.root} (writing HEAD)")
     raw = coll.broadcast_bytes(json.dumps(head.to_record()).encode() if coll.rank == 0 else None)
     agreed = Head.from_record(json.loads(raw))
     assert agreed is not None
     mgr._resumed(agreed)
+
+
+def start_lineage(mgr: Managed, what: str) -> None:
+    """A run that did not resume starts a lineage of its own, before its
+    first save: the coordinator writes a ``HEAD`` naming no checkpoint (a
+    fresh start: name None) with a new id, by compare-and-swap on the HEAD
+    it read; every rank adopts it. The checkpoints already in the root (a
+    finished job's, an earlier run's this one did not resume from) are then
+    another lineage: this run's retention never deletes them, its own
+    newest is never taken for older than theirs, and a restart of this run
+    resumes its own saves first (the breaker's two sequential jobs: job B's
+    first checkpoint, step 1, was deleted at once for job A's step 2, and a
+    restart of B resumed A's state).
+
+    Raises:
+        CheckpointError: on every rank, when HEAD could not be written
+            (``what`` names the call).
+    """
+    tag = read_head_tagged(mgr.storage, mgr.root)[1] if mgr.coll.rank == 0 else None
+    _write_head(mgr, None, None, None, time.time(), tag, what=what)

@@ -144,6 +144,11 @@ class RetentionMixin:
         readers = live_readers(self.storage, self.root, {e.name for e in entries})
         linked = self._linked({e.name for e in entries})
         inflight = {n for n, _ in self._pending}
+        # this run's newest save (not its resume source) is never deleted by its own retention,
+        # whatever the step of a checkpoint it joined the lineage of
+        own = getattr(self, "_last_committed", None)
+        if own is not None and own == getattr(self, "_resumed_from", None):
+            own = None
         out = []
         for e in entries:
             m = e.manifest
@@ -152,7 +157,7 @@ class RetentionMixin:
             out.append(Candidate(name=e.name, step=m.step if m.step is not None else -1,
                                  verified=self.is_verified(e.name, e),
                                  metric=float(metric) if isinstance(metric, (int, float)) else None,
-                                 protected=e.name in linked or e.name in inflight,
+                                 protected=e.name in linked or e.name in inflight or e.name == own,
                                  readers=readers.get(e.name, 0),
                                  current=e.name in lin.current,
                                  resume_source=pinned and e.name == lin.source,
