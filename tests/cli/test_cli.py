@@ -313,3 +313,51 @@ def test_a_key_not_the_writers_records_no_verdict(tmp_path: Path,
     assert _statuses(root)["step-00000002"] == "failed"
     mgr.close()
 
+
+def test_ls_words_head_deleted_by_retention_as_information(tmp_path: Path) -> None:
+    """HEAD's checkpoint deleted by ``keep_last=1`` retention once the resumed
+    run committed newer ones is information in ``reshard ls``, not a problem;
+    HEAD naming a checkpoint gone with nothing newer, or quarantined, is
+    still flagged."""
+    import shutil
+
+    from reshard.commit.protocol import quarantine
+    from reshard.manager.manager import CheckpointManager
+    from reshard.storage import resolve
+
+    root = tmp_path / "run"
+    first = CheckpointManager(root, keep_last=3, preempt_signals=())
+    for s in (1, 2, 3):
+        first.save(s, {"w": torch.full((4,), float(s))})
+    first.close()
+    again = CheckpointManager(root, keep_last=1, preempt_signals=())
+    res = again.restore({"w": torch.zeros(4)})
+    assert res is not None and res.step == 3
+    again.save(4, {"w": torch.full((4,), 4.0)})
+    again.close()
+    assert not (root / "step-00000003").exists() and reshard.latest(root) == str(root / "step-00000004")
+    r = _run("ls", str(root))
+    assert r.exit_code == 0, r.output
+    assert "HEAD: resumed from step-00000003 (since deleted" in r.stdout
+    assert "not committed here" not in r.stdout
+
+    # the resume source gone with nothing newer of its lineage: a problem
+    other = tmp_path / "other"
+    a = CheckpointManager(other, keep_last=None, preempt_signals=())
+    a.save(1, {"w": torch.ones(4)})
+    a.save(2, {"w": torch.ones(4)})
+    a.close()
+    b = CheckpointManager(other, keep_last=None, preempt_signals=())
+    assert b.restore({"w": torch.zeros(4)}) is not None
+    b.close()
+    st, key = resolve(str(other))
+    quarantine(st, key, "step-00000002", reason="unloadable in a test", attempt_id=None)
+    r = _run("ls", str(other))
+    assert "HEAD names step-00000002, which is quarantined" in r.stdout, r.output
+    for p in other.iterdir():
+        if ".quarantined" in p.name:
+            (p.rename(other / "gone") if p.is_dir() else p.unlink())
+    shutil.rmtree(other / "gone")
+    r = _run("ls", str(other))
+    assert "HEAD names step-00000002, which is not committed here" in r.stdout, r.output
+    assert "since deleted" not in r.stdout

@@ -230,7 +230,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         for name, why in failed:
             click.echo(f"failed: {name} failed its last verification: {one_line(why)[:300]}")
         if head is not None and lin.source is None:
-            click.echo(f"HEAD names {head.name or 'a fresh start'}, which is not committed here")
+            click.echo(_head_line(head, lin, others))
         for e in done:
             for problem in list(torn[e.name].values())[:3]:
                 click.echo(f"  torn {e.name}: {problem}")
@@ -565,6 +565,27 @@ def verify_cmd(ckpt: str, no_checksums: bool, accept_unchecked: bool, json_path:
     for note in rep.notes:
         click.echo(f"  note: {note}")
     sys.exit(CHECK_FAILED)
+
+
+def _head_line(head: Any, lin: Any, others: list[Any]) -> str:
+    """What ``reshard ls`` says of a HEAD whose checkpoint is not among the
+    committed ones: information when nothing is wrong (a fresh start; a
+    source that is gone while the lineage has newer checkpoints, as
+    retention leaves it), else the problem (the source is quarantined,
+    invalid, replaced, or gone with nothing newer to resume from)."""
+    if head.name is None:
+        return "HEAD: a fresh start (the current lineage resumed from no checkpoint)"
+    from ..ondisk.committed import QUARANTINED
+
+    there = next((e for e in others if e.name == head.name
+                  or (e.quarantined and e.name.startswith(head.name + QUARANTINED))), None)
+    if there is not None and there.quarantined:
+        return (f"HEAD names {head.name}, which is quarantined (as {there.name}, see below): "
+                "not committed here")
+    if there is None and lin.descendants:
+        return (f"HEAD: resumed from {head.name} (since deleted, as retention does once newer "
+                "checkpoints of this lineage are committed)")
+    return f"HEAD names {head.name}, which is not committed here"
 
 
 def _record_verification(st: Any, key: str, raw: bytes, rep: Any, how: str) -> None:
