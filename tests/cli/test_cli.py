@@ -241,3 +241,123 @@ def test_advise_bench_takes_a_real_store_and_says_which_run(tmp_path: Path) -> N
                                              "memory/w1": run(1, 0.1)}}))
     r = _run("advise", "--failures", str(f), "--bench", str(bench), "--step-time-s", "1", "--every-steps", "100")
     assert "checkpoint cost: 2.500 s (foreground; reshard.save median of s3/w2" in r.stdout, r.output
+
+
+def _statuses(root: Path) -> dict[str, str]:
+    """``reshard ls ROOT`` (no HMAC key): checkpoint name -> its status column."""
+    r = _run("ls", str(root))
+    assert r.exit_code == 0, r.output
+    rows = [ln.split() for ln in r.stdout.splitlines()
+            if ln.split() and ln.split()[-1].startswith("step-")]
+    return {row[-1]: next(w for w in row if w in ("verified", "unverified", "failed", "torn"))
+            for row in rows}
+
+
+def test_a_key_not_the_writers_records_no_verdict(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``reshard verify`` and ``verify_checkpoint`` with an HMAC key that is
+    not the writer's (an unsigned checkpoint, or one signed with another key)
+    fail, but write no "failed" record: afterwards ``reshard ls`` shows the
+    checkpoints as before. A real corruption is still recorded as failed,
+    whatever the key. Before: the key mismatch was recorded as the
+    checkpoints' verdict, and ls showed good checkpoints as failed."""
+    from reshard.manager.manager import CheckpointManager
+
+    monkeypatch.delenv("RESHARD_HMAC_KEY_FILE", raising=False)
+    monkeypatch.delenv("RESHARD_HMAC_KEY", raising=False)
+    root = tmp_path / "run"
+    mgr = CheckpointManager(root, keep_last=None, preempt_signals=())
+    mgr.save(1, {"w": torch.full((4,), 1.0)})
+    assert mgr.verify_checkpoint(1)
+    reshard.save({"w": torch.full((4,), 2.0)}, root / "step-00000002", step=2)  # unverified
+    monkeypatch.setenv("RESHARD_HMAC_KEY", "writer-key")
+    reshard.save({"w": torch.ones(4)}, root / "step-00000003", step=3)  # signed
+    monkeypatch.delenv("RESHARD_HMAC_KEY")
+    before = _statuses(root)
+    assert before == {"step-00000001": "verified", "step-00000002": "unverified",
+                      "step-00000003": "unverified"}
+    rec1 = (root / "step-00000001.verified.json").read_bytes()
+
+    monkeypatch.setenv("RESHARD_HMAC_KEY", "another-key")
+    for name, why in (("step-00000001", "not signed"), ("step-00000002", "not signed"),
+                      ("step-00000003", "does not match")):
+        r = _run("verify", str(root / name))
+        assert r.exit_code == 1 and "FAILED" in r.stdout and why in r.stdout, r.output
+        assert not mgr.verify_checkpoint(name)
+        assert not mgr.verify_checkpoint(name, how="checksums")
+    monkeypatch.delenv("RESHARD_HMAC_KEY")
+    assert _statuses(root) == before
+    assert (root / "step-00000001.verified.json").read_bytes() == rec1
+    assert not (root / "step-00000002.verified.json").exists()
+    assert not (root / "step-00000003.verified.json").exists()
+    assert reshard.latest(root) == str(root / "step-00000003")
+
+    # a real corruption is recorded as failed, with or without a key (and
+    # only the corruption, not the key's mismatch, is its recorded problem)
+    data = next((root / "step-00000002").glob("data-*"))
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    monkeypatch.setenv("RESHARD_HMAC_KEY", "another-key")
+    r = _run("verify", str(root / "step-00000002"))
+    assert r.exit_code == 1 and "checksum mismatch" in r.stdout, r.output
+    monkeypatch.delenv("RESHARD_HMAC_KEY")
+    rec = json.loads((root / "step-00000002.verified.json").read_text())
+    assert rec["ok"] is False and rec["problems"]
+    assert all("HMAC" not in p and "signed" not in p for p in rec["problems"])
+    assert _statuses(root) == {**before, "step-00000002": "failed"}
+    (root / "step-00000002.verified.json").unlink()
+    monkeypatch.setenv("RESHARD_HMAC_KEY", "another-key")
+    assert not mgr.verify_checkpoint(2, how="checksums")
+    monkeypatch.delenv("RESHARD_HMAC_KEY")
+    assert _statuses(root)["step-00000002"] == "failed"
+    mgr.close()
+
+
+def test_ls_words_head_deleted_by_retention_as_information(tmp_path: Path) -> None:
+    """HEAD's checkpoint deleted by ``keep_last=1`` retention once the resumed
+    run committed newer ones is information in ``reshard ls``, not a problem;
+    HEAD naming a checkpoint gone with nothing newer, or quarantined, is
+    still flagged."""
+    import shutil
+
+    from reshard.commit.protocol import quarantine
+    from reshard.manager.manager import CheckpointManager
+    from reshard.storage import resolve
+
+    root = tmp_path / "run"
+    first = CheckpointManager(root, keep_last=3, preempt_signals=())
+    for s in (1, 2, 3):
+        first.save(s, {"w": torch.full((4,), float(s))})
+    first.close()
+    again = CheckpointManager(root, keep_last=1, preempt_signals=())
+    res = again.restore({"w": torch.zeros(4)})
+    assert res is not None and res.step == 3
+    again.save(4, {"w": torch.full((4,), 4.0)})
+    again.close()
+    assert not (root / "step-00000003").exists() and reshard.latest(root) == str(root / "step-00000004")
+    r = _run("ls", str(root))
+    assert r.exit_code == 0, r.output
+    assert "HEAD: resumed from step-00000003 (since deleted" in r.stdout
+    assert "not committed here" not in r.stdout
+
+    # the resume source gone with nothing newer of its lineage: a problem
+    other = tmp_path / "other"
+    a = CheckpointManager(other, keep_last=None, preempt_signals=())
+    a.save(1, {"w": torch.ones(4)})
+    a.save(2, {"w": torch.ones(4)})
+    a.close()
+    b = CheckpointManager(other, keep_last=None, preempt_signals=())
+    assert b.restore({"w": torch.zeros(4)}) is not None
+    b.close()
+    st, key = resolve(str(other))
+    quarantine(st, key, "step-00000002", reason="unloadable in a test", attempt_id=None)
+    r = _run("ls", str(other))
+    assert "HEAD names step-00000002, which is quarantined" in r.stdout, r.output
+    for p in other.iterdir():
+        if ".quarantined" in p.name:
+            (p.rename(other / "gone") if p.is_dir() else p.unlink())
+    shutil.rmtree(other / "gone")
+    r = _run("ls", str(other))
+    assert "HEAD names step-00000002, which is not committed here" in r.stdout, r.output
+    assert "since deleted" not in r.stdout

@@ -372,7 +372,7 @@ def test_lease_cannot_be_written_warns_once_or_refuses(tmp_path: Path) -> None:
         assert torch.equal(w, torch.arange(5.0))
         with pytest.raises(CheckpointError, match="refusing to read unprotected"):
             reshard.load({"w": w}, disk + "/ck", options=reshard.LoadOptions(require_lease=True))
-        with pytest.raises(CheckpointError, match="could not be written"):
+        with pytest.raises(CheckpointError, match="could not be written.*refusing to pin it"):
             with reshard.pin(disk + "/ck"):
                 pass
     finally:
@@ -391,6 +391,39 @@ def test_pin_holds_a_checkpoint_for_a_long_task(tmp_path: Path) -> None:
     job.save(4, {"w": torch.ones(2)})
     assert _ckpts(root) == {"step-00000004"}
     job.close()
+
+
+def test_pin_of_a_checkpoint_that_is_not_there_raises_and_leaves_no_lease(tmp_path: Path) -> None:
+    """``reshard.pin`` of a checkpoint deleted between :func:`reshard.latest`
+    and the pin raises CheckpointNotFoundError naming it and leaves no lease
+    record (before: it pinned nothing, silently, and left the lease); a
+    missing root says so too, in words about pin (before: its error named
+    ``LoadOptions(require_lease=True)``, an option of load)."""
+    import shutil
+
+    from reshard.errors import CheckpointNotFoundError
+
+    root = tmp_path / "ck"
+    reshard.save({"w": torch.zeros(8)}, root / "step-00000001", step=1)
+    path = reshard.latest(root)
+    assert path is not None
+    shutil.rmtree(path)  # stands for retention deleting it meanwhile
+    for required in (True, False):
+        with pytest.raises(CheckpointNotFoundError, match="step-00000001: no checkpoint to pin"):
+            with reshard.pin(path, required=required):
+                pytest.fail("pinned a checkpoint that is not there")
+        assert os.listdir(root) == []
+    gone = tmp_path / "no-such-root" / "step-00000001"
+    with pytest.raises(CheckpointNotFoundError, match="no-such-root/step-00000001: no checkpoint") as ei:
+        with reshard.pin(gone):
+            pass
+    assert "LoadOptions" not in str(ei.value) and "LoadOptions" not in str(ei.value.__cause__)
+    assert "refusing to pin" in str(ei.value.__cause__)
+    # a checkpoint that is there is pinned as before
+    reshard.save({"w": torch.zeros(8)}, root / "step-00000002", step=2)
+    with reshard.pin(root / "step-00000002") as lease:
+        assert lease.held and any(".lease-" in n for n in os.listdir(root))
+    assert not any(".lease-" in n for n in os.listdir(root))
 
 
 # --------------------------------------------------------------------------- 3. deleting needs no free space

@@ -70,13 +70,17 @@ def check_and_record(storage: Storage, root: str, name: str, *, smoke_tensors: i
     "structure" (structure and sizes only). Returns whether it passed.
     ``deferred``: append ``(name, record)`` there instead of writing it (the
     caller writes it after it freed space). With an HMAC key (the
-    environment's), an unsigned or mis-signed manifest fails the check.
+    environment's), an unsigned or mis-signed manifest fails the check, but
+    is no verdict on the checkpoint (the reader's key is not the writer's,
+    or it is unsigned): then only other problems found are recorded (as a
+    failure), and a checkpoint with none keeps the record it had.
     StorageError propagates (no record then)."""
     if how not in ("smoke", "checksums", "structure"):
         raise ValueError(f"how must be 'smoke', 'checksums' or 'structure', not {how!r}")
     checksums = how == "checksums"
     path = storage.join(root, name)
     problems: list[str] = []
+    key_problems: tuple[str, ...] = ()
     digest, files = None, {}
     try:
         raw = read_manifest_bytes(storage, path)
@@ -84,21 +88,26 @@ def check_and_record(storage: Storage, root: str, name: str, *, smoke_tensors: i
         m = decode_manifest(raw, where=storage.join(path, MANIFEST_NAME))
         files = {f: fe.size for f, fe in m.files.items()}
         rep = verify(path, checksums=checksums, storage=storage)
-        problems.extend(rep.problems)
-        if how == "smoke" and not problems:
+        problems.extend(rep.integrity_problems)
+        key_problems = rep.key_problems
+        if how == "smoke" and not problems and not key_problems:
             _smoke_load(storage, path, m, smoke_tensors)
     except StorageError:
         raise
     except CheckpointError as e:
         problems.append(f"{type(e).__name__}: {e}")
-    ok = not problems
-    if record:
-        kw: dict[str, Any] = dict(ok=ok, problems=problems, how=how, digest=digest, files=files)
+    ok = not problems and not key_problems
+    if key_problems:
+        log.warning("checkpoint %s: %s (the HMAC key is not its writer's: no verdict recorded "
+                    "on that account)", path, key_problems[0])
+    if record and (problems or not key_problems):
+        kw: dict[str, Any] = dict(ok=not problems, problems=problems, how=how, digest=digest,
+                                  files=files)
         if deferred is not None:
             deferred.append((name, kw))
         else:
             write_outcome(storage, root, name, **kw)
-    if not ok:
+    if problems:
         log.warning("checkpoint %s failed its %s check: %s", path, how, problems[:3])
     return ok
 

@@ -159,6 +159,11 @@ class VerifyReport:
         ok: no problem found.
         problems: one line per problem (file, key and what was expected).
         bytes_checked: bytes whose checksums were verified.
+        key_problems: the problems (also in ``problems``) that say only that
+            the HMAC key given is not the writer's (an unsigned or mis-signed
+            manifest, a DCP checkpoint, which carries no HMAC): not that the
+            checkpoint is damaged, so no verification record takes them for
+            its integrity verdict (:attr:`integrity_problems`).
     """
 
     path: str
@@ -172,6 +177,13 @@ class VerifyReport:
     #: ``checksums=False`` or whose digests were removed, files with an empty
     #: checksum): ``reshard verify`` then exits non-zero unless told to accept it
     unchecked: tuple[str, ...] = ()
+    key_problems: tuple[str, ...] = ()
+
+    @property
+    def integrity_problems(self) -> tuple[str, ...]:
+        """The problems that say the checkpoint itself is damaged (the
+        ``problems`` that are not ``key_problems``)."""
+        return tuple(p for p in self.problems if p not in self.key_problems)
 
     @property
     def checked(self) -> bool:
@@ -217,6 +229,7 @@ def _verify(st: Storage, key: str, *, checksums: bool, progress: bool | None,
     from ..planning.validation import structure_problems
 
     problems: list[str] = []
+    key_problems: list[str] = []
     k = hmac_key_of(hmac_key)
     try:
         m = read_manifest(st, key)
@@ -225,8 +238,9 @@ def _verify(st: Storage, key: str, *, checksums: bool, progress: bool | None,
 
         if is_dcp_checkpoint(key, storage=st):
             if k is not None:
-                return VerifyReport(path=st.url(key), ok=False, notes=(DCP_NOTE,), problems=(
-                    "IntegrityError: a DCP checkpoint carries no HMAC, but an HMAC key was given",))
+                p = "IntegrityError: a DCP checkpoint carries no HMAC, but an HMAC key was given"
+                return VerifyReport(path=st.url(key), ok=False, notes=(DCP_NOTE,), problems=(p,),
+                                    key_problems=(p,))
             return _verify_dcp(st, key, decode=checksums, progress=progress)
         raise
     except CheckpointError as e:
@@ -235,7 +249,8 @@ def _verify(st: Storage, key: str, *, checksums: bool, progress: bool | None,
         try:
             check_signature(m, k, where=st.join(key, MANIFEST_NAME))
         except IntegrityError as e:
-            problems.append(f"IntegrityError: {e}")
+            key_problems.append(f"IntegrityError: {e}")
+            problems.append(key_problems[-1])
     problems.extend(structure_problems(m, where=st.join(key, MANIFEST_NAME)))
     for k2, oe in m.objects.items():
         offs = {tuple(c.global_offset) for c in oe.chunks}
@@ -254,7 +269,7 @@ def _verify(st: Storage, key: str, *, checksums: bool, progress: bool | None,
         with bar(sum(m.files[n].size for n in good_files), "verify", enabled=wanted(progress)) as pb:
             checked = _verify_checksums(st, key, m, good_files, problems, pb)
     return VerifyReport(path=st.url(key), ok=not problems, problems=tuple(problems), bytes_checked=checked,
-                        manifest=m, unchecked=unchecked_parts(m))
+                        manifest=m, unchecked=unchecked_parts(m), key_problems=tuple(key_problems))
 
 
 def unchecked_parts(m: Manifest) -> tuple[str, ...]:

@@ -230,7 +230,7 @@ def ls_cmd(root: str, keep_last: int | None, keep_every: int | None, keep_best: 
         for name, why in failed:
             click.echo(f"failed: {name} failed its last verification: {one_line(why)[:300]}")
         if head is not None and lin.source is None:
-            click.echo(f"HEAD names {head.name or 'a fresh start'}, which is not committed here")
+            click.echo(_head_line(head, lin, others))
         for e in done:
             for problem in list(torn[e.name].values())[:3]:
                 click.echo(f"  torn {e.name}: {problem}")
@@ -503,7 +503,10 @@ def verify_cmd(ckpt: str, no_checksums: bool, accept_unchecked: bool, json_path:
     The outcome (passed or failed) is recorded in CKPT's verification record
     beside it (``<name>.verified.json``, bound to the manifest checked), so
     ``reshard ls``, retention and the manager see a failed checkpoint as
-    failed; nothing is renamed or deleted. A checkpoint whose chunks carry
+    failed; nothing is renamed or deleted. An unsigned or mis-signed
+    manifest (with an HMAC key) fails the command but is not recorded: it
+    says the key is not the writer's, not that CKPT is damaged (only other
+    problems found are recorded). A checkpoint whose chunks carry
     no checksum (saved with checksums=False, or edited to drop them) or
     whose files have empty checksums is reported NOT CHECKED: its bytes
     could not be compared (without an HMAC key that is honesty, not
@@ -529,7 +532,7 @@ def verify_cmd(ckpt: str, no_checksums: bool, accept_unchecked: bool, json_path:
 
     secs = time.perf_counter() - t0
     dcp = DCP_NOTE in rep.notes  # DCP records no checksums: none were compared
-    if raw is not None:
+    if raw is not None and (rep.integrity_problems or not rep.key_problems):
         _record_verification(st, key, raw, rep, "structure" if no_checksums else "checksums")
     unchecked = list(rep.unchecked) if not no_checksums else []
     write_json(json_path, {"path": rep.path, "ok": rep.ok, "problems": list(rep.problems),
@@ -564,6 +567,27 @@ def verify_cmd(ckpt: str, no_checksums: bool, accept_unchecked: bool, json_path:
     sys.exit(CHECK_FAILED)
 
 
+def _head_line(head: Any, lin: Any, others: list[Any]) -> str:
+    """What ``reshard ls`` says of a HEAD whose checkpoint is not among the
+    committed ones: information when nothing is wrong (a fresh start; a
+    source that is gone while the lineage has newer checkpoints, as
+    retention leaves it), else the problem (the source is quarantined,
+    invalid, replaced, or gone with nothing newer to resume from)."""
+    if head.name is None:
+        return "HEAD: a fresh start (the current lineage resumed from no checkpoint)"
+    from ..ondisk.committed import QUARANTINED
+
+    there = next((e for e in others if e.name == head.name
+                  or (e.quarantined and e.name.startswith(head.name + QUARANTINED))), None)
+    if there is not None and there.quarantined:
+        return (f"HEAD names {head.name}, which is quarantined (as {there.name}, see below): "
+                "not committed here")
+    if there is None and lin.descendants:
+        return (f"HEAD: resumed from {head.name} (since deleted, as retention does once newer "
+                "checkpoints of this lineage are committed)")
+    return f"HEAD names {head.name}, which is not committed here"
+
+
 def _record_verification(st: Any, key: str, raw: bytes, rep: Any, how: str) -> None:
     """Write the verification record of the checkpoint ``key`` (a note on
     stderr when it cannot be written: the check's outcome stands)."""
@@ -578,7 +602,8 @@ def _record_verification(st: Any, key: str, raw: bytes, rep: Any, how: str) -> N
                      decode_manifest(raw, where=st.join(key, MANIFEST_NAME)).files.items()}
         except CheckpointError:
             files = {}
-        write_outcome(st, root, name, ok=rep.ok, problems=list(rep.problems), how=how,
+        bad = list(rep.integrity_problems)  # a key that is not the writer's is no verdict on it
+        write_outcome(st, root, name, ok=not bad, problems=bad, how=how,
                       digest=manifest_digest(raw), files=files)
     except (CheckpointError, OSError) as e:
         click.echo(f"note: the verification record of {key} could not be written: {e}", err=True)

@@ -41,7 +41,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError
 from ..ondisk.manifest import MANIFEST_NAME
 from ..storage import Storage
 
@@ -165,8 +165,12 @@ class ReaderLease:
                            "pid": os.getpid(), "host": socket.gethostname(),
                            "what": self.what[:200]}).encode()
 
-    def acquire(self, *, required: bool = False) -> ReaderLease:
-        """Write the lease and start renewing it.
+    def acquire(self, *, required: bool = False,
+                refusal: str = "refusing to read unprotected (LoadOptions(require_lease=True))",
+                ) -> ReaderLease:
+        """Write the lease and start renewing it. ``refusal``: what the error
+        of a ``required`` lease that could not be written says after the
+        store's error (which option asked for the lease).
 
         Raises:
             CheckpointError: ``required`` and the lease could not be written.
@@ -182,8 +186,7 @@ class ReaderLease:
             msg = (f"{self.path}: the reader lease could not be written ({self.why_not}); "
                    "reading unprotected: retention or gc may delete this checkpoint while it is read")
             if required:
-                raise CheckpointError(f"{msg.split(';')[0]}; refusing to read unprotected "
-                                      "(LoadOptions(require_lease=True))") from e
+                raise CheckpointError(f"{msg.split(';')[0]}; {refusal}") from e
             if root not in _WARNED:
                 _WARNED.add(root)
                 log.warning("%s (warned once per root)", msg)
@@ -260,18 +263,20 @@ def _deleting(st: Storage, path: str) -> bool:
 
 @contextlib.contextmanager
 def reader_lease(storage: Storage, path: str, *, what: str = "read", ttl_s: float | None = None,
-                 required: bool = False) -> Iterator[ReaderLease]:
+                 required: bool = False, refusal: str | None = None) -> Iterator[ReaderLease]:
     """Hold a reader lease on the checkpoint at ``path`` (a key of
     ``storage``) for the block: written before the block reads anything,
     renewed every ``ttl_s / 3`` seconds (default :func:`reader_ttl_s`),
     deleted after it. Retention and gc keep the checkpoint while the lease is
     live. Where the lease cannot be written the block runs unprotected after
-    one warning per root, unless ``required``.
+    one warning per root, unless ``required`` (``refusal``: the end of that
+    error, see :meth:`ReaderLease.acquire`).
 
     Raises:
         CheckpointError: ``required`` and the lease could not be written.
     """
-    lease = ReaderLease(storage, path, what=what, ttl_s=ttl_s).acquire(required=required)
+    kw = {} if refusal is None else {"refusal": refusal}
+    lease = ReaderLease(storage, path, what=what, ttl_s=ttl_s).acquire(required=required, **kw)
     try:
         lease.confirm()
         yield lease
@@ -364,12 +369,41 @@ def pin(path: str | os.PathLike[str], *, ttl_s: float | None = None, storage: St
         with reshard.pin(reshard.latest(root)) as lease:
             evaluate(lease.path)
 
+    The checkpoint must be there once the lease is written (a reshard
+    manifest, or a DCP ``.metadata``): one deleted meanwhile (say between
+    :func:`reshard.latest` and ``pin``) is an error, never a pin of nothing.
+
     Raises:
+        CheckpointNotFoundError: no checkpoint at ``path`` (the lease is
+            deleted again).
         CheckpointError: ``required`` (the default) and the lease could not
             be written (a read-only mount or credentials, a full disk).
     """
     from ..storage import resolve
 
     st, key = resolve(path, storage)
-    with reader_lease(st, key, what=what, ttl_s=ttl_s, required=required) as lease:
+    with contextlib.ExitStack() as stack:
+        try:
+            lease = stack.enter_context(reader_lease(
+                st, key, what=what, ttl_s=ttl_s, required=required,
+                refusal="refusing to pin it unprotected (reshard.pin(required=False) goes on "
+                        "without a lease)"))
+        except CheckpointError as e:  # a missing root, say: say what is missing
+            if not isinstance(e, CheckpointNotFoundError) and not _pinnable(st, key):
+                raise _not_there(st, key) from e
+            raise
+        if not _pinnable(st, key):  # after confirm(): a deletion in flight has settled
+            raise _not_there(st, key)
         yield lease
+
+
+def _pinnable(st: Storage, key: str) -> bool:
+    """The checkpoint ``key`` is there: its manifest, or a DCP ``.metadata``."""
+    from ..ondisk.dcp_metadata import DCP_METADATA
+
+    return st.exists(st.join(key, MANIFEST_NAME)) or st.exists(st.join(key, DCP_METADATA))
+
+
+def _not_there(st: Storage, key: str) -> CheckpointNotFoundError:
+    return CheckpointNotFoundError(f"{st.url(key)}: no checkpoint to pin (no {MANIFEST_NAME} here: "
+                                   "never committed, or deleted, e.g. by retention)")

@@ -114,7 +114,8 @@ class RetentionMixin:
         name = self._name(step)
         path = self.storage.join(self.root, name)
         lease = ReaderLease(self.storage, path, what="CheckpointManager.lease",
-                            ttl_s=ttl_s).acquire(required=True)
+                            ttl_s=ttl_s).acquire(required=True,
+                                                 refusal="refusing to hold it unprotected")
         try:
             yield path
         finally:
