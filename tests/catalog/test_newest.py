@@ -168,3 +168,22 @@ def test_an_unsigned_newest_is_refused_with_a_key(root: Path) -> None:
     w = torch.zeros(N)
     assert reshard.load_latest({"w": w}, root, options=key).path == signed
     assert torch.equal(w, weights(4))
+
+
+def test_pin_latest_pins_the_next_newest_when_the_newest_went_first(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    done: list[str] = []
+    patch_choice(monkeypatch, lambda e: done or done.append(retire(e.path)))
+    with reshard.pin_latest(root) as lease:
+        assert done == ["deleted"] and lease.held
+        assert lease.path == str(root / "step-00000002")
+        assert retire(lease.path) == "in use by 1 reader"  # retention keeps it while pinned
+    assert retire(root / "step-00000002") == "deleted"  # released with the block
+
+
+def test_pin_latest_with_everything_deleted_raises_not_found(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    patch_choice(monkeypatch, lambda e: retire(e.path))
+    with pytest.raises(reshard.CheckpointNotFoundError), reshard.pin_latest(root):
+        pass
+    assert not [p for p in root.iterdir() if ".lease-" in p.name]

@@ -9,13 +9,15 @@ chooses the newest checkpoint, writes its reader lease, and only then
 confirms the checkpoint is still there (:mod:`reshard.commit.leases`: a
 reader that finds the manifest after its lease is written never loses a file
 to retention or gc); when it was deleted in between it chooses again.
+:func:`pin_latest` is the same choice for a longer task (:func:`reshard.pin`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..collectives import Arrival, Tries, timed_collectives
@@ -92,8 +94,8 @@ def load_latest(
     if coll.rank == 0:
         with tries:
             st, key = resolve(root, storage)
-            lease = leased_newest(st, key, opts, attempts=attempts,
-                                  include_model_only=include_model_only)
+            lease = leased_newest(st, key, hmac_key=opts.hmac_key, required=opts.require_lease,
+                                  attempts=attempts, include_model_only=include_model_only)
             # the other ranks name it as the caller named the root: a URL, or a key of `storage`
             chosen = (lease.path if storage is not None else st.url(lease.path)).encode()
     try:
@@ -112,22 +114,62 @@ def load_latest(
                        storage=storage)
 
 
-def leased_newest(st: Storage, root: str, options: LoadOptions, *, attempts: int = LATEST_ATTEMPTS,
-                  include_model_only: bool = False) -> ReaderLease:
+@contextlib.contextmanager
+def pin_latest(root: str | os.PathLike[str], *, ttl_s: float | None = None, storage: Storage | None = None,
+               required: bool = True, include_model_only: bool = False, hmac_key: bytes | None = None,
+               attempts: int = LATEST_ATTEMPTS) -> Iterator[ReaderLease]:
+    """:func:`reshard.pin` of the newest committed checkpoint under ``root``,
+    chosen and leased as :func:`load_latest` does (the lease written before
+    the checkpoint is confirmed still committed and whole, else the newest
+    chosen again, ``attempts`` choices in all): ``reshard.pin(reshard.latest(root))``
+    without the gap in which retention may delete the checkpoint ``latest``
+    named. The lease (``lease.path``: the checkpoint, a key of the root's
+    store) is held and renewed for the block, on this process (not a
+    collective).
+
+    Example::
+
+        with reshard.pin_latest(root) as lease:
+            evaluate(lease.path)
+
+    Raises:
+        CheckpointNotFoundError: no committed checkpoint under ``root``, or
+            each choice was deleted before its lease held it.
+        CheckpointError: ``required`` (the default) and the lease could not be written.
+        IntegrityError: with an HMAC key (``hmac_key``, else the
+            environment's), the newest is unsigned or mis-signed.
+        ValueError: ``attempts`` < 1.
+    """
+    if attempts < 1:
+        raise ValueError(f"attempts must be >= 1, got {attempts}")
+    st, key = resolve(root, storage)
+    lease = leased_newest(st, key, hmac_key=hmac_key_of(hmac_key), required=required, attempts=attempts,
+                          include_model_only=include_model_only, what="pin", ttl_s=ttl_s)
+    try:
+        yield lease
+    finally:
+        lease.release()
+
+
+def leased_newest(st: Storage, root: str, *, hmac_key: bytes | None, required: bool,
+                  attempts: int = LATEST_ATTEMPTS, include_model_only: bool = False,
+                  what: str = "load", ttl_s: float | None = None) -> ReaderLease:
     """The newest committed checkpoint under ``root`` (a key of ``st``) with
     a reader lease written and confirmed on it (``lease.path`` is the
     checkpoint; the caller releases it). After the lease is written the
     checkpoint must still have its manifest and every file at its declared
     size; else (deleted since it was chosen) the lease is released and the
-    newest is chosen again, ``attempts`` choices in all. Where the lease
-    cannot be written the checkpoint is read unprotected after one warning
-    (``options.require_lease``: refused), as :func:`reshard.load` does.
+    newest is chosen again, ``attempts`` choices in all. ``hmac_key``: the
+    newest must be signed with it (None: no check). Where the lease cannot be
+    written the checkpoint is read unprotected after one warning
+    (``required``: refused), as :func:`reshard.load` does. ``what`` and
+    ``ttl_s``: the lease's (:class:`~reshard.commit.leases.ReaderLease`).
 
     Raises:
         CheckpointNotFoundError: nothing committed under ``root``, or every
             choice was deleted before its lease held it.
-        IntegrityError: with ``options.hmac_key``, the newest is unsigned or mis-signed.
-        CheckpointError: ``options.require_lease`` and the lease could not be written.
+        IntegrityError: with ``hmac_key``, the newest is unsigned or mis-signed.
+        CheckpointError: ``required`` and the lease could not be written.
         StorageError: listing or a stat failed.
     """
     gone: list[str] = []
@@ -137,8 +179,8 @@ def leased_newest(st: Storage, root: str, options: LoadOptions, *, attempts: int
             since = f" (deleted since they were chosen: {', '.join(gone)})" if gone else ""
             raise CheckpointNotFoundError(f"{st.url(root)}: no committed checkpoint here{since}; "
                                           "nothing was loaded")
-        check_newest_signature(st, root, best, options.hmac_key)
-        lease = ReaderLease(st, best.path, what="load").acquire(required=options.require_lease)
+        check_newest_signature(st, root, best, hmac_key)
+        lease = ReaderLease(st, best.path, what=what, ttl_s=ttl_s).acquire(required=required)
         try:
             lease.confirm()
             # the lease is written: a manifest found now stays (the deleter's second look sees the lease)

@@ -355,8 +355,12 @@ def pin(path: str | os.PathLike[str], *, ttl_s: float | None = None, storage: St
 
     Example::
 
-        with reshard.pin(reshard.latest(root)) as lease:
+        with reshard.pin(path) as lease:
             evaluate(lease.path)
+
+    The newest checkpoint of a root a job keeps pruning is pinned with
+    :func:`reshard.pin_latest` (``pin(latest(root))`` leaves a gap in which
+    retention may delete the checkpoint before the lease is written).
 
     Raises:
         CheckpointError: ``required`` (the default) and the lease could not
