@@ -69,6 +69,11 @@ def latest(root: str | os.PathLike[str], *, storage: Storage | None = None,
     must be signed with it: an unsigned or mis-signed one raises, naming it
     (never skipped: skipping would silently resume an older one).
 
+    Beside a job whose retention prunes ``root``, the checkpoint named may be
+    deleted before a later call leases it: load it with
+    :func:`reshard.load_latest` (pin it with :func:`reshard.pin_latest`),
+    not ``load(state, latest(root))``.
+
     Raises:
         StorageError: listing or a stat failed (never "no checkpoint").
         IntegrityError: with a key, the newest checkpoint is unsigned or mis-signed.
