@@ -25,12 +25,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--root", required=True)
     args = p.parse_args()
-    path = reshard.latest(args.root)
-    if path is None:
-        sys.exit(f"evaluate: no committed checkpoint under {args.root}")
     model = build_model()
-    res = reshard.load({"model": reshard.ModelState(model)}, path, strict=False)
-    print(json.dumps({"path": path, "step": res.step, "eval_loss": eval_loss(model)}))
+    try:  # the newest checkpoint, leased before it is read (the trainer's retention keeps it)
+        res = reshard.load_latest({"model": reshard.ModelState(model)}, args.root, strict=False)
+    except reshard.CheckpointNotFoundError as e:
+        sys.exit(f"evaluate: {e}")
+    print(json.dumps({"path": res.path, "step": res.step, "eval_loss": eval_loss(model)}))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # imported on first use (below), so `import reshard` does not
     from .adapters.optimizer import OptimizerState
     from .adapters.rng import RNGState
     from .adapters.torch_native import TorchState
+    from .catalog.newest import load_latest, pin_latest
     from .catalog.verify import VerifyReport, inspect, latest, verify
     from .commit.leases import pin
     from .loading.load import LoadResult, load
@@ -54,6 +55,8 @@ _LAZY: dict[str, str] = {
     "OptimizerState": ".adapters.optimizer",
     "RNGState": ".adapters.rng",
     "TorchState": ".adapters.torch_native",
+    "load_latest": ".catalog.newest",
+    "pin_latest": ".catalog.newest",
     "VerifyReport": ".catalog.verify",
     "inspect": ".catalog.verify",
     "latest": ".catalog.verify",
@@ -143,7 +146,9 @@ __all__ = [
     "inspect",
     "latest",
     "load",
+    "load_latest",
     "pin",
+    "pin_latest",
     "prewarm_staging",
     "read_state",
     "register_state_kind",

@@ -69,27 +69,42 @@ def latest(root: str | os.PathLike[str], *, storage: Storage | None = None,
     must be signed with it: an unsigned or mis-signed one raises, naming it
     (never skipped: skipping would silently resume an older one).
 
+    Beside a job whose retention prunes ``root``, the checkpoint named may be
+    deleted before a later call leases it: load it with
+    :func:`reshard.load_latest` (pin it with :func:`reshard.pin_latest`),
+    not ``load(state, latest(root))``.
+
     Raises:
         StorageError: listing or a stat failed (never "no checkpoint").
         IntegrityError: with a key, the newest checkpoint is unsigned or mis-signed.
     """
-    from ..ondisk.committed import check_signature
-    from ..ondisk.manifest import MANIFEST_NAME
     from ..options import hmac_key_of
 
     st, key = resolve(root, storage)
     best = latest_entry(st, key, include_model_only=include_model_only)
     if best is None:
         return None
-    k = hmac_key_of(hmac_key)
-    if k is not None and best.manifest is not None:
-        try:
-            check_signature(best.manifest, k, where=st.join(best.path, MANIFEST_NAME))
-        except IntegrityError as e:
-            raise IntegrityError(f"{e}; it is the newest checkpoint under {st.url(key)}: refusing "
-                                 "it (an older one is not returned in its place)") from None
+    check_newest_signature(st, key, best, hmac_key_of(hmac_key))
     # a URL root gives a URL back (load must resolve it to the same store)
     return st.url(best.path)
+
+
+def check_newest_signature(st: Storage, root: str, best: Entry, key: bytes | None) -> None:
+    """With an HMAC ``key``: the newest checkpoint ``best`` under ``root``
+    must be signed with it (an older one is never chosen in its place).
+
+    Raises:
+        IntegrityError: it is unsigned or mis-signed (naming it)."""
+    from ..ondisk.committed import check_signature
+    from ..ondisk.manifest import MANIFEST_NAME
+
+    if key is None or best.manifest is None:
+        return
+    try:
+        check_signature(best.manifest, key, where=st.join(best.path, MANIFEST_NAME))
+    except IntegrityError as e:
+        raise IntegrityError(f"{e}; it is the newest checkpoint under {st.url(root)}: refusing "
+                             "it (an older one is not returned in its place)") from None
 
 
 def latest_entry(st: Storage, root: str, *, include_model_only: bool = False) -> Entry | None:

@@ -366,12 +366,16 @@ def pin(path: str | os.PathLike[str], *, ttl_s: float | None = None, storage: St
 
     Example::
 
-        with reshard.pin(reshard.latest(root)) as lease:
+        with reshard.pin(path) as lease:
             evaluate(lease.path)
 
     The checkpoint must be there once the lease is written (a reshard
     manifest, or a DCP ``.metadata``): one deleted meanwhile (say between
     :func:`reshard.latest` and ``pin``) is an error, never a pin of nothing.
+
+    The newest checkpoint of a root a job keeps pruning is pinned with
+    :func:`reshard.pin_latest` (``pin(latest(root))`` leaves a gap in which
+    retention may delete the checkpoint before the lease is written).
 
     Raises:
         CheckpointNotFoundError: no checkpoint at ``path`` (the lease is

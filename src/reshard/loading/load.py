@@ -193,9 +193,36 @@ def load(
             lease.confirm()
         except Exception as e:  # noqa: BLE001 - agreed on every rank by _load
             lease_err = e
+    return load_leased(state, path, lease=lease, lease_err=lease_err, group=group, strict=strict,
+                       allow_missing=allow_missing, transforms=transforms, options=opts,
+                       storage=storage, manifest=manifest)
+
+
+def load_leased(
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    lease: ReaderLease | None,
+    lease_err: BaseException | None = None,
+    group: Any = None,
+    strict: bool = True,
+    allow_missing: Sequence[Any] = (),
+    transforms: Sequence[Any] = (),
+    options: LoadOptions | None = None,
+    storage: Storage | None = None,
+    manifest: Manifest | None = None,
+) -> LoadResult:
+    """:func:`load` under a reader lease the caller took on the checkpoint
+    (rank 0's, None on the other ranks or where none could be written;
+    :func:`reshard.catalog.newest.load_latest` takes it while choosing the
+    checkpoint). ``lease_err``: rank 0's failure to take it, raised on every
+    rank (agreed) before anything is read. The lease is released when the
+    load returns or raises. ``options`` as :func:`load` resolved them: their
+    HMAC key already chosen (:func:`reshard.options.hmac_key_of` applied
+    once). Same arguments, result and errors as :func:`load`."""
     try:
         return _load(state, path, group=group, strict=strict, allow_missing=allow_missing,
-                     transforms=transforms, options=opts, storage=storage, manifest=manifest,
+                     transforms=transforms, options=options or LoadOptions(), storage=storage, manifest=manifest,
                      lease=lease, lease_err=lease_err)
     finally:
         if lease is not None:
