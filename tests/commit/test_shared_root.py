@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -936,3 +937,140 @@ def test_regression_a_renewal_in_flight_never_writes_a_released_lease_back(tmp_p
     renewal.join(10)
     release.join(10)
     assert not any(".lease-" in n for n in os.listdir(tmp_path)), os.listdir(tmp_path)
+
+
+# --------------------------------------------------------------------------- an owner that is alive keeps the root
+
+
+def test_a_live_owner_on_this_host_with_an_expired_lease_is_not_taken_over(tmp_path: Path) -> None:
+    """An owner on this host whose lease expired (its renewals failed, e.g. a
+    full disk) but whose process is alive keeps the root: a second job is
+    refused as for a live lease. A pid reused by a process that started
+    after the lease was taken is not that owner: the root is taken over."""
+    root = str(tmp_path / "ck")
+    st, key = resolve(root)
+    st.makedirs(key)
+    alive = subprocess.Popen([PY, "-c", "import time; time.sleep(120)"])
+    try:
+        time.sleep(0.2)
+        now = time.time()
+        rec = {"job": "A", "host": socket.gethostname(), "pid": alive.pid, "start": now, "renewed": now - 10,
+               "expires": now - 7, "ttl_s": 3, "lease": "a" * 16, "released": False, "policy": {}}
+        st.put_if_match(st.join(key, "OWNER"), json.dumps(rec).encode(), None)
+        with pytest.raises(_owned(), match="lapsed, but its process is alive on this host"):
+            reshard.CheckpointManager(root, job_id="B", preempt_signals=())
+        assert read_owner(st, key)[0]["lease"] == "a" * 16  # type: ignore[index]
+        from reshard.cli.ckpt import _owner_lines
+
+        _, live, lines = _owner_lines(st, key)
+        assert live and "its lease lapsed" in lines[0], lines
+        # the same pid, but the lease was taken long before this process started: another process
+        _, tag = read_owner(st, key)
+        st.put_if_match(st.join(key, "OWNER"), json.dumps({**rec, "start": now - 3600}).encode(), tag)
+        mgr = reshard.CheckpointManager(root, job_id="B", preempt_signals=())
+        assert read_owner(st, key)[0]["job"] == "B"  # type: ignore[index]
+        mgr.close()
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_an_owner_whose_root_was_taken_refuses_its_next_save_and_deletes_nothing(tmp_path: Path) -> None:
+    """Another job (on another host, after this job's lease lapsed) took the
+    root: this job learns it before it writes again, at its next save (no
+    renewal needed): refused with RootOwnedError naming the new owner, and
+    neither that save nor its retention writes or deletes anything."""
+    root = tmp_path / "ck"
+    mgr = reshard.CheckpointManager(str(root), keep_last=1, job_id="A", preempt_signals=())
+    try:
+        mgr.save(1, {"w": torch.ones(8)})
+        st, key = resolve(str(root))
+        mine, tag = read_owner(st, key)
+        now = time.time()
+        other = {**mine, "job": "far", "host": "node-elsewhere", "pid": 1, "start": now, "renewed": now,
+                 "expires": now + 600, "lease": "f" * 16}
+        other.pop("hmac_sha256", None)
+        st.put_if_match(st.join(key, "OWNER"), json.dumps(other).encode(), tag)
+        before = _tree(root)
+        with pytest.raises(_owned(), match=r"lease lapsed at .* job 'far' \(host node-elsewhere"):
+            mgr.save(2, {"w": torch.ones(8) * 2})
+        with pytest.raises(_owned(), match="no longer owns the root"):
+            mgr.save(3, {"w": torch.ones(8) * 3})
+        assert _tree(root) == before and _ckpts(root) == {"step-00000001"}
+    finally:
+        mgr.close()
+    assert read_owner(st, key)[0]["lease"] == "f" * 16  # type: ignore[index]  # close releases nothing of theirs
+    assert _tree(root) == before
+
+
+_A_JOB = """
+import json, os, sys, time, torch, reshard
+root, ctl = sys.argv[1], sys.argv[2]
+m = reshard.CheckpointManager(root, keep_last=1, job_id="A", preempt_signals=())
+m.save(1, {"w": torch.zeros(1024)})
+open(os.path.join(ctl, "saved1"), "w").close()
+out = []
+for step in (2, 3):
+    while not os.path.exists(os.path.join(ctl, f"go{step}")):
+        time.sleep(0.05)
+    try:
+        m.save(step, {"w": torch.zeros(1024) + step})
+        out.append("ok")
+    except Exception as e:
+        out.append(f"{type(e).__name__}: {e}")
+    open(os.path.join(ctl, f"done{step}"), "w").close()
+m.close()
+print(json.dumps(out))
+"""
+
+
+def test_a_full_disk_lapses_a_live_owner_lease_without_a_second_writer(
+        mount_tmpfs: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The breaker's case, on a real full tmpfs: job A's renewals fail
+    (ENOSPC) past its 3 s ttl while A is alive. Job B on the same host is
+    refused; A's save on the full disk is refused (its lease lapsed, it
+    cannot renew); once space is freed A renews (no one took the root) and
+    saves, and its checkpoints are its own retention's alone."""
+    disk = mount_tmpfs("4m")
+    root, ctl = str(disk / "own"), tmp_path / "ctl"
+    ctl.mkdir()
+    monkeypatch.setenv("RESHARD_OWNER_TTL_S", "3")
+    a = subprocess.Popen([PY, "-c", _A_JOB, root, str(ctl)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env={**_env(), "RESHARD_OWNER_TTL_S": "3"})
+    try:
+        deadline = time.monotonic() + 60
+        while not (ctl / "saved1").exists():
+            assert a.poll() is None and time.monotonic() < deadline, a.communicate()
+            time.sleep(0.05)
+        pad = disk / "pad"
+        with open(pad, "wb") as f:  # fill the disk
+            try:
+                while True:
+                    f.write(b"\0" * (64 << 10))
+                    f.flush()
+            except OSError:
+                pass
+        st, key = resolve(root)
+        deadline = time.monotonic() + 15
+        while float(read_owner(st, key)[0]["expires"]) > time.time() - 0.5:  # type: ignore[index]
+            assert time.monotonic() < deadline, "A's lease never lapsed"
+            time.sleep(0.1)
+        with pytest.raises(_owned(), match="lapsed, but its process is alive"):
+            reshard.CheckpointManager(root, keep_last=1, job_id="B", preempt_signals=())
+        (ctl / "go2").touch()  # A saves on the full disk, its lease lapsed
+        deadline = time.monotonic() + 30
+        while not (ctl / "done2").exists():
+            assert a.poll() is None and time.monotonic() < deadline, a.communicate()
+            time.sleep(0.05)
+        os.remove(pad)
+        (ctl / "go3").touch()
+        out, err = a.communicate(timeout=60)
+    finally:
+        if a.poll() is None:
+            a.kill()
+            a.wait()
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got[0].startswith("RootOwnedError") and "lapsed at" in got[0], (got, err[-2000:])
+    assert got[1] == "ok", (got, err[-2000:])
+    assert _ckpts(Path(root)) == {"step-00000003"}
+    assert read_owner(st, key)[0]["job"] == "A"  # type: ignore[index]

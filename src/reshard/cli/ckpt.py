@@ -70,6 +70,11 @@ def _owner_lines(st: Any, key: str) -> tuple[dict[str, Any] | None, bool, list[s
         return None, False, []
     live = is_live(rec)
     state = "live" if live else "released" if rec.get("released") else "expired"
+    try:
+        if live and float(rec.get("expires") or 0) <= time.time():
+            state = "live: its lease lapsed (renewals failing), its process is alive on this host"
+    except (TypeError, ValueError):
+        pass
     lines = [f"owner: {describe(rec)} ({state})"]
     if rec.get("require_signed"):
         lines.append("owner: the root requires signed checkpoints (HMAC)")

@@ -15,7 +15,9 @@ POSIX lock then an atomic rename), so of two jobs taking a root at once one
 wins and the other is refused; and it is renewed every ``ttl_s / 3``
 seconds by the process's lease keeper (:mod:`reshard.commit.leases`) with
 the same swap, so a job that lost the root (its lease lapsed and another
-job took it) finds out at its next renewal and saves nothing more.
+job took it) finds out at its next renewal, or at the latest before its next
+save or retention pass (:meth:`OwnerLease.check` reads the record), and saves
+and deletes nothing more.
 
 A second job on a root whose owner is live is refused with one line naming
 the owner, unless it is the same job restarting:
@@ -27,8 +29,10 @@ the owner, unless it is the same job restarting:
 * or the owner ran on this host and its process is gone (killed);
 * or the same process (a second manager on the root: one job).
 
-Otherwise the lease's stated ttl must pass (the owner died on another host,
-or hung). ``close()`` (and the process's exit) releases the root: the record
+Otherwise, for an owner on another host, the lease's stated ttl must pass
+(it died, or hung). An owner on this host whose process (pid, started before
+the lease) is alive keeps the root even when its lease expired (its renewals
+fail: a full disk): an expired lease proves death only on another host. ``close()`` (and the process's exit) releases the root: the record
 stays, marked ``released``, so what the root requires (signing) outlives
 the job.
 """
@@ -125,20 +129,56 @@ def read_owner(storage: Storage, root: str) -> tuple[dict[str, Any] | None, str 
     return (rec if isinstance(rec, dict) else None), tag
 
 
-def is_live(rec: dict[str, Any] | None, now: float | None = None) -> bool:
-    """The owner recorded is live: not released, its lease not expired, and
-    (when it ran on this host) its process alive."""
+def _process_started(pid: int) -> float | None:
+    """Epoch seconds the process ``pid`` of this host started (Linux
+    ``/proc``: its ``starttime`` in clock ticks after ``btime``), None where
+    it cannot be read (no ``/proc``, the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        with open("/proc/stat", "rb") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+#: seconds of slack when comparing a process's start with its lease's ``start``
+#: (``btime`` is whole seconds; the clock may have been stepped a little)
+_START_SLACK_S = 2.0
+
+
+def owner_process_alive(rec: dict[str, Any]) -> bool:
+    """The owner recorded ran on this host and its process is still the one
+    that took the lease: the pid is alive (not a zombie) and that process
+    started before the lease's ``start`` (a process that started later is
+    another one that reused the pid). False for an owner on another host."""
     from .attempts import _pid_alive
 
+    pid = rec.get("pid")
+    if rec.get("host") != socket.gethostname() or not isinstance(pid, int) or not _pid_alive(pid):
+        return False
+    started, start = _process_started(pid), rec.get("start")
+    if started is None or not isinstance(start, (int, float)):
+        return True
+    return started <= float(start) + _START_SLACK_S
+
+
+def is_live(rec: dict[str, Any] | None, now: float | None = None) -> bool:
+    """The owner recorded is live: not released, and either it ran on this
+    host and its process (pid and start time) is alive, whatever its
+    lease's expiry (a live owner whose renewals fail, e.g. on a full disk,
+    still owns the root: an expired lease proves death only on another
+    host), or it ran on another host and its lease has not expired."""
     if not rec or rec.get("released"):
         return False
+    if rec.get("host") == socket.gethostname() and isinstance(rec.get("pid"), int):
+        return owner_process_alive(rec)
     now = time.time() if now is None else now
     try:
-        if float(rec.get("expires", 0)) <= now:
-            return False
+        return float(rec.get("expires", 0)) > now
     except (TypeError, ValueError):
         return False
-    return not (rec.get("host") == socket.gethostname() and not _pid_alive(rec.get("pid")))
 
 
 def describe(rec: dict[str, Any], now: float | None = None) -> str:
@@ -174,6 +214,10 @@ class OwnerLease:
         self.replaced: dict[str, Any] | None = None
         self.lost: str | None = None
         self.renewals = 0
+        #: when this lease's renewals began failing (epoch seconds; None: the
+        #: last one succeeded) and the last failure
+        self.failing_since: float | None = None
+        self.failure: str | None = None
         self.next_renew = time.monotonic() + self.ttl_s / 3
         self._lock = threading.Lock()
 
@@ -195,7 +239,45 @@ class OwnerLease:
             raise FileExistsError(f"{key}: replaced by another writer")
         self.record, self.tag = rec, tag
 
+    def _lapsed_at(self) -> str:
+        """When this lease's last written expiry was (local time)."""
+        try:
+            return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(self.record["expires"])))
+        except (KeyError, TypeError, ValueError):
+            return "?"
+
+    def _lose(self, other: dict[str, Any] | None) -> str:
+        """Record that another job took the root (``other``: the record now
+        there); the keeper renews this lease no more. Called under ``_lock``."""
+        self.lost = (f"{self.root}: this job no longer owns the root: its lease lapsed at "
+                     f"{self._lapsed_at()} and "
+                     + (f"{describe(other)} took it" if other else "its owner record was removed")
+                     + "; nothing more is saved (or deleted by retention) by this job")
+        KEEPER.remove(self)
+        log.error("%s", self.lost)
+        return self.lost
+
+    def _retake(self, other: dict[str, Any] | None, tag: str | None) -> bool:
+        """When ``other`` (the record now there, version ``tag``) was written
+        by this very process (another manager of this job on the root, e.g.
+        one made with another storage object, took it or released it), write
+        this lease back over it: one job, not a second writer. True when
+        done. Called under ``_lock``."""
+        if other is None or other.get("host") != socket.gethostname() or other.get("pid") != os.getpid():
+            return False
+        self.tag = tag
+        now = time.time()
+        try:
+            self._write({**self.record, "renewed": now, "expires": now + self.ttl_s})
+        except FileExistsError:
+            return False
+        return True
+
     def _renew(self) -> None:
+        """Extend the lease by its ttl (the keeper, every ``ttl_s / 3``).
+        Never raises: another writer's record marks the lease lost; any
+        other failure (a full disk, EIO) is logged and retried at the next
+        tick, its start kept in ``failing_since``."""
         self.next_renew = time.monotonic() + self.ttl_s / 3
         with self._lock:
             if self.lost is not None:
@@ -204,20 +286,53 @@ class OwnerLease:
             try:
                 self._write({**self.record, "renewed": now, "expires": now + self.ttl_s})
                 self.renewals += 1
+                self.failing_since = self.failure = None
             except FileExistsError:
-                other, _ = read_owner(self.storage, self.root)
-                self.lost = (f"{self.root}: this job no longer owns the root: "
-                             + (f"{describe(other)} took it" if other else "its owner record was removed")
-                             + " (this job's lease lapsed); nothing more is saved by this job")
-                KEEPER.remove(self)
-                log.error("%s", self.lost)
+                other, tag = read_owner(self.storage, self.root)
+                if not self._retake(other, tag):
+                    self._lose(other)
             except Exception as e:  # noqa: BLE001 - retried at the next renewal
+                if self.failing_since is None:
+                    self.failing_since = now
+                self.failure = f"{type(e).__name__}: {e}"
                 log.warning("renewing the owner lease of %s failed: %s", self.root, e)
 
     def check(self) -> None:
-        """Raises RootOwnedError when ownership was lost."""
+        """Before this job writes (each save, each retention): it still owns
+        the root. The owner record is read: it must still name this lease.
+        When the lease this job last wrote has expired (its renewals have
+        been failing for longer than its ttl), one renewal is tried now: its
+        compare-and-swap succeeds only when no other job wrote the record
+        since, so the job then still owns the root alone. A record written by
+        another manager of this same process (one job) is written back over.
+
+        Raises:
+            RootOwnedError: ownership was lost (another job took the root, the
+                record was removed, or the lease lapsed and cannot be renewed
+                now). StorageError: the record could not be read."""
         if self.lost is not None:
             raise RootOwnedError(self.lost)
+        rec, tag = read_owner(self.storage, self.root)
+        if rec is None or rec.get("lease") != self.record.get("lease"):
+            with self._lock:
+                if self.lost is None and not self._retake(rec, tag):
+                    self._lose(rec)
+            if self.lost is not None:
+                raise RootOwnedError(self.lost)
+            return
+        if float(self.record.get("expires") or 0) > time.time():
+            return
+        self._renew()
+        if self.lost is not None:
+            raise RootOwnedError(self.lost)
+        if self.failing_since is not None:
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.failing_since))
+            raise RootOwnedError(
+                f"{self.root}: this job's owner lease lapsed at {self._lapsed_at()} (its renewals have "
+                f"failed since {since}: {self.failure}); no other job took the root, but this job "
+                "writes nothing (no save, no retention) until a renewal succeeds")
+        log.warning("%s: this job's owner lease had lapsed (its renewals failed); renewed now, "
+                    "no other job took the root meanwhile", self.root)
 
     def release(self, *, quiet: bool = False) -> None:
         """Mark the root released (the record stays: what the root requires
@@ -311,8 +426,13 @@ def acquire(storage: Storage, root: str, *, job_id: str | None = None,
             same_process = rec.get("host") == me_host and rec.get("pid") == me_pid
             same_job = job is not None and rec.get("job") == job
             if not (same_process or same_job):
+                lapsed = ""
+                if float(rec.get("expires") or 0) <= now:
+                    lapsed = (" (its lease lapsed, but its process is alive on this host: its "
+                              "renewals are failing, e.g. a full disk; an expired lease proves "
+                              "death only on another host)")
                 raise RootOwnedError(
-                    f"{root} is owned by {describe(rec, now)}; this job "
+                    f"{root} is owned by {describe(rec, now)}{lapsed}; this job "
                     f"({job or 'unnamed'}, host {me_host}, pid {me_pid}) is refused before it writes. "
                     "Stop that job (or wait for its lease to expire), give this job the same job id "
                     "if it is that job restarting (job_id= or RESHARD_JOB_ID), or save to another root")

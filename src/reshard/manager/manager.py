@@ -635,6 +635,14 @@ class CheckpointManager(RetentionMixin):
                             type(e).__name__, e)
 
     def _retention_after_commit(self, *, smoke_newer: bool = False) -> None:
+        """This run's retention (after a commit, before a save on a full
+        disk, at close), by the coordinator. Nothing is deleted by a run that
+        no longer owns the root.
+
+        Raises:
+            RootOwnedError: ownership was lost (the callers log it). CheckpointError: as apply_retention."""
+        if self._owner is not None:
+            self._owner.check()  # another job took the root: its checkpoints are not ours to delete
         moved = self._head_moved()
         if moved is None:
             self.apply_retention(smoke_newer=smoke_newer)
