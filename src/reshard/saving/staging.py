@@ -65,6 +65,7 @@ from ..storage import Storage, resolve
 from .pending import SAVERS, SAVERS_LOCK, warn_pending_error
 from .pending import raise_pending_error as raise_pending_error  # re-exported
 from .save import SaveResult, Snapshot, check_step, collect, run_save
+from .snapshot import _cpus  # staging copy threads by default: as the hashing threads
 from .staging_budget import PeakRss, staging_budget
 from .staging_run import Stager
 
@@ -480,13 +481,6 @@ class _Counter:
         self.nbytes += tensor.numel() * tensor.element_size()
 
 
-def _cpus() -> int:
-    """Staging copy threads by default: the CPUs this process may run on, at most 4."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(4, n))
 
 
 def _lower_priority(nice: int | None) -> None:
