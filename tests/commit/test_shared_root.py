@@ -1074,3 +1074,21 @@ def test_a_full_disk_lapses_a_live_owner_lease_without_a_second_writer(
     assert got[1] == "ok", (got, err[-2000:])
     assert _ckpts(Path(root)) == {"step-00000003"}
     assert read_owner(st, key)[0]["job"] == "A"  # type: ignore[index]
+
+
+def test_manager_lease_of_a_checkpoint_that_is_not_there_raises_and_leaves_no_lease(tmp_path: Path) -> None:
+    """``CheckpointManager.lease(step)`` had the hole ``pin`` had: a step that
+    was never committed (or was deleted before the lease held it) was
+    "held" and a lease file written for nothing."""
+    from reshard.errors import CheckpointNotFoundError
+
+    root = tmp_path / "m"
+    mgr = reshard.CheckpointManager(str(root), preempt_signals=())
+    mgr.save(1, {"w": torch.zeros(4)})
+    with mgr.lease(1) as path:
+        assert path.endswith("step-00000001") and any(".lease-" in n for n in os.listdir(root))
+    with pytest.raises(CheckpointNotFoundError, match="step-00000007: no checkpoint to pin"):
+        with mgr.lease(7):
+            pass
+    mgr.close()
+    assert not any(".lease-" in n for n in os.listdir(root)), os.listdir(root)

@@ -393,21 +393,22 @@ def pin(path: str | os.PathLike[str], *, ttl_s: float | None = None, storage: St
                 refusal="refusing to pin it unprotected (reshard.pin(required=False) goes on "
                         "without a lease)"))
         except CheckpointError as e:  # a missing root, say: say what is missing
-            if not isinstance(e, CheckpointNotFoundError) and not _pinnable(st, key):
-                raise _not_there(st, key) from e
+            if not isinstance(e, CheckpointNotFoundError) and not checkpoint_present(st, key):
+                raise not_there(st, key) from e
             raise
-        if not _pinnable(st, key):  # after confirm(): a deletion in flight has settled
-            raise _not_there(st, key)
+        if not checkpoint_present(st, key):  # after confirm(): a deletion in flight has settled
+            raise not_there(st, key)
         yield lease
 
 
-def _pinnable(st: Storage, key: str) -> bool:
+def checkpoint_present(st: Storage, key: str) -> bool:
     """The checkpoint ``key`` is there: its manifest, or a DCP ``.metadata``."""
     from ..ondisk.dcp_metadata import DCP_METADATA
 
     return st.exists(st.join(key, MANIFEST_NAME)) or st.exists(st.join(key, DCP_METADATA))
 
 
-def _not_there(st: Storage, key: str) -> CheckpointNotFoundError:
+def not_there(st: Storage, key: str) -> CheckpointNotFoundError:
+    """The error of a pin or lease of ``key`` where no checkpoint is."""
     return CheckpointNotFoundError(f"{st.url(key)}: no checkpoint to pin (no {MANIFEST_NAME} here: "
                                    "never committed, or deleted, e.g. by retention)")

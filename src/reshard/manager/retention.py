@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..commit import ownership
 from ..commit.leases import LEASE as _READER_LEASE
-from ..commit.leases import ReaderLease, expired_leases, live_readers
+from ..commit.leases import ReaderLease, checkpoint_present, expired_leases, live_readers, not_there
 from ..commit.lineage import Head, lineage_of
 from ..commit.protocol import (
     DELETED,
@@ -110,6 +110,8 @@ class RetentionMixin:
         its path.
 
         Raises:
+            CheckpointNotFoundError: no checkpoint ``step`` is there (never
+                committed, or deleted before the lease held it); no lease is left.
             CheckpointError: the lease could not be written."""
         name = self._name(step)
         path = self.storage.join(self.root, name)
@@ -117,6 +119,9 @@ class RetentionMixin:
                             ttl_s=ttl_s).acquire(required=True,
                                                  refusal="refusing to hold it unprotected")
         try:
+            lease.confirm()  # a deletion in flight settles first
+            if not checkpoint_present(self.storage, path):
+                raise not_there(self.storage, path)
             yield path
         finally:
             lease.release()
