@@ -386,29 +386,46 @@ def pin(path: str | os.PathLike[str], *, ttl_s: float | None = None, storage: St
     from ..storage import resolve
 
     st, key = resolve(path, storage)
-    with contextlib.ExitStack() as stack:
-        try:
-            lease = stack.enter_context(reader_lease(
-                st, key, what=what, ttl_s=ttl_s, required=required,
-                refusal="refusing to pin it unprotected (reshard.pin(required=False) goes on "
-                        "without a lease)"))
-        except CheckpointError as e:  # a missing root, say: say what is missing
-            if not isinstance(e, CheckpointNotFoundError) and not checkpoint_present(st, key):
-                raise not_there(st, key) from e
-            raise
-        if not checkpoint_present(st, key):  # after confirm(): a deletion in flight has settled
-            raise not_there(st, key)
+    with held_checkpoint(st, key, what=what, ttl_s=ttl_s, required=required,
+                         refusal="refusing to pin it unprotected (reshard.pin(required=False) goes on "
+                                 "without a lease)") as lease:
         yield lease
 
 
-def checkpoint_present(st: Storage, key: str) -> bool:
+@contextlib.contextmanager
+def held_checkpoint(st: Storage, key: str, *, what: str, refusal: str, ttl_s: float | None = None,
+                    required: bool = True) -> Iterator[ReaderLease]:
+    """:func:`reader_lease` on a checkpoint that must be there once the lease
+    is confirmed (a reshard manifest or a DCP ``.metadata``): what
+    :func:`pin` and ``CheckpointManager.lease`` hold.
+
+    Raises:
+        CheckpointNotFoundError: no checkpoint at ``key`` (the lease is
+            deleted again), also where the lease could not be written.
+        CheckpointError: ``required`` and the lease could not be written
+            (``refusal``: the end of that error).
+    """
+    with contextlib.ExitStack() as stack:
+        try:
+            lease = stack.enter_context(reader_lease(st, key, what=what, ttl_s=ttl_s, required=required,
+                                                     refusal=refusal))
+        except CheckpointError as e:  # a missing root, say: say what is missing
+            if not isinstance(e, CheckpointNotFoundError) and not _present(st, key):
+                raise _not_there(st, key) from e
+            raise
+        if not _present(st, key):  # after confirm(): a deletion in flight has settled
+            raise _not_there(st, key)
+        yield lease
+
+
+def _present(st: Storage, key: str) -> bool:
     """The checkpoint ``key`` is there: its manifest, or a DCP ``.metadata``."""
     from ..ondisk.dcp_metadata import DCP_METADATA
 
     return st.exists(st.join(key, MANIFEST_NAME)) or st.exists(st.join(key, DCP_METADATA))
 
 
-def not_there(st: Storage, key: str) -> CheckpointNotFoundError:
+def _not_there(st: Storage, key: str) -> CheckpointNotFoundError:
     """The error of a pin or lease of ``key`` where no checkpoint is."""
     return CheckpointNotFoundError(f"{st.url(key)}: no checkpoint to pin (no {MANIFEST_NAME} here: "
                                    "never committed, or deleted, e.g. by retention)")

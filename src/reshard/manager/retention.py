@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..commit import ownership
 from ..commit.leases import LEASE as _READER_LEASE
-from ..commit.leases import ReaderLease, checkpoint_present, expired_leases, live_readers, not_there
+from ..commit.leases import expired_leases, held_checkpoint, live_readers
 from ..commit.lineage import Head, lineage_of
 from ..commit.protocol import (
     DELETED,
@@ -115,16 +115,9 @@ class RetentionMixin:
             CheckpointError: the lease could not be written."""
         name = self._name(step)
         path = self.storage.join(self.root, name)
-        lease = ReaderLease(self.storage, path, what="CheckpointManager.lease",
-                            ttl_s=ttl_s).acquire(required=True,
-                                                 refusal="refusing to hold it unprotected")
-        try:
-            lease.confirm()  # a deletion in flight settles first
-            if not checkpoint_present(self.storage, path):
-                raise not_there(self.storage, path)
+        with held_checkpoint(self.storage, path, what="CheckpointManager.lease", ttl_s=ttl_s,
+                             refusal="refusing to hold it unprotected"):
             yield path
-        finally:
-            lease.release()
 
     def _leased(self, names: set[str]) -> set[str]:
         return set(live_readers(self.storage, self.root, names))
