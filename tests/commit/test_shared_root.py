@@ -33,6 +33,7 @@ from _shared_fns import (
 )
 from reshard.cli import main
 from reshard.errors import CheckpointError
+from reshard.faults.shared import timed_call
 from reshard.storage import resolve
 
 PY = sys.executable
@@ -529,21 +530,8 @@ def _socket(path: str) -> Any:
 
 
 def _timed(fn: Any) -> tuple[float, BaseException | None, Any]:
-    """Run ``fn`` in a thread; (seconds, its exception, its result); a
-    call still blocked after 20 s counts as 20 s (it hangs)."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["r"] = fn()
-        except BaseException as e:  # noqa: BLE001
-            out["e"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t0 = time.monotonic()
-    t.start()
-    t.join(20)
-    return time.monotonic() - t0, out.get("e"), out.get("r")
+    """(seconds, exception, result) of ``fn``; a call still blocked after 20 s counts as 20 s."""
+    return timed_call(fn, 20)
 
 
 @pytest.mark.parametrize("kind", ["fifo", "socket"])

@@ -481,7 +481,10 @@ def _gc_full_disk(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[st
         umount(disk)
 
 
-def _timed(fn: Any) -> tuple[float, BaseException | None, Any]:
+def timed_call(fn: Any, limit_s: float = 30.0) -> tuple[float, BaseException | None, Any]:
+    """Run ``fn`` on a daemon thread: (seconds, its exception, its result);
+    a call still blocked after ``limit_s`` seconds counts as ``limit_s`` (it
+    hangs; the thread is left)."""
     out: dict[str, Any] = {}
 
     def go() -> None:
@@ -493,7 +496,7 @@ def _timed(fn: Any) -> tuple[float, BaseException | None, Any]:
     t = threading.Thread(target=go, daemon=True)
     t0 = time.monotonic()
     t.start()
-    t.join(30)
+    t.join(limit_s)
     return time.monotonic() - t0, out.get("e"), out.get("r")
 
 
@@ -536,7 +539,7 @@ def _fifo(cell: Cell, res: CellResult, be: Any, cdir: str, spec: dict[str, Any])
              "ls": lambda: (scan(st, root), committed(st, root)), "gc": gc}
     slowest = 0.0
     for name, fn in calls.items():
-        secs, err, out = _timed(fn)
+        secs, err, out = timed_call(fn)
         slowest = max(slowest, secs)
         what = "ok" if err is None else f"{type(err).__name__}"
         res.ranks[len(res.ranks)] = f"{name}: {what} in {secs:.2f} s"
